@@ -13,8 +13,9 @@ import os
 import queue
 import tempfile
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("ULYSSES_SP_TEST_COLLECTIVE_TIMEOUT", "60"))
 
@@ -47,7 +48,10 @@ def _worker_main(inbox: mp.Queue, outbox: mp.Queue) -> None:
         try:
             store = dist.FileStore(store_path, world_size)
             dist.init_process_group(
-                "gloo", store=store, rank=rank, world_size=world_size,
+                "gloo",
+                store=store,
+                rank=rank,
+                world_size=world_size,
                 timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
             )
             result = fn(*args, **kwargs)
@@ -114,7 +118,7 @@ class WorkerPool:
         self._workers = []
 
     def close(self) -> None:
-        for p, inbox in self._workers:
+        for _, inbox in self._workers:
             inbox.put(None)
         for p, _ in self._workers:
             p.join(timeout=10)

@@ -62,7 +62,9 @@ def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return _AllToAll.apply(x, 1, 2, group)
 
 
-def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup, *, head_dim: int = 1, seq_dim: int = 2) -> torch.Tensor:
+def heads_to_seq(
+    x: torch.Tensor, group: dist.ProcessGroup, *, head_dim: int = 1, seq_dim: int = 2
+) -> torch.Tensor:
     """``[B, H_l, S, D] -> [B, H, S_l, D]`` (or any layout, naming the two dims): the inverse of
     ``seq_to_heads``. Differentiable."""
     # [.., H_l, .., S, ..] -> [.., H, .., S_l, ..]

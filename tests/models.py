@@ -1,0 +1,43 @@
+"""Tiny HuggingFace models for tests: real transformers modeling code, random weights, fp32."""
+
+from __future__ import annotations
+
+import torch
+
+
+def tiny_config(arch: str, *, heads: int = 4, kv_heads: int | None = None, layers: int = 2,
+                hidden: int = 32, vocab: int = 64, attn: str = "sdpa"):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
+    extra = {"sliding_window": None} if arch == "mistral" else {}
+    cfg = cls(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads or heads, max_position_embeddings=512,
+        tie_word_embeddings=False, **extra,
+    )
+    cfg._attn_implementation = attn
+    return cfg
+
+
+def tiny_model(arch: str, seed: int = 0, **kw):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(arch, **kw)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=cfg._attn_implementation)
+    # Random (not near-zero) weights so gradients are far from the tolerance.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model.float()
+
+
+def global_batch(seed: int, n: int, seq: int, vocab: int = 64) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n, seq), generator=g)
+
+
+def shift(ids: torch.Tensor) -> torch.Tensor:
+    """Causal-LM labels shifted over the full sequence, -100 at the end: [B, S] -> [B, S]."""
+    return torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)

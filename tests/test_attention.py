@@ -1,0 +1,195 @@
+"""Ulysses attention: a sequence-parallel run equals the same run without sequence parallelism.
+
+The oracle is the plain model (same seed, same global batch) run on every rank without SP, loss
+computed by torch's own cross-entropy. The SP run shards each sequence over the SP group, routes
+attention through UlyssesSPAttentionHF, computes the SP loss, sums gradients over SP and averages
+over DP. Loss and every parameter's gradient must match to fp32 tolerance.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from harness import WorkerError
+from models import global_batch, shift, tiny_model
+
+from ulysses_sp.attention import UlyssesSPAttentionHF, check_heads, valid_sp_sizes
+from ulysses_sp.loss import sp_causal_lm_loss
+from ulysses_sp.mesh import init_mesh, mesh_info
+
+B, S = 2, 16
+ARCHS = ("llama", "qwen2", "mistral")
+CORES = ("sdpa", "eager")
+
+
+def _reference(ref, ids, labels, dp):
+    """Mean over DP groups of each group's token-mean loss; gradients of that."""
+    losses = []
+    for d in range(dp):
+        logits = ref(input_ids=ids[d * B : (d + 1) * B]).logits
+        lab = labels[d * B : (d + 1) * B]
+        losses.append(F.cross_entropy(logits.flatten(0, 1), lab.flatten(), ignore_index=-100))
+    loss = torch.stack(losses).mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in ref.named_parameters()}
+
+
+def _sp_step(model, mesh, ids, labels, *, checkpointing=False):
+    info = mesh_info(mesh)
+    s_l = ids.shape[1] // info.sp_size
+    rows = slice(info.dp_rank * B, (info.dp_rank + 1) * B)
+    cols = slice(info.sp_rank * s_l, (info.sp_rank + 1) * s_l)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    pos = torch.arange(ids.shape[1])[cols].expand(B, -1)
+    out = model(input_ids=ids[rows, cols], position_ids=pos)
+    loss = sp_causal_lm_loss(out.logits, labels[rows, cols], mesh.get_group("sequence_parallel"))
+    loss.backward()
+    # The engine's rule, by hand: sum over SP, mean over DP.
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= info.dp_size
+    avg = loss.detach().clone()
+    dist.all_reduce(avg, group=mesh.get_group("data_parallel"))
+    return avg / info.dp_size, {n: p.grad for n, p in model.named_parameters()}
+
+
+def _compare(loss, grads, ref_loss, ref_grads):
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    worst_abs, worst_rel = 0.0, 0.0
+    for name, g in grads.items():
+        r = ref_grads[name]
+        scale = r.abs().max().item()
+        assert scale > 0, f"{name}: zero reference gradient tests nothing"
+        # atol 1e-6, or 1e-5 of the tensor's largest gradient where that is tighter: a tolerance
+        # far below the gradients themselves, so a 2x (or 1.01x) error cannot pass.
+        atol = min(1e-6, 1e-5 * scale)
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+        worst_abs = max(worst_abs, (g - r).abs().max().item())
+        worst_rel = max(worst_rel, (g - r).abs().max().item() / scale)
+    return {"loss_diff": abs(loss - ref_loss).item(), "grad_abs": worst_abs, "grad_rel": worst_rel}
+
+
+def _equivalence(dp, sp, cases, seq=S, kill_shard=None, checkpointing=False):
+    mesh = init_mesh((dp, sp))
+    out = {}
+    for arch, core, heads, kv in cases:
+        ref = tiny_model(arch, attn=core, heads=heads, kv_heads=kv)
+        model = copy.deepcopy(ref)
+        reg = UlyssesSPAttentionHF.register_with_transformers(model, core, sp, B, mesh=mesh)
+        ids = global_batch(1, dp * B, seq)
+        labels = shift(ids)
+        if kill_shard is not None:  # one SP shard of the first sequences holds only -100 labels
+            s_l = seq // sp
+            labels[:, kill_shard * s_l : (kill_shard + 1) * s_l] = -100
+        ref_loss, ref_grads = _reference(ref, ids, labels, dp)
+        loss, grads = _sp_step(model, mesh, ids, labels, checkpointing=checkpointing)
+        assert reg.attention.calls == model.config.num_hidden_layers * (2 if checkpointing else 1)
+        assert reg.attention.last_seq_len == seq
+        out[(arch, core, heads, kv)] = _compare(loss, grads, ref_loss, ref_grads)
+        reg.remove()
+    return out
+
+
+MHA_CASES = [(a, c, 4, 4) for a in ARCHS for c in CORES]
+
+
+@pytest.mark.parametrize("dp, sp", [(1, 2), (1, 4), (2, 2)])
+def test_sp_loss_and_every_gradient_equal_no_sp(pool, dp, sp):
+    results = pool.run(_equivalence, dp * sp, dp, sp, MHA_CASES)
+    for case, r in results[0].items():
+        print(f"dp={dp} sp={sp} {case}: {r}")
+    assert set(results[0]) == set(MHA_CASES)
+
+
+@pytest.mark.parametrize("heads, kv", [(4, 1), (8, 2), (8, 4)])
+def test_gqa_with_fewer_kv_heads_than_sp_ranks_is_exact(pool, heads, kv):
+    cases = [("llama", "sdpa", heads, kv), ("qwen2", "eager", heads, kv)]
+    pool.run(_equivalence, 4, 1, 4, cases)
+
+
+def test_shard_with_only_ignored_labels_contributes_zero_not_nan(pool):
+    pool.run(_equivalence, 2, 1, 2, [("llama", "sdpa", 4, 4)], kill_shard=1)
+    pool.run(_equivalence, 4, 2, 2, [("qwen2", "eager", 4, 4)], kill_shard=0)
+
+
+def test_activation_checkpointing_gives_same_gradients(pool):
+    pool.run(_equivalence, 2, 1, 2, [("llama", "sdpa", 4, 4), ("mistral", "eager", 4, 4)], checkpointing=True)
+
+
+def _undo_restores_model():
+    mesh = init_mesh((1, dist.get_world_size()))
+    model = tiny_model("llama", attn="sdpa")
+    ids = global_batch(3, B, S)
+    before = model(input_ids=ids).logits.detach()
+    reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", mesh.size(1), B, mesh=mesh)
+    assert model.config._attn_implementation == "ulysses_sp"
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    assert ALL_ATTENTION_FUNCTIONS["ulysses_sp"] is reg.attention
+    reg.remove()
+    assert model.config._attn_implementation == "sdpa"
+    assert "ulysses_sp" not in ALL_ATTENTION_FUNCTIONS
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    after = model(input_ids=ids).logits.detach()
+    return torch.equal(before, after)
+
+
+def test_unregister_restores_exact_outputs(pool):
+    assert pool.run(_undo_restores_model, 2) == [True, True]
+
+
+def test_heads_not_divisible_error_names_numbers_and_valid_sizes():
+    with pytest.raises(ValueError, match=r"num_attention_heads \(6\) is not divisible by sequence_parallel_size \(4\); valid sequence_parallel_size values: \[1, 2, 3, 6\]"):
+        check_heads(6, 6, 4)
+    with pytest.raises(ValueError, match=r"num_key_value_heads \(6\) neither divides nor is divisible by sequence_parallel_size \(4\)"):
+        check_heads(12, 6, 4)
+    assert valid_sp_sizes(8, 2) == [1, 2, 4, 8]
+    check_heads(8, 1, 8)
+
+
+def _bad_input(kind):
+    sp = dist.get_world_size()
+    mesh = init_mesh((1, sp))
+    kw = {}
+    heads = 4
+    if kind == "heads":
+        heads = 6
+    if kind == "max_length":
+        kw = {"seq_length_is_variable": False, "max_length": 64}
+    core = "flashy" if kind == "core" else "sdpa"
+    model = tiny_model("llama", heads=heads, hidden=48)
+    UlyssesSPAttentionHF.register_with_transformers(model, core, sp, B, mesh=mesh, **kw)
+    rank = dist.get_rank()
+    s_l = 8 if (kind != "lengths" or rank == 0) else 4
+    if kind == "bypass":
+        model.set_attn_implementation("sdpa")
+    ids = global_batch(0, B, s_l * sp)[:, :s_l]
+    pos = torch.arange(s_l)[None] + rank * s_l
+    model(input_ids=ids, position_ids=None if kind == "local_pos" else pos)
+
+
+@pytest.mark.parametrize(
+    "kind, match",
+    [
+        ("heads", r"num_attention_heads \(6\) is not divisible by sequence_parallel_size \(4\)"),
+        ("core", r"unknown core_attn_implementation 'flashy'"),
+        ("lengths", r"local sequence lengths differ between SP ranks: \[8, 4, 4, 4\]"),
+        ("max_length", r"S_l \(8\) \* sp_size \(4\) = 32 != max_length \(64\)"),
+        ("local_pos", r"position_ids are local \(0..S_l-1 on every SP rank\)"),
+        ("bypass", r"sequence-parallel attention ran in 0 of 2 attention layers.*attn_implementation='sdpa'"),
+    ],
+)
+def test_bad_input_fails_every_rank_with_clear_message(pool, kind, match):
+    with pytest.raises(WorkerError) as ei:
+        pool.run(_bad_input, 4, kind)
+    assert len(ei.value.failures) == 4, ei.value
+    import re
+
+    for msg in ei.value.messages():
+        assert re.search(match, msg), msg
