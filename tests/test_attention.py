@@ -145,9 +145,15 @@ def test_unregister_restores_exact_outputs(pool):
 
 
 def test_heads_not_divisible_error_names_numbers_and_valid_sizes():
-    with pytest.raises(ValueError, match=r"num_attention_heads \(6\) is not divisible by sequence_parallel_size \(4\); valid sequence_parallel_size values: \[1, 2, 3, 6\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"num_attention_heads \(6\) is not divisible by sequence_parallel_size \(4\); valid sequence_parallel_size values: \[1, 2, 3, 6\]",
+    ):
         check_heads(6, 6, 4)
-    with pytest.raises(ValueError, match=r"num_key_value_heads \(6\) neither divides nor is divisible by sequence_parallel_size \(4\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"num_key_value_heads \(6\) neither divides nor is divisible by sequence_parallel_size \(4\)",
+    ):
         check_heads(12, 6, 4)
     assert valid_sp_sizes(8, 2) == [1, 2, 4, 8]
     check_heads(8, 1, 8)
@@ -193,3 +199,66 @@ def test_bad_input_fails_every_rank_with_clear_message(pool, kind, match):
 
     for msg in ei.value.messages():
         assert re.search(match, msg), msg
+
+
+DOCS = (5, 7, 4)  # one packed sequence of 16 tokens; boundaries fall inside both sp=2 shards
+
+
+def _packed_documents(core):
+    mesh = init_mesh((1, 2))
+    info = mesh_info(mesh)
+    ref = tiny_model("llama", attn=core)
+    model = copy.deepcopy(ref)
+    reg = UlyssesSPAttentionHF.register_with_transformers(model, core, 2, 1, mesh=mesh)
+    ids = global_batch(5, 1, sum(DOCS))
+    # Reference: every document on its own, no SP; token-mean over all documents' valid tokens.
+    total, count, start = 0.0, 0, 0
+    for n in DOCS:
+        doc = ids[:, start : start + n]
+        logits = ref(input_ids=doc).logits
+        total = total + F.cross_entropy(logits[0, :-1], doc[0, 1:], reduction="sum")
+        count += n - 1
+        start += n
+    ref_loss = total / count
+    ref_loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    # Packed: positions restart at each document; the label of each document's last token is -100.
+    pos = torch.cat([torch.arange(n) for n in DOCS])[None]
+    labels = shift(ids)
+    ends = torch.tensor(DOCS).cumsum(0) - 1
+    labels[0, ends] = -100
+    s_l = ids.shape[1] // 2
+    cols = slice(info.sp_rank * s_l, (info.sp_rank + 1) * s_l)
+    out = model(input_ids=ids[:, cols], position_ids=pos[:, cols])
+    loss = sp_causal_lm_loss(out.logits, labels[:, cols], mesh.get_group("sequence_parallel"))
+    loss.backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+    reg.remove()
+    return _compare(
+        loss.detach(), {n: p.grad for n, p in model.named_parameters()}, ref_loss.detach(), ref_grads
+    )
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_packed_documents_do_not_attend_across_boundaries(pool, core):
+    pool.run(_packed_documents, 2, core)
+
+
+def _sliding_window(core):
+    mesh = init_mesh((1, 2))
+    ref = tiny_model("mistral", attn=core)
+    ref.config.sliding_window = 5  # shorter than the sequence: the window mask matters
+    model = copy.deepcopy(ref)
+    reg = UlyssesSPAttentionHF.register_with_transformers(model, core, 2, B, mesh=mesh)
+    ids = global_batch(2, B, S)
+    labels = shift(ids)
+    ref_loss, ref_grads = _reference(ref, ids, labels, 1)
+    loss, grads = _sp_step(model, mesh, ids, labels)
+    reg.remove()
+    return _compare(loss, grads, ref_loss, ref_grads)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_sliding_window_model_matches_its_own_windowed_attention(pool, core):
+    pool.run(_sliding_window, 2, core)
