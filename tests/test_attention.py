@@ -262,3 +262,30 @@ def _sliding_window(core):
 @pytest.mark.parametrize("core", CORES)
 def test_sliding_window_model_matches_its_own_windowed_attention(pool, core):
     pool.run(_sliding_window, 2, core)
+
+
+def _flex_forward(docs):
+    """flex_attention has no CPU backward in torch: its forward (the mask) is what CPU can test."""
+    mesh = init_mesh((1, 2))
+    info = mesh_info(mesh)
+    ref = tiny_model("llama", attn="sdpa")
+    model = copy.deepcopy(ref)
+    UlyssesSPAttentionHF.register_with_transformers(model, "flex_attention", 2, 1, mesh=mesh)
+    ids = global_batch(5, 1, sum(DOCS))
+    with torch.no_grad():
+        if docs:
+            pos = torch.cat([torch.arange(n) for n in DOCS])[None]
+            starts = [0, *torch.tensor(DOCS).cumsum(0).tolist()]
+            want = torch.cat([ref(input_ids=ids[:, a:b]).logits for a, b in zip(starts, starts[1:])], dim=1)
+        else:
+            pos = torch.arange(ids.shape[1])[None]
+            want = ref(input_ids=ids).logits
+        s_l = ids.shape[1] // 2
+        cols = slice(info.sp_rank * s_l, (info.sp_rank + 1) * s_l)
+        got = model(input_ids=ids[:, cols], position_ids=pos[:, cols]).logits
+    torch.testing.assert_close(got, want[:, cols], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("docs", [False, True], ids=["causal", "packed"])
+def test_flex_attention_forward_matches_no_sp(pool, docs):
+    pool.run(_flex_forward, 2, docs)

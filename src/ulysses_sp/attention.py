@@ -112,6 +112,8 @@ def _mask_for(layout: _SeqLayout, core: str, dtype: torch.dtype, sliding_window:
     s = layout.seq_len
     device = layout.positions.device
     windowed = sliding_window is not None and s > sliding_window
+    if core == "flex_attention":
+        return _flex_block_mask(layout, sliding_window if windowed else None)
     if layout.doc_ids is None and not windowed and core != "eager":
         return None
     idx = torch.arange(s, device=device)
@@ -126,6 +128,26 @@ def _mask_for(layout: _SeqLayout, core: str, dtype: torch.dtype, sliding_window:
         zero = torch.zeros((), dtype=dtype, device=device)
         return torch.where(allowed, zero, torch.finfo(dtype).min)
     return allowed
+
+
+def _flex_block_mask(layout: _SeqLayout, window: int | None):
+    """A flex-attention ``BlockMask`` for the full sequence: causal, within documents, windowed."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    doc = layout.doc_ids
+
+    def mask_mod(b, h, q, k):
+        keep = k <= q
+        if window is not None:
+            keep = keep & (q - k < window)
+        if doc is not None:
+            d = doc[b if doc.shape[0] > 1 else 0]
+            keep = keep & (d[q] == d[k])
+        return keep
+
+    batch = doc.shape[0] if doc is not None and doc.shape[0] > 1 else None
+    s = layout.seq_len
+    return create_block_mask(mask_mod, batch, None, s, s, device=layout.positions.device)
 
 
 class UlyssesSPAttentionHF:
