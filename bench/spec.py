@@ -1,0 +1,173 @@
+"""Shared model and data definitions for the benchmarks (torch + transformers only).
+
+Imported by workers in both virtual environments (ours and bench/.venv-deepspeed), so both sides build
+bit-identical models and batches from the same seed. Nothing here imports ulysses_sp or deepspeed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A tiny Llama: every field is a LlamaConfig field."""
+
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 4
+    num_hidden_layers: int = 2
+    intermediate_size: int = 128
+    vocab_size: int = 256
+    max_position_embeddings: int = 65536
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelSpec:
+        return cls(**json.loads(text))
+
+
+def build_model(spec: ModelSpec, *, seed: int = 0, attn_implementation: str = "sdpa"):
+    """A freshly initialised LlamaForCausalLM in float32 (same weights for the same seed, in any process)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        num_hidden_layers=spec.num_hidden_layers,
+        intermediate_size=spec.intermediate_size,
+        vocab_size=spec.vocab_size,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=False,
+        attn_implementation=attn_implementation,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).float()
+    model.config._attn_implementation = attn_implementation
+    return model
+
+
+def make_sample(index: int, seq_len: int, vocab: int, *, seed: int = 1234) -> dict[str, torch.Tensor]:
+    """One learnable sample ``{input_ids, labels, position_ids}`` of shape [1, seq_len].
+
+    Tokens follow a noisy affine recurrence, so the loss falls over a few steps; labels equal input_ids
+    (the causal-LM shift happens in the loss / the SP data adapter), with the first token ignored.
+    """
+    g = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    a = int(torch.randint(1, vocab, (1,), generator=g))
+    ids = torch.empty(seq_len, dtype=torch.long)
+    ids[0] = int(torch.randint(0, vocab, (1,), generator=g))
+    noise = torch.randint(0, 8, (seq_len,), generator=g)
+    for t in range(1, seq_len):
+        ids[t] = (ids[t - 1] * a + 7 + (noise[t] == 0) * noise[t - 1]) % vocab
+    labels = ids.clone()
+    labels[0] = IGNORE_INDEX
+    pos = torch.arange(seq_len)
+    return {"input_ids": ids[None], "labels": labels[None], "position_ids": pos[None]}
+
+
+def make_batch(indices: list[int], seq_len: int, vocab: int) -> dict[str, torch.Tensor]:
+    """Stack samples into a micro-batch [B, seq_len]."""
+    samples = [make_sample(i, seq_len, vocab) for i in indices]
+    return {k: torch.cat([s[k] for s in samples], 0) for k in samples[0]}
+
+
+class RankStream(torch.utils.data.Dataset):
+    """The samples one global rank's ordinary DataLoader yields (before any SP adapter).
+
+    Item ``j`` of rank ``r`` is sample ``(j * world + r) * mb + e`` for ``e`` in the micro-batch, so ranks
+    never repeat each other's data. ``seq_lens`` may give each rank its own length (unequal lengths test).
+    """
+
+    def __init__(self, rank: int, world: int, mb: int, items: int, seq_len: int, vocab: int) -> None:
+        self.rank, self.world, self.mb, self.items, self.seq_len, self.vocab = (
+            rank,
+            world,
+            mb,
+            items,
+            seq_len,
+            vocab,
+        )
+
+    def __len__(self) -> int:
+        return self.items * self.mb
+
+    def __getitem__(self, k: int) -> dict[str, torch.Tensor]:
+        j, e = divmod(k, self.mb)
+        s = make_sample((j * self.world + self.rank) * self.mb + e, self.seq_len, self.vocab)
+        return {key: v[0] for key, v in s.items()}
+
+
+def adapter_sample_ids(step: int, dp_rank: int, dp_size: int, sp_size: int, mb: int) -> list[int]:
+    """Sample ids that SP group ``dp_rank`` trains on at ``step`` under the round-robin SP adapter.
+
+    The adapter gathers one loader item from each of the group's ``sp_size`` ranks and processes them on
+    consecutive steps: step ``s`` uses item ``s // P`` of group rank ``s % P`` (global rank
+    ``dp_rank * P + s % P``) when ranks are laid out dp-major, as both DeepSpeed and ulysses-sp do.
+    """
+    world = dp_size * sp_size
+    rank = dp_rank * sp_size + step % sp_size
+    j = step // sp_size
+    return [(j * world + rank) * mb + e for e in range(mb)]
+
+
+def reference_step_batches(step: int, dp_size: int, sp_size: int, mb: int, seq_len: int, vocab: int):
+    """The batches of all dp replicas at ``step``: what the oracle trains on (one list entry per replica)."""
+    return [
+        make_batch(adapter_sample_ids(step, d, dp_size, sp_size, mb), seq_len, vocab) for d in range(dp_size)
+    ]
+
+
+def causal_lm_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean next-token cross entropy of a full (unsharded) batch: the oracle's loss."""
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    shift = torch.nn.functional.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[:, 1:]
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), shift.reshape(-1), ignore_index=IGNORE_INDEX
+    )
+
+
+def reference_run(
+    spec: ModelSpec,
+    *,
+    steps: int,
+    dp_size: int,
+    sp_size: int,
+    mb: int,
+    seq_len: int,
+    lr: float,
+    seed: int = 0,
+    attn_implementation: str = "eager",
+) -> dict:
+    """The oracle: the same optimizer steps in one process without parallelism.
+
+    Each step averages the dp replicas' mean losses (equal token counts, so this is the global token mean),
+    as DP gradient averaging does. Returns per-step losses and the step-1 gradient norm.
+    """
+    model = build_model(spec, seed=seed, attn_implementation=attn_implementation)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    losses, grad_norm = [], None
+    for step in range(steps):
+        batches = reference_step_batches(step, dp_size, sp_size, mb, seq_len, spec.vocab_size)
+        loss = sum(causal_lm_loss(model, b) for b in batches) / dp_size
+        loss.backward()
+        if step == 0:
+            grad_norm = float(
+                torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+            )
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    return {"losses": losses, "grad_norm_step1": grad_norm}
