@@ -221,6 +221,9 @@ def test_sampler_round_robin_reproduces_sp1_batch_order(dp, sp, b, drop_last):
         n_full = len(data) // (dp * b)  # sp=1 batches made of real (unpadded) samples
         m = min(len(steps), n_full)
         assert m >= 2 and steps[:m] == ref[:m]
+        # ... which is also what a plain DistributedSampler over the D replicas gives an sp=1 run
+        plain = _batches(DistributedSampler(data, num_replicas=dp, rank=d, seed=1), b)
+        assert steps[:m] == plain[:m]
 
 
 def test_sampler_set_epoch_changes_order_and_validates():

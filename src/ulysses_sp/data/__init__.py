@@ -1,0 +1,38 @@
+"""Feeding a sequence-parallel group: the round-robin loader adapter, document packing, sampler order.
+
+Where it sits in the step (DESIGN.md, step 2): an ordinary ``DataLoader`` yields full-length
+batches ``[B, S]`` on every rank. ``UlyssesSPDataLoaderAdapter`` turns the ``P`` batches that the
+``P`` ranks of one SP group loaded into ``P`` micro-steps: on micro-step ``i`` of a round every rank
+of the group works on the batch SP rank ``i mod P`` loaded, rank ``k`` holding its tokens
+``[k*S/P, (k+1)*S/P)``. Labels are shifted over the *full* sequence before sharding, so the loss
+(``loss.sp_causal_lm_loss``) needs no communication beyond its ``(sum, count)`` reduction.
+
+One concern per module:
+
+- ``shard``: the pure per-token logic (``make_shift_labels``, ``prepare_batch``, ``shard_batch``),
+  no process group needed;
+- ``adapter``: ``UlyssesSPDataLoaderAdapter``, which adds only the exchange between ranks;
+- ``packing``: ``PackingCollator``, packed batches (documents marked by restarting ``position_ids``);
+- ``sampler``: ``sp_data_sampler``, the order that makes an ``sp = P`` run see the same global
+  batches as an ``sp = 1`` run.
+
+Shape legend: ``B`` batch, ``S`` global (padded) sequence, ``S_l = S/P`` local sequence,
+``P`` sp size, ``D`` dp size.
+"""
+
+from __future__ import annotations
+
+from .adapter import UlyssesSPDataLoaderAdapter
+from .packing import PackingCollator
+from .sampler import SPDistributedSampler, sp_data_sampler
+from .shard import make_shift_labels, prepare_batch, shard_batch
+
+__all__ = [
+    "PackingCollator",
+    "SPDistributedSampler",
+    "UlyssesSPDataLoaderAdapter",
+    "make_shift_labels",
+    "prepare_batch",
+    "shard_batch",
+    "sp_data_sampler",
+]

@@ -1,0 +1,242 @@
+"""``UlyssesSPDataLoaderAdapter``: the round-robin exchange of batches inside an SP group.
+
+Where it sits in the step (DESIGN.md, step 2): every rank's ``DataLoader`` yields a full-length
+batch; per round the adapter prepares its own batch (``shard.prepare_batch``), agrees on errors
+and metadata with the group, and exchanges shards with one ``all_to_all`` so that on micro-step
+``i`` every rank holds its shard of the batch SP rank ``i`` loaded.
+
+Shape legend: ``B`` batch, ``S`` global (padded) sequence, ``S_l = S/P`` local sequence, ``P`` sp size.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..comm import all_gather_object, raise_if_any_rank_failed
+from .shard import _is_seq, prepare_batch, shard_batch
+
+logger = logging.getLogger(__name__)
+
+
+def _describe(batch: Mapping[str, Any]) -> dict[str, tuple]:
+    """Small metadata of a prepared batch for the exchange: tensors by shape/dtype, objects by value."""
+    b, s = batch["input_ids"].shape
+    return {
+        k: ("tensor", tuple(v.shape), v.dtype, _is_seq(v, b, s)) if torch.is_tensor(v) else ("object", v)
+        for k, v in batch.items()
+    }
+
+
+def _piece_nbytes(meta: tuple, sp_size: int) -> int:
+    """Bytes of the piece one destination rank receives of a tensor described by ``meta``."""
+    _, shape, dtype, is_seq = meta
+    numel = math.prod(shape) // (sp_size if is_seq else 1)
+    return numel * dtype.itemsize
+
+
+class UlyssesSPDataLoaderAdapter:
+    """Wrap a ``DataLoader`` so that the SP group works through its ranks' batches one by one.
+
+    Every rank's loader yields its own batch (a dict with ``input_ids [B, S]``; optionally
+    ``labels``, ``position_ids``, ``attention_mask``, other tensors, non-tensor values). Per round
+    the group exchanges metadata (lengths, shapes, errors, non-tensor values) and then the token
+    shards, after which micro-step ``i`` of the round yields, on SP rank ``k``, shard ``k`` of the
+    batch SP rank ``i`` loaded::
+
+        {"input_ids": [B, S_l], "position_ids": [B, S_l], "shift_labels": [B, S_l], **passthrough}
+
+    ``S`` may differ between ranks and steps. Each yielded shard is moved to ``device`` when it is
+    yielded; the other shards of the round wait on CPU. ``len(adapter) == len(dl) * sp_world_size``.
+
+    Exchange: each rank prepares its own batch locally (shift, pad, positions: the full sequence
+    is needed for the shift, and it is there), then one ``all_to_all`` sends shard ``k`` to rank
+    ``k`` — every tensor of the batch packed into a single byte buffer, so there is one tensor
+    collective per round whatever the keys and dtypes, and uneven lengths need no padding. This
+    moves ``B*S`` tokens per rank instead of the ``P*B*S`` an all-gather of whole batches would,
+    and never materialises the other ranks' full batches.
+
+    Args:
+        dl: any iterable of batches with ``len`` (a ``DataLoader``); every SP rank's must have the
+            same length and batch size — see ``sp_data_sampler``.
+        sp_rank: this rank's rank in ``sp_group``.
+        sp_group: the sequence-parallel group (``None`` only with ``sp_world_size == 1``).
+        sp_world_size: ``P``; must equal the size of ``sp_group``.
+        device: where yielded shards go (``mesh.default_device()``).
+        pad_token_id: id used to pad a length not divisible by ``P``.
+        strict: raise ``ValueError`` instead of padding such a length.
+
+    Raises:
+        ValueError: on every rank of the group when any rank's input is bad (see ``prepare_batch``;
+            also batch sizes or keys differing between SP ranks, loaders of different lengths,
+            ``sp_rank``/``sp_world_size`` disagreeing with the group).
+    """
+
+    def __init__(
+        self,
+        dl: Iterable[Any],
+        sp_rank: int,
+        sp_group: dist.ProcessGroup | None,
+        sp_world_size: int,
+        device: torch.device | str,
+        *,
+        pad_token_id: int = 0,
+        strict: bool = False,
+    ) -> None:
+        self.dl = dl
+        self.sp_rank = sp_rank
+        self.sp_group = sp_group
+        self.sp_world_size = sp_world_size
+        self.device = torch.device(device)
+        self.pad_token_id = pad_token_id
+        self.strict = strict
+        self._default_pass: Iterator[dict[str, Any]] | None = None
+        self._logged_padding = False
+        self._check_group()
+
+    def _check_group(self) -> None:
+        p = self.sp_world_size
+        if isinstance(p, bool) or not isinstance(p, int) or p < 1:
+            raise ValueError(f"sp_world_size must be a positive int, got {self.sp_world_size!r}")
+        if self.sp_group is None:
+            if self.sp_world_size != 1 or self.sp_rank != 0:
+                raise ValueError(
+                    f"sp_group is None but sp_world_size={self.sp_world_size}, sp_rank={self.sp_rank}; "
+                    "pass the sequence-parallel group (mesh.sp_group(mesh))"
+                )
+            return
+        size, rank = dist.get_world_size(self.sp_group), dist.get_rank(self.sp_group)
+        error = None
+        if self.sp_world_size != size:
+            error = f"sp_world_size ({self.sp_world_size}) != size of sp_group ({size})"
+        elif self.sp_rank != rank:
+            error = f"sp_rank ({self.sp_rank}) != this rank's rank in sp_group ({rank})"
+        # Only some ranks may have passed a wrong value: agree before any batch collective.
+        raise_if_any_rank_failed(error, self.sp_group)
+
+    def __len__(self) -> int:
+        return len(self.dl) * self.sp_world_size  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        """A new pass over ``dl`` (one epoch): ``len(dl)`` rounds of ``P`` micro-steps."""
+        return self._pass()
+
+    def __next__(self) -> dict[str, Any]:
+        """The reference system's style, ``next(adapter)``: continues one default pass."""
+        if self._default_pass is None:
+            self._default_pass = self._pass()
+        return next(self._default_pass)
+
+    def _pass(self) -> Iterator[dict[str, Any]]:
+        it = iter(self.dl)
+        while (shards := self._refill(it)) is not None:
+            current = deque(shards)  # only this round is held, on CPU
+            del shards
+            while current:
+                shard = current.popleft()
+                yield {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in shard.items()}
+
+    def _refill(self, it: Iterator[Any]) -> list[dict[str, Any]] | None:
+        """Load one batch per rank and exchange: this rank's ``P`` shards of the next round, or
+        ``None`` when every rank's loader is exhausted."""
+        prepared, error, exhausted = None, None, False
+        try:
+            batch = next(it)
+        except StopIteration:
+            exhausted = True
+        if not exhausted:
+            try:
+                prepared = prepare_batch(
+                    batch, self.sp_world_size, pad_token_id=self.pad_token_id, strict=self.strict
+                )
+            except ValueError as e:
+                error = str(e)
+        if self.sp_group is None:  # no sequence parallelism: nothing to exchange
+            if error is not None:
+                raise ValueError(error)
+            if exhausted:
+                return None
+            self._log_padding(batch, prepared)
+            return [prepared]
+        raise_if_any_rank_failed(error, self.sp_group)
+        metas = all_gather_object(None if exhausted else _describe(prepared), self.sp_group)
+        if all(m is None for m in metas):
+            return None
+        self._check_round(metas)
+        self._log_padding(batch, prepared)
+        return self._exchange(prepared, metas)
+
+    def _log_padding(self, batch: Mapping[str, Any], prepared: dict[str, Any]) -> None:
+        s, padded = batch["input_ids"].shape[1], prepared["input_ids"].shape[1]
+        if s != padded and not self._logged_padding:
+            self._logged_padding = True
+            logger.warning(
+                "sequence length %d is not divisible by sequence_parallel_size %d; padded to %d "
+                "(pad id %d, labels -100); logged once, strict=True raises instead",
+                s, self.sp_world_size, padded, self.pad_token_id,
+            )  # fmt: skip
+
+    def _check_round(self, metas: list[dict[str, tuple] | None]) -> None:
+        """Cross-rank checks on the gathered metadata: the same verdict on every rank, no collective."""
+        done = [r for r, m in enumerate(metas) if m is None]
+        if done:
+            raise ValueError(
+                f"the SP group's loaders have different lengths: rank(s) {done} of the group ran out of "
+                "batches while the others had one; give every SP rank the same number of batches "
+                "(sp_data_sampler does)"
+            )
+        sizes = [m["input_ids"][1][0] for m in metas]
+        if len(set(sizes)) > 1:
+            raise ValueError(
+                f"batch size differs between SP ranks: input_ids batch sizes {sizes} (by SP rank); every "
+                "SP rank's loader must yield the same batch size"
+            )
+        keys = [sorted(m) for m in metas]
+        if any(k != keys[0] for k in keys):
+            raise ValueError(f"batch keys differ between SP ranks: {keys} (by SP rank)")
+
+    def _exchange(self, prepared: dict[str, Any], metas: list[dict[str, tuple]]) -> list[dict[str, Any]]:
+        """One ``all_to_all``: shard ``k`` of this rank's batch to rank ``k``; the shards of every rank's
+        batch (rank order) back, kept on CPU."""
+        p = self.sp_world_size
+        backend = dist.get_backend(self.sp_group)
+        comm_device = self.device if self.device.type != "cpu" and backend != "gloo" else torch.device("cpu")
+        # Send buffer: for destination k, shard k of every per-token tensor and every other tensor whole,
+        # each as raw bytes, in the batch's key order.
+        pieces = [shard_batch(prepared, k, p) for k in range(p)]
+        send_parts, in_splits = [], []
+        for piece in pieces:
+            parts = [
+                v.contiguous().reshape(-1).view(torch.uint8) for v in piece.values() if torch.is_tensor(v)
+            ]
+            send_parts += parts
+            in_splits.append(sum(t.numel() for t in parts))
+        send = torch.cat(send_parts).to(comm_device)
+        del pieces, send_parts
+        tensor_metas = [[(k, m) for k, m in meta.items() if m[0] == "tensor"] for meta in metas]
+        out_splits = [sum(_piece_nbytes(m, p) for _, m in tm) for tm in tensor_metas]
+        recv = torch.empty(sum(out_splits), dtype=torch.uint8, device=comm_device)
+        dist.all_to_all_single(recv, send, out_splits, in_splits, group=self.sp_group)
+        del send
+        shards, offset = [], 0
+        for meta in metas:
+            shard: dict[str, Any] = {}
+            for key, m in meta.items():
+                if m[0] == "object":
+                    shard[key] = m[1]
+                    continue
+                _, shape, dtype, is_seq = m
+                n = _piece_nbytes(m, p)
+                # copy to CPU (own storage, aligned) before reinterpreting the bytes
+                data = recv[offset : offset + n].to("cpu", copy=True).view(dtype)
+                offset += n
+                # [numel] -> [B, S_l, ...] for per-token tensors, the original shape otherwise
+                shard[key] = data.reshape((shape[0], shape[1] // p, *shape[2:]) if is_seq else shape)
+            shards.append(shard)
+        return shards
