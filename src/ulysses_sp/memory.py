@@ -174,6 +174,11 @@ class _StorageTracker(TorchDispatchMode):
         self.stats._add(key, nbytes, host)
         self._finalizers.append(weakref.finalize(storage, self.stats._free, key))
 
+    def track_existing(self, tensors: Iterable[torch.Tensor]) -> None:
+        for t in tensors:
+            if t.device.type == self.stats.device.type and (s := _storage(t)) is not None:
+                self.track(s, host=False)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -222,9 +227,7 @@ def track_peak_memory(
     if device.type == "cpu":
         stats = PeakMemory(device, "dispatch")
         tracker = _StorageTracker(stats)
-        for t in include:
-            if t.device.type == "cpu" and (s := _storage(t)) is not None:
-                tracker.track(s, host=False)
+        tracker.track_existing(include)
         include = ()  # this generator frame must not keep the included tensors alive
         stats.baseline_bytes = stats._peak = stats._current
         try:

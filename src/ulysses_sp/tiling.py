@@ -1,0 +1,516 @@
+"""Sequence-tiled compute (ALST): token-local work done over the sequence a tile at a time.
+
+Ulysses SP divides activations by ``P``; some per-token work is still far larger than the model's
+hidden state: the MLP's intermediate ``[B, S_l, I]`` (``I`` is 3-4x ``h``) and the logits
+``[B, S_l, V]`` (``V`` is 30-1000x ``h``). Both are token-local, so they can be computed over
+``n`` tiles of the sequence, keeping for backward only the tile *inputs* and recomputing each tile
+in backward. The big tensor then exists for one tile, ``1/n`` of it, at any time.
+
+* ``sequence_tiled_compute(fn, x, n, ...)``: the generic mechanism (one autograd Function).
+* ``TiledMLP`` / ``apply_tiled_mlp(model)``: the MLP block of every decoder layer.
+* ``tiled_causal_lm_loss`` and ``TiledCausalLMLoss``: ``lm_head`` + cross-entropy per tile, with
+  the same contract as ``ulysses_sp.loss.sp_causal_lm_loss``.
+
+Where it sits in the step (DESIGN.md): steps 3 (MLPs) and 5 (loss) of the forward, mirrored in
+backward. No communication: tiles are local to the rank, so ranks may use different tile counts.
+
+Composition. Parameters are *inputs* of the autograd Function: their gradients are summed over the
+tiles inside the Function and handed to autograd once, so a parameter's gradient hook fires once
+per backward as with an untiled module (DDP, FSDP2's reduce-scatter, ZeRO-1). Under FSDP2 the
+tiled module runs inside its FSDP unit's forward, whose parameters are gathered once for all tiles
+(and once more for backward, as without tiling). Under activation checkpointing the Function is
+simply part of the recomputed layer.
+
+Shape legend: ``B`` batch, ``S_l`` local sequence, ``h`` hidden, ``I`` MLP intermediate, ``V``
+vocabulary, ``n`` number of tiles, ``T = ceil(S_l / n)`` tile length.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd.function import once_differentiable
+from torch.distributed.fsdp import FSDPModule
+
+from .loss import IGNORE_INDEX, causal_lm_loss_parts, sp_mean_loss
+
+
+def auto_num_shards(seq_len: int, hidden_size: int, batch_size: int = 1) -> int:
+    """Default tile count: tiles of about ``hidden_size`` tokens, ``ceil(B * S_l / h)``.
+
+    ALST's TiledMLP rule: a tile's ``[T, I]`` MLP activations (``[T, V]`` logits) are then no
+    larger than the block's own ``[h, I]`` (``[V, h]``) weight, which is in memory anyway.
+    Clamped to ``[1, S_l]``.
+    """
+    return max(1, min(seq_len, math.ceil(batch_size * seq_len / max(hidden_size, 1))))
+
+
+def check_num_shards(num_shards: Any, seq_len: int | None = None, *, what: str = "num_shards") -> int:
+    """Validate a tile count (and, given ``seq_len``, that every tile holds at least one token)."""
+    if isinstance(num_shards, bool) or not isinstance(num_shards, int):
+        raise ValueError(f"{what} must be a positive int, got {num_shards!r}")
+    if num_shards < 1:
+        raise ValueError(f"{what} must be >= 1, got {num_shards}")
+    if seq_len is not None and num_shards > seq_len:
+        raise ValueError(
+            f"{what} ({num_shards}) is larger than the local sequence length ({seq_len}): "
+            f"every tile needs at least one token; use at most {seq_len} (or None for auto)"
+        )
+    return num_shards
+
+
+def _tiles(length: int, n: int) -> list[tuple[int, int]]:
+    """``(start, size)`` of ``n`` tiles covering ``length`` (sizes differ by at most one)."""
+    base, extra = divmod(length, n)
+    out, start = [], 0
+    for i in range(n):
+        size = base + (i < extra)
+        out.append((start, size))
+        start += size
+    return out
+
+
+@contextlib.contextmanager
+def _rng_restored(state: tuple[torch.Tensor, torch.Tensor | None] | None, device: torch.device) -> Iterator:
+    """Replay the RNG from ``state`` (dropout masks of the forward) without disturbing the caller's."""
+    if state is None:
+        yield
+        return
+    accel = device.type != "cpu"
+    with torch.random.fork_rng(devices=[device] if accel else [], device_type=device.type):
+        torch.set_rng_state(state[0])
+        if accel:
+            torch.get_device_module(device.type).set_rng_state(state[1], device)
+        yield
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    dev = torch.get_device_module(device.type).get_rng_state(device) if device.type != "cpu" else None
+    return torch.get_rng_state(), dev
+
+
+def _unlisted_leaves(y: torch.Tensor, listed: set[int]) -> list[torch.Tensor]:
+    """Leaf tensors requiring grad that ``y``'s graph reaches but that are not in ``listed``."""
+    found, seen, stack = [], set(), [y.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        var = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf
+        if var is not None and id(var) not in listed:
+            found.append(var)
+        stack.extend(f for f, _ in node.next_functions)
+    return found
+
+
+@dataclass(frozen=True)
+class _Spec:
+    seq_dim: int
+    num_shards: int
+    n_aux: int
+    reduce_sum: bool
+    preserve_rng: bool
+
+
+class _TiledCompute(torch.autograd.Function):
+    """Forward: ``fn`` on each tile under ``no_grad``, outputs concatenated (or summed); saves only
+    ``x`` (and the aux tensors). Backward: each tile recomputed with grad and back-propagated; the
+    tile gradients of ``x`` are concatenated and the parameter gradients summed."""
+
+    @staticmethod
+    def forward(ctx: Any, fn: Callable, spec: _Spec, x: torch.Tensor, *rest: torch.Tensor):
+        ctx.fn, ctx.spec, ctx.params = fn, spec, rest[spec.n_aux :]
+        ctx.rng = _rng_state(x.device) if spec.preserve_rng else None
+        aux = rest[: spec.n_aux]
+        d, out = spec.seq_dim, None
+        with torch.no_grad():
+            for start, size in _tiles(x.shape[d], spec.num_shards):
+                y = fn(x.narrow(d, start, size), *(a.narrow(d, start, size) for a in aux))
+                if spec.reduce_sum:
+                    out = y if out is None else out.add_(y)
+                    continue
+                if out is None:  # [B, T, ...] -> preallocate [B, S_l, ...]: no list of tiles, no cat
+                    out = y.new_empty(y.shape[:d] + x.shape[d : d + 1] + y.shape[d + 1 :])
+                out.narrow(d, start, size).copy_(y)
+                del y  # the tile's activations die here, before the next tile
+        ctx.save_for_backward(x, *aux)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor):
+        x, *aux = ctx.saved_tensors
+        spec, params = ctx.spec, ctx.params
+        want_x = ctx.needs_input_grad[2]
+        want = [i for i, p in enumerate(params) if ctx.needs_input_grad[3 + spec.n_aux + i]]
+        grad_x = torch.zeros_like(x) if want_x else None
+        grad_p: list[torch.Tensor | None] = [None] * len(params)
+        d, checked = spec.seq_dim, False
+        with _rng_restored(ctx.rng, x.device), torch.enable_grad():
+            for start, size in _tiles(x.shape[d], spec.num_shards):
+                xt = x.narrow(d, start, size).detach().requires_grad_(want_x)
+                yt = ctx.fn(xt, *(a.narrow(d, start, size) for a in aux))
+                if yt.grad_fn is None:  # the tile does not depend on anything (e.g. no valid label)
+                    continue
+                inputs = ([xt] if want_x else []) + [params[i] for i in want]
+                if not checked and (extra := _unlisted_leaves(yt, {id(t) for t in inputs})):
+                    shapes = [tuple(t.shape) for t in extra]
+                    raise ValueError(
+                        f"the tiled function uses {len(extra)} tensor(s) that require grad but were "
+                        f"not passed in params (shapes {shapes}); their gradients would be lost"
+                    )
+                checked = True
+                g = grad_out if spec.reduce_sum else grad_out.narrow(d, start, size)
+                grads = torch.autograd.grad(yt, inputs, g, allow_unused=True)
+                if want_x:
+                    grad_x.narrow(d, start, size).copy_(grads[0])
+                    grads = grads[1:]
+                for i, gi in zip(want, grads):
+                    if gi is not None:
+                        grad_p[i] = gi if grad_p[i] is None else grad_p[i].add_(gi)
+                del yt, grads
+        for i in want:  # e.g. every tile skipped: a zero gradient, as the untiled graph would give
+            if grad_p[i] is None:
+                grad_p[i] = torch.zeros_like(params[i])
+        return (None, None, grad_x, *([None] * spec.n_aux), *grad_p)
+
+
+def sequence_tiled_compute(
+    fn: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    num_shards: int,
+    *,
+    params: Iterable[torch.Tensor] = (),
+    aux: Sequence[torch.Tensor] = (),
+    seq_dim: int = 1,
+    reduction: str | None = None,
+    preserve_rng_state: bool = True,
+) -> torch.Tensor:
+    """Run a token-local ``fn`` over ``num_shards`` tiles of ``x``'s sequence dim, recomputing in backward.
+
+    Args:
+        fn: ``fn(x_tile, *aux_tiles) -> y_tile``; must treat every position independently.
+        x: ``[B, S_l, ...]`` the differentiable input (tiled along ``seq_dim``).
+        num_shards: number of tiles, ``1 <= num_shards <= x.shape[seq_dim]``.
+        params: every tensor requiring grad that ``fn`` uses besides ``x`` (a module's
+            ``parameters()``); their gradients are summed over tiles and returned to autograd once.
+            A tensor missing here is detected in backward (``ValueError``).
+        aux: non-differentiable tensors tiled along the same dim (e.g. labels ``[B, S_l]``).
+        seq_dim: the sequence dim of ``x`` and of ``aux``.
+        reduction: ``None`` concatenates the tile outputs along ``seq_dim``; ``"sum"`` adds them
+            (for a scalar per tile, e.g. a loss sum).
+        preserve_rng_state: replay the forward's RNG in the backward recompute (dropout).
+
+    Returns:
+        What ``fn(x, *aux)`` would return (the ``reduction`` of the tile outputs). Only ``x``,
+        ``aux`` and the output are kept; one tile's intermediates exist at a time.
+    """
+    seq_dim %= x.dim()
+    check_num_shards(num_shards, x.shape[seq_dim])
+    if reduction not in (None, "sum"):
+        raise ValueError(f"reduction must be None or 'sum', got {reduction!r}")
+    for a in aux:
+        if a.dim() <= seq_dim or a.shape[seq_dim] != x.shape[seq_dim]:
+            raise ValueError(f"aux {tuple(a.shape)} does not match x {tuple(x.shape)} in dim {seq_dim}")
+    spec = _Spec(seq_dim, num_shards, len(aux), reduction == "sum", preserve_rng_state)
+    return _TiledCompute.apply(fn, spec, x, *aux, *params)
+
+
+class TiledMLP:
+    """DeepSpeed-compatible entry point: ``TiledMLP.apply(fn, self, x, shards, compute_params)``.
+
+    Runs ``fn(module, x_tile)`` over ``shards`` tiles of ``x [B, S_l, h]`` (dim 1, or dim 0 for a
+    2-D ``[T, h]``) with ``sequence_tiled_compute``; ``compute_params=None`` means all of
+    ``module.parameters()``. Most users want ``apply_tiled_mlp(model)`` instead.
+    """
+
+    @staticmethod
+    def apply(
+        fn: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+        module: nn.Module,
+        x: torch.Tensor,
+        shards: int,
+        compute_params: Iterable[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        params = list(module.parameters() if compute_params is None else compute_params)
+        preserve = any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in module.modules())
+        return sequence_tiled_compute(
+            lambda t: fn(module, t),
+            x,
+            shards,
+            params=params,
+            seq_dim=x.dim() - 2,
+            preserve_rng_state=preserve,
+        )
+
+
+def tiled_causal_lm_loss(
+    hidden_states: torch.Tensor,
+    lm_head: nn.Module,
+    shift_labels: torch.Tensor,
+    sp_group: dist.ProcessGroup | None,
+    *,
+    num_shards: int | None = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """``sp_causal_lm_loss(lm_head(hidden_states), shift_labels, sp_group)`` without the logits.
+
+    The logits ``[B, S_l, V]`` and their gradient only ever exist for one ``[B, T, V]`` tile:
+    forward computes each tile's fp32 cross-entropy sum and drops the tile; backward recomputes
+    each tile's logits and back-propagates into ``hidden_states`` and ``lm_head``'s parameters.
+    Tiles whose labels are all ``ignore_index`` are skipped (no work, zero gradient).
+
+    Args:
+        hidden_states: ``[B, S_l, h]`` the final (normed) hidden states of this rank's shard.
+        lm_head: the output projection (``model.get_output_embeddings()``), token-local; under
+            FSDP2 it must belong to its parent's unit (the usual recipe), not be sharded alone.
+        shift_labels: ``[B, S_l]`` labels already shifted over the full sequence.
+        sp_group: the sequence-parallel group, ``None`` without SP.
+        num_shards: tiles per shard; ``None`` = ``auto_num_shards(S_l, h, B)``.
+
+    Returns:
+        The global mean over valid tokens of the SP group (value identical on every SP rank,
+        gradient this rank's share), exactly as ``ulysses_sp.loss.sp_causal_lm_loss``.
+    """
+    if hidden_states.dim() != 3 or hidden_states.shape[:2] != shift_labels.shape:
+        raise ValueError(
+            f"hidden_states {tuple(hidden_states.shape)} and shift_labels {tuple(shift_labels.shape)} "
+            "disagree: expected hidden_states [B, S_l, h] and labels [B, S_l]"
+        )
+    if isinstance(lm_head, FSDPModule):
+        raise ValueError(
+            "tiled loss needs lm_head's parameters gathered by its parent FSDP unit: fully_shard the "
+            "decoder layers and the whole model, not lm_head on its own"
+        )
+    b, s_l, h = hidden_states.shape
+    n = auto_num_shards(s_l, h, b) if num_shards is None else num_shards
+    check_num_shards(n, s_l, what="tiled loss num_shards")
+    labels = shift_labels.to(hidden_states.device)
+    head = lm_head.forward  # the module's own forward: hooks (FSDP, ours) ran for the whole call
+
+    def tile_loss(h_tile: torch.Tensor, label_tile: torch.Tensor) -> torch.Tensor:
+        if not bool((label_tile != ignore_index).any()):  # zero-token tile: nothing to compute
+            return torch.zeros((), dtype=torch.float32, device=h_tile.device)
+        # [B, T, h] -> [B, T, V] (one tile of logits) -> fp32 sum of token losses
+        return causal_lm_loss_parts(head(h_tile), label_tile, ignore_index=ignore_index)[0]
+
+    total = sequence_tiled_compute(
+        tile_loss,
+        hidden_states,
+        n,
+        params=list(lm_head.parameters()),
+        aux=(labels,),
+        reduction="sum",
+        preserve_rng_state=False,
+    )
+    count = (labels != ignore_index).sum().to(torch.float32)
+    return sp_mean_loss(total, count, sp_group)
+
+
+# -- applying to HF models ------------------------------------------------------------------------
+
+_TOKEN_LOCAL = (nn.Linear, nn.Identity, nn.LayerNorm, nn.RMSNorm, nn.modules.dropout._DropoutNd)
+
+
+def _is_token_local_leaf(m: nn.Module) -> bool:
+    """Module types that act on each position independently (over the last dim only)."""
+    cls = type(m)
+    if isinstance(m, _TOKEN_LOCAL) or cls.__name__.endswith("RMSNorm"):
+        return True
+    if cls.__module__ == "transformers.activations":
+        return True
+    return cls.__module__ == nn.modules.activation.__name__ and not isinstance(
+        m, (nn.MultiheadAttention, nn.Softmax, nn.Softmin, nn.LogSoftmax, nn.Softmax2d)
+    )
+
+
+def _probe_token_local(name: str, mlp: nn.Module, forward: Callable, hidden: int) -> None:
+    """Check numerically that position ``t`` of the output depends on position ``t`` only."""
+    p = next(mlp.parameters(), None)
+    if p is None or p.device.type == "meta" or type(p) not in (torch.Tensor, nn.Parameter):
+        return  # meta or sharded (DTensor) parameters: the structural check has to do
+    modes = {m: m.training for m in mlp.modules()}
+    mlp.eval()  # dropout off for the probe
+    try:
+        with torch.no_grad():
+            x = torch.randn(1, 6, hidden, device=p.device, dtype=p.dtype, generator=None)
+            whole = forward(x)
+            parts = torch.cat([forward(x[:, :2]), forward(x[:, 2:])], dim=1)
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+    tol = 1e-4 if p.dtype in (torch.float32, torch.float64) else 5e-2
+    if whole.shape != parts.shape or not torch.allclose(whole, parts, rtol=tol, atol=tol):
+        raise ValueError(
+            f"cannot tile {name} ({type(mlp).__name__}): it is not token-local (its output for a "
+            "token changes with the other tokens of the sequence), so computing it on tiles would "
+            "change the model"
+        )
+
+
+def _check_token_local(name: str, mlp: nn.Module) -> None:
+    for sub_name, sub in mlp.named_modules():
+        if next(sub.children(), None) is None and not _is_token_local_leaf(sub):
+            full = f"{name}.{sub_name}" if sub_name else name
+            raise ValueError(
+                f"cannot tile {name} ({type(mlp).__name__}): its submodule {full} "
+                f"({type(sub).__name__}) is not known to be token-local. Tiled MLP recomputes the "
+                "block on slices of the sequence, which is exact only when each token's output "
+                "depends on that token alone (Linear, activations, norms, dropout)"
+            )
+
+
+class TiledMLPHandle:
+    """Undo handle of ``apply_tiled_mlp``: ``remove()`` (or leaving a ``with`` block) restores
+    every patched module's original ``forward`` object."""
+
+    def __init__(self, patched: list[tuple[str, nn.Module, Any]], num_shards: int | None) -> None:
+        self._patched = patched
+        self.num_shards = num_shards
+        """Tiles per MLP call; ``None`` = ``auto_num_shards`` per call."""
+
+    @property
+    def module_names(self) -> list[str]:
+        """Qualified names of the tiled MLPs."""
+        return [n for n, _, _ in self._patched]
+
+    def remove(self) -> None:
+        for _, mlp, previous in self._patched:
+            if previous is None:
+                del mlp.forward  # back to the class's forward
+            else:
+                mlp.forward = previous
+        self._patched = []
+
+    def __enter__(self) -> TiledMLPHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def apply_tiled_mlp(
+    model: nn.Module, num_shards: int | None = None, *, mlp_name: str = "mlp"
+) -> TiledMLPHandle:
+    """Make every MLP block of ``model`` (submodules named ``mlp_name``) run tiled.
+
+    Each block's ``forward`` is replaced, on the instance, by one that calls the original over
+    ``num_shards`` tiles of the sequence with ``sequence_tiled_compute``: the ``[B, S_l, I]``
+    intermediates never exist for the whole shard, only one ``[B, T, I]`` tile at a time.
+
+    Args:
+        model: an HF model (or any module) whose MLP blocks take and return ``[B, S_l, h]``.
+        num_shards: tiles per call; ``None`` = ``auto_num_shards(S_l, h, B)`` at each call, i.e.
+            tiles of about ``h`` tokens. A call whose ``S_l`` is below ``num_shards`` raises.
+        mlp_name: attribute name of the MLP blocks.
+
+    Returns:
+        A handle; ``handle.remove()`` restores the original ``forward`` objects.
+
+    Raises:
+        ValueError: ``num_shards < 1``; no module named ``mlp_name``; an MLP that is not
+            token-local (names the module).
+
+    Composes with FSDP2 (apply before or after ``fully_shard``: the block still runs inside its
+    unit's single all-gather), activation checkpointing (the tiled block is recomputed with its
+    layer) and ``apply``-ing SP attention (MLPs are token-local, so SP does not change them).
+    """
+    if num_shards is not None:
+        check_num_shards(num_shards, what="tiled MLP num_shards")
+    mlps = [(n, m) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] == mlp_name]
+    if not mlps:
+        raise ValueError(f"{type(model).__name__} has no submodule named {mlp_name!r} to tile")
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    for name, mlp in mlps:
+        _check_token_local(name, mlp)
+        if hidden is not None:
+            _probe_token_local(name, mlp, mlp.forward, hidden)
+    patched = []
+    for name, mlp in mlps:
+        previous = mlp.__dict__.get("forward")
+        mlp.forward = _tiled_forward(name, mlp, mlp.forward, num_shards)
+        patched.append((name, mlp, previous))
+    return TiledMLPHandle(patched, num_shards)
+
+
+def _tiled_forward(name: str, mlp: nn.Module, forward: Callable, num_shards: int | None) -> Callable:
+    preserve = any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in mlp.modules())
+
+    def tiled_forward(x: torch.Tensor) -> torch.Tensor:
+        seq_dim = x.dim() - 2  # [B, S_l, h] or [T, h]
+        s_l = x.shape[seq_dim]
+        b = x.shape[0] if x.dim() == 3 else 1
+        n = auto_num_shards(s_l, x.shape[-1], b) if num_shards is None else num_shards
+        check_num_shards(n, s_l, what=f"{name}: tiled MLP num_shards")
+        return sequence_tiled_compute(
+            forward, x, n, params=list(mlp.parameters()), seq_dim=seq_dim, preserve_rng_state=preserve
+        )
+
+    tiled_forward.__wrapped__ = forward  # type: ignore[attr-defined]
+    return tiled_forward
+
+
+@dataclass(frozen=True)
+class TiledCausalLMLoss:
+    """A ``loss_fn`` for the engine: ``loss_fn(model, batch, shift_labels, sp_group) -> output``.
+
+    Runs ``model(**batch)`` through the model's own ``__call__`` (so FSDP2's root hooks gather the
+    root's parameters and the decoder layers' hooks run as usual), but intercepts the
+    ``lm_head`` call: its input hidden states ``[B, S_l, h]`` go to ``tiled_causal_lm_loss`` and
+    ``lm_head`` itself only sees an empty ``[B, 0, h]`` slice. The returned HF output has
+    ``.loss`` set and empty ``logits [B, 0, V]``. ``batch`` holds the model's keyword inputs
+    (``input_ids``, ``position_ids``, ...); ``labels``/``shift_labels`` entries are ignored.
+    """
+
+    num_shards: int | None = None
+    """Tiles per shard; ``None`` = ``auto_num_shards``."""
+    ignore_index: int = IGNORE_INDEX
+    """Label value excluded from the loss."""
+
+    def __post_init__(self) -> None:
+        if self.num_shards is not None:
+            check_num_shards(self.num_shards, what="tiled loss num_shards")
+
+    def __call__(
+        self, model: nn.Module, batch: dict[str, Any], shift_labels: torch.Tensor, sp_group: Any
+    ) -> Any:
+        config = getattr(model, "config", None)
+        for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+            if getattr(config, attr, None) not in (None, 1, 1.0):
+                raise ValueError(f"tiled loss computes plain lm_head logits; {attr} is not supported")
+        lm_head = model.get_output_embeddings()
+        result: dict[str, torch.Tensor] = {}
+
+        def intercept(module: nn.Module, args: tuple) -> tuple | None:
+            if "loss" in result:
+                return None
+            (hidden,) = args
+            result["loss"] = tiled_causal_lm_loss(
+                hidden,
+                module,
+                shift_labels,
+                sp_group,
+                num_shards=self.num_shards,
+                ignore_index=self.ignore_index,
+            )
+            return (hidden[:, :0],)  # [B, S_l, h] -> [B, 0, h]: no logits materialised
+
+        inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
+        inputs.setdefault("use_cache", False)
+        hook = lm_head.register_forward_pre_hook(intercept)
+        try:
+            out = model(**inputs)
+        finally:
+            hook.remove()
+        if "loss" not in result:
+            raise ValueError(f"{type(model).__name__}'s forward never called its output embeddings")
+        out.loss = result["loss"]
+        return out
