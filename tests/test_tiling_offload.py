@@ -1,0 +1,132 @@
+"""Activation offload: same numbers, checkpointed inputs off the device-side count, undo, bad input.
+
+On CPU the offload copies each checkpointed layer input to a second storage allocated as
+"host-side" (``memory.host_allocations``); the CPU tracker counts those bytes apart, which is what
+lets these tests see the mechanism work on a machine without an accelerator.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from models import global_batch, shift, tiny_model
+
+from ulysses_sp.loss import sp_causal_lm_loss
+from ulysses_sp.memory import track_peak_memory
+from ulysses_sp.offload import enable_activation_offload
+from ulysses_sp.tiling import TiledCausalLMLoss, apply_tiled_mlp
+
+VOCAB, E = 256, 4
+
+
+def _checkpointed(model, reentrant=False):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    return model.train()
+
+
+def _step(model, ids, labels, loss_fn=None):
+    model.zero_grad(set_to_none=True)
+    if loss_fn is None:
+        loss = sp_causal_lm_loss(model(input_ids=ids, use_cache=False).logits, labels, None)
+    else:
+        loss = loss_fn(model, {"input_ids": ids}, labels, None).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _assert_same(a, b):
+    torch.testing.assert_close(a[0], b[0], rtol=1e-6, atol=0)
+    for n, g in b[1].items():
+        scale = g.abs().max().item()
+        assert scale > 0, n
+        torch.testing.assert_close(a[1][n], g, rtol=1e-5, atol=1e-5 * scale, msg=lambda m, n=n: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_offload_same_loss_and_gradients(arch, reentrant):
+    ref = _checkpointed(tiny_model(arch, vocab=VOCAB), reentrant)
+    model = copy.deepcopy(ref)
+    ids = global_batch(0, 2, 16, VOCAB)
+    labels = shift(ids)
+    handle = enable_activation_offload(model)
+    out = _step(model, ids, labels)
+    layers, h = model.config.num_hidden_layers, model.config.hidden_size
+    assert handle.stats.offloaded_tensors == layers
+    assert handle.stats.offloaded_bytes == handle.stats.restored_bytes == layers * 2 * 16 * h * E
+    _assert_same(out, _step(ref, ids, labels))
+
+
+def test_offload_with_tiled_mlp_and_tiled_loss():
+    ref = tiny_model("llama", vocab=VOCAB)
+    model = _checkpointed(copy.deepcopy(ref))
+    ids = global_batch(1, 2, 16, VOCAB)
+    labels = shift(ids)
+    with enable_activation_offload(model), apply_tiled_mlp(model, 4):
+        out = _step(model, ids, labels, TiledCausalLMLoss(num_shards=4))
+    _assert_same(out, _step(ref, ids, labels))
+
+
+def test_offload_removes_checkpointed_inputs_from_the_device_count():
+    """L=4 layers, B=1, S=2048, h=64: with checkpointing each layer keeps its input [B, S, h].
+
+    Prediction: after forward the device-side count is lower by exactly L*B*S*h*4 bytes with
+    offload, and the host-side count holds exactly those bytes; the peak (inside some layer's
+    backward recompute) is lower by at least one layer input.
+    """
+    layers, s, h = 4, 2048, 64
+    model = _checkpointed(tiny_model("llama", vocab=VOCAB, hidden=h, layers=layers))
+    ids = global_batch(0, 1, s, VOCAB)
+    labels = shift(ids)
+    loss_fn = TiledCausalLMLoss(num_shards=16)  # keep the logits out of the way
+    result = {}
+    for offload in (False, True):
+        handle = enable_activation_offload(model) if offload else None
+        model.zero_grad(set_to_none=True)
+        with track_peak_memory("cpu", include=model.parameters()) as mem:
+            loss = loss_fn(model, {"input_ids": ids}, labels, None).loss
+            after_forward = (mem.current_bytes, mem.host_current_bytes)
+            loss.backward()
+        result[offload] = (after_forward, mem.peak_bytes, mem.host_peak_bytes)
+        if handle:
+            handle.remove()
+    inputs = layers * 1 * s * h * E
+    (dev_off, host_off), peak_off, host_peak = result[True]
+    (dev_on, host_on), peak_on, _ = result[False]
+    print(f"after forward: device {dev_on} -> {dev_off} B, host {host_off} B; peak {peak_on} -> {peak_off} B")
+    assert dev_on - dev_off == inputs
+    assert (host_on, host_off, host_peak) == (0, inputs, inputs)
+    assert peak_on - peak_off >= s * h * E
+
+
+def test_offload_without_checkpointing_is_refused_with_the_reason():
+    model = tiny_model("llama", vocab=VOCAB)
+    with pytest.raises(
+        ValueError, match=r"needs activation checkpointing.*gradient_checkpointing_enable\(\)"
+    ):
+        enable_activation_offload(model)
+    with pytest.raises(ValueError, match="has 0 checkpointable layer"):
+        enable_activation_offload(torch.nn.Linear(2, 2))
+
+
+def test_remove_and_eval_do_not_offload():
+    model = _checkpointed(tiny_model("qwen2", vocab=VOCAB))
+    hooks_before = [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.model.layers]
+    ids = global_batch(2, 1, 8, VOCAB)
+    handle = enable_activation_offload(model)
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert handle.stats.offloaded_tensors == 0  # nothing is saved for backward: nothing to move
+    model.train()
+    model(input_ids=ids).logits.sum().backward()
+    assert handle.stats.offloaded_tensors == 2
+    handle.remove()
+    assert [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.model.layers] == hooks_before
+    model(input_ids=ids).logits.sum().backward()
+    assert handle.stats.offloaded_tensors == 2
