@@ -47,6 +47,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument(
         "--mesh-param", action="store_true", help="deepspeed.initialize(mesh_param=(dp, sp)), no mpu"
     )
+    ap.add_argument(
+        "--bucket-elems",
+        type=int,
+        default=-1,
+        help="ZeRO reduce/allgather bucket: -1 model numel, 0 DS default",
+    )
     ap.add_argument("--out", required=True)
     return ap.parse_args(argv)
 
@@ -64,13 +70,40 @@ def global_grad_norm(engine) -> float:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    try:
+        run(args)
+    except Exception as e:  # recorded for deepspeed_findings.md, then re-raised
+        rank = int(os.environ.get("RANK", "0"))
+        with open(f"{args.out}.rank{rank}.err", "w") as f:
+            f.write(f"{type(e).__name__}: {e}"[:4000])
+        raise
+
+
+def param_spread(engine, group) -> float:
+    """Largest |difference| of any parameter between the ranks of ``group`` (0 when replicas agree)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    parts = []
+    for p in engine.module.parameters():
+        full = safe_get_full_fp32_param(p)  # None at ZeRO 0, where the parameter itself is the master copy
+        parts.append((p if full is None else full).detach().float().reshape(-1))
+    flat = torch.cat(parts)
+    hi, lo = flat.clone(), flat.clone()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    return float((hi - lo).max())
+
+
+def run(args: argparse.Namespace) -> None:
+    import datetime
+
     import deepspeed
     from deepspeed.runtime.sequence_parallel.ulysses_sp import (
         UlyssesSPAttentionHF,
         UlyssesSPDataLoaderAdapter,
     )
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == args.dp * args.sp, f"world {world} != dp {args.dp} * sp {args.sp}"
     torch.set_num_threads(1)
@@ -96,6 +129,10 @@ def main(argv=None) -> None:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    numel = sum(p.numel() for p in model.parameters())
+    if args.bucket_elems:
+        bucket = numel if args.bucket_elems < 0 else args.bucket_elems
+        config["zero_optimization"].update(reduce_bucket_size=bucket, allgather_bucket_size=bucket)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     init_kwargs = {"mesh_param": (args.dp, args.sp)} if args.mesh_param else {"mpu": mpu}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config, **init_kwargs)
@@ -137,7 +174,8 @@ def main(argv=None) -> None:
         measure = step == args.steps - 1 and args.steps > 1
         region = meter.step() if measure else contextlib.nullcontext()
         t0 = time.perf_counter()
-        with region, counter:
+        counting = counter if step == 0 else contextlib.nullcontext()  # bytes of one step
+        with region, counting:
             with counter.label("forward"):
                 if "shift_labels" in batch:
                     shift = batch.pop("shift_labels")
@@ -162,6 +200,8 @@ def main(argv=None) -> None:
                 engine.backward(loss)
             if step == 0:
                 grad_norm = global_grad_norm(engine)
+                local_norms = [None] * world
+                dist.all_gather_object(local_norms, grad_norm)
             with counter.label("step"):
                 engine.step()
         if not measure:
@@ -170,6 +210,7 @@ def main(argv=None) -> None:
         lv = loss.detach().clone()
         dist.all_reduce(lv)
         losses.append(float(lv) / world)
+    spread = param_spread(engine, sp_group) if sp_group is not None else 0.0
     tokens_per_rank = args.micro_batch * (batch["input_ids"].shape[1])
     if rank == 0:
         steady = times[1:] or times
@@ -185,6 +226,9 @@ def main(argv=None) -> None:
             "peak_bytes": meter.peak,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "grad_norm_step1": grad_norm,
+            "grad_norm_step1_per_rank": local_norms,
+            "param_spread_in_sp_group": spread,
+            "param_numel": numel,
             "comm_bytes": {f"{p}/{o}": v for (p, o), v in counter.sent.items()},
         }
         with open(args.out, "w") as f:
