@@ -1,0 +1,251 @@
+"""``ulysses-sp eval``: loss, accuracy and per-position loss of checkpoints on held-out data.
+
+Each ``--model`` (a checkpoint directory, any HF model directory, or a preset = its untrained
+initialisation from ``--seed``) is run over the same held-out samples — for ``recall`` samples the
+training run never saw (a disjoint seed), for local text the ``--data`` given here — with or
+without sequence parallelism (``--sp``): the model is called on each rank's shard, and every rank
+bins the loss of its own tokens by their *global* position (the shard's ``position_ids``), so one
+all-reduce gives the per-position curve over the whole context. Output: a JSON report (stdout and
+``--output-json``) and a PNG plot (``--plot``; needs matplotlib, ``pip install 'ulysses-sp[plot]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    models: tuple[str, ...] = ()
+    """Checkpoint / model directories or presets; each becomes one curve."""
+    data: str = "recall"
+    """``recall`` (held-out samples) or a local held-out ``.txt``/``.jsonl`` file or directory."""
+    tokenizer: str | None = None
+    """Tokenizer directory (default: each model directory's own, else byte-level)."""
+    seq_len: int = 256
+    """Tokens per sample."""
+    sp: int = 1
+    """Sequence-parallel size for evaluation (``dp = nproc / sp``)."""
+    num_samples: int = 64
+    """Recall samples to evaluate (rounded up to fill every rank's batches)."""
+    micro_batch_size: int = 8
+    """Samples per forward per dp replica."""
+    bins: int = 32
+    """Position bins across the context."""
+    seed: int = 0
+    """Seed of the training run (presets' init; recall held-out samples use a disjoint seed)."""
+    attn: str = "sdpa"
+    """Core attention."""
+    output_json: str = "eval.json"
+    plot: str | None = "eval.png"
+    """PNG path; ``None`` = no plot."""
+
+
+def add_eval_args(p: argparse.ArgumentParser) -> None:
+    d = EvalConfig()
+    p.add_argument("--model", dest="models", nargs="+", required=True,
+                   help="checkpoint dir(s), HF model dir(s) or preset(s) (a preset = untrained init)")  # fmt: skip
+    p.add_argument("--data", default=d.data, help="'recall' or held-out .txt/.jsonl file or directory")
+    p.add_argument("--tokenizer", default=d.tokenizer, help="tokenizer directory")
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--sp", type=int, default=d.sp)
+    p.add_argument("--num-samples", type=int, default=d.num_samples)
+    p.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
+    p.add_argument("--bins", type=int, default=d.bins)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--attn", default=d.attn)
+    p.add_argument("--output-json", default=d.output_json)
+    p.add_argument("--plot", default=d.plot, help="PNG path ('' = no plot)")
+
+
+def eval_options(ns: argparse.Namespace) -> tuple[EvalConfig, dict[str, Any]]:
+    values = {k: v for k, v in vars(ns).items() if k != "command"}
+    launch = {k: values.pop(k) for k in ("nproc", "timeout") if k in values}
+    values["models"] = tuple(values["models"])
+    values["plot"] = values["plot"] or None
+    return EvalConfig(**values), launch
+
+
+def validate_eval(cfg: EvalConfig, world_size: int) -> None:
+    """Check sizes, models and data before any process starts (``ValueError``)."""
+    from .. import tasks
+    from ..attention import check_heads
+    from ..train import ATTN_CHOICES
+
+    for name in ("seq_len", "sp", "num_samples", "micro_batch_size", "bins"):
+        value = getattr(cfg, name)
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if world_size % cfg.sp:
+        raise ValueError(f"--nproc ({world_size}) is not divisible by --sp ({cfg.sp})")
+    if cfg.seq_len % cfg.sp:
+        raise ValueError(f"--seq-len ({cfg.seq_len}) is not divisible by --sp ({cfg.sp})")
+    if cfg.attn not in ATTN_CHOICES:
+        raise ValueError(f"--attn must be one of {ATTN_CHOICES}, got {cfg.attn!r}")
+    for model in cfg.models:
+        tok = tasks.load_tokenizer(cfg.tokenizer, model)
+        if tasks.is_preset(model):
+            mcfg = tasks.preset_config(model, vocab_size=len(tok))
+        else:
+            tasks.check_model_dir(model)
+            from transformers import AutoConfig
+
+            mcfg = AutoConfig.from_pretrained(model, local_files_only=True)
+        check_heads(mcfg.num_attention_heads, getattr(mcfg, "num_key_value_heads", None) or mcfg.num_attention_heads, cfg.sp)
+    tasks.build_dataset(cfg.data, tokenizer=tasks.load_tokenizer(cfg.tokenizer, cfg.models[0]),
+                        seq_len=cfg.seq_len, seed=cfg.seed, num_samples=1, held_out=True)  # fmt: skip
+
+
+def _evaluate_model(cfg: EvalConfig, model_name: str) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader
+
+    from .. import tasks
+    from ..attention import UlyssesSPAttentionHF
+    from ..data import UlyssesSPDataLoaderAdapter, sp_data_sampler
+    from ..loss import IGNORE_INDEX
+    from ..mesh import default_device, init_mesh, mesh_info
+
+    world = dist.get_world_size()
+    dp = world // cfg.sp
+    tokenizer = tasks.load_tokenizer(cfg.tokenizer, model_name)
+    per_round = world * cfg.micro_batch_size
+    n = math.ceil(cfg.num_samples / per_round) * per_round
+    dataset = tasks.build_dataset(cfg.data, tokenizer=tokenizer, seq_len=cfg.seq_len, seed=cfg.seed,
+                                  num_samples=n, held_out=True)  # fmt: skip
+    if len(dataset) < per_round:
+        raise ValueError(f"--data {cfg.data!r}: {len(dataset)} sequences; need >= {per_round} (nproc x micro-batch)")
+    model = tasks.build_model(model_name, vocab_size=len(tokenizer), seed=cfg.seed, attn_implementation=cfg.attn)
+    mpu = None
+    if cfg.sp > 1:
+        mpu = UlyssesSPAttentionHF.register_with_transformers(model, cfg.attn, cfg.sp, cfg.micro_batch_size)
+        mesh = mpu.mesh
+    else:
+        mesh = init_mesh((dp, 1))
+    info = mesh_info(mesh)
+    device = default_device()
+    model.to(device).eval()
+    sampler = sp_data_sampler(dataset, mesh, batch_size=cfg.micro_batch_size, shuffle=False, drop_last=True)
+    loader = DataLoader(dataset, batch_size=cfg.micro_batch_size, sampler=sampler)
+    group = mpu.get_sequence_parallel_group() if mpu is not None else None
+    adapter = UlyssesSPDataLoaderAdapter(loader, info.sp_rank, group, cfg.sp, device,
+                                         pad_token_id=tokenizer.pad_token_id or 0)  # fmt: skip
+    # per bin: [loss sum, valid tokens, correct]; float64 so the sums are exact enough
+    stats = torch.zeros(cfg.bins, 3, dtype=torch.float64, device=device)
+    try:
+        with torch.no_grad():
+            for batch in adapter:
+                logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+                labels = batch["shift_labels"]  # [B, S_l]
+                valid = labels != IGNORE_INDEX
+                token_loss = F.cross_entropy(  # [B*S_l, V] -> [B, S_l]
+                    logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+                ).view_as(labels)
+                correct = (logits.argmax(-1) == labels) & valid
+                bins = (batch["position_ids"].clamp(0, cfg.seq_len - 1) * cfg.bins // cfg.seq_len).flatten()
+                parts = torch.stack([token_loss.double(), valid.double(), correct.double()], -1).view(-1, 3)
+                stats.index_add_(0, bins[valid.flatten()], parts[valid.flatten()])
+    finally:
+        if mpu is not None:
+            mpu.remove()
+    dist.all_reduce(stats)  # every rank binned its own tokens by global position: sum = all tokens
+    return _report(cfg, model_name, stats.cpu())
+
+
+def _report(cfg: EvalConfig, model_name: str, stats) -> dict[str, Any]:
+    from .. import tasks
+
+    def mean(rows, col: int):
+        count = float(rows[:, 1].sum())
+        return float(rows[:, col].sum()) / count if count else None
+
+    edges = [i * cfg.seq_len // cfg.bins for i in range(cfg.bins + 1)]
+    half = cfg.bins // 2
+    per_position = [
+        {"start": edges[i], "end": edges[i + 1], "tokens": int(stats[i, 1]),
+         "loss": mean(stats[i : i + 1], 0), "accuracy": mean(stats[i : i + 1], 2)}
+        for i in range(cfg.bins)
+    ]  # fmt: skip
+    report = {
+        "model": model_name, "data": cfg.data, "seq_len": cfg.seq_len, "sp": cfg.sp,
+        "loss": mean(stats, 0), "accuracy": mean(stats, 2), "tokens": int(stats[:, 1].sum()),
+        "early_loss": mean(stats[:half], 0), "late_loss": mean(stats[half:], 0),
+        "per_position": per_position,
+    }  # fmt: skip
+    if cfg.data == tasks.RECALL:
+        report["chance_loss"] = tasks.CHANCE_LOSS
+    return report
+
+
+def run_eval(cfg: EvalConfig) -> list[dict[str, Any]]:
+    """Evaluate every model (a collective); rank 0 writes the JSON and the plot."""
+    import torch.distributed as dist
+
+    validate_eval(cfg, dist.get_world_size())
+    reports = [_evaluate_model(cfg, m) for m in cfg.models]
+    if dist.get_rank() == 0:
+        out = {"results": reports}
+        os.makedirs(os.path.dirname(os.path.abspath(cfg.output_json)), exist_ok=True)
+        with open(cfg.output_json, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=2)
+        for r in reports:
+            late = r["late_loss"]
+            logger.info(
+                "%s: loss %.4f, accuracy %.4f, late-half loss %s over %d tokens", r["model"], r["loss"],
+                r["accuracy"], "n/a" if late is None else f"{late:.4f}", r["tokens"],
+            )  # fmt: skip
+        logger.info("wrote %s", cfg.output_json)
+        if cfg.plot:
+            plot_per_position(reports, cfg.plot)
+    return reports
+
+
+def _label(name: str) -> str:
+    from .. import tasks
+
+    if tasks.is_preset(name):
+        return f"{name} (untrained)"
+    return os.path.basename(os.path.normpath(name)) or name
+
+
+def plot_per_position(reports: list[dict[str, Any]], path: str) -> None:
+    """Per-position loss of each report as one line; chance level dashed (recall)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed: no plot (pip install 'ulysses-sp[plot]')")
+        return
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in reports:
+        xs = [(b["start"] + b["end"]) / 2 for b in r["per_position"] if b["loss"] is not None]
+        ys = [b["loss"] for b in r["per_position"] if b["loss"] is not None]
+        ax.plot(xs, ys, marker="o", markersize=3, label=f"{_label(r['model'])} (mean {r['loss']:.3f})")
+    chance = reports[0].get("chance_loss")
+    if chance is not None:
+        ax.axhline(chance, color="gray", linestyle="--", label=f"chance without looking back ({chance:.2f})")
+    seq_len = reports[0]["seq_len"]
+    ax.axvline(seq_len / 2, color="gray", linestyle=":", linewidth=1)
+    ax.set_xlim(0, seq_len)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("position in the sequence (token predicted at this position)")
+    ax.set_ylabel("loss (nats)")
+    ax.set_title(f"per-position loss, {reports[0]['data']}, seq_len {seq_len}")
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    logger.info("wrote %s", path)

@@ -1,0 +1,68 @@
+"""The embedded defaults, so the main job runs with nothing downloaded.
+
+- :func:`byte_tokenizer` — the byte-level tokenizer shipped in code;
+- the ``recall`` task (:class:`RecallDataset`) — needs attention across SP shards to be learned;
+- model presets ``tiny-llama`` / ``tiny-qwen2`` / ``tiny-mistral`` (:func:`build_model`);
+- local ``.txt`` / ``.jsonl`` data (:class:`TextBlockDataset`).
+
+:func:`build_dataset` and :func:`load_tokenizer` turn the CLI's ``--data`` / ``--tokenizer`` /
+``--model`` strings into these objects.
+"""
+
+from __future__ import annotations
+
+import os
+
+from torch.utils.data import Dataset
+
+from .presets import PRESETS, build_model, check_model_dir, is_preset, preset_config
+from .recall import CHANCE_LOSS, RecallDataset, recall_sample, recall_start
+from .text import TextBlockDataset
+from .tokenizer import VOCAB_SIZE, byte_tokenizer
+
+RECALL = "recall"
+EVAL_SEED_OFFSET = 1_000_000_007
+"""Recall samples for evaluation come from ``seed + EVAL_SEED_OFFSET``: never seen in training."""
+
+__all__ = [
+    "CHANCE_LOSS",
+    "PRESETS",
+    "RECALL",
+    "RecallDataset",
+    "TextBlockDataset",
+    "VOCAB_SIZE",
+    "build_dataset",
+    "build_model",
+    "byte_tokenizer",
+    "check_model_dir",
+    "is_preset",
+    "load_tokenizer",
+    "preset_config",
+    "recall_sample",
+    "recall_start",
+]
+
+
+def load_tokenizer(tokenizer: str | None, model: str):
+    """``--tokenizer`` directory if given; else the model directory's own tokenizer if it has one;
+    else the byte-level tokenizer."""
+    from transformers import AutoTokenizer
+
+    if tokenizer:
+        if not os.path.isdir(tokenizer):
+            raise ValueError(f"--tokenizer {tokenizer!r}: no such directory")
+        return AutoTokenizer.from_pretrained(tokenizer)
+    if not is_preset(model) and os.path.isfile(os.path.join(model, "tokenizer_config.json")):
+        return AutoTokenizer.from_pretrained(model)
+    return byte_tokenizer()
+
+
+def build_dataset(
+    data: str, *, tokenizer, seq_len: int, seed: int, num_samples: int, held_out: bool = False
+) -> Dataset:
+    """``recall`` (``num_samples`` samples; ``held_out`` draws from a disjoint seed) or local text."""
+    if data == RECALL:
+        return RecallDataset(
+            seq_len=seq_len, num_samples=num_samples, seed=seed + (EVAL_SEED_OFFSET if held_out else 0)
+        )
+    return TextBlockDataset(data, tokenizer=tokenizer, seq_len=seq_len)
