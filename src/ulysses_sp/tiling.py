@@ -111,6 +111,17 @@ def _unlisted_leaves(y: torch.Tensor, listed: set[int]) -> list[torch.Tensor]:
     return found
 
 
+def _check_not_freed(params: Sequence[torch.Tensor]) -> None:
+    freed = [tuple(p.shape) for p in params if p.numel() and p.untyped_storage().nbytes() == 0]
+    if freed:
+        raise ValueError(
+            f"parameters {freed} of a tiled function were freed between forward and backward (FSDP2 "
+            "resharded them): run the tiled module inside an FSDP unit whose parameters are gathered "
+            "again for backward (its own unit's pre-backward hook, or the root with the default "
+            "reshard_after_forward), not in a unit that never sees the gradient"
+        )
+
+
 @dataclass(frozen=True)
 class _Spec:
     seq_dim: int
@@ -149,6 +160,7 @@ class _TiledCompute(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor):
         x, *aux = ctx.saved_tensors
         spec, params = ctx.spec, ctx.params
+        _check_not_freed(params)
         want_x = ctx.needs_input_grad[2]
         want = [i for i, p in enumerate(params) if ctx.needs_input_grad[3 + spec.n_aux + i]]
         grad_x = torch.zeros_like(x) if want_x else None
@@ -482,11 +494,16 @@ class TiledCausalLMLoss:
     def __call__(
         self, model: nn.Module, batch: dict[str, Any], shift_labels: torch.Tensor, sp_group: Any
     ) -> Any:
-        config = getattr(model, "config", None)
+        inner = model  # DDP and similar wrappers: hooks go on the wrapped model, the call on the wrapper
+        while not hasattr(inner, "get_output_embeddings") and isinstance(
+            getattr(inner, "module", None), nn.Module
+        ):
+            inner = inner.module
+        config = getattr(inner, "config", None)
         for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
             if getattr(config, attr, None) not in (None, 1, 1.0):
                 raise ValueError(f"tiled loss computes plain lm_head logits; {attr} is not supported")
-        lm_head = model.get_output_embeddings()
+        lm_head = inner.get_output_embeddings()
         result: dict[str, torch.Tensor] = {}
 
         def intercept(module: nn.Module, args: tuple) -> tuple | None:
