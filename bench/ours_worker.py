@@ -41,6 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--clip", type=float, default=0.0, help="gradient_clipping (0: off)")
     ap.add_argument("--out", required=True)
     return ap.parse_args(argv)
 
@@ -91,6 +92,7 @@ def main(argv=None) -> None:
     config = {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": 1,
+        "gradient_clipping": args.clip,
         "zero_optimization": {"stage": args.zero},
         "sequence_parallel_size": args.sp,
     }

@@ -150,11 +150,14 @@ def reference_run(
     lr: float,
     seed: int = 0,
     attn_implementation: str = "eager",
+    grad_scale: float = 1.0,
+    clip: float = 0.0,
 ) -> dict:
     """The oracle: the same optimizer steps in one process without parallelism.
 
     Each step averages the dp replicas' mean losses (equal token counts, so this is the global token mean),
-    as DP gradient averaging does. Returns per-step losses and the step-1 gradient norm.
+    as DP gradient averaging does. ``grad_scale`` multiplies the gradient (to model an engine that
+    over-counts it), ``clip`` is ``gradient_clipping``. Returns per-step losses and the step-1 gradient norm.
     """
     model = build_model(spec, seed=seed, attn_implementation=attn_implementation)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -162,12 +165,14 @@ def reference_run(
     for step in range(steps):
         batches = reference_step_batches(step, dp_size, sp_size, mb, seq_len, spec.vocab_size)
         loss = sum(causal_lm_loss(model, b) for b in batches) / dp_size
-        loss.backward()
+        (loss * grad_scale if grad_scale != 1.0 else loss).backward()
         if step == 0:
             grad_norm = float(
                 torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
             )
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return {"losses": losses, "grad_norm_step1": grad_norm}

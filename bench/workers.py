@@ -216,6 +216,8 @@ def task_memory(smoke: bool) -> list[dict]:
                         "dp": world // sp,
                         "tiled": tiled,
                         "seq": seq,
+                        "layers": spec.num_hidden_layers,
+                        "hidden": spec.hidden_size,
                         "peak_bytes": gather_max(m.peak_bytes),
                         "baseline_bytes": gather_max(m.baseline_bytes),
                     }

@@ -1,0 +1,195 @@
+"""Run the benchmark suite and write bench/results/{bench,smoke}.{json,md}.
+
+    python -m bench                 # full suite (< 15 min on a 2-core CPU machine)
+    python -m bench --smoke         # tiny sizes, ulysses-sp only (< 1 min; CI)
+    python -m bench --sections comm,deepspeed
+
+Sections (each row of the markdown carries the exact command that produced it):
+  comm        bytes per rank per attention layer vs the analytic Ulysses minimum (MHA, GQA, Hkv < P)
+  flops       FLOPs per rank vs total / P
+  memory      peak tensor memory vs sequence length, +-tiling; fitted activation slope ratio vs 1/P
+  throughput  tokens/s per rank at equal tokens per rank, ratio to sp=1 in the same run
+  deepspeed   side by side with DeepSpeed's own Ulysses/ALST (needs bash bench/setup_deepspeed.sh)
+  findings    checks of DeepSpeed's known problems -> bench/results/deepspeed_findings.md
+  projection  Llama-8B on 8 x 80 GB from the measured counts, vs the published ALST figures
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+
+import torch
+
+from bench import projection as proj
+from bench import report
+from bench import spec as S
+from bench.launch import DS_PYTHON, ROOT, WorkerFailed, deepspeed_available, run_worker
+
+SECTIONS = ("comm", "flops", "memory", "throughput", "deepspeed", "findings", "projection")
+SMOKE_SECTIONS = ("comm", "flops", "memory", "throughput", "projection")
+
+
+def machine() -> dict:
+    import os
+
+    import transformers
+
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "backend": "gloo (CPU)",
+    }
+
+
+def run_library_sections(sections: list[str], smoke: bool, log) -> tuple[list[dict], list[dict]]:
+    """Launch bench.workers once per world size; return (records, launches)."""
+    tasks = [s for s in sections if s in ("comm", "flops", "memory", "throughput")]
+    if not tasks:
+        return [], []
+    worlds = [2] if smoke else [2, 4]
+    records, launches = [], []
+    for w in worlds:
+        args = ["--tasks", ",".join(tasks)] + (["--smoke"] if smoke else [])
+        recs, cmd, wall = run_worker("bench.workers", w, args)
+        log(f"  workers world={w}: {wall:.0f} s")
+        for r in recs:
+            r["command"] = cmd
+        records += recs
+        launches.append({"command": cmd, "wall_s": wall})
+    return records, launches
+
+
+DS_POINTS = [
+    {"dp": 1, "sp": 2, "zero": 1},
+    {"dp": 1, "sp": 2, "zero": 2},
+    {"dp": 2, "sp": 2, "zero": 1},
+]
+
+
+def run_pair(
+    point: dict, *, steps: int, seq: int, mb: int = 1, lr: float = 1e-2, clip: float = 0.0, log
+) -> dict:
+    """ulysses-sp and DeepSpeed on one (dp, sp, zero) point, plus the single-process oracle."""
+    args = [
+        "--dp", str(point["dp"]), "--sp", str(point["sp"]), "--zero", str(point["zero"]),
+        "--steps", str(steps), "--seq-len", str(seq), "--micro-batch", str(mb), "--lr", str(lr),
+        "--clip", str(clip),
+    ]  # fmt: skip
+    n = point["dp"] * point["sp"]
+    ours, ours_cmd, ours_wall = run_worker("bench.ours_worker", n, args)
+    log(f"  ours {point}: {ours_wall:.0f} s")
+    ds, ds_cmd, ds_wall = run_worker("bench.ds_worker", n, args, python=DS_PYTHON)
+    log(f"  deepspeed {point}: {ds_wall:.0f} s")
+    ref = S.reference_run(
+        S.ModelSpec(),
+        steps=steps,
+        dp_size=point["dp"],
+        sp_size=point["sp"],
+        mb=mb,
+        seq_len=seq,
+        lr=lr,
+        clip=clip,
+    )
+    return {
+        "point": point, "steps": steps, "seq": seq, "micro_batch": mb, "lr": lr, "clip": clip,
+        "ours": ours, "deepspeed": ds, "reference": ref,
+        "ours_command": ours_cmd, "deepspeed_command": ds_cmd,
+    }  # fmt: skip
+
+
+def run_deepspeed(smoke: bool, log) -> list[dict]:
+    points = DS_POINTS[:1] if smoke else DS_POINTS
+    steps, seq = (3, 32) if smoke else (8, 256)
+    return [run_pair(p, steps=steps, seq=seq, log=log) for p in points]
+
+
+def run_findings(pairs: list[dict], log) -> dict:
+    """DeepSpeed runs that check the brief's claims; each result or error is recorded with its command."""
+    out: dict = {"runs": []}
+
+    def ds(name: str, n: int, args: list[str], ref: dict | None) -> None:
+        try:
+            res, cmd, wall = run_worker("bench.ds_worker", n, args, python=DS_PYTHON, timeout=300)
+            entry = {"name": name, "command": cmd, "result": res, "reference": ref, "error": None}
+        except WorkerFailed as e:
+            cmd = str(e).splitlines()[0].rsplit(" failed", 1)[0]
+            entry = {
+                "name": name,
+                "command": cmd,
+                "result": None,
+                "reference": ref,
+                "error": e.errors or [str(e)],
+            }
+            wall = 0.0
+        log(f"  findings {name}: {wall:.0f} s")
+        out["runs"].append(entry)
+
+    base = ["--steps", "3", "--seq-len", "64", "--sp", "2", "--dp", "1"]
+    ref1 = S.reference_run(S.ModelSpec(), steps=3, dp_size=1, sp_size=2, mb=1, seq_len=64, lr=1e-2)
+    ds("zero0", 2, [*base, "--zero", "0"], ref1)
+    ds("mesh_param", 2, [*base, "--zero", "1", "--mesh-param"], ref1)
+    ref2 = S.reference_run(S.ModelSpec(), steps=3, dp_size=1, sp_size=2, mb=2, seq_len=64, lr=1e-2)
+    ds("micro_batch_2", 2, [*base, "--zero", "1", "--micro-batch", "2"], ref2)
+    ds("unequal_lengths", 2, [*base, "--zero", "1", "--seq-lens", "64,32"], None)
+    refc = S.reference_run(S.ModelSpec(), steps=3, dp_size=1, sp_size=2, mb=1, seq_len=64, lr=1e-2, clip=1.0)
+    ds("clip_1.0", 2, [*base, "--zero", "1", "--clip", "1.0"], refc)
+    out["pairs"] = pairs
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, ulysses-sp sections only (CI)")
+    ap.add_argument("--sections", default=None, help=f"comma list of {','.join(SECTIONS)}")
+    ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    args = ap.parse_args(argv)
+    sections = args.sections.split(",") if args.sections else list(SMOKE_SECTIONS if args.smoke else SECTIONS)
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        ap.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
+    needs_ds = {"deepspeed", "findings"} & set(sections)
+    if needs_ds and not deepspeed_available():
+        print(
+            f"bench: sections {sorted(needs_ds)} need DeepSpeed: run `bash bench/setup_deepspeed.sh` first; skipping",
+            file=sys.stderr,
+        )
+        sections = [s for s in sections if s not in needs_ds]
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    t0 = time.perf_counter()
+    invocation = (
+        "python -m bench"
+        + (" --smoke" if args.smoke else "")
+        + (f" --sections {args.sections}" if args.sections else "")
+    )
+    result: dict = {"invocation": invocation, "machine": machine(), "smoke": args.smoke, "sections": sections}
+    records, launches = run_library_sections(sections, args.smoke, log)
+    result["records"], result["launches"] = records, launches
+    if "deepspeed" in sections or "findings" in sections:
+        pairs = run_deepspeed(args.smoke, log)
+        result["deepspeed"] = pairs if "deepspeed" in sections else []
+        if "findings" in sections:
+            result["findings"] = run_findings(pairs, log)
+    if "projection" in sections:
+        result["projection"] = report.projection_inputs(records)
+        result["projection"]["rows"] = proj.projections(
+            act_units=result["projection"]["act_units"], comm_ratio=result["projection"]["comm_ratio"]
+        )
+    result["wall_s"] = time.perf_counter() - t0
+    summary = report.write(result, args.out_dir, name="smoke" if args.smoke else "bench")
+    log(summary)
+    log(f"bench: done in {result['wall_s']:.0f} s -> {args.out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
