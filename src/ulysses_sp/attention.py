@@ -28,7 +28,6 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,6 +35,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .comm import all_gather_seq, heads_to_seq, seq_to_heads
+from .masks import SeqLayout, mask_for
 from .mesh import Mpu, init_mesh, mesh_info, require_process_group
 
 logger = logging.getLogger(__name__)
@@ -91,65 +91,6 @@ def _generic_eager(module, query, key, value, attention_mask, scaling, dropout=0
     return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs  # [B, S, H_l, D]
 
 
-@dataclass(frozen=True)
-class _SeqLayout:
-    """What one forward's full-sequence position ids imply (computed once per forward)."""
-
-    seq_len: int
-    """``S``: the full sequence length (``S_l * P``)."""
-    positions: torch.Tensor
-    """``[B or 1, S]`` full-sequence position ids."""
-    doc_ids: torch.Tensor | None
-    """``[B or 1, S]`` document index per token when documents are packed, else ``None``."""
-
-
-def _mask_for(layout: _SeqLayout, core: str, dtype: torch.dtype, sliding_window: int | None):
-    """The attention mask the full sequence needs, in the form ``core`` expects.
-
-    Returns ``None`` for plain causal attention where the kernel has an ``is_causal`` path (sdpa,
-    flash), a boolean ``[B|1, 1, S, S]`` (True = attend) for sdpa, an additive float mask for eager.
-    """
-    s = layout.seq_len
-    device = layout.positions.device
-    windowed = sliding_window is not None and s > sliding_window
-    if core == "flex_attention":
-        return _flex_block_mask(layout, sliding_window if windowed else None)
-    if layout.doc_ids is None and not windowed and core != "eager":
-        return None
-    idx = torch.arange(s, device=device)
-    allowed = idx[None, :] <= idx[:, None]  # [S, S] causal: key <= query
-    if windowed:
-        allowed = allowed & (idx[:, None] - idx[None, :] < sliding_window)
-    allowed = allowed[None, None]  # [1, 1, S, S]
-    if layout.doc_ids is not None:
-        # [B|1, S] -> [B|1, 1, S, S]: attend only within the same document.
-        allowed = allowed & (layout.doc_ids[:, None, :, None] == layout.doc_ids[:, None, None, :])
-    if core == "eager":
-        zero = torch.zeros((), dtype=dtype, device=device)
-        return torch.where(allowed, zero, torch.finfo(dtype).min)
-    return allowed
-
-
-def _flex_block_mask(layout: _SeqLayout, window: int | None):
-    """A flex-attention ``BlockMask`` for the full sequence: causal, within documents, windowed."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    doc = layout.doc_ids
-
-    def mask_mod(b, h, q, k):
-        keep = k <= q
-        if window is not None:
-            keep = keep & (q - k < window)
-        if doc is not None:
-            d = doc[b if doc.shape[0] > 1 else 0]
-            keep = keep & (d[q] == d[k])
-        return keep
-
-    batch = doc.shape[0] if doc is not None and doc.shape[0] > 1 else None
-    s = layout.seq_len
-    return create_block_mask(mask_mod, batch, None, s, s, device=layout.positions.device)
-
-
 class UlyssesSPAttentionHF:
     """The sequence-parallel core-attention function registered with transformers.
 
@@ -188,7 +129,7 @@ class UlyssesSPAttentionHF:
         self.last_seq_len: int | None = None
         """``S`` seen by the most recent call."""
         self._layout_key: tuple[int, int, bool] | None = None
-        self._layout: _SeqLayout | None = None
+        self._layout: SeqLayout | None = None
 
     # ------------------------------------------------------------------ per-forward layout
     def _seq_layout(self, position_ids: torch.Tensor | None, s_local: int, batch: int, device, sp: bool):
@@ -213,7 +154,6 @@ class UlyssesSPAttentionHF:
             positions = all_gather_seq(position_ids, self.sp_group, dim=-1)
         else:
             positions = position_ids
-        seq_len = positions.shape[-1]
         if (
             sp
             and torch.equal(positions[:, :s_local].repeat(1, self.sp_size), positions)
@@ -224,12 +164,7 @@ class UlyssesSPAttentionHF:
                 "position_ids are local (0..S_l-1 on every SP rank): pass the full-sequence positions of "
                 "the local tokens (UlyssesSPDataLoaderAdapter does), not let the model make them"
             )
-        restarts = positions[:, 1:] == 0
-        doc_ids = None
-        if bool(restarts.any()):
-            # [B|1, S]: a new document starts wherever the position restarts at 0.
-            doc_ids = torch.cat([torch.zeros_like(positions[:, :1]), restarts.long().cumsum(-1)], dim=-1)
-        self._layout_key, self._layout = key, _SeqLayout(seq_len, positions, doc_ids)
+        self._layout_key, self._layout = key, SeqLayout.from_positions(positions)
         return self._layout
 
     def _check_local_lengths(self, s_local: int, device) -> None:
@@ -267,7 +202,7 @@ class UlyssesSPAttentionHF:
         self.calls += 1
         self.last_seq_len = layout.seq_len
         kwargs.pop("is_causal", None)
-        mask = _mask_for(layout, self.core, query.dtype, kwargs.get("sliding_window"))
+        mask = mask_for(layout, self.core, query.dtype, kwargs.get("sliding_window"))
         core = _core_function(self.core, module)
         if self.core.startswith("flash"):
             kwargs["position_ids"] = layout.positions  # varlen boundaries from the full sequence
