@@ -1,0 +1,19 @@
+"""The training engine: ``initialize()`` and ``Engine`` (DeepSpeed's shape, PyTorch's machinery).
+
+``initialize`` builds or adopts the ``(dp, sp)`` mesh, wraps the model in DDP (ZeRO 0/1, with
+``ZeroRedundancyOptimizer`` at 1) or FSDP2 (ZeRO 2/3) so that gradients are summed over the SP
+group and averaged over the DP axis, and builds the optimizer, scheduler and DataLoader.
+
+Modules, one concern each: ``build`` (``initialize``), ``engine`` (``Engine``: forward/backward/
+step), ``sharding`` (DDP / FSDP2 over the mesh), ``optim`` (optimizer and scheduler construction),
+``schedulers`` (DeepSpeed's warmup schedules), ``data`` (the sequence-parallel sampler).
+"""
+
+from __future__ import annotations
+
+from .build import initialize
+from .data import SequenceParallelSampler
+from .engine import Engine
+from .schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR
+
+__all__ = ["Engine", "SequenceParallelSampler", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "initialize"]

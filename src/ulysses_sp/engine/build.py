@@ -1,0 +1,218 @@
+"""``initialize``: config + mesh + sharding engine + optimizer + scheduler + DataLoader, like ``deepspeed.initialize``.
+
+Order (every check that can fail does so before the first collective, identically on every rank,
+so a bad input raises ``ValueError`` everywhere instead of leaving some ranks in a collective):
+
+1. parse the config; check the arguments and that a process group exists;
+2. decide the mesh shape from ``mesh_param`` / ``mpu`` / config keys (they must agree) and the
+   data-parallel world size (``mesh.data_parallel_world_size``), then the batch triple;
+3. check the optimizer / scheduler arguments against the ZeRO stage;
+4. collectives: build or adopt the mesh, wrap the model (DDP or FSDP2), build the optimizer over
+   the wrapped parameters, the scheduler, and the DataLoader.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader, Dataset
+
+from ..comm import raise_if_any_rank_failed
+from ..config import TrainingConfig, load_config
+from ..mesh import (
+    LAUNCH_HINT,
+    MESH_AXES,
+    Mpu,
+    check_mesh,
+    check_mesh_param,
+    data_parallel_world_size,
+    dp_group,
+    init_mesh,
+    resolve_mesh_shape,
+    sp_group,
+)
+from .data import build_dataloader, check_dataset
+from .engine import Engine, LossFn
+from .optim import (
+    OptimizerArg,
+    SchedulerArg,
+    build_optimizer,
+    build_scheduler,
+    check_optimizer_args,
+    remap_parameters,
+)
+from .sharding import apply_ddp, apply_fsdp
+
+logger = logging.getLogger(__name__)
+
+
+def initialize(
+    model: nn.Module | None = None,
+    config: TrainingConfig | Mapping[str, Any] | str | None = None,
+    mesh_param: tuple[int, int] | None = None,
+    mpu: Any | None = None,
+    optimizer: OptimizerArg = None,
+    model_parameters: Iterable[Any] | None = None,
+    training_data: Dataset | None = None,
+    lr_scheduler: SchedulerArg = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    *,
+    loss_fn: LossFn | None = None,
+) -> tuple[Engine, Optimizer | None, DataLoader | None, Any]:
+    """Wrap ``model`` in a sharding engine over the ``(dp, sp)`` mesh; ``deepspeed.initialize``'s shape.
+
+    A collective: every rank calls it with the same arguments (after ``init_process_group``).
+
+    Args:
+        model: the model (e.g. a transformers ``LlamaForCausalLM``), on CPU or its device.
+        config: a ``TrainingConfig``, a DeepSpeed-style dict, or a JSON file path (``config.py``).
+        mesh_param: ``(dp_size, sp_size)``; alternatively ``mpu`` or the config's
+            ``data_parallel_size`` / ``sequence_parallel_size`` (either may be omitted).
+        mpu: the ``Mpu`` ``register_with_transformers`` returns (its mesh is adopted), or any
+            object with the reference ``mpu`` methods (its groups must match our layout).
+        optimizer: a pre-built ``Optimizer`` (ZeRO stage 0; stage 1 rebuilds it as a
+            ``ZeroRedundancyOptimizer``), or a ``callable(params) -> Optimizer`` (any stage; an
+            optimizer class works). Or use the config's ``optimizer`` section.
+        model_parameters: the parameters (or param-group dicts) to optimize; default: all that
+            require grad. Given as the model's parameters before sharding; remapped after.
+        training_data: a map-style dataset; a DataLoader of micro-batches is built over it (see
+            ``engine.data.SequenceParallelSampler`` for which rank loads which batch).
+        lr_scheduler: a pre-built scheduler (only with a pre-built optimizer at stage 0), or a
+            ``callable(optimizer) -> scheduler``. Or use the config's ``scheduler`` section.
+        collate_fn: passed to the DataLoader.
+        loss_fn: ``loss_fn(wrapper, batch, shift_labels, sp_group) -> outputs`` with ``.loss``,
+            replacing the full-logits loss (e.g. a tiled one). Call ``wrapper(...)`` (not its
+            submodules) so the sharding engine's forward hooks run.
+
+    Returns:
+        ``(engine, optimizer, dataloader, lr_scheduler)``; ``dataloader`` / ``lr_scheduler`` /
+        ``optimizer`` are ``None`` when not requested.
+
+    Raises:
+        ValueError: any bad or inconsistent input (before any collective, on every rank),
+            including no process group (the message says how to launch).
+    """
+    if config is None:
+        raise ValueError("initialize needs config= (a dict, a JSON file path or a TrainingConfig)")
+    cfg = load_config(config)
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise ValueError(f"loss_fn must be callable(model, batch, shift_labels, sp_group), got {loss_fn!r}")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            f"ulysses_sp.initialize needs an initialized torch.distributed process group: {LAUNCH_HINT}"
+        )
+    world_size = dist.get_world_size()
+    dp_size, sp_size = plan_mesh_shape(world_size, cfg, mesh_param=mesh_param, mpu=mpu)
+    dp_world_size = data_parallel_world_size(world_size, mpu=mpu, sequence_parallel_size=sp_size)
+    batch_sizes = cfg.batch_sizes(dp_world_size)
+    stage, partition = cfg.zero_optimization.stage, cfg.zero_optimization.partition
+    if model_parameters is not None:
+        model_parameters = list(model_parameters)
+    check_optimizer_args(
+        stage=stage,
+        section=cfg.optimizer,
+        optimizer=optimizer,
+        scheduler_section=cfg.scheduler,
+        lr_scheduler=lr_scheduler,
+        model=model,
+        model_parameters=model_parameters,
+    )
+    if training_data is not None:
+        check_dataset(training_data)
+
+    # ---- collectives from here on ----
+    mesh = _build_mesh(dp_size, sp_size, mpu)
+    names = {id(p): n for n, p in model.named_parameters()}
+    if stage <= 1:
+        wrapper = apply_ddp(model, mesh)
+    else:
+        wrapper = apply_fsdp(model, mesh, stage=stage, partition=partition)
+    if model_parameters is not None:
+        params = remap_parameters(model_parameters, names, model)
+    else:
+        params = [p for p in model.parameters() if p.requires_grad]
+    zero_group = dp_group(mesh) if partition == "data_parallel" else dist.group.WORLD
+    opt = build_optimizer(
+        params, stage=stage, section=cfg.optimizer, optimizer=optimizer, zero_group=zero_group
+    )
+    sched = build_scheduler(opt, section=cfg.scheduler, lr_scheduler=lr_scheduler)
+    engine = Engine(
+        module=model,
+        wrapper=wrapper,
+        optimizer=opt,
+        lr_scheduler=sched,
+        mesh=mesh,
+        mpu=mpu if mpu is not None else Mpu(mesh),
+        config=cfg,
+        batch_sizes=batch_sizes,
+        loss_fn=loss_fn,
+    )
+    loader = None
+    if training_data is not None:
+        loader = build_dataloader(
+            training_data,
+            batch_size=batch_sizes.train_micro_batch_size_per_gpu,
+            dp_size=engine.dp_size,
+            dp_rank=engine.dp_rank,
+            sp_size=engine.sp_size,
+            sp_rank=engine.sp_rank,
+            collate_fn=collate_fn,
+        )
+    if dist.get_rank() == 0:
+        logger.info("ulysses_sp.initialize: %r, %s", engine, batch_sizes)
+    return engine, opt, loader, sched
+
+
+def plan_mesh_shape(
+    world_size: int, cfg: TrainingConfig, *, mesh_param: Any = None, mpu: Any = None
+) -> tuple[int, int]:
+    """``(dp_size, sp_size)`` from ``mesh_param``, ``mpu`` and the config, which must agree. Pure.
+
+    Raises:
+        ValueError: a disagreement (naming both sides), a bad ``mesh_param``, or
+            ``dp * sp != world_size`` (naming all three numbers).
+    """
+    sources: list[tuple[str, int, int]] = []
+    if mesh_param is not None:
+        dp, sp = check_mesh_param(mesh_param)
+        sources.append((f"mesh_param {tuple(mesh_param)}", dp, sp))
+    if mpu is not None:
+        if not hasattr(mpu, "get_sequence_parallel_world_size"):
+            raise ValueError(f"mpu must have get_sequence_parallel_world_size(), got {type(mpu).__name__}")
+        sp = mpu.get_sequence_parallel_world_size()
+        sources.append((f"the mpu (sp_size {sp})", data_parallel_world_size(world_size, mpu=mpu), sp))
+    for name, dp, sp in sources[1:]:
+        if (dp, sp) != sources[0][1:]:
+            raise ValueError(f"{name} gives (dp, sp) = {(dp, sp)} but {sources[0][0]} gives {sources[0][1:]}")
+    if not sources:
+        return resolve_mesh_shape(world_size, cfg.data_parallel_size, cfg.sequence_parallel_size)
+    name, dp, sp = sources[0]
+    for key, value, want in (("sequence_parallel_size", cfg.sequence_parallel_size, sp),
+                             ("data_parallel_size", cfg.data_parallel_size, dp)):  # fmt: skip
+        if value is not None and value != want:
+            raise ValueError(f"config {key} ({value}) disagrees with {name}: {key} {want}")
+    return resolve_mesh_shape(world_size, dp, sp)
+
+
+def _build_mesh(dp_size: int, sp_size: int, mpu: Any) -> DeviceMesh:
+    mesh = getattr(mpu, "mesh", None)
+    if isinstance(mesh, DeviceMesh) and tuple(mesh.mesh_dim_names or ()) == MESH_AXES:
+        return check_mesh(mesh)
+    mesh = init_mesh((dp_size, sp_size))
+    if mpu is not None and hasattr(mpu, "get_sequence_parallel_group"):
+        # A foreign mpu: its groups must be the ones our mesh uses, on every rank.
+        want = dist.get_process_group_ranks(sp_group(mesh))
+        got = dist.get_process_group_ranks(mpu.get_sequence_parallel_group())
+        error = (
+            None if got == want else f"mpu SP group {got} != the mesh's SP group {want} (rank layout differs)"
+        )
+        raise_if_any_rank_failed(error)
+    return mesh

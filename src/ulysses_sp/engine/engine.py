@@ -1,0 +1,218 @@
+"""``Engine``: forward with the sequence-parallel loss, backward with accumulation, the optimizer step.
+
+The training loop, DeepSpeed-style (every call once per micro-step)::
+
+    for batch in adapter:                      # UlyssesSPDataLoaderAdapter: local shards + shift_labels
+        loss = engine(**batch).loss            # sp_causal_lm_loss over the SP group
+        engine.backward(loss)                  # / grad_accum; gradient sync only at the boundary
+        step_loss = engine.step()              # at the boundary: norm, clip, step, schedule, zero_grad
+
+Where it sits in the step (DESIGN.md): steps 3, 5, 6 and 7 — the model forward on the local
+shard, the loss, the backward, and the sharding engine's gradient reduction and optimizer step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, MutableMapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from ..comm import all_reduce_sum
+from ..config import BatchSizes, TrainingConfig
+from ..loss import sp_causal_lm_loss
+from ..mesh import dp_group, mesh_info, sp_group
+from .sharding import mesh_device
+
+LossFn = Callable[[nn.Module, dict[str, Any], torch.Tensor, Any], Any]
+"""``loss_fn(model, batch, shift_labels, sp_group) -> outputs`` with ``outputs.loss`` set."""
+
+
+class Engine:
+    """A model wrapped in DDP or FSDP2 over the ``(dp, sp)`` mesh, with its optimizer and schedule.
+
+    Built by ``ulysses_sp.initialize``; see there for the arguments. Attributes:
+
+    - ``module``: the user's model, as trained (for FSDP2 its parameters are ``DTensor`` shards);
+      what DeepSpeed calls ``engine.module``.
+    - ``wrapper``: what ``engine(**batch)`` calls: the ``DistributedDataParallel`` wrapper at
+      stages 0/1, ``module`` itself at stages 2/3.
+    - ``mesh``, ``mpu``, ``sp_group``, ``dp_group``, ``dp_size``, ``sp_size``, ``dp_rank``,
+      ``sp_rank``, ``zero_stage``, ``partition``, ``device``, ``optimizer``, ``lr_scheduler``,
+      ``config``, ``batch_sizes``, ``micro_steps``, ``global_steps``, ``last_loss``.
+    """
+
+    def __init__(
+        self,
+        *,
+        module: nn.Module,
+        wrapper: nn.Module,
+        optimizer: Optimizer | None,
+        lr_scheduler: Any,
+        mesh: DeviceMesh,
+        mpu: Any,
+        config: TrainingConfig,
+        batch_sizes: BatchSizes,
+        loss_fn: LossFn | None = None,
+    ) -> None:
+        self.module, self.wrapper = module, wrapper
+        self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
+        self.mesh, self.mpu, self.config, self.batch_sizes = mesh, mpu, config, batch_sizes
+        self.loss_fn = loss_fn
+        info = mesh_info(mesh)
+        self.dp_size, self.sp_size, self.dp_rank, self.sp_rank = (
+            info.dp_size,
+            info.sp_size,
+            info.dp_rank,
+            info.sp_rank,
+        )
+        self.sp_group, self.dp_group = sp_group(mesh), dp_group(mesh)
+        self.zero_stage = config.zero_optimization.stage
+        self.partition = config.zero_optimization.partition
+        self.device = mesh_device(mesh)
+        self.micro_steps = 0
+        """Micro-steps taken (``step()`` calls)."""
+        self.global_steps = 0
+        """Optimizer steps taken."""
+        self.last_loss: float | None = None
+        """The last optimizer step's loss: mean over its micro-steps, averaged over the DP axis."""
+        self._grad_norm: float | None = None
+        self._loss_sum: torch.Tensor | None = None
+        self._loss_count = 0
+
+    # DeepSpeed-style accessors
+    def train_batch_size(self) -> int:
+        return self.batch_sizes.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.batch_sizes.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.batch_sizes.gradient_accumulation_steps
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the current micro-step is the last of an optimizer step."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def get_global_grad_norm(self) -> float | None:
+        """L2 norm of the full reduced gradient of the last optimizer step, before clipping."""
+        return self._grad_norm
+
+    def get_lr(self) -> list[float]:
+        """The current learning rate of each param group."""
+        return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer is not None else []
+
+    def train(self, mode: bool = True) -> Engine:
+        self.wrapper.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+    # the step
+    def __call__(self, *args: Any, **batch: Any) -> Any:
+        return self.forward(*args, **batch)
+
+    def forward(self, *args: Any, **batch: Any) -> Any:
+        """Run the model; with ``shift_labels`` in the batch, also the SP loss into ``outputs.loss``.
+
+        ``shift_labels [B, S_l]`` (the data adapter's key) is popped so the model never sees it;
+        the loss is ``loss_fn(wrapper, batch, shift_labels, sp_group)`` if one was given, else
+        ``sp_causal_lm_loss(outputs.logits, shift_labels, sp_group)``.
+        """
+        if torch.is_grad_enabled() and self.wrapper.training:
+            self._set_gradient_sync(self.is_gradient_accumulation_boundary())
+        shift_labels = batch.pop("shift_labels", None)
+        if shift_labels is None:
+            return self.wrapper(*args, **batch)
+        if args:
+            raise ValueError("with shift_labels, pass the whole batch as keyword arguments")
+        if self.loss_fn is not None:
+            return self.loss_fn(self.wrapper, batch, shift_labels, self.sp_group)
+        outputs = self.wrapper(**batch)
+        logits = getattr(outputs, "logits", None)
+        if logits is None:
+            raise ValueError(
+                "the model output has no .logits; pass initialize(..., loss_fn=...) to compute the loss"
+            )
+        loss = sp_causal_lm_loss(logits, shift_labels, self.sp_group)
+        if isinstance(outputs, MutableMapping):  # transformers ModelOutput: keep item and attribute in step
+            outputs["loss"] = loss
+        else:
+            outputs.loss = loss
+        return outputs
+
+    def _set_gradient_sync(self, sync: bool) -> None:
+        # Decided at forward time: DDP prepares its reducer in forward (this is what no_sync() sets).
+        if isinstance(self.wrapper, DistributedDataParallel):
+            self.wrapper.require_backward_grad_sync = sync
+        elif isinstance(self.module, FSDPModule):
+            self.module.set_requires_gradient_sync(sync)
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Back-propagate ``loss / gradient_accumulation_steps``; record ``loss`` for the step's report.
+
+        Gradients are reduced (sum over SP, mean over DP) only on the boundary micro-step.
+        """
+        value = loss.detach().float()
+        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+        self._loss_count += 1
+        ga = self.gradient_accumulation_steps()
+        (loss / ga if ga > 1 else loss).backward()
+        return loss
+
+    def step(self) -> float | None:
+        """End a micro-step; at the accumulation boundary take the optimizer step.
+
+        At the boundary: compute the global gradient norm, clip to ``gradient_clipping`` if > 0,
+        ``optimizer.step()``, ``lr_scheduler.step()``, ``zero_grad``; return the step's loss (mean
+        over its micro-steps, averaged over the DP axis; ``None`` if ``backward`` never saw one).
+        Off the boundary: return ``None``.
+        """
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return None
+        if self.optimizer is None:
+            raise ValueError(
+                "engine.step() needs an optimizer: add an 'optimizer' section or pass optimizer="
+            )
+        self._grad_norm = self._norm_and_clip()
+        self.optimizer.step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_steps += 1
+        self.last_loss = self._reduce_loss()
+        return self.last_loss
+
+    def _norm_and_clip(self) -> float:
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        total = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if isinstance(total, DTensor):  # FSDP2: per-shard partial norms -> the full norm
+            total = total.full_tensor()
+        clip = self.config.gradient_clipping
+        if clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, clip, total)
+        return float(total)
+
+    def _reduce_loss(self) -> float | None:
+        if self._loss_sum is None:
+            return None
+        mean = self._loss_sum / self._loss_count
+        self._loss_sum, self._loss_count = None, 0
+        return float(all_reduce_sum(mean, self.dp_group) / self.dp_size)
+
+    def __repr__(self) -> str:
+        return (
+            f"Engine(zero_stage={self.zero_stage}, partition={self.partition!r}, dp_size={self.dp_size}, "
+            f"sp_size={self.sp_size}, device={self.device})"
+        )
