@@ -139,6 +139,7 @@ def _configure_logging(rank: int) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
 
 
 def _init_process_group(timeout_s: float, *, single: bool) -> None:

@@ -34,11 +34,17 @@ def is_preset(name: str) -> bool:
 
 
 def preset_config(name: str, *, vocab_size: int) -> PretrainedConfig:
-    """The transformers config of preset ``name`` with the tokenizer's ``vocab_size``."""
+    """The transformers config of preset ``name`` for a tokenizer of ``vocab_size`` tokens.
+
+    The embedding is padded to a multiple of 8 rows (usual practice, and headroom: transformers'
+    ``AutoTokenizer`` reloads a byte tokenizer saved next to a Qwen2 config as ``Qwen2Tokenizer``,
+    which appends ``<|endoftext|>`` as token 259).
+    """
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; presets: {', '.join(PRESETS)}")
     model_type, extra = PRESETS[name]
-    return AutoConfig.for_model(model_type, vocab_size=vocab_size, **_COMMON, **extra)
+    padded = -(-vocab_size // 8) * 8
+    return AutoConfig.for_model(model_type, vocab_size=padded, **_COMMON, **extra)
 
 
 def check_model_dir(path: str) -> None:
