@@ -30,20 +30,25 @@ WORLD = DP * SP
 RTOL, ATOL = 1e-5, 1e-6
 MLP_NUMEL = 4 * (16 * 16 + 16)
 
-# name -> (stage, partition, grad_accum, clip, optimizer source, scheduler?)
+# name -> (stage, partition, grad_accum, clip, optimizer source, scheduler?, (dp, sp))
 MLP_CASES = {
-    "s0": (0, "data_parallel", 1, 0.0, "prebuilt", False),
-    "s1": (1, "data_parallel", 1, 0.0, "prebuilt", False),
-    "s2": (2, "data_parallel", 1, 0.0, "callable", False),
-    "s3": (3, "data_parallel", 1, 0.0, "config", False),
-    "s1_all": (1, "all", 1, 0.0, "config", False),
-    "s2_all": (2, "all", 1, 0.0, "config", False),
-    "s3_all": (3, "all", 1, 0.0, "config", False),
-    "s1_clip": (1, "data_parallel", 1, 0.05, "config", False),
-    "s3_clip": (3, "data_parallel", 1, 0.05, "config", False),
-    "s0_ga2": (0, "data_parallel", 2, 0.0, "config", True),
-    "s2_ga2": (2, "data_parallel", 2, 0.0, "config", True),
-    "s3_ga2": (3, "all", 2, 0.0, "config", True),
+    "s0": (0, "data_parallel", 1, 0.0, "prebuilt", False, (DP, SP)),
+    "s1": (1, "data_parallel", 1, 0.0, "prebuilt", False, (DP, SP)),
+    "s2": (2, "data_parallel", 1, 0.0, "callable_groups", False, (DP, SP)),
+    "s3": (3, "data_parallel", 1, 0.0, "config", False, (DP, SP)),
+    "s1_all": (1, "all", 1, 0.0, "config", False, (DP, SP)),
+    "s2_all": (2, "all", 1, 0.0, "config", False, (DP, SP)),
+    "s3_all": (3, "all", 1, 0.0, "config", False, (DP, SP)),
+    "s1_clip": (1, "data_parallel", 1, 0.05, "config", False, (DP, SP)),
+    "s3_clip": (3, "data_parallel", 1, 0.05, "config", False, (DP, SP)),
+    "s0_ga2": (0, "data_parallel", 2, 0.0, "config", True, (DP, SP)),
+    "s2_ga2": (2, "data_parallel", 2, 0.0, "config", True, (DP, SP)),
+    "s3_ga2": (3, "all", 2, 0.0, "config", True, (DP, SP)),
+    # other layouts on the same 4 ranks: with dp=1, DP-axis partitioning shards nothing
+    "s3_sp4": (3, "data_parallel", 1, 0.0, "config", False, (1, 4)),
+    "s3_all_sp4": (3, "all", 1, 0.0, "config", False, (1, 4)),
+    "s1_all_sp4": (1, "all", 1, 0.0, "config", False, (1, 4)),
+    "s2_dp4": (2, "data_parallel", 1, 0.0, "config", False, (4, 1)),
 }
 STEPS, MICRO = 2, 2
 SGD = {"lr": 0.2, "momentum": 0.9}
@@ -63,10 +68,10 @@ def _mlp() -> nn.Module:
     )
 
 
-def _mlp_data(ga: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _mlp_data(ga: int, dp: int, sp: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``x, y`` of shape ``[steps, ga, dp, sp, micro, 16]``: one slice per rank and micro-step."""
     g = torch.Generator().manual_seed(1)
-    shape = (STEPS, ga, DP, SP, MICRO, 16)
+    shape = (STEPS, ga, dp, sp, MICRO, 16)
     return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
 
 
@@ -95,7 +100,7 @@ def _held(engine, opt):
     return None
 
 
-def _run_mlp_case(stage, partition, ga, clip, opt_source, sched):
+def _run_mlp_case(stage, partition, ga, clip, opt_source, sched, mesh_param):
     model = _mlp()
     cfg = {
         "train_micro_batch_size_per_gpu": MICRO,
@@ -103,17 +108,21 @@ def _run_mlp_case(stage, partition, ga, clip, opt_source, sched):
         "gradient_clipping": clip,
         "zero_optimization": {"stage": stage, "partition": partition},
     }
-    optimizer = None
+    optimizer, groups = None, None
     if opt_source == "config":
         cfg["optimizer"] = {"type": "SGD", "params": SGD}
-    elif opt_source == "callable":
+    elif opt_source == "callable_groups":  # param groups of pre-sharding parameters, remapped
         optimizer = lambda params: torch.optim.SGD(params, **SGD)  # noqa: E731
+        params = list(model.parameters())
+        groups = [{"params": params[:3]}, {"params": params[3:], "momentum": SGD["momentum"]}]
     else:
         optimizer = torch.optim.SGD(model.parameters(), **SGD)
     if sched:
         cfg["scheduler"] = {"type": "WarmupLR", "params": WARMUP}
-    engine, opt, _, _ = initialize(model, cfg, mesh_param=(DP, SP), optimizer=optimizer)
-    x, y = _mlp_data(ga)
+    engine, opt, _, _ = initialize(
+        model, cfg, mesh_param=mesh_param, optimizer=optimizer, model_parameters=groups
+    )
+    x, y = _mlp_data(ga, *mesh_param)
     d, k = engine.dp_rank, engine.sp_rank
     rec = {"norms": [], "losses": [], "boundaries": []}
     for s in range(STEPS):
@@ -137,6 +146,7 @@ def _run_mlp_case(stage, partition, ga, clip, opt_source, sched):
     rec["params"] = {n: _full(p) for n, p in engine.module.named_parameters()}
     rec["held"] = _held(engine, opt)
     rec["global_steps"] = engine.global_steps
+    rec["param_groups"] = len(opt.param_groups)
     rec["coords"] = (d, k)
     return rec
 
@@ -145,25 +155,26 @@ def _mlp_worker(cases):
     return {name: _run_mlp_case(*case) for name, case in cases.items()}
 
 
-def _mlp_reference(stage, partition, ga, clip, opt_source, sched):
+def _mlp_reference(stage, partition, ga, clip, opt_source, sched, mesh_param):
     """One process, the same global data: loss = mean over DP of (sum over SP of the rank parts),
     with the ``ga`` micro-batches of a step as one big batch."""
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), **SGD)
     scheduler = WarmupLR(opt, **WARMUP) if sched else None
-    x, y = _mlp_data(ga)
+    dp, sp = mesh_param
+    x, y = _mlp_data(ga, dp, sp)
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     norms, rank_losses = [], []
     for s in range(STEPS):
-        parts = torch.zeros(DP, SP)
+        parts = torch.zeros(dp, sp)
         total = 0.0
-        for d in range(DP):
-            for k in range(SP):
+        for d in range(dp):
+            for k in range(sp):
                 xb, yb = x[s, :, d, k].reshape(-1, 16), y[s, :, d, k].reshape(-1, 16)
                 part = ((model(xb) - yb) ** 2).mean()
                 parts[d, k] = part.detach()
                 total = total + part
-        (total / DP).backward()
+        (total / dp).backward()
         norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
         if clip:
             torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), clip, norm)
@@ -200,6 +211,7 @@ def test_mlp_step_matches_single_process_reference(mlp_results, name):
         assert rec["global_steps"] == STEPS
         ga = case[2]
         assert rec["boundaries"] == [(m + 1) % ga == 0 for m in range(ga)] * STEPS
+        assert rec["param_groups"] == (2 if case[4] == "callable_groups" else 1)
 
 
 @pytest.mark.parametrize("name", [n for n, c in MLP_CASES.items() if c[2] > 1])
@@ -225,6 +237,10 @@ EXPECTED_FRACTIONS = {
     "s1_all": (1, 1, 1, 1 / WORLD),
     "s2_all": (1 / WORLD, 1, 1 / WORLD, 1 / WORLD),
     "s3_all": (1 / WORLD, 1 / WORLD, 1 / WORLD, 1 / WORLD),
+    "s3_sp4": (1, 1, 1, 1),  # dp=1: partitioning over the DP axis shards nothing ...
+    "s3_all_sp4": (1 / WORLD, 1 / WORLD, 1 / WORLD, 1 / WORLD),  # ... over all ranks it does
+    "s1_all_sp4": (1, 1, 1, 1 / WORLD),
+    "s2_dp4": (1 / WORLD, 1, 1 / WORLD, 1 / WORLD),
 }
 
 
