@@ -17,6 +17,7 @@ Sections (each row of the markdown carries the exact command that produced it):
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import sys
 import time
@@ -83,10 +84,14 @@ def run_pair(
         "--clip", str(clip),
     ]  # fmt: skip
     n = point["dp"] * point["sp"]
-    ours, ours_cmd, ours_wall = run_worker("bench.ours_worker", n, args)
-    log(f"  ours {point}: {ours_wall:.0f} s")
-    ds, ds_cmd, ds_wall = run_worker("bench.ds_worker", n, args, python=DS_PYTHON)
-    log(f"  deepspeed {point}: {ds_wall:.0f} s")
+    try:
+        ours, ours_cmd, ours_wall = run_worker("bench.ours_worker", n, args)
+        log(f"  ours {point}: {ours_wall:.0f} s")
+        ds, ds_cmd, ds_wall = run_worker("bench.ds_worker", n, args, python=DS_PYTHON)
+        log(f"  deepspeed {point}: {ds_wall:.0f} s")
+    except WorkerFailed as e:
+        log(f"  {point}: FAILED {str(e).splitlines()[0]}")
+        return {"point": point, "error": str(e)[-2000:], "errors": e.errors}
     ref = S.reference_run(
         S.ModelSpec(),
         steps=steps,
@@ -149,7 +154,19 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, ulysses-sp sections only (CI)")
     ap.add_argument("--sections", default=None, help=f"comma list of {','.join(SECTIONS)}")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    ap.add_argument(
+        "--render", metavar="JSON", help="only re-render the markdown (and README section) from a result"
+    )
     args = ap.parse_args(argv)
+    if args.render:
+        with open(args.render) as f:
+            result = json.load(f)
+        result.pop("derived", None)
+        name = "smoke" if result.get("smoke") else "bench"
+        print(report.write(result, args.out_dir, name=name))
+        if not result.get("smoke"):
+            report.write_readme(result, str(ROOT / "docs" / "readme" / "performance.md"))
+        return 0
     sections = args.sections.split(",") if args.sections else list(SMOKE_SECTIONS if args.smoke else SECTIONS)
     unknown = set(sections) - set(SECTIONS)
     if unknown:
@@ -186,6 +203,8 @@ def main(argv=None) -> int:
         )
     result["wall_s"] = time.perf_counter() - t0
     summary = report.write(result, args.out_dir, name="smoke" if args.smoke else "bench")
+    if not args.smoke and not args.sections:
+        report.write_readme(result, str(ROOT / "docs" / "readme" / "performance.md"))
     log(summary)
     log(f"bench: done in {result['wall_s']:.0f} s -> {args.out_dir}")
     return 0

@@ -29,7 +29,7 @@ def _table(header: list[str], rows: list[list]) -> str:
 
 
 def render_findings(result: dict) -> str:
-    pairs = result["findings"].get("pairs", [])
+    pairs = [p for p in result["findings"].get("pairs", []) if "error" not in p]
     ver = next((p["deepspeed"].get("deepspeed_version") for p in pairs), None)
     if ver is None:
         ver = next((r["result"]["deepspeed_version"] for r in result["findings"]["runs"] if r["result"]), "?")

@@ -6,7 +6,9 @@ every storage that an op creates inside the region, each released through a weak
 storage (storages keep one Python object for their lifetime, so the finaliser fires when the memory is
 freed). ``peak`` is the largest sum of live storage bytes seen. The same meter runs on both sides of the
 DeepSpeed comparison, so its blind spots (allocator caching, storages made by C++ outside dispatch,
-e.g. inside a collective's backend) bias both sides alike.
+e.g. inside a collective's backend) bias both sides alike. One blind spot is one-sided: FSDP2 (our
+ZeRO 2/3) re-allocates unsharded parameters with ``UntypedStorage.resize_``, which no dispatch mode
+sees; bench/ours_worker.py adds those bytes explicitly (``unsharded_param_bytes``).
 """
 
 from __future__ import annotations
@@ -44,10 +46,10 @@ class PeakMeter:
     def _add(self, t: torch.Tensor) -> None:
         try:
             st = t.untyped_storage()
+            key = st.data_ptr()  # raises for storages FSDP2 has freed with resize_(0)
+            n = st.nbytes()
         except (RuntimeError, NotImplementedError, TypeError):
             return
-        key = st.data_ptr()
-        n = st.nbytes()
         if key == 0 or n == 0 or key in self._live:
             return
         self._live[key] = n

@@ -136,6 +136,7 @@ def main(argv=None) -> None:
         dist.all_reduce(lv)
         losses.append(float(lv) / world)
     spread = param_spread(engine.module, sp_group)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     tokens_per_rank = args.micro_batch * batch["input_ids"].shape[1]
     if rank == 0:
         steady = times[1:] or times
@@ -147,7 +148,11 @@ def main(argv=None) -> None:
             "step_times": times,
             "tokens_per_rank_per_step": tokens_per_rank,
             "tokens_per_s_per_rank": tokens_per_rank / (sum(steady) / len(steady)),
-            "peak_bytes": meter.peak,
+            # FSDP2 (ZeRO 2/3) gathers unsharded parameters into storages it resizes, invisible to the
+            # dispatch meter: add them (stage 2 keeps all of them from forward to backward).
+            "peak_bytes": meter.peak + (param_bytes if args.zero >= 2 else 0),
+            "peak_bytes_measured": meter.peak,
+            "unsharded_param_bytes": param_bytes if args.zero >= 2 else 0,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "grad_norm_step1": grad_norm,
             "grad_norm_step1_per_rank": local_norms,

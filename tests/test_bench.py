@@ -1,0 +1,107 @@
+"""The benchmark suite: analytic minimum, exact communication counts, and the smoke run end to end.
+
+Keeps bench/ from rotting: ``python -m bench --smoke`` must run, write its JSON and markdown with a
+command on every row, and the all-to-all volume must equal the analytic Ulysses minimum exactly
+(deterministic byte counts) for MHA and GQA, including fewer kv heads than SP ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # bench/ is a top-level folder of the repository, not an installed package
+    sys.path.insert(0, str(ROOT))
+
+from bench import analytic  # noqa: E402
+
+
+def test_analytic_minimum_mha_matches_the_textbook_formula():
+    B, S, H, D, P, b = 2, 64, 8, 16, 4, 2
+    h = H * D
+    got = analytic.ulysses_min_bytes_per_layer(B=B, S=S, H=H, Hkv=H, D=D, P=P, b=b)
+    assert got == 4 * B * S * h * (P - 1) * b // P**2
+
+
+@pytest.mark.parametrize("hkv, kv_factor", [(8, 1.0), (4, 0.5), (2, 0.5), (1, 0.5)])
+def test_analytic_minimum_gqa_scales_kv_by_max_hkv_p_over_h(hkv, kv_factor):
+    # P = 4: Hkv >= P scales the kv terms by Hkv/H; Hkv < P still needs one kv head per rank (P/H).
+    kw = dict(B=1, S=64, H=8, D=8, P=4, b=4)
+    q_and_o = 2 * 1 * 64 * 8 * 8 * 3 * 4 // 16
+    got = analytic.ulysses_min_bytes_per_layer(Hkv=hkv, **kw)
+    assert got == q_and_o + int(q_and_o * kv_factor)
+    assert got <= analytic.naive_kv_bytes_per_layer(Hkv=hkv, **kw)
+
+
+def test_analytic_minimum_rejects_unsplittable_heads():
+    with pytest.raises(ValueError, match="cannot be split"):
+        analytic.ulysses_min_bytes_per_layer(B=1, S=64, H=6, Hkv=3, D=8, P=4, b=4)
+    with pytest.raises(ValueError, match="not divisible"):
+        analytic.ulysses_min_bytes_per_layer(B=1, S=30, H=8, Hkv=8, D=8, P=4, b=4)
+
+
+def _comm_records():
+    from bench.workers import task_comm
+
+    return task_comm(smoke=True)
+
+
+def test_comm_volume_is_exactly_the_minimum_at_sp4(pool):
+    """World 4: sp=2 (dp=2) and sp=4, Hkv in {8, 4, 2, 1}: every ratio is exactly 1, forward and backward."""
+    records = pool.run(_comm_records, 4)[0]
+    seen = {(r["sp"], r["kv_heads"]) for r in records}
+    assert {(4, 2), (4, 1), (2, 1), (4, 8)} <= seen
+    for r in records:
+        assert r["fwd_bytes_per_layer"] == r["min_bytes_per_layer"], r
+        assert r["bwd_bytes_per_layer"] == r["min_bytes_per_layer"], r
+        assert r["a2a_calls_per_layer_fwd"] == 4
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--smoke", "--out-dir", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_smoke_run_writes_json_and_markdown_with_commands(smoke):
+    result = json.loads((smoke / "smoke.json").read_text())
+    md = (smoke / "smoke.md").read_text()
+    assert {r["task"] for r in result["records"]} == {"comm", "flops", "memory", "throughput"}
+    for r in result["records"]:
+        assert "torch.distributed.run" in r["command"] and "bench.workers" in r["command"]
+    assert "## Targets" in md and "## 1. Communication volume" in md and "## 6. Projection" in md
+    assert result["projection"]["rows"][0]["max_seq"] > 0
+
+
+@pytest.mark.slow
+def test_smoke_comm_ratio_is_exactly_one_for_mha_and_gqa(smoke):
+    comm = [r for r in json.loads((smoke / "smoke.json").read_text())["records"] if r["task"] == "comm"]
+    kinds = {
+        ("MHA" if r["kv_heads"] == r["heads"] else "GQA<P" if r["kv_heads"] < r["sp"] else "GQA")
+        for r in comm
+    }
+    assert kinds == {"MHA", "GQA", "GQA<P"}
+    for r in comm:
+        assert r["fwd_ratio"] == 1.0 and r["bwd_ratio"] == 1.0, r
+
+
+@pytest.mark.slow
+def test_smoke_flops_per_rank_is_total_over_p(smoke):
+    flops = [r for r in json.loads((smoke / "smoke.json").read_text())["records"] if r["task"] == "flops"]
+    assert {r["sp"] for r in flops} == {1, 2}
+    for r in flops:
+        assert r["ratio_to_total_over_p"] <= 1.02, r
