@@ -481,6 +481,7 @@ def _bad_worker(cases):
     engine.backward(engine(torch.ones(2, 4)).sum())
     engine.step()
     out["_loader"] = [b.tolist() for b in loader]
+    out["_sampler"] = (type(loader.sampler).__name__, loader.sampler.num_replicas, loader.sampler.rank)
     out["_sizes"] = (engine.dp_size, engine.sp_size, engine.train_micro_batch_size_per_gpu())
     return out
 
@@ -493,6 +494,7 @@ def test_bad_inputs_raise_value_error_on_every_rank(pool):
             assert re.search(pattern, res[name]), f"{name}: {res[name]!r}"
         assert res["_sizes"] == (2, 2, 2)
         assert all(len(b) == 2 for b in res["_loader"]) and len(res["_loader"]) == 5
+        assert res["_sampler"] == ("SPDistributedSampler", WORLD, (rank % SP) * DP + rank // SP)
     # Over each SP group the 4 ranks' batches cover the 40 samples exactly once.
     seen = sorted(i for res in results for b in res["_loader"] for i in b)
     assert seen == list(range(40))

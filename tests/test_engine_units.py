@@ -1,4 +1,4 @@
-"""In-process pieces of the engine: the warmup schedules, the SP sampler, mesh-shape planning."""
+"""In-process pieces of the engine: the warmup schedules and mesh-shape planning."""
 
 from __future__ import annotations
 
@@ -6,10 +6,9 @@ import math
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
 
 from ulysses_sp.config import load_config
-from ulysses_sp.engine import SequenceParallelSampler, WarmupCosineLR, WarmupDecayLR, WarmupLR
+from ulysses_sp.engine import WarmupCosineLR, WarmupDecayLR, WarmupLR
 from ulysses_sp.engine.build import plan_mesh_shape
 
 # ---- schedulers: optimizer step k runs with lr(k) ----
@@ -78,60 +77,6 @@ def test_scheduler_state_dict_resumes_exactly():
     sched.step()
     sched2.step()
     assert sched2.get_last_lr() == sched.get_last_lr()
-
-
-# ---- the sampler: an sp=P run loads the batches of the sp=1 run, round-robin over SP ranks ----
-
-
-@pytest.mark.parametrize("n, dp, sp, b", [(40, 2, 2, 3), (37, 2, 4, 2), (16, 1, 2, 1), (50, 3, 2, 4)])
-def test_sp_sampler_round_robin_equals_the_sp1_batches(n, dp, sp, b):
-    data = list(range(n))
-    for d in range(dp):
-        sp1 = [
-            x.tolist()
-            for x in DataLoader(data, batch_size=b, sampler=DistributedSampler(data, dp, d, seed=3))
-        ]
-        per_rank = [
-            [x.tolist() for x in DataLoader(data, batch_size=b, sampler=SequenceParallelSampler(
-                data, dp_size=dp, dp_rank=d, sp_size=sp, sp_rank=k, batch_size=b, seed=3))]
-            for k in range(sp)
-        ]  # fmt: skip
-        assert len({len(r) for r in per_rank}) == 1  # every SP rank yields the same number of batches
-        assert all(len(batch) == b for r in per_rank for batch in r)  # all full: padded by wrap-around
-        interleaved = [per_rank[i % sp][i // sp] for i in range(len(per_rank[0]) * sp)]
-        full_sp1 = [batch for batch in sp1 if len(batch) == b]  # sp=1 may end with a short batch
-        assert interleaved[: len(full_sp1)] == full_sp1
-
-
-def test_sp_sampler_epochs_and_drop_last():
-    data = list(range(20))
-    s = SequenceParallelSampler(
-        data, dp_size=1, dp_rank=0, sp_size=2, sp_rank=0, batch_size=3, drop_last=True
-    )
-    assert len(s) == len(list(s)) == 9  # 18 of 20 samples form 3 full rounds of 2 batches of 3
-    first = list(s)
-    s.set_epoch(1)
-    assert list(s) != first
-
-
-def test_world_size_sampler_regroups_batches_when_micro_batch_above_one():
-    """Why the sampler is not DistributedSampler(num_replicas=dp*sp): with B > 1 it deals out
-    samples, not batches, and the round-robin order no longer reproduces the sp=1 batches."""
-    data, dp, sp, b = list(range(16)), 1, 2, 2
-    sp1 = [
-        x.tolist()
-        for x in DataLoader(data, batch_size=b, sampler=DistributedSampler(data, dp, 0, shuffle=False))
-    ]
-    per_rank = [
-        [
-            x.tolist()
-            for x in DataLoader(
-                data, batch_size=b, sampler=DistributedSampler(data, dp * sp, k, shuffle=False)
-            )
-        ]
-        for k in range(sp)
-    ]
-    assert [per_rank[i % sp][i // sp] for i in range(len(sp1))] != sp1
 
 
 # ---- planning the mesh shape (pure) ----

@@ -6,14 +6,13 @@ group and averaged over the DP axis, and builds the optimizer, scheduler and Dat
 
 Modules, one concern each: ``build`` (``initialize``), ``engine`` (``Engine``: forward/backward/
 step), ``sharding`` (DDP / FSDP2 over the mesh), ``optim`` (optimizer and scheduler construction),
-``schedulers`` (DeepSpeed's warmup schedules), ``data`` (the sequence-parallel sampler).
+``schedulers`` (DeepSpeed's warmup schedules), ``data`` (the DataLoader over ``training_data``).
 """
 
 from __future__ import annotations
 
 from .build import initialize
-from .data import SequenceParallelSampler
 from .engine import Engine
 from .schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR
 
-__all__ = ["Engine", "SequenceParallelSampler", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "initialize"]
+__all__ = ["Engine", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "initialize"]

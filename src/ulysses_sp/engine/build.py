@@ -81,8 +81,9 @@ def initialize(
             optimizer class works). Or use the config's ``optimizer`` section.
         model_parameters: the parameters (or param-group dicts) to optimize; default: all that
             require grad. Given as the model's parameters before sharding; remapped after.
-        training_data: a map-style dataset; a DataLoader of micro-batches is built over it (see
-            ``engine.data.SequenceParallelSampler`` for which rank loads which batch).
+        training_data: a map-style dataset; a DataLoader of micro-batches is built over it with
+            ``data.SPDistributedSampler`` (an ``sp = P`` run then sees the ``sp = 1`` run's
+            batches, in order, once wrapped in ``UlyssesSPDataLoaderAdapter``).
         lr_scheduler: a pre-built scheduler (only with a pre-built optimizer at stage 0), or a
             ``callable(optimizer) -> scheduler``. Or use the config's ``scheduler`` section.
         collate_fn: passed to the DataLoader.
