@@ -62,7 +62,7 @@ def test_mesh_wrong_product_fails_every_rank_with_numbers(pool):
 
 
 def test_init_mesh_without_process_group_says_how_to_launch():
-    with pytest.raises(RuntimeError, match="torchrun"):
+    with pytest.raises(ValueError, match="torchrun"):
         init_mesh((1, 1))
 
 

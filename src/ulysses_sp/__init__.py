@@ -22,6 +22,8 @@ _EXPORTS = {
     "sp_data_sampler": "data",
     "initialize": "engine",
     "Engine": "engine",
+    "TrainingConfig": "config",
+    "load_config": "config",
     "TiledMLP": "tiling",
     "apply_tiled_mlp": "tiling",
     "sequence_tiled_compute": "tiling",

@@ -106,9 +106,9 @@ def default_backend() -> str:
 
 
 def require_process_group(what: str) -> None:
-    """Raise a ``RuntimeError`` telling how to launch when no default process group exists."""
+    """Raise a ``ValueError`` telling how to launch when no default process group exists."""
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(f"{what} needs an initialized torch.distributed process group: {LAUNCH_HINT}")
+        raise ValueError(f"{what} needs an initialized torch.distributed process group: {LAUNCH_HINT}")
 
 
 def init_mesh(
