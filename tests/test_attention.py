@@ -289,3 +289,34 @@ def _flex_forward(docs):
 @pytest.mark.parametrize("docs", [False, True], ids=["causal", "packed"])
 def test_flex_attention_forward_matches_no_sp(pool, docs):
     pool.run(_flex_forward, 2, docs)
+
+
+def _eval_modes():
+    """Eval at other sizes than training just works; disable_in_eval runs plain attention."""
+    mesh = init_mesh((1, 2))
+    info = mesh_info(mesh)
+    ref = tiny_model("qwen2", attn="sdpa")
+    model = copy.deepcopy(ref)
+    reg = UlyssesSPAttentionHF.register_with_transformers(
+        model, "sdpa", 2, micro_batch_size=2, seq_length=16, disable_in_eval=False
+    )
+    model.eval()
+    ids = global_batch(7, 3, 24)  # batch 3 and length 24: neither is what was registered
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+        cols = slice(info.sp_rank * 12, (info.sp_rank + 1) * 12)
+        got = model(input_ids=ids[:, cols], position_ids=torch.arange(24)[cols].expand(3, -1)).logits
+    torch.testing.assert_close(got, want[:, cols], rtol=1e-5, atol=1e-5)
+    reg.remove()
+    reg = UlyssesSPAttentionHF.register_with_transformers(
+        model, "sdpa", 2, 2, disable_in_eval=True, mesh=mesh
+    )
+    model.eval()
+    with torch.no_grad():  # each rank evaluates whole sequences on its own: no SP, no collectives
+        got = model(input_ids=ids[info.sp_rank :]).logits
+    torch.testing.assert_close(got, want[info.sp_rank :], rtol=1e-5, atol=1e-5)
+    reg.remove()
+
+
+def test_eval_other_sizes_and_disable_in_eval(pool):
+    pool.run(_eval_modes, 2)
