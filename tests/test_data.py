@@ -66,7 +66,9 @@ def test_prepare_uses_labels_and_masks_padding_and_drops_consumed_keys():
     ids = torch.tensor([[5, 6, 7, 8], [9, 10, 0, 0]])
     labels = torch.tensor([[IGN, 6, 7, 8], [9, 10, 11, 12]])
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    before = [t.clone() for t in (ids, labels, mask)]
     out = prepare_batch({"input_ids": ids, "labels": labels, "attention_mask": mask}, 2)
+    assert all(torch.equal(a, b) for a, b in zip(before, (ids, labels, mask)))  # inputs untouched
     assert list(out) == ["input_ids", "position_ids", "shift_labels"]
     assert out["shift_labels"].tolist() == [[6, 7, 8, IGN], [10, IGN, IGN, IGN]]
     assert out["shift_labels"].dtype == torch.long
