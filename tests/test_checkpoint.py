@@ -47,7 +47,9 @@ def _train_step(engine, step: int) -> float:
 
 
 def _full_params(engine) -> dict[str, torch.Tensor]:
-    return get_model_state_dict(engine.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_model_state_dict(
+        engine.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
 
 
 def _save_load_resume(directory: str, stage: int):
@@ -91,7 +93,10 @@ def test_checkpoint_loads_in_plain_transformers_and_resumes_exactly(pool, tmp_pa
     torch.testing.assert_close(plain, r0["logits"], rtol=1e-5, atol=1e-6)
     tok = AutoTokenizer.from_pretrained(r0["path"], local_files_only=True)
     text = "any text, ünïcode too"
-    assert tok.encode(text, add_special_tokens=False) == list(text.encode()) and len(tok) <= model.config.vocab_size
+    assert (
+        tok.encode(text, add_special_tokens=False) == list(text.encode())
+        and len(tok) <= model.config.vocab_size
+    )
     # exact resume: the same losses and parameters as the uninterrupted run, and the RNG restored
     for r in (r0, r1):
         assert r["extra"] == {"step": 2, "data": {"epoch": 0, "offset": 2}}

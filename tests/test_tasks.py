@@ -102,7 +102,9 @@ def test_text_file_jsonl_and_directory(tmp_path):
     tok = tasks.byte_tokenizer()
     (tmp_path / "a.txt").write_text("x" * 30)
     (tmp_path / "sub").mkdir()
-    (tmp_path / "sub" / "b.jsonl").write_text(json.dumps({"text": "y" * 9}) + "\n\n" + json.dumps({"text": "z"}) + "\n")
+    (tmp_path / "sub" / "b.jsonl").write_text(
+        json.dumps({"text": "y" * 9}) + "\n\n" + json.dumps({"text": "z"}) + "\n"
+    )
     (tmp_path / "ignored.csv").write_text("nope")
     ds = TextBlockDataset(str(tmp_path), tokenizer=tok, seq_len=8)
     # 31 + 10 + 2 tokens (each document + eos) -> 5 blocks of 8, remainder dropped

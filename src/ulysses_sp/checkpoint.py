@@ -35,8 +35,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 PREFIX = "checkpoint-"
@@ -99,6 +97,8 @@ def compare_manifests(saved: dict[str, Any], current: dict[str, Any]) -> list[st
 def _optimizer_and_groups(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, list[dict]]:
     # ZeRO-1 keeps this rank's shard in a local optimizer; its own state_dict() would need a
     # consolidation collective onto one rank. The outer param_groups carry the scheduled lr.
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
     inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     return inner, groups
@@ -159,6 +159,8 @@ def save_checkpoint(
     Returns:
         The final checkpoint directory.
     """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     rank = dist.get_rank()
     final = os.path.join(output_dir, f"{PREFIX}{step}")
     tmp = os.path.join(output_dir, f"{TMP_PREFIX}{step}")

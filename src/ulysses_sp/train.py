@@ -64,7 +64,7 @@ class TrainConfig:
     """Micro-steps per optimizer step."""
     steps: int = 300
     """Optimizer steps to train (in total, counting those before a resume)."""
-    lr: float = 3e-3
+    lr: float = 1e-2
     """Peak learning rate (AdamW; linear warmup, then cosine to 10%)."""
     warmup_steps: int | None = None
     """Warmup steps; ``None``: ``min(20, steps // 10)``."""
@@ -126,7 +126,12 @@ def manifest_for(cfg: TrainConfig, world_size: int, model_cfg) -> dict[str, Any]
     for key in ("_attn_implementation_autoset", "attn_implementation", "transformers_version", "dtype"):
         mc.pop(key, None)
     return {
-        "world": {"world_size": world_size, "sp": cfg.sp, "dp": world_size // cfg.sp, "zero_stage": cfg.zero_stage},
+        "world": {
+            "world_size": world_size,
+            "sp": cfg.sp,
+            "dp": world_size // cfg.sp,
+            "zero_stage": cfg.zero_stage,
+        },
         "run": {k: getattr(cfg, k) for k in RUN_KEYS},
         "model_config": json.loads(json.dumps(mc, default=str)),
         "steps": cfg.steps,
@@ -175,7 +180,11 @@ def validate(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
             f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {mcfg.vocab_size}; "
             "pass the model's own tokenizer with --tokenizer"
         )
-    check_heads(mcfg.num_attention_heads, getattr(mcfg, "num_key_value_heads", None) or mcfg.num_attention_heads, cfg.sp)
+    check_heads(
+        mcfg.num_attention_heads,
+        getattr(mcfg, "num_key_value_heads", None) or mcfg.num_attention_heads,
+        cfg.sp,
+    )
     tasks.build_dataset(cfg.data, tokenizer=tokenizer, seq_len=cfg.seq_len, seed=cfg.seed, num_samples=1)
     manifest = manifest_for(cfg, world_size, mcfg)
     check_output_dir(cfg, manifest)
@@ -192,7 +201,8 @@ def check_output_dir(cfg: TrainConfig, manifest: dict[str, Any]) -> None:
         diffs = ckpt.compare_manifests(ckpt.read_manifest(path), manifest)
         if diffs:
             raise ValueError(
-                f"--resume {path!r} does not match this run:\n  " + "\n  ".join(diffs)
+                f"--resume {path!r} does not match this run:\n  "
+                + "\n  ".join(diffs)
                 + "\nresume with the checkpoint's settings, or start a new run in another --output-dir"
             )
         return
@@ -251,13 +261,17 @@ class DataStream:
 
         e, b = self.engine, self.micro_batch_size
         while True:
-            sampler = sp_data_sampler(self.dataset, e.mesh, batch_size=b, shuffle=self.shuffle, seed=self.seed)
+            sampler = sp_data_sampler(
+                self.dataset, e.mesh, batch_size=b, shuffle=self.shuffle, seed=self.seed
+            )
             sampler.set_epoch(self.epoch)
             rounds, rest = divmod(self.offset, e.sp_size)
             indices = list(sampler)[rounds * b :]
             loader = DataLoader(self.dataset, batch_size=b, sampler=indices)
             group = e.sp_group if e.sp_size > 1 else None
-            adapter = UlyssesSPDataLoaderAdapter(loader, e.sp_rank, group, e.sp_size, e.device, pad_token_id=self.pad_id)
+            adapter = UlyssesSPDataLoaderAdapter(
+                loader, e.sp_rank, group, e.sp_size, e.device, pad_token_id=self.pad_id
+            )
             for i, batch in enumerate(adapter):
                 if i < rest:
                     continue
@@ -277,8 +291,13 @@ def _engine_config(cfg: TrainConfig) -> dict[str, Any]:
         "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "betas": [0.9, 0.95], "weight_decay": 0.0}},
         "scheduler": {
             "type": "WarmupCosineLR",
-            "params": {"total_num_steps": max(cfg.steps, warmup), "warmup_num_steps": warmup,
-                       "warmup_min_ratio": 0.05, "cos_min_ratio": 0.1, "warmup_type": "linear"},
+            "params": {
+                "total_num_steps": max(cfg.steps, warmup),
+                "warmup_num_steps": warmup,
+                "warmup_min_ratio": 0.05,
+                "cos_min_ratio": 0.1,
+                "warmup_type": "linear",
+            },
         },  # fmt: skip
     }
 
@@ -333,9 +352,13 @@ def startup_summary(cfg: TrainConfig, engine, model, dataset, resumed: str | Non
 def _load_weights(model, state: dict[str, torch.Tensor], where: str) -> None:
     """Load a checkpoint's full state into the bare model; only tied duplicates may be absent."""
     missing, unexpected = model.load_state_dict(state, strict=False)
-    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {
+        n for n, _ in model.named_parameters()
+    }
     if unexpected or set(missing) - aliases:
-        raise ValueError(f"{where!r}: weights do not fit the model (missing {missing}, unexpected {unexpected})")
+        raise ValueError(
+            f"{where!r}: weights do not fit the model (missing {missing}, unexpected {unexpected})"
+        )
 
 
 def _num_samples(cfg: TrainConfig, dp: int) -> int:
@@ -366,7 +389,9 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     dataset = tasks.build_dataset(
         cfg.data, tokenizer=tokenizer, seq_len=cfg.seq_len, seed=cfg.seed, num_samples=_num_samples(cfg, dp)
     )
-    model = tasks.build_model(cfg.model, vocab_size=len(tokenizer), seed=cfg.seed, attn_implementation=cfg.attn)
+    model = tasks.build_model(
+        cfg.model, vocab_size=len(tokenizer), seed=cfg.seed, attn_implementation=cfg.attn
+    )
     if resume_dir:
         _load_weights(model, ckpt.load_model_state(resume_dir), resume_dir)
     handles, loss_fn = _techniques(cfg, model)
@@ -404,7 +429,9 @@ def _loop(cfg, engine, stream, state, tokenizer, manifest, track_peak_memory) ->
     tokens_per_step = engine.batch_sizes.train_batch_size * cfg.seq_len
     batches = iter(stream)
     engine.train()
-    bar = tqdm(total=cfg.steps, initial=step, disable=rank != 0 or not cfg.progress, unit="step", dynamic_ncols=True)
+    bar = tqdm(
+        total=cfg.steps, initial=step, disable=rank != 0 or not cfg.progress, unit="step", dynamic_ncols=True
+    )
     metrics = open(cfg.metrics_path, "a", encoding="utf-8") if rank == 0 else None
     losses: list[float] = []
     start = time.perf_counter()

@@ -99,7 +99,11 @@ def validate_eval(cfg: EvalConfig, world_size: int) -> None:
             from transformers import AutoConfig
 
             mcfg = AutoConfig.from_pretrained(model, local_files_only=True)
-        check_heads(mcfg.num_attention_heads, getattr(mcfg, "num_key_value_heads", None) or mcfg.num_attention_heads, cfg.sp)
+        check_heads(
+            mcfg.num_attention_heads,
+            getattr(mcfg, "num_key_value_heads", None) or mcfg.num_attention_heads,
+            cfg.sp,
+        )
     tasks.build_dataset(cfg.data, tokenizer=tasks.load_tokenizer(cfg.tokenizer, cfg.models[0]),
                         seq_len=cfg.seq_len, seed=cfg.seed, num_samples=1, held_out=True)  # fmt: skip
 
@@ -124,8 +128,12 @@ def _evaluate_model(cfg: EvalConfig, model_name: str) -> dict[str, Any]:
     dataset = tasks.build_dataset(cfg.data, tokenizer=tokenizer, seq_len=cfg.seq_len, seed=cfg.seed,
                                   num_samples=n, held_out=True)  # fmt: skip
     if len(dataset) < per_round:
-        raise ValueError(f"--data {cfg.data!r}: {len(dataset)} sequences; need >= {per_round} (nproc x micro-batch)")
-    model = tasks.build_model(model_name, vocab_size=len(tokenizer), seed=cfg.seed, attn_implementation=cfg.attn)
+        raise ValueError(
+            f"--data {cfg.data!r}: {len(dataset)} sequences; need >= {per_round} (nproc x micro-batch)"
+        )
+    model = tasks.build_model(
+        model_name, vocab_size=len(tokenizer), seed=cfg.seed, attn_implementation=cfg.attn
+    )
     mpu = None
     if cfg.sp > 1:
         mpu = UlyssesSPAttentionHF.register_with_transformers(model, cfg.attn, cfg.sp, cfg.micro_batch_size)
@@ -149,7 +157,10 @@ def _evaluate_model(cfg: EvalConfig, model_name: str) -> dict[str, Any]:
                 labels = batch["shift_labels"]  # [B, S_l]
                 valid = labels != IGNORE_INDEX
                 token_loss = F.cross_entropy(  # [B*S_l, V] -> [B, S_l]
-                    logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+                    logits.float().flatten(0, 1),
+                    labels.flatten(),
+                    ignore_index=IGNORE_INDEX,
+                    reduction="none",
                 ).view_as(labels)
                 correct = (logits.argmax(-1) == labels) & valid
                 bins = (batch["position_ids"].clamp(0, cfg.seq_len - 1) * cfg.bins // cfg.seq_len).flatten()

@@ -49,34 +49,48 @@ def _tiles(value: str) -> str | int:
 
 def _add_launch_args(p: argparse.ArgumentParser) -> None:
     s = argparse.SUPPRESS
-    p.add_argument("--nproc", type=int, default=s, help="local processes to launch (dp = nproc / sp); default 2")
+    p.add_argument(
+        "--nproc", type=int, default=s, help="local processes to launch (dp = nproc / sp); default 2"
+    )
     p.add_argument("--timeout", type=float, default=s,
                    help=f"collective timeout in seconds: a dead rank fails the others after it (default {DEFAULT_TIMEOUT_S:g})")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
     s = argparse.SUPPRESS  # only flags actually given override --config and the defaults
-    parser = argparse.ArgumentParser(prog="ulysses-sp", description="Ulysses sequence-parallel training for HF models")
+    parser = argparse.ArgumentParser(
+        prog="ulysses-sp", description="Ulysses sequence-parallel training for HF models"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a model (default: the embedded recall task)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     t.add_argument("--config", default=s, help="JSON file with any of these options (flags override it)")
-    t.add_argument("--model", default=s, help="preset (tiny-llama, tiny-qwen2, tiny-mistral) or local HF model dir")
+    t.add_argument(
+        "--model", default=s, help="preset (tiny-llama, tiny-qwen2, tiny-mistral) or local HF model dir"
+    )
     t.add_argument("--data", default=s, help="'recall' or a local .txt/.jsonl file or directory")
-    t.add_argument("--tokenizer", default=s, help="tokenizer directory (default: the model's, else byte-level)")
+    t.add_argument(
+        "--tokenizer", default=s, help="tokenizer directory (default: the model's, else byte-level)"
+    )
     t.add_argument("--seq-len", type=int, default=s, help="tokens per sample (default 256)")
     t.add_argument("--sp", type=int, default=s, help="sequence-parallel size (default 2)")
     _add_launch_args(t)
     t.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=s, help="ZeRO stage (default 0)")
-    t.add_argument("--micro-batch-size", type=int, default=s, help="samples per micro-step per dp replica (default 8)")
+    t.add_argument(
+        "--micro-batch-size", type=int, default=s, help="samples per micro-step per dp replica (default 8)"
+    )
     t.add_argument("--grad-accum", type=int, default=s, help="micro-steps per optimizer step (default 1)")
     t.add_argument("--steps", type=int, default=s, help="optimizer steps (default 300)")
-    t.add_argument("--lr", type=float, default=s, help="peak learning rate (default 3e-3)")
+    t.add_argument("--lr", type=float, default=s, help="peak learning rate (default 1e-2)")
     t.add_argument("--warmup-steps", type=int, default=s, help="warmup steps (default min(20, steps/10))")
     t.add_argument("--grad-clip", type=float, default=s, help="max gradient norm, 0 = off (default 1.0)")
-    t.add_argument("--seed", type=int, default=s, help="seed for init, data order, recall samples (default 0)")
-    t.add_argument("--attn", default=s, help="core attention: sdpa, eager, flash_attention_2, ... (default sdpa)")
+    t.add_argument(
+        "--seed", type=int, default=s, help="seed for init, data order, recall samples (default 0)"
+    )
+    t.add_argument(
+        "--attn", default=s, help="core attention: sdpa, eager, flash_attention_2, ... (default sdpa)"
+    )
     t.add_argument("--output-dir", default=s, help="checkpoints go here (default runs/ulysses-sp)")
     t.add_argument("--save-every", type=int, default=s, help="checkpoint every N steps; 0 = at the end only")
     t.add_argument("--resume", nargs="?", const="latest", default=s,
@@ -84,8 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--overwrite", action="store_true", default=s, help="replace another run's checkpoints")
     t.add_argument("--metrics-file", default=s, help="JSONL metrics (default <output-dir>/metrics.jsonl)")
     t.add_argument("--tiled-mlp", nargs="?", const="auto", type=_tiles, default=s, help="tiled MLP [N tiles]")
-    t.add_argument("--tiled-loss", nargs="?", const="auto", type=_tiles, default=s, help="tiled logits+loss [N tiles]")
-    t.add_argument("--activation-checkpointing", action="store_true", default=s, help="recompute layers in backward")
+    t.add_argument(
+        "--tiled-loss", nargs="?", const="auto", type=_tiles, default=s, help="tiled logits+loss [N tiles]"
+    )
+    t.add_argument(
+        "--activation-checkpointing", action="store_true", default=s, help="recompute layers in backward"
+    )
     t.add_argument("--offload-activations", action="store_true", default=s,
                    help="checkpointed layer inputs to host memory (needs --activation-checkpointing)")  # fmt: skip
     t.add_argument("--no-progress", dest="progress", action="store_false", default=s, help="no progress bar")
@@ -155,7 +173,9 @@ def _init_process_group(timeout_s: float, *, single: bool) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     timeout = timedelta(seconds=timeout_s)
     if single:
-        dist.init_process_group(default_backend(), store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(
+            default_backend(), store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
     else:
         dist.init_process_group(default_backend(), timeout=timeout)
 

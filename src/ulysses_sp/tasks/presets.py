@@ -50,9 +50,7 @@ def preset_config(name: str, *, vocab_size: int) -> PretrainedConfig:
 def check_model_dir(path: str) -> None:
     """Raise ``ValueError`` unless ``path`` is a directory holding a ``config.json``."""
     if not os.path.isdir(path):
-        raise ValueError(
-            f"--model {path!r}: not a preset ({', '.join(PRESETS)}) and no such directory"
-        )
+        raise ValueError(f"--model {path!r}: not a preset ({', '.join(PRESETS)}) and no such directory")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"--model {path!r}: directory has no config.json (not a HF model directory)")
 

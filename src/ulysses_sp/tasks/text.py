@@ -22,10 +22,7 @@ def list_text_files(path: str) -> list[str]:
     """The data files ``path`` names: itself, or the ``.txt``/``.jsonl`` files under it (sorted)."""
     if os.path.isdir(path):
         files = sorted(
-            os.path.join(root, f)
-            for root, _, names in os.walk(path)
-            for f in names
-            if f.endswith(SUFFIXES)
+            os.path.join(root, f) for root, _, names in os.walk(path) for f in names if f.endswith(SUFFIXES)
         )
         if not files:
             raise ValueError(f"--data {path!r}: directory holds no .txt or .jsonl files")

@@ -24,7 +24,9 @@ VOCAB_SIZE = NUM_BYTES + 3
 @lru_cache(maxsize=1)
 def _bytes_to_unicode() -> tuple[str, ...]:
     """GPT-2's reversible byte -> printable-unicode map (what ``pre_tokenizers.ByteLevel`` emits)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    )
     chars = {}
     extra = 0
     for b in range(NUM_BYTES):
