@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -165,34 +166,30 @@ def _run_bad(case: str, p: int):
     return len(list(ad))
 
 
-@pytest.mark.parametrize(
-    "case, match",
-    [
-        ("not_dict", r"each batch must be a dict with 'input_ids'.*got list"),
-        ("no_input_ids", r"batch has no 'input_ids'"),
-        ("batch_size", r"batch size differs between SP ranks: input_ids batch sizes \[2, 3"),
-        ("position_ids", r"'position_ids' has shape \(1, \d+\) but input_ids is \[B, S\] = \(2, \d+\)"),
-        (
-            "strict",
-            r"sequence length (9|17) is not divisible by sequence_parallel_size (2|4); pad to (10|20)",
-        ),
-        ("sp_size_all", r"sp_world_size \((3|5)\) != size of sp_group \((2|4)\)"),
-        ("sp_size_one", r"sp_world_size \(1\) != size of sp_group \((2|4)\)"),
-        ("lengths", r"loaders have different lengths: rank\(s\) \[1\] of the group ran out"),
-        ("keys", r"batch keys differ between SP ranks"),
-    ],
-)
-@pytest.mark.parametrize("p", [2, 4])
-def test_bad_input_raises_value_error_on_every_rank(pool, case, match, p):
-    if p == 4 and case not in ("batch_size", "strict", "sp_size_one"):
-        pytest.skip("covered with p=2; p=4 repeats the cases where the group size matters")
+BAD_CASES = {
+    "not_dict": r"each batch must be a dict with 'input_ids'.*got list",
+    "no_input_ids": r"batch has no 'input_ids'",
+    "batch_size": r"batch size differs between SP ranks: input_ids batch sizes \[2, 3",
+    "position_ids": r"'position_ids' has shape \(1, \d+\) but input_ids is \[B, S\] = \(2, \d+\)",
+    "strict": r"sequence length (9|17) is not divisible by sequence_parallel_size (2|4); pad to (10|20)",
+    "sp_size_all": r"sp_world_size \((3|5)\) != size of sp_group \((2|4)\)",
+    "sp_size_one": r"sp_world_size \(1\) != size of sp_group \((2|4)\)",
+    "lengths": r"loaders have different lengths: rank\(s\) \[1\] of the group ran out",
+    "keys": r"batch keys differ between SP ranks",
+}
+# every case with p=2; with p=4 the cases whose message depends on the group size
+BAD_RUNS = [(c, 2) for c in BAD_CASES] + [(c, 4) for c in ("batch_size", "strict", "sp_size_one")]
+
+
+@pytest.mark.parametrize("case, p", BAD_RUNS)
+def test_bad_input_raises_value_error_on_every_rank(pool, case, p):
     with pytest.raises(WorkerError) as ei:
         pool.run(_run_bad, p, case, p)
     err = ei.value
     assert sorted(err.failures) == list(range(p)), "every rank must fail, none may hang"
     assert err.types() == {"ValueError"}
     for msg in err.messages():
-        assert __import__("re").search(match, msg), msg
+        assert re.search(BAD_CASES[case], msg), msg
 
 
 # ----------------------------------------------------------------------------- deterministic order
