@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import traceback
@@ -17,7 +18,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-COLLECTIVE_TIMEOUT_S = float(os.environ.get("ULYSSES_SP_TEST_COLLECTIVE_TIMEOUT", "60"))
+# Generous: on a loaded 2-core machine one rank's first call (imports, jit) can lag the others.
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("ULYSSES_SP_TEST_COLLECTIVE_TIMEOUT", "180"))
 
 
 class WorkerError(RuntimeError):
@@ -54,7 +56,9 @@ def _worker_main(inbox: mp.Queue, outbox: mp.Queue) -> None:
                 world_size=world_size,
                 timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
             )
-            result = fn(*args, **kwargs)
+            # Pickle here, not in the queue's feeder thread: an unpicklable result must fail this
+            # task at once instead of never arriving.
+            result = pickle.dumps(fn(*args, **kwargs))
             outbox.put((task_id, rank, True, result))
         except BaseException as e:  # report everything, including KeyboardInterrupt in the worker
             outbox.put((task_id, rank, False, (type(e).__name__, str(e), traceback.format_exc())))
@@ -107,10 +111,10 @@ class WorkerPool:
                 ) from None
             if task_id != self._task:
                 continue  # a late answer from a task that already timed out
-            (results if ok else failures)[rank] = payload if ok else payload
+            (results if ok else failures)[rank] = payload
         if failures:
             raise WorkerError(failures)
-        return [results[r] for r in range(world_size)]
+        return [pickle.loads(results[r]) for r in range(world_size)]
 
     def _restart(self) -> None:
         for p, _ in self._workers:
