@@ -8,6 +8,8 @@ Sections (each row of the markdown carries the exact command that produced it):
   comm        bytes per rank per attention layer vs the analytic Ulysses minimum (MHA, GQA, Hkv < P)
   flops       FLOPs per rank vs total / P
   memory      peak tensor memory vs sequence length, +-tiling; fitted activation slope ratio vs 1/P
+  alst_memory re-run bench/bench_memory.py (ALST techniques one by one, ~8 min; not in the default set:
+              a full run includes its last results from bench/results/bench_memory.json instead)
   throughput  tokens/s per rank at equal tokens per rank, ratio to sp=1 in the same run
   deepspeed   side by side with DeepSpeed's own Ulysses/ALST (needs bash bench/setup_deepspeed.sh)
   findings    checks of DeepSpeed's known problems -> bench/results/deepspeed_findings.md
@@ -18,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import subprocess
 import sys
 import time
 
@@ -29,13 +33,12 @@ from bench import report
 from bench import spec as S
 from bench.launch import DS_PYTHON, ROOT, WorkerFailed, deepspeed_available, run_worker
 
-SECTIONS = ("comm", "flops", "memory", "throughput", "deepspeed", "findings", "projection")
+SECTIONS = ("comm", "flops", "memory", "alst_memory", "throughput", "deepspeed", "findings", "projection")
+DEFAULT_SECTIONS = tuple(x for x in SECTIONS if x != "alst_memory")
 SMOKE_SECTIONS = ("comm", "flops", "memory", "throughput", "projection")
 
 
 def machine() -> dict:
-    import os
-
     import transformers
 
     return {
@@ -111,7 +114,7 @@ def run_pair(
 
 def run_deepspeed(smoke: bool, log) -> list[dict]:
     points = DS_POINTS[:1] if smoke else DS_POINTS
-    steps, seq = (3, 32) if smoke else (8, 256)
+    steps, seq = (3, 32) if smoke else (20, 256)
     return [run_pair(p, steps=steps, seq=seq, log=log) for p in points]
 
 
@@ -143,10 +146,69 @@ def run_findings(pairs: list[dict], log) -> dict:
     ref2 = S.reference_run(S.ModelSpec(), steps=3, dp_size=1, sp_size=2, mb=2, seq_len=64, lr=1e-2)
     ds("micro_batch_2", 2, [*base, "--zero", "1", "--micro-batch", "2"], ref2)
     ds("unequal_lengths", 2, [*base, "--zero", "1", "--seq-lens", "64,32"], None)
-    refc = S.reference_run(S.ModelSpec(), steps=3, dp_size=1, sp_size=2, mb=1, seq_len=64, lr=1e-2, clip=1.0)
-    ds("clip_1.0", 2, [*base, "--zero", "1", "--clip", "1.0"], refc)
+    ds(
+        "dp2_all_gather_recipe",
+        4,
+        [
+            "--steps",
+            "3",
+            "--seq-len",
+            "64",
+            "--sp",
+            "2",
+            "--dp",
+            "2",
+            "--zero",
+            "1",
+            "--loss-combine",
+            "all_gather",
+        ],
+        None,
+    )
+    refs = S.reference_run(
+        S.ModelSpec(), steps=3, dp_size=1, sp_size=2, mb=1, seq_len=64, lr=0.1, optim="sgd"
+    )
+    ds("sgd", 2, [*base, "--zero", "1", "--optim", "sgd", "--lr", "0.1"], refs)
     out["pairs"] = pairs
     return out
+
+
+def run_alst_memory(out_dir: str, log) -> dict | None:
+    """``python bench/bench_memory.py --out-dir OUT``: its JSON and markdown, included in our report."""
+    script = ROOT / "bench" / "bench_memory.py"
+    if not script.exists():
+        log("  alst_memory: bench/bench_memory.py not present; skipped")
+        return None
+    t0 = time.perf_counter()
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, str(script), "--out-dir", out_dir], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=900,
+    )  # fmt: skip
+    wall = time.perf_counter() - t0
+    log(f"  alst_memory: {wall:.0f} s")
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-2000:], "command": "python bench/bench_memory.py", "wall_s": wall}
+    with open(os.path.join(out_dir, "bench_memory.json")) as f:
+        data = json.load(f)
+    with open(os.path.join(out_dir, "bench_memory.md")) as f:
+        data["markdown"] = f.read()
+    data["wall_s"] = wall
+    return data
+
+
+def previous_alst_memory(out_dir: str) -> dict | None:
+    """The last ``python bench/bench_memory.py`` results in ``out_dir``, if any (marked as such)."""
+    path = os.path.join(out_dir, "bench_memory.json")
+    if not os.path.exists(path) or not os.path.exists(path[:-5] + ".md"):
+        return None
+    with open(path) as f:
+        data = json.load(f)
+    with open(path[:-5] + ".md") as f:
+        data["markdown"] = f.read()
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(os.path.getmtime(path)))
+    data["included_from"] = f"{os.path.relpath(path, ROOT)} (written {stamp})"
+    return data
 
 
 def main(argv=None) -> int:
@@ -167,7 +229,11 @@ def main(argv=None) -> int:
         if not result.get("smoke"):
             report.write_readme(result, str(ROOT / "docs" / "readme" / "performance.md"))
         return 0
-    sections = args.sections.split(",") if args.sections else list(SMOKE_SECTIONS if args.smoke else SECTIONS)
+    sections = (
+        args.sections.split(",")
+        if args.sections
+        else list(SMOKE_SECTIONS if args.smoke else DEFAULT_SECTIONS)
+    )
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         ap.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
@@ -191,6 +257,10 @@ def main(argv=None) -> int:
     result: dict = {"invocation": invocation, "machine": machine(), "smoke": args.smoke, "sections": sections}
     records, launches = run_library_sections(sections, args.smoke, log)
     result["records"], result["launches"] = records, launches
+    if "alst_memory" in sections:
+        result["alst_memory"] = run_alst_memory(args.out_dir, log)
+    elif "memory" in sections and not args.smoke:
+        result["alst_memory"] = previous_alst_memory(args.out_dir)
     if "deepspeed" in sections or "findings" in sections:
         pairs = run_deepspeed(args.smoke, log)
         result["deepspeed"] = pairs if "deepspeed" in sections else []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections import defaultdict
 
 import torch
@@ -115,3 +116,26 @@ class CollectiveCounter:
     def __exit__(self, *exc) -> None:
         for name, orig in self._saved.items():
             setattr(dist, name, orig)
+
+
+class PhaseTimer:
+    """Wall time per named phase per step: ``with timer("forward"): ...``; ``best()`` = min over steps.
+
+    The minimum over steps is the estimator least disturbed by other load on a shared machine.
+    """
+
+    def __init__(self) -> None:
+        self.times: dict[str, list[float]] = defaultdict(list)
+        self.active = True
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.active:
+                self.times[name].append(time.perf_counter() - t0)
+
+    def best(self, skip: int = 1) -> dict[str, float]:
+        return {k: min(v[skip:] or v) for k, v in self.times.items()}

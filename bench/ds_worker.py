@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from bench import spec as S
-from bench.counters import CollectiveCounter
+from bench.counters import CollectiveCounter, PhaseTimer
 from bench.memmeter import PeakMeter
 
 
@@ -45,6 +45,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--clip", type=float, default=0.0, help="gradient_clipping (0: off)")
+    ap.add_argument("--optim", choices=("adamw", "sgd"), default="adamw")
+    ap.add_argument(
+        "--loss-combine",
+        choices=("auto", "all_gather", "all_reduce"),
+        default="auto",
+        help="differentiable combine of per-rank loss sums over SP: DeepSpeed's documented all_gather, or "
+        "all_reduce (same gradient); auto = all_gather unless dp > 1 (torch's gloo all_gather backward "
+        "fails for SP groups that do not contain global rank 0)",
+    )
     ap.add_argument(
         "--mesh-param", action="store_true", help="deepspeed.initialize(mesh_param=(dp, sp)), no mpu"
     )
@@ -135,7 +144,7 @@ def run(args: argparse.Namespace) -> None:
     if args.bucket_elems:
         bucket = numel if args.bucket_elems < 0 else args.bucket_elems
         config["zero_optimization"].update(reduce_bucket_size=bucket, allgather_bucket_size=bucket)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    opt = S.make_optimizer(args.optim, model.parameters(), args.lr)
     init_kwargs = {"mesh_param": (args.dp, args.sp)} if args.mesh_param else {"mpu": mpu}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config, **init_kwargs)
 
@@ -166,8 +175,12 @@ def run(args: argparse.Namespace) -> None:
     else:
         sp_group = None
 
+    combine = args.loss_combine
+    if combine == "auto":
+        combine = "all_gather" if args.dp == 1 else "all_reduce"
     losses, times, grad_norm = [], [], None
     counter = CollectiveCounter()
+    timer = PhaseTimer()
     meter = PeakMeter()
     it = iter(dl)
     for step in range(args.steps):
@@ -175,10 +188,11 @@ def run(args: argparse.Namespace) -> None:
         # the last step is measured for memory (the meter slows every op), the others are timed
         measure = step == args.steps - 1 and args.steps > 1
         region = meter.step() if measure else contextlib.nullcontext()
+        timer.active = not measure  # the metered step is slower: time the others
         t0 = time.perf_counter()
         counting = counter if step == 0 else contextlib.nullcontext()  # bytes of one step
         with region, counting:
-            with counter.label("forward"):
+            with counter.label("forward"), timer("forward"):
                 if "shift_labels" in batch:
                     shift = batch.pop("shift_labels")
                 else:
@@ -193,18 +207,24 @@ def run(args: argparse.Namespace) -> None:
                 good = (shift != S.IGNORE_INDEX).sum()
                 if sp_group is not None:
                     # DeepSpeed's documented recipe: all-gather (differentiable) the per-rank loss and count
-                    sums = torch.distributed.nn.functional.all_gather(loss_sum, group=sp_group)
-                    goods = torch.distributed.nn.functional.all_gather(good, group=sp_group)
-                    loss = sum(sums) / max(int(sum(goods)), 1)
+                    if combine == "all_gather":
+                        sums = torch.distributed.nn.functional.all_gather(loss_sum, group=sp_group)
+                        goods = torch.distributed.nn.functional.all_gather(good, group=sp_group)
+                        loss = sum(sums) / max(int(sum(goods)), 1)
+                    else:  # the same value and the same (P x local share) gradient as the all_gather recipe
+                        total = torch.distributed.nn.functional.all_reduce(loss_sum, group=sp_group)
+                        goods = good.clone()
+                        dist.all_reduce(goods, group=sp_group)
+                        loss = total / max(int(goods), 1)
                 else:
                     loss = loss_sum / max(int(good), 1)
-            with counter.label("backward"):
+            with counter.label("backward"), timer("backward"):
                 engine.backward(loss)
             if step == 0:
                 grad_norm = global_grad_norm(engine)
                 local_norms = [None] * world
                 dist.all_gather_object(local_norms, grad_norm)
-            with counter.label("step"):
+            with counter.label("step"), timer("step"):
                 engine.step()
         if not measure:
             times.append(time.perf_counter() - t0)
@@ -224,7 +244,10 @@ def run(args: argparse.Namespace) -> None:
             "losses": losses,
             "step_times": times,
             "tokens_per_rank_per_step": tokens_per_rank,
-            "tokens_per_s_per_rank": tokens_per_rank / (sum(steady) / len(steady)),
+            # min over the steady steps: the estimator least disturbed by other load on the machine
+            "tokens_per_s_per_rank": tokens_per_rank / min(steady),
+            "phase_s": timer.best(),
+            "loss_combine": combine,
             "peak_bytes": meter.peak,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "grad_norm_step1": grad_norm,

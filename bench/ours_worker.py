@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from bench import spec as S
-from bench.counters import CollectiveCounter
+from bench.counters import CollectiveCounter, PhaseTimer
 from bench.memmeter import PeakMeter
 
 
@@ -42,6 +42,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--clip", type=float, default=0.0, help="gradient_clipping (0: off)")
+    ap.add_argument("--optim", choices=("adamw", "sgd"), default="adamw")
+    ap.add_argument(
+        "--partition",
+        choices=("all", "data_parallel"),
+        default="all",
+        help="ZeRO partition span; DeepSpeed partitions over all dp*sp ranks (its seq-data-parallel group)",
+    )
     ap.add_argument("--out", required=True)
     return ap.parse_args(argv)
 
@@ -93,10 +100,10 @@ def main(argv=None) -> None:
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": args.clip,
-        "zero_optimization": {"stage": args.zero},
+        "zero_optimization": {"stage": args.zero, "partition": args.partition},
         "sequence_parallel_size": args.sp,
     }
-    make_opt = functools.partial(torch.optim.AdamW, lr=args.lr, weight_decay=0.0)
+    make_opt = functools.partial(S.make_optimizer, args.optim, lr=args.lr)
     engine, _, _, _ = initialize(model, config, mpu=mpu, optimizer=make_opt)
     sp_group = mpu.get_sequence_parallel_group()
     items = -(-args.steps // args.sp)
@@ -110,6 +117,7 @@ def main(argv=None) -> None:
 
     losses, times, grad_norm, local_norms = [], [], None, None
     counter = CollectiveCounter()
+    timer = PhaseTimer()
     meter = PeakMeter()
     it = iter(dl)
     for step in range(args.steps):
@@ -117,18 +125,19 @@ def main(argv=None) -> None:
         measure = step == args.steps - 1 and args.steps > 1
         region = meter.step() if measure else contextlib.nullcontext()
         counting = counter if step == 0 else contextlib.nullcontext()
+        timer.active = not measure  # the metered step is slower: time the others
         t0 = time.perf_counter()
         with region, counting:
-            with counter.label("forward"):
+            with counter.label("forward"), timer("forward"):
                 inputs = {k: batch[k] for k in ("input_ids", "position_ids", "shift_labels")}
                 loss = engine(**inputs).loss
-            with counter.label("backward"):
+            with counter.label("backward"), timer("backward"):
                 engine.backward(loss)
             if step == 0:
                 grad_norm = full_grad_norm(engine.module)
                 local_norms = [None] * world
                 dist.all_gather_object(local_norms, grad_norm)
-            with counter.label("step"):
+            with counter.label("step"), timer("step"):
                 engine.step()
         if not measure:
             times.append(time.perf_counter() - t0)
@@ -147,7 +156,9 @@ def main(argv=None) -> None:
             "losses": losses,
             "step_times": times,
             "tokens_per_rank_per_step": tokens_per_rank,
-            "tokens_per_s_per_rank": tokens_per_rank / (sum(steady) / len(steady)),
+            # min over the steady steps: the estimator least disturbed by other load on the machine
+            "tokens_per_s_per_rank": tokens_per_rank / min(steady),
+            "phase_s": timer.best(),
             # FSDP2 (ZeRO 2/3) gathers unsharded parameters into storages it resizes, invisible to the
             # dispatch meter: add them (stage 2 keeps all of them from forward to backward).
             "peak_bytes": meter.peak + (param_bytes if args.zero >= 2 else 0),

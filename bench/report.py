@@ -99,6 +99,7 @@ def ds_rows(pairs: list[dict]) -> list[dict]:
                 "grad_ratio_ours": o["grad_norm_step1"] / ref["grad_norm_step1"],
                 "grad_ratio_ds": d["grad_norm_step1"] / ref["grad_norm_step1"],
                 "comm_ours": o["comm_bytes"], "comm_ds": d["comm_bytes"],
+                "phases_ours": o.get("phase_s", {}), "phases_ds": d.get("phase_s", {}),
                 "ours_command": p["ours_command"], "deepspeed_command": p["deepspeed_command"],
             }
         )  # fmt: skip
@@ -162,6 +163,10 @@ def targets(result: dict) -> list[dict]:
         out.append({"measure": "6. projected max sequence, Llama-8B, 80 GB", "target": "vs 0.5M (1 GPU), 3.7M (8 GPUs)",
                     "measured": desc, "ok": None})  # fmt: skip
     return out
+
+
+def _phases(p: dict) -> str:
+    return "/".join(f"{1000 * p[k]:.0f}" for k in ("forward", "backward", "step") if k in p)
 
 
 def _pt(r: dict) -> str:
@@ -230,6 +235,18 @@ def render(result: dict) -> str:
                            "/".join(map(str, f["peak_mib"])), f"{f['slope_bytes_per_token']:.0f}",
                            "" if f["slope_ratio_to_sp1"] is None else f"{f['slope_ratio_to_sp1']:.3f}",
                            f"{f['target_ratio']:.3f}", f["max_seq_in_budget"], _cmd(f["command"])] for f in fits])]  # fmt: skip
+    am = result.get("alst_memory")
+    if am:
+        parts += ["", "## 3b. The ALST techniques one at a time (`bench/bench_memory.py`)", ""]
+        if "error" in am:
+            parts += [f"`{am['command']}` failed: `{am['error'].strip().splitlines()[-1]}`"]
+        else:
+            if am.get("included_from"):
+                parts += [
+                    f"Included from the last run of `python bench/bench_memory.py`: {am['included_from']}.",
+                    "",
+                ]
+            parts += [am["markdown"].strip()]
     tp = throughput_rows(recs)
     if tp:
         parts += ["", "## 4. Throughput (forward + backward, tokens/s per rank, equal tokens per rank)", "",
@@ -244,17 +261,23 @@ def render(result: dict) -> str:
     rows = ds_rows(result.get("deepspeed", []))
     if rows:
         parts += ["", "## 5. Side by side with DeepSpeed Ulysses/ALST (same model, data, (dp, sp), ZeRO stage)", "",
-                  "Tiny Llama (h=64, 4 heads, 2 layers, vocab 256), AdamW lr 1e-2, no clipping, fp32, sdpa. "
+                  "Tiny Llama (h=64, 4 heads, 2 layers, vocab 256), AdamW lr 1e-2, no clipping, fp32, sdpa; "
+                  "ZeRO partitions over all dp·sp ranks on both sides (DeepSpeed's sequence-data-parallel group; "
+                  "ulysses-sp `partition: all`). tok/s = tokens per rank / the fastest steady step (the estimator "
+                  "least disturbed by other load on a shared machine); phases = fastest forward / backward / "
+                  "optimizer step in ms. "
                   "'ref' = the same steps in one process without parallelism. Peak = live tensor bytes "
                   "(`bench/memmeter.py`, same meter both sides) of one training step; DeepSpeed's ZeRO buckets "
                   "are set to the model size (its 5e8-element default allocates a 2 GB buffer). "
                   "Grad = step-1 gradient norm / the oracle's.", "",
                   _table(["point", "S", "steps", "loss1 ours / DS / ref", "lossN ours / DS / ref", "tok/s ours / DS",
-                          "tok/s ratio", "peak MiB ours / DS", "peak ratio", "grad ours / DS", "commands"],
+                          "tok/s ratio", "phases ms ours / DS", "peak MiB ours / DS", "peak ratio", "grad ours / DS",
+                          "commands"],
                          [[_pt(r), r["seq"], r["steps"],
                            f"{r['loss1_ours']:.5f} / {r['loss1_ds']:.5f} / {r['loss1_ref']:.5f}",
                            f"{r['lossN_ours']:.5f} / {r['lossN_ds']:.5f} / {r['lossN_ref']:.5f}",
                            f"{r['tps_ours']:.0f} / {r['tps_ds']:.0f}", f"{r['tps_ratio']:.2f}",
+                           _phases(r["phases_ours"]) + " / " + _phases(r["phases_ds"]),
                            f"{r['peak_ours'] / MIB:.2f} / {r['peak_ds'] / MIB:.2f}", f"{r['peak_ratio']:.2f}",
                            f"{r['grad_ratio_ours']:.3f} / {r['grad_ratio_ds']:.3f}",
                            _cmd(r["ours_command"]) + "<br>" + _cmd(r["deepspeed_command"])] for r in rows])]  # fmt: skip

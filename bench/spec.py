@@ -130,6 +130,15 @@ def reference_step_batches(step: int, dp_size: int, sp_size: int, mb: int, seq_l
     ]
 
 
+def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+    """``adamw`` (no weight decay) or plain ``sgd``: the same optimizer on every side of a comparison."""
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    raise ValueError(f"unknown optimizer {name!r}: adamw or sgd")
+
+
 def causal_lm_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Mean next-token cross entropy of a full (unsharded) batch: the oracle's loss."""
     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
@@ -152,6 +161,7 @@ def reference_run(
     attn_implementation: str = "eager",
     grad_scale: float = 1.0,
     clip: float = 0.0,
+    optim: str = "adamw",
 ) -> dict:
     """The oracle: the same optimizer steps in one process without parallelism.
 
@@ -160,7 +170,7 @@ def reference_run(
     over-counts it), ``clip`` is ``gradient_clipping``. Returns per-step losses and the step-1 gradient norm.
     """
     model = build_model(spec, seed=seed, attn_implementation=attn_implementation)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    opt = make_optimizer(optim, model.parameters(), lr)
     losses, grad_norm = [], None
     for step in range(steps):
         batches = reference_step_batches(step, dp_size, sp_size, mb, seq_len, spec.vocab_size)
