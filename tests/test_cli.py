@@ -157,19 +157,9 @@ def test_default_task_learns_and_eval_shows_late_positions(tmp_path):
     vs 0.45% at chance) is reached only by copying from the span. The untrained model sits at chance.
     """
     out = tmp_path / "learn"
-    cli(
-        "train",
-        "--seq-len",
-        "64",
-        "--steps",
-        "200",
-        "--lr",
-        "1e-2",
-        "--output-dir",
-        str(out),
-        "--no-progress",
-    )
-    ckpt = str(out / "checkpoint-200")
+    cli("train", "--seq-len", "64", "--micro-batch-size", "32", "--steps", "150", "--output-dir", str(out),
+        "--no-progress")  # fmt: skip
+    ckpt = str(out / "checkpoint-150")
     js, png = tmp_path / "eval.json", tmp_path / "eval.png"
     cli("eval", "--model", "tiny-llama", ckpt, "--seq-len", "64", "--sp", "2", "--nproc", "2",
         "--num-samples", "32", "--output-json", str(js), "--plot", str(png))  # fmt: skip
@@ -180,6 +170,45 @@ def test_default_task_learns_and_eval_shows_late_positions(tmp_path):
     bins = [b for b in after["per_position"] if b["tokens"]]
     assert bins and all(b["start"] >= 32 - 2 for b in bins)
     assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the same checkpoint evaluated without sequence parallelism (one process, plain attention)
+    js1 = tmp_path / "eval_sp1.json"
+    main(
+        [
+            "eval",
+            "--model",
+            ckpt,
+            "--seq-len",
+            "64",
+            "--num-samples",
+            "32",
+            "--output-json",
+            str(js1),
+            "--plot",
+            "",
+        ]
+    )
+    (plain,) = json.loads(js1.read_text())["results"]
+    assert plain["loss"] == pytest.approx(after["loss"], rel=1e-5) and plain["tokens"] == after["tokens"]
+
+
+def test_config_file_with_flags_overriding(tmp_path):
+    from ulysses_sp.cli.main import build_parser, train_options
+
+    (tmp_path / "c.json").write_text(
+        json.dumps({"steps": 5, "sp": 1, "seq-len": 64, "nproc": 3, "tiled_mlp": 4})
+    )
+    ns = build_parser().parse_args(
+        ["train", "--config", str(tmp_path / "c.json"), "--steps", "7", "--tiled-loss"]
+    )
+    cfg, launch = train_options(ns)
+    assert (cfg.steps, cfg.sp, cfg.seq_len, launch) == (7, 1, 64, {"nproc": 3})
+    assert (cfg.tiled_mlp, cfg.tiled_mlp_shards, cfg.tiled_loss, cfg.tiled_loss_shards) == (
+        True,
+        4,
+        True,
+        None,
+    )
+    assert cfg.model == "tiny-llama" and cfg.data == "recall"  # defaults where neither says
 
 
 # ---------------------------------------------------------------- bad input, rejected before launch

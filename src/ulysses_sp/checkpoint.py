@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 PREFIX = "checkpoint-"
 TMP_PREFIX = ".tmp-" + PREFIX
@@ -105,6 +104,8 @@ def _optimizer_and_groups(optimizer: torch.optim.Optimizer) -> tuple[torch.optim
 
 
 def _to_local(obj: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
     if isinstance(obj, DTensor):
         return obj.to_local().detach().cpu().clone()
     if isinstance(obj, torch.Tensor):
@@ -216,6 +217,8 @@ def load_model_state(checkpoint_dir: str) -> dict[str, torch.Tensor]:
 
 
 def _dtensor_like(value: Any, param: torch.Tensor) -> Any:
+    from torch.distributed.tensor import DTensor
+
     if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
         if value.dim() == 0:  # Adam's step counter stays a plain scalar
             return value

@@ -248,6 +248,8 @@ def plot_per_position(reports: list[dict[str, Any]], path: str) -> None:
     if chance is not None:
         ax.axhline(chance, color="gray", linestyle="--", label=f"chance without looking back ({chance:.2f})")
     seq_len = reports[0]["seq_len"]
+    if reports[0]["early_loss"] is None:  # recall: the first half (the span) carries no labels
+        ax.axvspan(0, seq_len / 2, color="gray", alpha=0.08, label="span: stated once, not scored")
     ax.axvline(seq_len / 2, color="gray", linestyle=":", linewidth=1)
     ax.set_xlim(0, seq_len)
     ax.set_ylim(bottom=0)

@@ -9,9 +9,12 @@ have 2 kv heads (GQA; at ``sp=4`` the attention replicates kv heads).
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+if TYPE_CHECKING:  # transformers' modeling code is imported only when a model is built
+    from transformers import PretrainedConfig, PreTrainedModel
 
 _COMMON = dict(
     hidden_size=64,
@@ -40,6 +43,8 @@ def preset_config(name: str, *, vocab_size: int) -> PretrainedConfig:
     ``AutoTokenizer`` reloads a byte tokenizer saved next to a Qwen2 config as ``Qwen2Tokenizer``,
     which appends ``<|endoftext|>`` as token 259).
     """
+    from transformers import AutoConfig
+
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; presets: {', '.join(PRESETS)}")
     model_type, extra = PRESETS[name]
@@ -62,6 +67,8 @@ def build_model(
 
     The model is fp32 on the CPU; the engine moves it to the run's device.
     """
+    from transformers import AutoModelForCausalLM
+
     if is_preset(name_or_path):
         config = preset_config(name_or_path, vocab_size=vocab_size)
         config._attn_implementation = attn_implementation
