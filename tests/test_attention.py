@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from harness import WorkerError
-from models import global_batch, shift, tiny_model
+from models import global_batch, reference_loss, shift, tiny_model
 
 from ulysses_sp.attention import UlyssesSPAttentionHF, check_heads, valid_sp_sizes
 from ulysses_sp.loss import sp_causal_lm_loss
@@ -28,12 +28,7 @@ CORES = ("sdpa", "eager")
 
 def _reference(ref, ids, labels, dp):
     """Mean over DP groups of each group's token-mean loss; gradients of that."""
-    losses = []
-    for d in range(dp):
-        logits = ref(input_ids=ids[d * B : (d + 1) * B]).logits
-        lab = labels[d * B : (d + 1) * B]
-        losses.append(F.cross_entropy(logits.flatten(0, 1), lab.flatten(), ignore_index=-100))
-    loss = torch.stack(losses).mean()
+    loss = reference_loss(ref, ids, labels, dp)
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in ref.named_parameters()}
 

@@ -12,8 +12,7 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
-from models import global_batch, shift, tiny_model
+from models import global_batch, reference_loss, shift, tiny_model
 from torch.distributed.tensor import DTensor
 
 from ulysses_sp.attention import UlyssesSPAttentionHF
@@ -30,12 +29,7 @@ def _full(t):
 
 
 def _ref_step(ref, opt, ids, labels, dp):
-    losses = []
-    for d in range(dp):
-        logits = ref(input_ids=ids[d * B : (d + 1) * B]).logits
-        lab = labels[d * B : (d + 1) * B]
-        losses.append(F.cross_entropy(logits.flatten(0, 1), lab.flatten(), ignore_index=-100))
-    loss = torch.stack(losses).mean()
+    loss = reference_loss(ref, ids, labels, dp)
     opt.zero_grad()
     loss.backward()
     grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
