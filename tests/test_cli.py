@@ -100,13 +100,18 @@ def test_checkpoint_is_plain_transformers_and_matches_training(runs):
     assert loss == pytest.approx(metrics(runs / "sp2")[2]["loss"], rel=1e-5)
 
 
-def test_sp2_matches_sp1_at_dp2_with_alst_techniques_zero0(tmp_path):
+def test_sp2_matches_sp1_at_dp2_with_alst_techniques_zero0_and_under_torchrun(tmp_path):
     common = ("--steps", "3", "--zero-stage", "0")
-    train(tmp_path / "sp1", "--sp", "1", "--nproc", "2", *common)
+    # the reference runs under torchrun (the same command, launched from outside)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd = [*torchrun, "-m", "ulysses_sp.cli.main", "train", *TINY, "--output-dir", str(tmp_path / "sp1")]
+    proc = subprocess.run([*cmd, "--sp", "1", *common], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "dp 2 x sp 1" in proc.stderr
     alst = ("--tiled-mlp", "2", "--tiled-loss", "--activation-checkpointing", "--offload-activations")
     proc = train(tmp_path / "sp2", "--sp", "2", "--nproc", "4", *common, *alst)
     assert "dp 2 x sp 2" in proc.stderr and "tiled MLP on (2 tiles), tiled loss on" in proc.stderr
-    for a, b in zip(metrics(tmp_path / "sp1"), metrics(tmp_path / "sp2")):
+    for a, b in zip(metrics(tmp_path / "sp1"), metrics(tmp_path / "sp2"), strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
 

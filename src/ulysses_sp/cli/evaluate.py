@@ -19,6 +19,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from .. import checkpoint as ckpt
+
 logger = logging.getLogger(__name__)
 
 
@@ -52,15 +54,18 @@ class EvalConfig:
 def add_eval_args(p: argparse.ArgumentParser) -> None:
     d = EvalConfig()
     p.add_argument("--model", dest="models", nargs="+", required=True,
-                   help="checkpoint dir(s), HF model dir(s) or preset(s) (a preset = untrained init)")  # fmt: skip
+                   help="checkpoint dir(s), run dir(s) (newest checkpoint), HF model dir(s) or preset(s) "
+                        "(a preset = its untrained init)")  # fmt: skip
     p.add_argument("--data", default=d.data, help="'recall' or held-out .txt/.jsonl file or directory")
     p.add_argument("--tokenizer", default=d.tokenizer, help="tokenizer directory")
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument(
+        "--seq-len", type=int, default=None, help="default: the training run's (manifest), else 256"
+    )
     p.add_argument("--sp", type=int, default=d.sp)
     p.add_argument("--num-samples", type=int, default=d.num_samples)
     p.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
     p.add_argument("--bins", type=int, default=d.bins)
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=None, help="default: the training run's (manifest), else 0")
     p.add_argument("--attn", default=d.attn)
     p.add_argument("--output-json", default=d.output_json)
     p.add_argument("--plot", default=d.plot, help="PNG path ('' = no plot)")
@@ -69,9 +74,25 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
 def eval_options(ns: argparse.Namespace) -> tuple[EvalConfig, dict[str, Any]]:
     values = {k: v for k, v in vars(ns).items() if k != "command"}
     launch = {k: values.pop(k) for k in ("nproc", "timeout") if k in values}
-    values["models"] = tuple(values["models"])
+    values["models"] = tuple(_resolve_model(m) for m in values["models"])
     values["plot"] = values["plot"] or None
+    manifests = [
+        ckpt.read_manifest(m) for m in values["models"] if os.path.isfile(os.path.join(m, ckpt.MANIFEST))
+    ]
+    trained = manifests[0]["run"] if manifests else {}
+    for key, fallback in (("seq_len", EvalConfig.seq_len), ("seed", EvalConfig.seed)):
+        if values[key] is None:
+            values[key] = trained.get(key, fallback)
     return EvalConfig(**values), launch
+
+
+def _resolve_model(path: str) -> str:
+    """A run directory (checkpoints, no ``config.json``) means its newest checkpoint."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        found = ckpt.list_checkpoints(path)
+        if found:
+            return found[-1][1]
+    return path
 
 
 def validate_eval(cfg: EvalConfig, world_size: int) -> None:
