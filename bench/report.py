@@ -165,6 +165,37 @@ def targets(result: dict) -> list[dict]:
     return out
 
 
+WHY_BEHIND = (
+    "Why, phase by phase. *Optimizer step at ZeRO 1*: ulysses-sp uses PyTorch's `ZeroRedundancyOptimizer`, "
+    "which steps its shard and then broadcasts every parameter from its owner — one collective per "
+    "parameter tensor (about 20 here) — where DeepSpeed updates one flat fp32 partition and all-gathers it "
+    "once; on a model this small the per-collective latency is the step. *Forward/backward at ZeRO 2*: "
+    "ulysses-sp runs FSDP2 (PyTorch has no ZeRO-2-only mode), which all-gathers each decoder block's "
+    "parameters in forward and reduce-scatters per block in backward with DTensor bookkeeping per "
+    "parameter; DeepSpeed ZeRO-2 never shards parameters and reduces one bucket. The same choice costs "
+    "memory: FSDP2 keeps the sharded parameters *and* the gathered copies (reshard_after_forward=False) "
+    "from forward to backward. *Sequence parallelism itself* is not where the time goes: per forward "
+    "ulysses-sp makes the same 4 all-to-alls per layer with the same bytes (section 1), one position-id "
+    "gather and one length check instead of DeepSpeed's position-id gather in every layer, and one loss "
+    "all-reduce instead of two all-gathers. Differences under ~20 % in one phase are within this shared "
+    "machine's noise (compare the two launches of a side in bench.json)."
+)
+
+
+def _behind(r: dict) -> str:
+    o, d = r["phases_ours"], r["phases_ds"]
+    deltas = {k: 1000 * (o[k] - d[k]) for k in o if k in d}
+    if r["tps_ratio"] >= 1.0 and r["peak_ratio"] <= 1.0:
+        return f"not behind (tok/s x{r['tps_ratio']:.2f}, memory x{r['peak_ratio']:.2f})"
+    worst = sorted(deltas.items(), key=lambda kv: -kv[1])
+    parts = [f"{k} {v:+.1f} ms" for k, v in worst]
+    text = (
+        f"tok/s x{r['tps_ratio']:.2f}, memory x{r['peak_ratio']:.2f}; ours minus DS per phase: "
+        + ", ".join(parts)
+    )
+    return text
+
+
 def _phases(p: dict) -> str:
     return "/".join(f"{1000 * p[k]:.0f}" for k in ("forward", "backward", "step") if k in p)
 
@@ -261,11 +292,11 @@ def render(result: dict) -> str:
     rows = ds_rows(result.get("deepspeed", []))
     if rows:
         parts += ["", "## 5. Side by side with DeepSpeed Ulysses/ALST (same model, data, (dp, sp), ZeRO stage)", "",
-                  "Tiny Llama (h=64, 4 heads, 2 layers, vocab 256), AdamW lr 1e-2, no clipping, fp32, sdpa; "
+                  "Tiny Llama (h=64, 4 heads, 2 layers, vocab 256), AdamW lr 1e-3, no clipping, fp32, sdpa; "
                   "ZeRO partitions over all dp·sp ranks on both sides (DeepSpeed's sequence-data-parallel group; "
                   "ulysses-sp `partition: all`). tok/s = tokens per rank / the fastest steady step (the estimator "
-                  "least disturbed by other load on a shared machine); phases = fastest forward / backward / "
-                  "optimizer step in ms. "
+                  "least disturbed by other load on a shared machine), best of two alternating launches per side; "
+                  "phases = fastest forward / backward / optimizer step in ms. "
                   "'ref' = the same steps in one process without parallelism. Peak = live tensor bytes "
                   "(`bench/memmeter.py`, same meter both sides) of one training step; DeepSpeed's ZeRO buckets "
                   "are set to the model size (its 5e8-element default allocates a 2 GB buffer). "
@@ -281,6 +312,14 @@ def render(result: dict) -> str:
                            f"{r['peak_ours'] / MIB:.2f} / {r['peak_ds'] / MIB:.2f}", f"{r['peak_ratio']:.2f}",
                            f"{r['grad_ratio_ours']:.3f} / {r['grad_ratio_ds']:.3f}",
                            _cmd(r["ours_command"]) + "<br>" + _cmd(r["deepspeed_command"])] for r in rows])]  # fmt: skip
+    if rows:
+        parts += [
+            "",
+            "Where ulysses-sp is behind (measured phase differences, fastest step of each side):",
+            "",
+        ]
+        parts += [f"- {_pt(r)}: {_behind(r)}" for r in rows]
+        parts += ["", WHY_BEHIND]
     failed = [p for p in result.get("deepspeed", []) if "error" in p]
     if failed:
         parts += [""] + [f"- **{_pt(p['point'])} failed**: `{p['error'].splitlines()[0]}`" for p in failed]

@@ -158,7 +158,7 @@ def reference_run(
     seq_len: int,
     lr: float,
     seed: int = 0,
-    attn_implementation: str = "eager",
+    attn_implementation: str = "sdpa",
     grad_scale: float = 1.0,
     clip: float = 0.0,
     optim: str = "adamw",
