@@ -123,7 +123,15 @@ def model_config(cfg: TrainConfig, vocab_size: int):
 def manifest_for(cfg: TrainConfig, world_size: int, model_cfg) -> dict[str, Any]:
     """The ``world`` / ``run`` / ``model_config`` sections a checkpoint records and resume compares."""
     mc = model_cfg.to_dict()
-    for key in ("_attn_implementation_autoset", "attn_implementation", "transformers_version", "dtype"):
+    # what may legitimately differ between the saving and the resuming run: not the architecture
+    ignore = (
+        "_attn_implementation_autoset",
+        "attn_implementation",
+        "transformers_version",
+        "dtype",
+        "_name_or_path",
+    )
+    for key in ignore:
         mc.pop(key, None)
     return {
         "world": {
@@ -445,7 +453,7 @@ def _loop(cfg, engine, stream, state, tokenizer, manifest, track_peak_memory) ->
                     engine.backward(out.loss)
                     loss = engine.step()
             step, tokens = step + 1, tokens + tokens_per_step
-            peak = torch.tensor(float(mem.peak_bytes))
+            peak = torch.tensor(mem.peak_bytes, dtype=torch.int64, device=engine.device)
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the busiest rank's peak
             dt = time.perf_counter() - t0
             record = {
