@@ -84,6 +84,16 @@ def render_findings(result: dict) -> str:
         "step, and any optimizer that is not scale invariant — plain SGD, same lr on both sides:",
         "",
     ]
+    sgd = _run(result, "sgd")
+    if sgd and sgd["result"]:
+        r, ref = sgd["result"], sgd["reference"]
+        out += [
+            _table(["run", "losses DeepSpeed", "losses oracle", "max |diff|", "command"],
+                   [["dp1 x sp2, ZeRO 1, SGD lr 0.1", ", ".join(f"{x:.5f}" for x in r["losses"]),
+                     ", ".join(f"{x:.5f}" for x in ref["losses"]),
+                     f"{max(abs(a - b) for a, b in zip(r['losses'], ref['losses'])):.2e}", f"`{sgd['command']}`"]]),
+            "",
+        ]  # fmt: skip
     adam = _run(result, "adam_lr1e-2")
     if adam and adam["result"]:
         r, ref = adam["result"], adam["reference"]
@@ -97,16 +107,6 @@ def render_findings(result: dict) -> str:
             f"2x gradient. `{adam['command']}`",
             "",
         ]
-    sgd = _run(result, "sgd")
-    if sgd and sgd["result"]:
-        r, ref = sgd["result"], sgd["reference"]
-        out += [
-            _table(["run", "losses DeepSpeed", "losses oracle", "max |diff|", "command"],
-                   [["dp1 x sp2, ZeRO 1, SGD lr 0.1", ", ".join(f"{x:.5f}" for x in r["losses"]),
-                     ", ".join(f"{x:.5f}" for x in ref["losses"]),
-                     f"{max(abs(a - b) for a, b in zip(r['losses'], ref['losses'])):.2e}", f"`{sgd['command']}`"]]),
-            "",
-        ]  # fmt: skip
     mesh = _run(result, "mesh_param")
     out += ["## 2. \"The mesh_param path never reduces gradients over the SP group\" — " +
             ("confirmed" if mesh and mesh["result"] and mesh["result"]["param_spread_in_sp_group"] > 0 else "not reproduced"),
@@ -139,6 +139,19 @@ def render_findings(result: dict) -> str:
         ]  # fmt: skip
     elif mb:
         out += [f"- **micro-batch 2: fails** — {'; '.join(mb['error'])} (`{mb['command']}`)"]
+    dp2 = _run(result, "dp2_all_gather_recipe")
+    if dp2 and dp2["error"]:
+        msgs = "; ".join(e[:200] for e in dp2["error"][:3])
+        out += [
+            "- **not in the brief, found here: dp > 1 fails on CPU with DeepSpeed's documented loss recipe.** "
+            "At dp2 x sp2 the backward of `torch.distributed.nn.functional.all_gather` on gloo emulates "
+            "reduce-scatter with `dist.scatter(..., src=i, group=sp_group)` passing the *group* rank `i` as a "
+            f"global rank, so the SP group that does not contain global rank 0 fails: `{msgs}` "
+            f"(`{dp2['command']}`). The comparison at dp2 x sp2 therefore combines the loss with a "
+            "differentiable `all_reduce` (same value, same gradient) on the DeepSpeed side (`--loss-combine`).",
+        ]
+    elif dp2 and dp2["result"]:
+        out += [f"- dp2 x sp2 with the all_gather loss recipe completed (`{dp2['command']}`)."]
     un = _run(result, "unequal_lengths")
     if un and un["error"]:
         out += [
