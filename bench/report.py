@@ -196,6 +196,10 @@ def _behind(r: dict) -> str:
     return text
 
 
+def _a2a(comm: dict) -> int:
+    return sum(v for k, v in comm.items() if k.endswith("/all_to_all_single"))
+
+
 def _phases(p: dict) -> str:
     return "/".join(f"{1000 * p[k]:.0f}" for k in ("forward", "backward", "step") if k in p)
 
@@ -303,7 +307,7 @@ def render(result: dict) -> str:
                   "Grad = step-1 gradient norm / the oracle's.", "",
                   _table(["point", "S", "steps", "loss1 ours / DS / ref", "lossN ours / DS / ref", "tok/s ours / DS",
                           "tok/s ratio", "phases ms ours / DS", "peak MiB ours / DS", "peak ratio", "grad ours / DS",
-                          "commands"],
+                          "all-to-all bytes/step ours / DS", "commands"],
                          [[_pt(r), r["seq"], r["steps"],
                            f"{r['loss1_ours']:.5f} / {r['loss1_ds']:.5f} / {r['loss1_ref']:.5f}",
                            f"{r['lossN_ours']:.5f} / {r['lossN_ds']:.5f} / {r['lossN_ref']:.5f}",
@@ -311,6 +315,7 @@ def render(result: dict) -> str:
                            _phases(r["phases_ours"]) + " / " + _phases(r["phases_ds"]),
                            f"{r['peak_ours'] / MIB:.2f} / {r['peak_ds'] / MIB:.2f}", f"{r['peak_ratio']:.2f}",
                            f"{r['grad_ratio_ours']:.3f} / {r['grad_ratio_ds']:.3f}",
+                           f"{_a2a(r['comm_ours'])} / {_a2a(r['comm_ds'])}",
                            _cmd(r["ours_command"]) + "<br>" + _cmd(r["deepspeed_command"])] for r in rows])]  # fmt: skip
     if rows:
         parts += [
