@@ -138,7 +138,10 @@ def build_optimizer(
     else:
         return None
     if stage == 1:
-        return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=zero_group, **kwargs)
+        # Bucket views: one broadcast per bucket after the step instead of one per parameter.
+        return ZeroRedundancyOptimizer(
+            params, optimizer_class=cls, process_group=zero_group, parameters_as_bucket_view=True, **kwargs
+        )
     return cls(params, **kwargs)
 
 
