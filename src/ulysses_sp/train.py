@@ -387,7 +387,13 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     world, rank = dist.get_world_size(), dist.get_rank()
     manifest = validate(cfg, world)
     resume_dir = ckpt.resolve_resume(cfg.resume, cfg.output_dir) if cfg.resume else None
-    resumed_step = ckpt.read_manifest(resume_dir)["step"] if resume_dir else None
+    saved = ckpt.read_manifest(resume_dir) if resume_dir else {}
+    resumed_step = saved.get("step")
+    if rank == 0 and resume_dir and (saved.get("steps"), saved.get("lr")) != (cfg.steps, cfg.lr):
+        logger.warning(
+            "resuming with --steps %s --lr %s, the checkpoint's run had --steps %s --lr %s: the learning-rate "
+            "schedule continues as saved in the checkpoint", cfg.steps, cfg.lr, saved.get("steps"), saved.get("lr"),
+        )  # fmt: skip
     if rank == 0:
         prepare_output_dir(cfg, resumed_step)
     dist.barrier()
