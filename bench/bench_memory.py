@@ -13,9 +13,10 @@ adding one technique to the previous one:
 
 Memory is measured with ``ulysses_sp.memory.track_peak_memory`` (CPU: deterministic peak of live
 tensor storage, parameters included); it is the highest of the ranks. For each configuration
-the sequence length is doubled (x1.5 steps in between) until the peak exceeds the per-rank
-budget; the longest length that fit is reported. The time of one step is measured at a common
-length, without the tracker, as a ratio to the baseline in the same run.
+the sequence length grows (powers of two and the 1.5x points between) until the peak exceeds the
+per-rank budget; the longest length that fit is reported. Time: one step at a common length,
+without the tracker, the configurations interleaved round after round on the same two ranks (the
+baseline runs the whole sequence on each), best round, as a ratio to the baseline.
 
 Run (a few minutes on 2 cores)::
 
@@ -31,7 +32,6 @@ import math
 import os
 import platform
 import shlex
-import statistics
 import sys
 import tempfile
 import time
@@ -65,7 +65,7 @@ class Setup:
 FULL = Setup(
     hidden=64, intermediate=512, layers=4, heads=4, vocab=16384, budget_mib=64.0,
     seqs=(128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384),
-    time_seq=1024, time_steps=3, loss_shards=None, mlp_shards=None,
+    time_seq=1024, time_steps=5, loss_shards=None, mlp_shards=None,
 )  # fmt: skip
 SMOKE = Setup(
     hidden=32, intermediate=128, layers=2, heads=4, vocab=1024, budget_mib=2.0,
@@ -80,11 +80,11 @@ def _techniques(config: str) -> set[str]:
 # ---------------------------------------------------------------- one rank
 
 
-def _build(setup: Setup, config: str, mesh):
-    """A fresh model with ``config``'s techniques; returns it, the SP group and the loss_fn."""
+def _build(setup: Setup, config: str, reg):
+    """A fresh model with ``config``'s techniques (SP through the one registration ``reg``)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ulysses_sp.attention import UlyssesSPAttentionHF
+    from ulysses_sp.attention import ATTN_NAME
     from ulysses_sp.offload import enable_activation_offload
     from ulysses_sp.tiling import TiledCausalLMLoss, apply_tiled_mlp
 
@@ -95,11 +95,12 @@ def _build(setup: Setup, config: str, mesh):
     )  # fmt: skip
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).train()
-    group, reg = None, None
-    if mesh is not None:
-        reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", mesh.size(1), 1, mesh=mesh)
-        group = reg.get_sequence_parallel_group()
     tech = _techniques(config)
+    group = None
+    if "+sp2" in tech:  # one registration shared by the SP models, each with its own guardrail
+        model.set_attn_implementation(ATTN_NAME)
+        reg.attach(model)
+        group = reg.get_sequence_parallel_group()
     if "+checkpointing" in tech:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
@@ -109,7 +110,7 @@ def _build(setup: Setup, config: str, mesh):
     if "+tiled_mlp" in tech:
         apply_tiled_mlp(model, setup.mlp_shards)
     loss_fn = TiledCausalLMLoss(num_shards=setup.loss_shards) if "+tiled_loss" in tech else None
-    return model, group, loss_fn, reg
+    return model, group, loss_fn
 
 
 def _step(model, group, loss_fn, seq: int, vocab: int) -> None:
@@ -141,10 +142,9 @@ def _max_over_ranks(x: float) -> float:
     return t.item()
 
 
-def _measure(setup: Setup, config: str, mesh) -> dict:
+def _memory_sweep(setup: Setup, model, group, loss_fn) -> list[dict]:
     from ulysses_sp.memory import track_peak_memory
 
-    model, group, loss_fn, reg = _build(setup, config, mesh)
     rows = []
     for seq in setup.seqs:
         with track_peak_memory("cpu", include=model.parameters()) as mem:
@@ -154,34 +154,43 @@ def _measure(setup: Setup, config: str, mesh) -> dict:
         rows.append({"seq": seq, "peak_bytes": int(peak), "host_peak_bytes": int(host)})
         if peak > setup.budget_mib * MIB:
             break
-    _step(model, group, loss_fn, setup.time_seq, setup.vocab)  # warm-up
-    times = []
-    for _ in range(setup.time_steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        _step(model, group, loss_fn, setup.time_seq, setup.vocab)
-        times.append(_max_over_ranks(time.perf_counter() - t0))
-    if reg is not None:
-        reg.remove()
-    return {"rows": rows, "step_seconds": statistics.median(times)}
+    return rows
 
 
-def _worker(rank: int, world: int, store: str, setup: Setup, configs: list[str], out_path: str) -> None:
+def _worker(rank: int, world: int, store: str, setup: Setup, out_path: str) -> None:
+    """Every configuration on the same 2 ranks; the baseline (no SP) runs the whole sequence on each."""
+    from ulysses_sp.attention import UlyssesSPAttentionHF
     from ulysses_sp.mesh import init_mesh
 
     torch.set_num_threads(1)
     # A file store in a private directory: no port to race other programs for.
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        mesh = init_mesh((1, world)) if world > 1 else None
+        # One registration (a throwaway model of the same shape fills its own slot); every SP
+        # model attaches to it, since transformers resolves "ulysses_sp" to one function.
+        reg = UlyssesSPAttentionHF.register_with_transformers(
+            _build(setup, "baseline", None)[0], "sdpa", world, 1, mesh=init_mesh((1, world))
+        )
+        built = {c: _build(setup, c, reg) for c in CONFIGS}
         results = {}
-        for config in configs:
+        for config, (model, group, loss_fn) in built.items():
             t0 = time.perf_counter()
-            results[config] = _measure(setup, config, mesh)
+            results[config] = {"rows": _memory_sweep(setup, model, group, loss_fn)}
             if rank == 0:
                 fit = _fits(results[config]["rows"], setup.budget_mib * MIB)
-                print(f"{config:16s} longest S in budget {fit}, step {results[config]['step_seconds']:.3f}s "
-                      f"({time.perf_counter() - t0:.0f}s)", flush=True)  # fmt: skip
+                print(f"{config:16s} longest S in budget {fit} ({time.perf_counter() - t0:.0f}s)", flush=True)
+        # Time: the configurations interleaved, round after round, so that a shared machine's load
+        # hits them alike; the best round of each.
+        times: dict[str, list[float]] = {c: [] for c in CONFIGS}
+        for round_ in range(setup.time_steps + 1):
+            for config, (model, group, loss_fn) in built.items():
+                dist.barrier()
+                t0 = time.perf_counter()
+                _step(model, group, loss_fn, setup.time_seq, setup.vocab)
+                if round_:  # round 0 warms up
+                    times[config].append(_max_over_ranks(time.perf_counter() - t0))
+        for config in CONFIGS:
+            results[config]["step_seconds"] = min(times[config])
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump(results, f)
@@ -189,11 +198,11 @@ def _worker(rank: int, world: int, store: str, setup: Setup, configs: list[str],
         dist.destroy_process_group()
 
 
-def _run(setup: Setup, configs: list[str], world: int) -> dict:
+def _run(setup: Setup) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         store = os.path.join(tmp, "store")
-        mp.spawn(_worker, args=(world, store, setup, configs, out), nprocs=world, join=True)
+        mp.spawn(_worker, args=(2, store, setup, out), nprocs=2, join=True)
         with open(out) as f:
             return json.load(f)
 
@@ -228,11 +237,12 @@ def _markdown(result: dict) -> str:
         f"one technique to the row above.",
         "",
         "| config | " + " | ".join(f"S={s}" for s in shown)
-        + " | longest S in budget | KiB per token | budget reached at S≈ | time vs baseline |",
-        "|---|" + "---:|" * (len(shown) + 4),
+        + " | longest S in budget | KiB per token | budget reached at S≈ | time vs baseline | vs row above |",
+        "|---|" + "---:|" * (len(shown) + 5),
     ]  # fmt: skip
-    for name in CONFIGS:
+    for i, name in enumerate(CONFIGS):
         r = result["configs"][name]
+        above = result["configs"][CONFIGS[max(i - 1, 0)]]["step_seconds"]
         by_seq = {row["seq"]: row for row in r["rows"]}
         cells = []
         for s in shown:
@@ -248,23 +258,24 @@ def _markdown(result: dict) -> str:
         slope, proj = r["slope_bytes_per_token"], r["projected_seq_at_budget"]
         lines.append(
             f"| {name} | " + " | ".join(cells) + f" | {fit_txt} | {slope / 1024:.2f} | "
-            f"{proj if fit == setup['seqs'][-1] else '(measured)'} | {r['time_ratio']:.2f}x |"
+            f"{proj if fit == setup['seqs'][-1] else '(measured)'} | {r['time_ratio']:.2f}x | "
+            f"{r['step_seconds'] / above:.2f}x |"
         )  # fmt: skip
     off = result["configs"]["+offload"]["rows"]
     lines += [
         "",
-        "*italic*: over budget; `—`: not run (a shorter length already exceeded the budget). The sweep also "
-        f"measures the 1.5x points between powers of two ({', '.join(map(str, setup['seqs']))}). "
+        "*italic*: over budget; `—`: not run (a shorter length already exceeded the budget). Lengths "
+        f"measured (the table shows the powers of two): {', '.join(map(str, setup['seqs']))}. "
         "KiB per token: the peak's growth between the last two lengths measured; where a configuration "
         "never reached the budget, *budget reached at* extends that (affine) growth, a projection, not a "
         "measurement.",
         "",
         f"`+offload` counts device-side memory; the offloaded layer inputs (host side) peaked at "
         f"{max((r['host_peak_bytes'] for r in off), default=0) / MIB:.1f} MiB. Time: one step at "
-        f"S={setup['time_seq']} (median of {setup['time_steps']}), the slowest rank, relative to the "
-        f"baseline's {result['configs']['baseline']['step_seconds']:.3f} s in the same run; sp=2 runs on two "
-        "ranks (one thread each), the baseline on one, so `+sp2` includes a 2x compute split and the "
-        "all-to-alls. On CPU, offload is a copy to a second CPU buffer: its time here says nothing about a GPU.",
+        f"S={setup['time_seq']} (best of {setup['time_steps']}), the slowest rank, relative to the "
+        f"baseline's {result['configs']['baseline']['step_seconds']:.3f} s; the configurations are timed "
+        "interleaved, round after round, on the same two single-thread ranks (the baseline runs the whole "
+        "sequence on each), so `+sp2` includes the 2x compute split and the all-to-alls. On CPU, offload is a copy to a second CPU buffer: its time here says nothing about a GPU.",
         "",
         f"Command: `{result['command']}` (torch {result['env']['torch']}, {result['env']['cpus']} CPUs).",
         "",
@@ -286,8 +297,7 @@ def main(argv: list[str] | None = None) -> dict:
     command = "python bench/bench_memory.py" + (" " + shlex.join(argv if argv is not None else sys.argv[1:]))
     result = {"command": command.strip(), "setup": asdict(setup), "configs": {}, "env": {
         "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count()}}  # fmt: skip
-    result["configs"].update(_run(setup, CONFIGS[:1], 1))  # sp=1: one rank
-    result["configs"].update(_run(setup, CONFIGS[1:], 2))  # sp=2: two ranks, a fresh model per config
+    result["configs"].update(_run(setup))
     for r in result["configs"].values():
         r["longest_seq_in_budget"] = _fits(r["rows"], setup.budget_mib * MIB)
         r["slope_bytes_per_token"], r["projected_seq_at_budget"] = _slope_and_projection(

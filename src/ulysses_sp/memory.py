@@ -236,7 +236,10 @@ def track_peak_memory(
         finally:
             tracker.close()
         return
-    mod = torch.get_device_module(device.type)
+    try:
+        mod = torch.get_device_module(device.type)
+    except RuntimeError:
+        mod = None
     if not hasattr(mod, "max_memory_allocated"):
         raise ValueError(f"no allocator statistics for device type {device.type!r}; measure on 'cpu'")
     stats = PeakMemory(device, "allocator")

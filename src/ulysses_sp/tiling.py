@@ -353,7 +353,8 @@ def _probe_token_local(name: str, mlp: nn.Module, forward: Callable, hidden: int
     mlp.eval()  # dropout off for the probe
     try:
         with torch.no_grad():
-            x = torch.randn(1, 6, hidden, device=p.device, dtype=p.dtype, generator=None)
+            gen = torch.Generator(device=p.device).manual_seed(0)  # never the caller's RNG stream
+            x = torch.randn(1, 6, hidden, device=p.device, dtype=p.dtype, generator=gen)
             whole = forward(x)
             parts = torch.cat([forward(x[:, :2]), forward(x[:, 2:])], dim=1)
     finally:
