@@ -296,6 +296,16 @@ def test_mlp_that_is_not_token_local_is_refused_and_named():
     assert "forward" not in model.model.layers[0].mlp.__dict__  # nothing half-applied
 
 
+def test_applying_twice_is_refused():
+    model = tiny_model("llama", vocab=VOCAB)
+    handle = apply_tiled_mlp(model, 2)
+    assert repr(handle) == "TiledMLPHandle(modules=2, num_shards=2)"
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp is already tiled"):
+        apply_tiled_mlp(model)
+    handle.remove()
+    apply_tiled_mlp(model).remove()
+
+
 def test_no_mlp_and_shape_errors():
     with pytest.raises(ValueError, match="no submodule named 'mlp'"):
         apply_tiled_mlp(nn.Sequential(nn.Linear(2, 2)))

@@ -131,6 +131,9 @@ class ActivationOffloadHandle:
             h.remove()
         self._hooks = []
 
+    def __repr__(self) -> str:
+        return f"ActivationOffloadHandle(layers={len(self._hooks) // 2}, {self.stats})"
+
     def __enter__(self) -> ActivationOffloadHandle:
         return self
 

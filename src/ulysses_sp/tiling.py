@@ -403,6 +403,10 @@ class TiledMLPHandle:
                 mlp.forward = previous
         self._patched = []
 
+    def __repr__(self) -> str:
+        shards = "auto" if self.num_shards is None else self.num_shards
+        return f"TiledMLPHandle(modules={len(self._patched)}, num_shards={shards})"
+
     def __enter__(self) -> TiledMLPHandle:
         return self
 
@@ -443,6 +447,8 @@ def apply_tiled_mlp(
         raise ValueError(f"{type(model).__name__} has no submodule named {mlp_name!r} to tile")
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     for name, mlp in mlps:
+        if getattr(mlp.forward, "_ulysses_sp_tiled", False):
+            raise ValueError(f"{name} is already tiled: remove the previous handle before applying again")
         _check_token_local(name, mlp)
         if hidden is not None:
             _probe_token_local(name, mlp, mlp.forward, hidden)
@@ -468,6 +474,7 @@ def _tiled_forward(name: str, mlp: nn.Module, forward: Callable, num_shards: int
         )
 
     tiled_forward.__wrapped__ = forward  # type: ignore[attr-defined]
+    tiled_forward._ulysses_sp_tiled = True  # type: ignore[attr-defined]
     return tiled_forward
 
 
