@@ -160,12 +160,12 @@ def test_sp2_each_technique_matches_no_sp(pool, arch, techniques):
 # ---------------------------------------------------------------- the engine, ZeRO 0 and 3
 
 
-def _engine_run(stage, techniques):
+def _engine_run(stage, techniques, arch="llama"):
     from ulysses_sp.attention import UlyssesSPAttentionHF
     from ulysses_sp.engine import initialize
     from ulysses_sp.mesh import init_mesh
 
-    model = tiny_model("llama", vocab=VOCAB)
+    model = tiny_model(arch, vocab=VOCAB)
     reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, B, mesh=init_mesh((1, 2)))
     loss_fn, _ = _apply(model, techniques)
     cfg = {"train_batch_size": B, "zero_optimization": {"stage": stage, "partition": "all"}}
@@ -186,8 +186,11 @@ def _engine_run(stage, techniques):
 
 
 @pytest.mark.parametrize("stage", [0, 3])
-@pytest.mark.parametrize("techniques", [(), ("mlp", "loss", "offload")])
-def test_engine_zero_stages_with_tiling_and_offload_match_no_sp(pool, stage, techniques):
-    ref = _reference("llama")
-    for loss, grads in pool.run(_engine_run, 2, stage, techniques):
+@pytest.mark.parametrize(
+    "arch, techniques",
+    [("llama", ()), ("llama", ("mlp", "loss", "offload")), ("qwen2", ("mlp", "loss", "offload"))],
+)
+def test_engine_zero_stages_with_tiling_and_offload_match_no_sp(pool, stage, arch, techniques):
+    ref = _reference(arch)
+    for loss, grads in pool.run(_engine_run, 2, stage, techniques, arch):
         _compare(loss, grads, ref)
