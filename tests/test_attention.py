@@ -315,3 +315,42 @@ def _eval_modes():
 
 def test_eval_other_sizes_and_disable_in_eval(pool):
     pool.run(_eval_modes, 2)
+
+
+def _fresh_positions_every_forward():
+    """Each forward's own position ids are used, even when a freed tensor's id is reused."""
+    mesh = init_mesh((1, 2))
+    info = mesh_info(mesh)
+    ref = tiny_model("llama", attn="sdpa")
+    model = copy.deepcopy(ref)
+    reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, 1, mesh=mesh)
+    ids = global_batch(5, 1, sum(DOCS))
+    packed = torch.cat([torch.arange(n) for n in DOCS])[None]
+    starts = [0, *torch.tensor(DOCS).cumsum(0).tolist()]
+    s_l = ids.shape[1] // 2
+    cols = slice(info.sp_rank * s_l, (info.sp_rank + 1) * s_l)
+    with torch.no_grad():
+        want = {
+            False: ref(input_ids=ids).logits[:, cols],
+            True: torch.cat([ref(input_ids=ids[:, a:b]).logits for a, b in zip(starts, starts[1:])], 1)[
+                :, cols
+            ],
+        }
+        buf = torch.arange(ids.shape[1])[None][:, cols].clone()
+        for i in range(12):
+            docs = bool(i % 2)
+            # A new tensor every time (the previous one freed: CPython may hand out its id again) ...
+            pos = (packed if docs else torch.arange(ids.shape[1])[None])[:, cols].clone()
+            got = model(input_ids=ids[:, cols], position_ids=pos).logits
+            torch.testing.assert_close(got, want[docs], rtol=1e-5, atol=1e-5)
+            del pos, got
+        # ... and the same tensor edited in place.
+        for docs in (False, True, False):
+            buf.copy_((packed if docs else torch.arange(ids.shape[1])[None])[:, cols])
+            got = model(input_ids=ids[:, cols], position_ids=buf).logits
+            torch.testing.assert_close(got, want[docs], rtol=1e-5, atol=1e-5)
+    reg.remove()
+
+
+def test_each_forward_uses_its_own_position_ids(pool):
+    pool.run(_fresh_positions_every_forward, 2)

@@ -128,16 +128,21 @@ class UlyssesSPAttentionHF:
         """Attention calls since the last ``reset_calls()`` (the guardrail counts them)."""
         self.last_seq_len: int | None = None
         """``S`` seen by the most recent call."""
+        # The layout cache: the position_ids object it was built from (held, so its id can never be
+        # reused by another tensor), that tensor's version counter (in-place edits invalidate), and
+        # the call's shape/mode. Hits then depend only on the program, identically on every rank.
+        self._layout_src: torch.Tensor | None = None
         self._layout_key: tuple[int, int, bool] | None = None
         self._layout: SeqLayout | None = None
 
     # ------------------------------------------------------------------ per-forward layout
     def _seq_layout(self, position_ids: torch.Tensor | None, s_local: int, batch: int, device, sp: bool):
-        """Gather the full position ids once per forward (cached by tensor identity)."""
+        """Gather the full position ids once per forward: every layer of one forward (and its
+        checkpoint recompute) receives the same ``position_ids`` object."""
         if position_ids is None:
             position_ids = torch.arange(s_local, device=device)[None]
-        key = (id(position_ids), s_local, sp)
-        if self._layout_key == key and self._layout is not None:
+        key = (position_ids._version, s_local, sp)
+        if self._layout_src is position_ids and self._layout_key == key and self._layout is not None:
             return self._layout
         if (
             position_ids.dim() != 2
@@ -164,7 +169,8 @@ class UlyssesSPAttentionHF:
                 "position_ids are local (0..S_l-1 on every SP rank): pass the full-sequence positions of "
                 "the local tokens (UlyssesSPDataLoaderAdapter does), not let the model make them"
             )
-        self._layout_key, self._layout = key, SeqLayout.from_positions(positions)
+        self._layout = SeqLayout.from_positions(positions)
+        self._layout_src, self._layout_key = position_ids, key
         return self._layout
 
     def _check_local_lengths(self, s_local: int, device) -> None:
