@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -33,3 +35,44 @@ def test_readme_library_example_trains_with_sp2():
     assert all(3.5 < x < 5.0 for x in losses), losses
     norms = [float(x) for x in re.findall(r"grad_norm ([0-9.]+)", r.stdout)]
     assert len(norms) == 6 and all(n > 0 for n in norms), r.stdout
+
+
+def test_readme_is_assembled_from_its_sections():
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "build_readme.py"), "--check"],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+
+
+def _readme_scripts():
+    """README code blocks that are whole scripts: first line `# NAME.py — run with: COMMAND`."""
+    import re
+
+    text = open(os.path.join(ROOT, "README.md")).read()
+    for body in re.findall(r"```python\n(.*?)```", text, re.S):
+        m = re.match(r"# (\S+\.py) — run with: (.*)", body.splitlines()[0])
+        if m:
+            yield m.group(1), m.group(2), body
+
+
+README_SCRIPTS = list(_readme_scripts())
+
+
+def test_readme_has_runnable_scripts():
+    assert len(README_SCRIPTS) >= 4, [name for name, _, _ in README_SCRIPTS]
+
+
+@pytest.mark.parametrize("name, command, body", README_SCRIPTS, ids=[n for n, _, _ in README_SCRIPTS])
+def test_readme_script_runs_as_documented(tmp_path, name, command, body):
+    (tmp_path / name).write_text(body)
+    words = command.split()
+    if words[0] == "torchrun":
+        argv = [sys.executable, "-m", "torch.distributed.run", *words[1:]]
+    else:
+        assert words[0] == "python", command
+        argv = [sys.executable, *words[1:]]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert r.returncode == 0, f"{command}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
