@@ -28,6 +28,7 @@ _EXPORTS = {
     "apply_tiled_mlp": "tiling",
     "sequence_tiled_compute": "tiling",
     "tiled_causal_lm_loss": "tiling",
+    "TiledCausalLMLoss": "tiling",
     "enable_activation_offload": "offload",
     "track_peak_memory": "memory",
 }

@@ -6,13 +6,25 @@ hidden state: the MLP's intermediate ``[B, S_l, I]`` (``I`` is 3-4x ``h``) and t
 ``n`` tiles of the sequence, keeping for backward only the tile *inputs* and recomputing each tile
 in backward. The big tensor then exists for one tile, ``1/n`` of it, at any time.
 
+This module is the mechanism, independent of any model library:
+
 * ``sequence_tiled_compute(fn, x, n, ...)``: the generic mechanism (one autograd Function).
-* ``TiledMLP`` / ``apply_tiled_mlp(model)``: the MLP block of every decoder layer.
-* ``tiled_causal_lm_loss`` and ``TiledCausalLMLoss``: ``lm_head`` + cross-entropy per tile, with
-  the same contract as ``ulysses_sp.loss.sp_causal_lm_loss``.
+* ``TiledMLP.apply(fn, module, x, shards)``: DeepSpeed's entry point for a tiled MLP block.
+* ``tiled_causal_lm_loss``: ``lm_head`` + cross-entropy per tile, with the same contract as
+  ``ulysses_sp.loss.sp_causal_lm_loss``.
+* ``auto_num_shards`` / ``check_num_shards``: the default tile count and its validation.
+
+The HuggingFace integration (``apply_tiled_mlp``/``TiledMLPHandle``, which patch a model's MLP
+blocks after checking they are token-local, and ``TiledCausalLMLoss``, the engine's ``loss_fn``)
+lives in ``ulysses_sp.tiling_hf`` and is re-exported here on first access.
+
+Contract: ``fn`` must treat every position independently, and every tensor requiring grad that it
+uses besides ``x`` must be passed in ``params`` (a missing one raises ``ValueError`` in backward).
+The result and the gradients equal those of the untiled call.
 
 Where it sits in the step (DESIGN.md): steps 3 (MLPs) and 5 (loss) of the forward, mirrored in
-backward. No communication: tiles are local to the rank, so ranks may use different tile counts.
+backward. Tiles are local to the rank (no communication per tile), so ranks may use different
+tile counts; the tiled loss's only collective is ``sp_mean_loss``'s all-reduce, as untiled.
 
 Composition. Parameters are *inputs* of the autograd Function: their gradients are summed over the
 tiles inside the Function and handed to autograd once, so a parameter's gradient hook fires once
@@ -28,6 +40,7 @@ vocabulary, ``n`` number of tiles, ``T = ceil(S_l / n)`` tile length.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -327,215 +340,16 @@ def tiled_causal_lm_loss(
     return sp_mean_loss(total, count, sp_group)
 
 
-# -- applying to HF models ------------------------------------------------------------------------
-
-_TOKEN_LOCAL = (nn.Linear, nn.Identity, nn.LayerNorm, nn.RMSNorm, nn.modules.dropout._DropoutNd)
-
-
-def _is_token_local_leaf(m: nn.Module) -> bool:
-    """Module types that act on each position independently (over the last dim only)."""
-    cls = type(m)
-    if isinstance(m, _TOKEN_LOCAL) or cls.__name__.endswith("RMSNorm"):
-        return True
-    if cls.__module__ == "transformers.activations":
-        return True
-    return cls.__module__ == nn.modules.activation.__name__ and not isinstance(
-        m, (nn.MultiheadAttention, nn.Softmax, nn.Softmin, nn.LogSoftmax, nn.Softmax2d)
-    )
+# The HF integration imports this module, so it is re-exported lazily (PEP 562) rather than
+# imported here: ``from ulysses_sp.tiling import apply_tiled_mlp`` keeps working, with no cycle.
+_HF_EXPORTS = ("TiledCausalLMLoss", "TiledMLPHandle", "apply_tiled_mlp")
 
 
-def _probe_token_local(name: str, mlp: nn.Module, forward: Callable, hidden: int) -> None:
-    """Check numerically that position ``t`` of the output depends on position ``t`` only."""
-    p = next(mlp.parameters(), None)
-    if p is None or p.device.type == "meta" or type(p) not in (torch.Tensor, nn.Parameter):
-        return  # meta or sharded (DTensor) parameters: the structural check has to do
-    modes = {m: m.training for m in mlp.modules()}
-    mlp.eval()  # dropout off for the probe
-    try:
-        with torch.no_grad():
-            gen = torch.Generator(device=p.device).manual_seed(0)  # never the caller's RNG stream
-            x = torch.randn(1, 6, hidden, device=p.device, dtype=p.dtype, generator=gen)
-            whole = forward(x)
-            parts = torch.cat([forward(x[:, :2]), forward(x[:, 2:])], dim=1)
-    finally:
-        for m, mode in modes.items():
-            m.training = mode
-    tol = 1e-4 if p.dtype in (torch.float32, torch.float64) else 5e-2
-    if whole.shape != parts.shape or not torch.allclose(whole, parts, rtol=tol, atol=tol):
-        raise ValueError(
-            f"cannot tile {name} ({type(mlp).__name__}): it is not token-local (its output for a "
-            "token changes with the other tokens of the sequence), so computing it on tiles would "
-            "change the model"
-        )
+def __getattr__(name: str) -> Any:
+    if name in _HF_EXPORTS:
+        return getattr(importlib.import_module(".tiling_hf", __package__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _check_token_local(name: str, mlp: nn.Module) -> None:
-    for sub_name, sub in mlp.named_modules():
-        if next(sub.children(), None) is None and not _is_token_local_leaf(sub):
-            full = f"{name}.{sub_name}" if sub_name else name
-            raise ValueError(
-                f"cannot tile {name} ({type(mlp).__name__}): its submodule {full} "
-                f"({type(sub).__name__}) is not known to be token-local. Tiled MLP recomputes the "
-                "block on slices of the sequence, which is exact only when each token's output "
-                "depends on that token alone (Linear, activations, norms, dropout)"
-            )
-
-
-class TiledMLPHandle:
-    """Undo handle of ``apply_tiled_mlp``: ``remove()`` (or leaving a ``with`` block) restores
-    every patched module's original ``forward`` object."""
-
-    def __init__(self, patched: list[tuple[str, nn.Module, Any]], num_shards: int | None) -> None:
-        self._patched = patched
-        self.num_shards = num_shards
-        """Tiles per MLP call; ``None`` = ``auto_num_shards`` per call."""
-
-    @property
-    def module_names(self) -> list[str]:
-        """Qualified names of the tiled MLPs."""
-        return [n for n, _, _ in self._patched]
-
-    def remove(self) -> None:
-        for _, mlp, previous in self._patched:
-            if previous is None:
-                del mlp.forward  # back to the class's forward
-            else:
-                mlp.forward = previous
-        self._patched = []
-
-    def __repr__(self) -> str:
-        shards = "auto" if self.num_shards is None else self.num_shards
-        return f"TiledMLPHandle(modules={len(self._patched)}, num_shards={shards})"
-
-    def __enter__(self) -> TiledMLPHandle:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
-
-
-def apply_tiled_mlp(
-    model: nn.Module, num_shards: int | None = None, *, mlp_name: str = "mlp"
-) -> TiledMLPHandle:
-    """Make every MLP block of ``model`` (submodules named ``mlp_name``) run tiled.
-
-    Each block's ``forward`` is replaced, on the instance, by one that calls the original over
-    ``num_shards`` tiles of the sequence with ``sequence_tiled_compute``: the ``[B, S_l, I]``
-    intermediates never exist for the whole shard, only one ``[B, T, I]`` tile at a time.
-
-    Args:
-        model: an HF model (or any module) whose MLP blocks take and return ``[B, S_l, h]``.
-        num_shards: tiles per call; ``None`` = ``auto_num_shards(S_l, h, B)`` at each call, i.e.
-            tiles of about ``h`` tokens. A call whose ``S_l`` is below ``num_shards`` raises.
-        mlp_name: attribute name of the MLP blocks.
-
-    Returns:
-        A handle; ``handle.remove()`` restores the original ``forward`` objects.
-
-    Raises:
-        ValueError: ``num_shards < 1``; no module named ``mlp_name``; an MLP that is not
-            token-local (names the module).
-
-    Composes with FSDP2 (apply before or after ``fully_shard``: the block still runs inside its
-    unit's single all-gather), activation checkpointing (the tiled block is recomputed with its
-    layer) and ``apply``-ing SP attention (MLPs are token-local, so SP does not change them).
-    """
-    if num_shards is not None:
-        check_num_shards(num_shards, what="tiled MLP num_shards")
-    mlps = [(n, m) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] == mlp_name]
-    if not mlps:
-        raise ValueError(f"{type(model).__name__} has no submodule named {mlp_name!r} to tile")
-    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
-    for name, mlp in mlps:
-        if getattr(mlp.forward, "_ulysses_sp_tiled", False):
-            raise ValueError(f"{name} is already tiled: remove the previous handle before applying again")
-        _check_token_local(name, mlp)
-        if hidden is not None:
-            _probe_token_local(name, mlp, mlp.forward, hidden)
-    patched = []
-    for name, mlp in mlps:
-        previous = mlp.__dict__.get("forward")
-        mlp.forward = _tiled_forward(name, mlp, mlp.forward, num_shards)
-        patched.append((name, mlp, previous))
-    return TiledMLPHandle(patched, num_shards)
-
-
-def _tiled_forward(name: str, mlp: nn.Module, forward: Callable, num_shards: int | None) -> Callable:
-    preserve = any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in mlp.modules())
-
-    def tiled_forward(x: torch.Tensor) -> torch.Tensor:
-        seq_dim = x.dim() - 2  # [B, S_l, h] or [T, h]
-        s_l = x.shape[seq_dim]
-        b = x.shape[0] if x.dim() == 3 else 1
-        n = auto_num_shards(s_l, x.shape[-1], b) if num_shards is None else num_shards
-        check_num_shards(n, s_l, what=f"{name}: tiled MLP num_shards")
-        return sequence_tiled_compute(
-            forward, x, n, params=list(mlp.parameters()), seq_dim=seq_dim, preserve_rng_state=preserve
-        )
-
-    tiled_forward.__wrapped__ = forward  # type: ignore[attr-defined]
-    tiled_forward._ulysses_sp_tiled = True  # type: ignore[attr-defined]
-    return tiled_forward
-
-
-@dataclass(frozen=True)
-class TiledCausalLMLoss:
-    """A ``loss_fn`` for the engine: ``loss_fn(model, batch, shift_labels, sp_group) -> output``.
-
-    Runs ``model(**batch)`` through the model's own ``__call__`` (so FSDP2's root hooks gather the
-    root's parameters and the decoder layers' hooks run as usual), but intercepts the
-    ``lm_head`` call: its input hidden states ``[B, S_l, h]`` go to ``tiled_causal_lm_loss`` and
-    ``lm_head`` itself only sees an empty ``[B, 0, h]`` slice. The returned HF output has
-    ``.loss`` set and empty ``logits [B, 0, V]``. ``batch`` holds the model's keyword inputs
-    (``input_ids``, ``position_ids``, ...); ``labels``/``shift_labels`` entries are ignored.
-    """
-
-    num_shards: int | None = None
-    """Tiles per shard; ``None`` = ``auto_num_shards``."""
-    ignore_index: int = IGNORE_INDEX
-    """Label value excluded from the loss."""
-
-    def __post_init__(self) -> None:
-        if self.num_shards is not None:
-            check_num_shards(self.num_shards, what="tiled loss num_shards")
-
-    def __call__(
-        self, model: nn.Module, batch: dict[str, Any], shift_labels: torch.Tensor, sp_group: Any
-    ) -> Any:
-        inner = model  # DDP and similar wrappers: hooks go on the wrapped model, the call on the wrapper
-        while not hasattr(inner, "get_output_embeddings") and isinstance(
-            getattr(inner, "module", None), nn.Module
-        ):
-            inner = inner.module
-        config = getattr(inner, "config", None)
-        for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
-            if getattr(config, attr, None) not in (None, 1, 1.0):
-                raise ValueError(f"tiled loss computes plain lm_head logits; {attr} is not supported")
-        lm_head = inner.get_output_embeddings()
-        result: dict[str, torch.Tensor] = {}
-
-        def intercept(module: nn.Module, args: tuple) -> tuple | None:
-            if "loss" in result:
-                return None
-            (hidden,) = args
-            result["loss"] = tiled_causal_lm_loss(
-                hidden,
-                module,
-                shift_labels,
-                sp_group,
-                num_shards=self.num_shards,
-                ignore_index=self.ignore_index,
-            )
-            return (hidden[:, :0],)  # [B, S_l, h] -> [B, 0, h]: no logits materialised
-
-        inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
-        inputs.setdefault("use_cache", False)
-        hook = lm_head.register_forward_pre_hook(intercept)
-        try:
-            out = model(**inputs)
-        finally:
-            hook.remove()
-        if "loss" not in result:
-            raise ValueError(f"{type(model).__name__}'s forward never called its output embeddings")
-        out.loss = result["loss"]
-        return out
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HF_EXPORTS])

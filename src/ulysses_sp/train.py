@@ -315,7 +315,7 @@ def _techniques(cfg: TrainConfig, model) -> tuple[list[Any], Any]:
     handles: list[Any] = []
     loss_fn = None
     if cfg.tiled_mlp:
-        from .tiling import apply_tiled_mlp
+        from .tiling_hf import apply_tiled_mlp
 
         handles.append(apply_tiled_mlp(model, cfg.tiled_mlp_shards))
     if cfg.activation_checkpointing:
@@ -325,7 +325,7 @@ def _techniques(cfg: TrainConfig, model) -> tuple[list[Any], Any]:
 
         handles.append(enable_activation_offload(model))
     if cfg.tiled_loss:
-        from .tiling import TiledCausalLMLoss
+        from .tiling_hf import TiledCausalLMLoss
 
         loss_fn = TiledCausalLMLoss(num_shards=cfg.tiled_loss_shards)
     return handles, loss_fn
