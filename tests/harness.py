@@ -64,6 +64,16 @@ def _worker_main(inbox: mp.Queue, outbox: mp.Queue) -> None:
             outbox.put((task_id, rank, False, (type(e).__name__, str(e), traceback.format_exc())))
         finally:
             if dist.is_initialized():
+                # Tear down only once every rank is done: a rank that fails at once (bad input) and
+                # destroys its group while a slower peer is still connecting can leave that peer
+                # stuck inside gloo's connect. A store barrier works even when the group is broken.
+                try:
+                    store.set(f"done/{rank}", "1")
+                    store.wait(
+                        [f"done/{r}" for r in range(world_size)], timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+                    )
+                except Exception:  # noqa: BLE001 - a peer that never finishes is reported by run()
+                    pass
                 dist.destroy_process_group()
 
 
