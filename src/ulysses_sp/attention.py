@@ -134,6 +134,9 @@ class UlyssesSPAttentionHF:
         self._layout_src: torch.Tensor | None = None
         self._layout_key: tuple[int, int, bool] | None = None
         self._layout: SeqLayout | None = None
+        self._mask_key: tuple[Any, ...] | None = None
+        self._mask: Any = None
+        self._mask_layout: SeqLayout | None = None
 
     # ------------------------------------------------------------------ per-forward layout
     def _seq_layout(self, position_ids: torch.Tensor | None, s_local: int, batch: int, device, sp: bool):
@@ -208,7 +211,7 @@ class UlyssesSPAttentionHF:
         self.calls += 1
         self.last_seq_len = layout.seq_len
         kwargs.pop("is_causal", None)
-        mask = mask_for(layout, self.core, query.dtype, kwargs.get("sliding_window"))
+        mask = self._full_mask(layout, query.dtype, kwargs.get("sliding_window"))
         core = _core_function(self.core, module)
         if self.core.startswith("flash"):
             kwargs["position_ids"] = layout.positions  # varlen boundaries from the full sequence
@@ -236,6 +239,14 @@ class UlyssesSPAttentionHF:
                 module.num_key_value_groups = prev
         out = heads_to_seq(out, self.sp_group, head_dim=2, seq_dim=1)  # [B, S, H_l, D] -> [B, S_l, H, D]
         return out, None
+
+    def _full_mask(self, layout: SeqLayout, dtype: torch.dtype, sliding_window: int | None) -> Any:
+        """The full-sequence mask, built once per forward (every layer shares it)."""
+        key = (id(layout), dtype, sliding_window)  # the layout object is held below: its id stays unique
+        if self._mask_key != key:
+            self._mask = mask_for(layout, self.core, dtype, sliding_window)
+            self._mask_key, self._mask_layout = key, layout
+        return self._mask
 
     def reset_calls(self) -> None:
         """Zero the call counter (the guardrail does this before each checked forward)."""
