@@ -195,7 +195,9 @@ def _worker(rank: int, world: int, store: str, setup: Setup, out_path: str) -> N
             with open(out_path, "w") as f:
                 json.dump(results, f)
     finally:
-        dist.destroy_process_group()
+        from ulysses_sp.mesh import shutdown
+
+        shutdown()
 
 
 def _run(setup: Setup) -> dict:

@@ -300,7 +300,9 @@ def main(argv=None) -> None:
         with open(args.out, "w") as f:
             json.dump(records, f, indent=1)
     dist.barrier()
-    dist.destroy_process_group()
+    from ulysses_sp.mesh import shutdown
+
+    shutdown()  # joins the gloo workers now, not during interpreter exit
 
 
 if __name__ == "__main__":

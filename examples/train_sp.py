@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter, initialize
+from ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter, initialize, shutdown
 
 
 def main() -> None:
@@ -84,8 +84,10 @@ def main() -> None:
         if dist.get_rank() == 0:
             print(f"step {step} loss {step_loss:.4f} grad_norm {engine.get_global_grad_norm():.4f}")
     mpu.remove()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        shutdown()  # after main(): its engine and loader are gone, so every group is released now

@@ -74,7 +74,11 @@ def _worker_main(inbox: mp.Queue, outbox: mp.Queue) -> None:
                     )
                 except Exception:  # noqa: BLE001 - a peer that never finishes is reported by run()
                     pass
-                dist.destroy_process_group()
+                # Destroy, and release the groups meshes still hold, so their threads do not pile
+                # up in this long-lived worker.
+                from ulysses_sp.mesh import shutdown
+
+                shutdown()
 
 
 class WorkerPool:

@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Mpu": "mesh",
     "init_mesh": "mesh",
+    "shutdown": "mesh",
     "data_parallel_world_size": "mesh",
     "UlyssesSPAttentionHF": "attention",
     "sp_causal_lm_loss": "loss",

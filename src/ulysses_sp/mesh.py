@@ -14,6 +14,10 @@ is what the config validation and the unit tests use; ``init_mesh`` creates the 
 
 from __future__ import annotations
 
+import atexit
+import gc
+import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,9 +139,69 @@ def init_mesh(
                 raise ValueError(f"{name}={given} disagrees with mesh_param={tuple(mesh_param)}")
         dp_size, sp_size = mdp, msp
     dp_size, sp_size = resolve_mesh_shape(dist.get_world_size(), dp_size, sp_size)
-    return init_device_mesh(
-        device_type or default_device_type(), (dp_size, sp_size), mesh_dim_names=MESH_AXES
+    return track_mesh(
+        init_device_mesh(device_type or default_device_type(), (dp_size, sp_size), mesh_dim_names=MESH_AXES)
     )
+
+
+# --- teardown -------------------------------------------------------------------------------------
+#
+# A gloo process group runs worker threads that stay alive as long as the group object does, and
+# ``dist.destroy_process_group()`` does not stop them. A worker that finishes a collective drops
+# its reference to the work (and its tensors) a moment *after* the caller has been released; if
+# the caller is the script's last collective and the interpreter is already finalizing by then,
+# the worker cannot take the GIL to free the tensors and the process aborts ("terminate called
+# without an active exception", SIGABRT) although the run succeeded. torch >= 2.13 meshes keep
+# their groups alive (``DeviceMesh._pg_registry``), so a module-level ``mesh`` is enough to hit it.
+# ``shutdown`` releases the groups while the interpreter is alive: the group's destructor then
+# joins its workers (it releases the GIL while joining), and nothing is left for finalization.
+
+_EXIT_GRACE_S = 0.1
+_tracked: weakref.WeakValueDictionary[int, DeviceMesh] = weakref.WeakValueDictionary()
+_exit_hook_registered = False
+
+
+def track_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """Remember ``mesh`` so that ``shutdown`` can release the process groups it holds; return it."""
+    global _exit_hook_registered
+    _tracked[id(mesh)] = mesh
+    if not _exit_hook_registered:
+        atexit.register(_release_at_exit)
+        _exit_hook_registered = True
+    return mesh
+
+
+def shutdown() -> None:
+    """End a distributed run: destroy every process group and stop the backends' worker threads.
+
+    Call it once at the end of a script, where you would call ``dist.destroy_process_group()``.
+    It also releases the groups that meshes from ``init_mesh`` (and the engine) hold, and collects
+    garbage, so the groups' threads are joined now instead of during interpreter shutdown, where a
+    late gloo worker aborts the process. Groups that your own live objects still hold (a loader
+    or engine in a global variable) are released when those objects go: keep them inside a
+    function. Safe to call twice and without a process group.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _release_groups()
+
+
+def _release_groups() -> None:
+    for mesh in list(_tracked.values()):
+        registry = getattr(mesh, "_pg_registry", None)  # torch >= 2.13: the mesh holds its groups
+        if isinstance(registry, dict):
+            registry.clear()
+    _tracked.clear()
+    gc.collect()
+
+
+def _release_at_exit() -> None:
+    """Safety net for scripts that end with ``dist.destroy_process_group()`` and globals."""
+    if not (dist.is_available() and dist.is_initialized()):  # the groups are no longer in use
+        _release_groups()
+    # Let a worker that still has to free a finished collective's tensors take the GIL now,
+    # while the interpreter is alive (groups that live objects hold are only freed later).
+    time.sleep(_EXIT_GRACE_S)
 
 
 def check_mesh(mesh: DeviceMesh) -> DeviceMesh:

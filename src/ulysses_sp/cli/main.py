@@ -182,8 +182,6 @@ def _init_process_group(timeout_s: float, *, single: bool) -> None:
 
 def _run_rank(command: str, options: Any, timeout_s: float, single: bool = False) -> Any:
     """Body of one rank: process group, the command, teardown."""
-    import torch.distributed as dist
-
     rank = int(os.environ.get("RANK", "0"))
     _configure_logging(rank)
     _init_process_group(timeout_s, single=single)
@@ -196,8 +194,9 @@ def _run_rank(command: str, options: Any, timeout_s: float, single: bool = False
 
         return run_eval(options)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        from ..mesh import shutdown
+
+        shutdown()
 
 
 def _launch(command: str, options: Any, nproc: int, timeout_s: float) -> None:

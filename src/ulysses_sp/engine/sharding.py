@@ -42,7 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from ..mesh import DP_AXIS, SP_AXIS, dp_group, sp_group
+from ..mesh import DP_AXIS, SP_AXIS, dp_group, sp_group, track_mesh
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:
@@ -93,12 +93,14 @@ def fsdp_mesh(mesh: DeviceMesh, partition: str) -> DeviceMesh:
     A collective only in the bookkeeping sense: it reuses the existing process groups.
     """
     if partition == "all":
-        return DeviceMesh.from_group(dist.group.WORLD, mesh.device_type, mesh_dim_names=("dp_sp",))
+        return track_mesh(DeviceMesh.from_group(dist.group.WORLD, mesh.device_type, mesh_dim_names=("dp_sp",)))
     dp_size, sp_size = mesh.size(0), mesh.size(1)
     # [dp, sp] rank grid -> [sp, dp]: dim 0 runs along an SP group (replicate), dim 1 along a DP group (shard).
     grid = torch.arange(dp_size * sp_size).view(dp_size, sp_size).T
-    return DeviceMesh.from_group(
-        [sp_group(mesh), dp_group(mesh)], mesh.device_type, mesh=grid, mesh_dim_names=(SP_AXIS, DP_AXIS)
+    return track_mesh(
+        DeviceMesh.from_group(
+            [sp_group(mesh), dp_group(mesh)], mesh.device_type, mesh=grid, mesh_dim_names=(SP_AXIS, DP_AXIS)
+        )
     )
 
 
