@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-SCRIPT = r'''
+SCRIPT = r"""
 import os
 
 import torch
@@ -67,7 +67,7 @@ left = gloo_threads()
 print(f"rank {os.environ['RANK']} gloo threads: during {len(during)}, after shutdown {left}")
 assert during and not left, (during, left)
 shutdown()  # a second call is harmless
-'''
+"""
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads thread names from Linux /proc")

@@ -93,7 +93,9 @@ def fsdp_mesh(mesh: DeviceMesh, partition: str) -> DeviceMesh:
     A collective only in the bookkeeping sense: it reuses the existing process groups.
     """
     if partition == "all":
-        return track_mesh(DeviceMesh.from_group(dist.group.WORLD, mesh.device_type, mesh_dim_names=("dp_sp",)))
+        return track_mesh(
+            DeviceMesh.from_group(dist.group.WORLD, mesh.device_type, mesh_dim_names=("dp_sp",))
+        )
     dp_size, sp_size = mesh.size(0), mesh.size(1)
     # [dp, sp] rank grid -> [sp, dp]: dim 0 runs along an SP group (replicate), dim 1 along a DP group (shard).
     grid = torch.arange(dp_size * sp_size).view(dp_size, sp_size).T
