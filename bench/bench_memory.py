@@ -35,7 +35,6 @@ import shlex
 import sys
 import tempfile
 import time
-import warnings
 from dataclasses import asdict, dataclass
 
 import torch
@@ -85,7 +84,7 @@ def _build(setup: Setup, config: str, reg):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from ulysses_sp.attention import ATTN_NAME
-    from ulysses_sp.offload import enable_activation_offload
+    from ulysses_sp.offload import enable_activation_checkpointing, enable_activation_offload
     from ulysses_sp.tiling import TiledCausalLMLoss, apply_tiled_mlp
 
     cfg = LlamaConfig(
@@ -102,9 +101,7 @@ def _build(setup: Setup, config: str, reg):
         reg.attach(model)
         group = reg.get_sequence_parallel_group()
     if "+checkpointing" in tech:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     if "+offload" in tech:
         enable_activation_offload(model)
     if "+tiled_mlp" in tech:

@@ -20,6 +20,7 @@ from models import global_batch, reference_loss, shift, tiny_model
 from ulysses_sp.attention import UlyssesSPAttentionHF, check_heads, valid_sp_sizes
 from ulysses_sp.loss import sp_causal_lm_loss
 from ulysses_sp.mesh import init_mesh, mesh_info
+from ulysses_sp.offload import enable_activation_checkpointing
 
 B, S = 2, 16
 ARCHS = ("llama", "qwen2", "mistral")
@@ -39,7 +40,7 @@ def _sp_step(model, mesh, ids, labels, *, checkpointing=False):
     rows = slice(info.dp_rank * B, (info.dp_rank + 1) * B)
     cols = slice(info.sp_rank * s_l, (info.sp_rank + 1) * s_l)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     model.train()
     pos = torch.arange(ids.shape[1])[cols].expand(B, -1)
     out = model(input_ids=ids[rows, cols], position_ids=pos)

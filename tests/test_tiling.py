@@ -9,7 +9,6 @@ shapes where the tiled tensors dominate; each test states its prediction from th
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from torch import nn
 
 from ulysses_sp.loss import sp_causal_lm_loss
 from ulysses_sp.memory import track_peak_memory
+from ulysses_sp.offload import enable_activation_checkpointing
 from ulysses_sp.tiling import (
     TiledCausalLMLoss,
     TiledMLP,
@@ -63,11 +63,7 @@ def _assert_same(a, b):
 def _checkpointing(model, mode):
     if mode is None:
         return
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"}
-        )
+    enable_activation_checkpointing(model, use_reentrant=mode == "reentrant")
     model.train()
 
 

@@ -7,15 +7,13 @@ FSDP2: tiling must not change how often parameters are all-gathered (once per un
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 import torch.distributed as dist
 from models import global_batch, shift, tiny_model
 
 from ulysses_sp.loss import sp_causal_lm_loss
-from ulysses_sp.offload import enable_activation_offload
+from ulysses_sp.offload import enable_activation_checkpointing, enable_activation_offload
 from ulysses_sp.tiling import TiledCausalLMLoss, apply_tiled_mlp
 
 VOCAB, B, S = 256, 2, 16
@@ -23,9 +21,7 @@ E = 4
 
 
 def _checkpointed(model):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(model)
     return model.train()
 
 

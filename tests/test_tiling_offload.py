@@ -8,7 +8,6 @@ lets these tests see the mechanism work on a machine without an accelerator.
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
@@ -16,16 +15,14 @@ from models import global_batch, shift, tiny_model
 
 from ulysses_sp.loss import sp_causal_lm_loss
 from ulysses_sp.memory import track_peak_memory
-from ulysses_sp.offload import enable_activation_offload
+from ulysses_sp.offload import enable_activation_checkpointing, enable_activation_offload
 from ulysses_sp.tiling import TiledCausalLMLoss, apply_tiled_mlp
 
 VOCAB, E = 256, 4
 
 
 def _checkpointed(model, reentrant=False):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    enable_activation_checkpointing(model, use_reentrant=reentrant)
     return model.train()
 
 
@@ -107,11 +104,33 @@ def test_offload_removes_checkpointed_inputs_from_the_device_count():
 def test_offload_without_checkpointing_is_refused_with_the_reason():
     model = tiny_model("llama", vocab=VOCAB)
     with pytest.raises(
-        ValueError, match=r"needs activation checkpointing.*gradient_checkpointing_enable\(\)"
+        ValueError, match=r"needs activation checkpointing.*enable_activation_checkpointing\(model\)"
     ):
         enable_activation_offload(model)
     with pytest.raises(ValueError, match="has 0 checkpointable layer"):
         enable_activation_offload(torch.nn.Linear(2, 2))
+
+
+def test_enable_activation_checkpointing_turns_on_every_layer_without_deprecation_warning():
+    import warnings
+
+    model = tiny_model("llama", vocab=VOCAB)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # the deprecated alias would warn here
+        enable_activation_checkpointing(model)
+    assert model.is_gradient_checkpointing
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
+
+
+def test_enable_activation_checkpointing_falls_back_to_the_transformers_4_name():
+    calls = []
+
+    class OldModel(torch.nn.Module):  # transformers 4.x: no activation_checkpointing_enable
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+            calls.append(gradient_checkpointing_kwargs)
+
+    enable_activation_checkpointing(OldModel(), use_reentrant=True)
+    assert calls == [{"use_reentrant": True}]
 
 
 def test_remove_and_eval_do_not_offload():

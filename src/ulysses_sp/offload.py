@@ -141,12 +141,28 @@ class ActivationOffloadHandle:
         self.remove()
 
 
+def enable_activation_checkpointing(model: nn.Module, *, use_reentrant: bool = False) -> None:
+    """Turn on transformers' activation checkpointing of ``model``'s decoder layers.
+
+    Uses ``activation_checkpointing_enable`` where the installed transformers has it (5.x, where
+    ``gradient_checkpointing_enable`` is a deprecated alias due to go in v6), else
+    ``gradient_checkpointing_enable`` (4.x). Each layer then keeps only its input for backward.
+    """
+    kwargs = {"use_reentrant": use_reentrant}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def enable_activation_offload(model: nn.Module, *, min_bytes: int = 1) -> ActivationOffloadHandle:
     """Offload the inputs of ``model``'s checkpointed layers to host memory (see module docstring).
 
     Args:
         model: an HF model with activation checkpointing enabled
-            (``model.gradient_checkpointing_enable()`` / ``activation_checkpointing_enable()``).
+            (``enable_activation_checkpointing(model)``, or transformers' own
+            ``activation_checkpointing_enable()`` / ``gradient_checkpointing_enable()``).
         min_bytes: tensors smaller than this stay on the device.
 
     Returns:
@@ -165,6 +181,7 @@ def enable_activation_offload(model: nn.Module, *, min_bytes: int = 1) -> Activa
             "checkpointed layer keeps for backward (its input [B, S_l, hidden]) to host memory. "
             f"{type(model).__name__} has {len(layers)} checkpointable layer(s) and none is checkpointed; "
             "without checkpointing every intermediate activation stays on the device and offloading "
-            "the layer inputs alone would save nothing. Call model.gradient_checkpointing_enable() first"
+            "the layer inputs alone would save nothing. Call "
+            "ulysses_sp.offload.enable_activation_checkpointing(model) (or model.gradient_checkpointing_enable()) first"
         )
     return ActivationOffloadHandle(model, min_bytes=min_bytes)

@@ -117,7 +117,9 @@ def _techniques(cfg: TrainConfig, model) -> tuple[list[Any], Any]:
 
         handles.append(apply_tiled_mlp(model, cfg.tiled_mlp_shards))
     if cfg.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        from .offload import enable_activation_checkpointing
+
+        enable_activation_checkpointing(model)
     if cfg.offload_activations:
         from .offload import enable_activation_offload
 
