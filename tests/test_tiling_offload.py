@@ -132,6 +132,11 @@ def test_enable_activation_checkpointing_falls_back_to_the_transformers_4_name()
     assert calls == [{"use_reentrant": True}]
 
 
+def test_enable_activation_checkpointing_refuses_a_model_without_it():
+    with pytest.raises(ValueError, match="Linear is not a transformers model with activation checkpointing"):
+        enable_activation_checkpointing(torch.nn.Linear(2, 2))
+
+
 def test_remove_and_eval_do_not_offload():
     model = _checkpointed(tiny_model("qwen2", vocab=VOCAB))
     hooks_before = [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.model.layers]

@@ -152,8 +152,14 @@ def enable_activation_checkpointing(model: nn.Module, *, use_reentrant: bool = F
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is not None:
         enable(activation_checkpointing_kwargs=kwargs)
-    else:
+    elif hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:
+        raise ValueError(
+            f"{type(model).__name__} is not a transformers model with activation checkpointing "
+            "(no activation_checkpointing_enable / gradient_checkpointing_enable); wrap its layers "
+            "with torch.utils.checkpoint yourself"
+        )
 
 
 def enable_activation_offload(model: nn.Module, *, min_bytes: int = 1) -> ActivationOffloadHandle:
