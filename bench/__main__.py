@@ -1,24 +1,24 @@
-"""Run the benchmark suite and write bench/results/{bench,smoke}.{json,md}.
+"""Run the benchmark suite: launch the tasks, collect their JSON, render the tables.
 
-    python -m bench                 # full suite (< 15 min on a 2-core CPU machine)
-    python -m bench --smoke         # tiny sizes, ulysses-sp only (< 1 min; CI)
-    python -m bench --sections comm,deepspeed
+    python -m bench                 # the default sections (~7 min on a 2-core CPU machine)
+    python -m bench --smoke         # tiny sizes, ulysses-sp only (< 1 min; CI) -> smoke.{json,md}
+    python -m bench --sections alst_memory,deepspeed,findings
+    python -m bench --render bench/results/bench.json      # re-render the tables only
 
-Sections (each row of the markdown carries the exact command that produced it):
-  comm        bytes per rank per attention layer vs the analytic Ulysses minimum (MHA, GQA, Hkv < P)
-  flops       FLOPs per rank vs total / P
-  memory      peak tensor memory vs sequence length, +-tiling; fitted activation slope ratio vs 1/P
-  alst_memory re-run bench/bench_memory.py (ALST techniques one by one, ~8 min; not in the default set:
-              a full run includes its last results from bench/results/bench_memory.json instead)
-  throughput  tokens/s per rank at equal tokens per rank, ratio to sp=1 in the same run
-  deepspeed   side by side with DeepSpeed's own Ulysses/ALST (needs bash bench/setup_deepspeed.sh)
-  findings    checks of DeepSpeed's known problems -> bench/results/deepspeed_findings.md
-  projection  Llama-8B on 8 x 80 GB from the measured counts, vs the published ALST figures
+Sections: comm, flops, memory, throughput (bench/workers.py, one launch per world size),
+alst_memory (bench/alst_worker.py; ~8 min, not in the default set), deepspeed and findings
+(bench/ours_worker.py vs bench/ds_worker.py; need ``bash bench/setup_deepspeed.sh``), projection
+(bench/projection.py from this run's counts). Every worker is launched by bench/launch.py.
+
+A run into bench/results carries every section it did not run from the previous bench.json, still
+labelled with the run that produced it, and refreshes the targets block of docs/readme/performance.md
+(then README.md via scripts/build_readme.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -28,290 +28,195 @@ import time
 
 import torch
 
-from bench import projection as proj
-from bench import report
+from bench import projection, report
 from bench import spec as S
 from bench.launch import DS_PYTHON, ROOT, WorkerFailed, deepspeed_available, run_worker
 
-SECTIONS = ("comm", "flops", "memory", "alst_memory", "throughput", "deepspeed", "findings", "projection")
+LIBRARY = ("comm", "flops", "memory", "throughput")
+SECTIONS = (*LIBRARY, "alst_memory", "deepspeed", "findings", "projection")
 DEFAULT_SECTIONS = tuple(x for x in SECTIONS if x != "alst_memory")
-SMOKE_SECTIONS = ("comm", "flops", "memory", "throughput", "projection")
+SMOKE_SECTIONS = (*LIBRARY, "projection")
+DS_POINTS = [{"dp": 1, "sp": 2, "zero": 1}, {"dp": 1, "sp": 2, "zero": 2}, {"dp": 2, "sp": 2, "zero": 1}]
 
 
-def machine() -> dict:
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(
+            ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+
+
+def new_run(invocation: str) -> dict:
+    """Where and when this run happens: the label every table it produces carries."""
     import transformers
 
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "backend": "gloo (CPU)",
-    }
+    now = datetime.datetime.now(datetime.timezone.utc)
+    dirty = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results", ":!README.md",
+                 ":!docs/readme/performance.md")  # fmt: skip
+    commit = (_git("rev-parse", "--short", "HEAD") or "unknown") + ("+uncommitted changes" if dirty else "")
+    machine = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+               "cpus": os.cpu_count(), "python": sys.version.split()[0], "torch": torch.__version__,
+               "transformers": transformers.__version__, "backend": "gloo (CPU)"}  # fmt: skip
+    return {"id": f"{now:%Y-%m-%dT%H:%MZ}@{commit.split('+')[0]}", "date": f"{now:%Y-%m-%d %H:%M UTC}",
+            "commit": commit, "host": platform.node(), "machine": machine, "invocation": invocation,
+            "wall_s": None, "launches": []}  # fmt: skip
 
 
-def run_library_sections(sections: list[str], smoke: bool, log) -> tuple[list[dict], list[dict]]:
-    """Launch bench.workers once per world size; return (records, launches)."""
-    tasks = [s for s in sections if s in ("comm", "flops", "memory", "throughput")]
-    if not tasks:
-        return [], []
-    worlds = [2] if smoke else [2, 4]
-    records, launches = [], []
-    for w in worlds:
-        args = ["--tasks", ",".join(tasks)] + (["--smoke"] if smoke else [])
-        recs, cmd, wall = run_worker("bench.workers", w, args)
-        log(f"  workers world={w}: {wall:.0f} s")
+def launch(run: dict, module: str, nproc: int, args: list[str], **kw):
+    """``run_worker`` that records the launch (command, wall time) in ``run``."""
+    res, cmd, wall = run_worker(module, nproc, args, **kw)
+    run["launches"].append({"command": cmd, "wall_s": wall})
+    log(f"  {cmd}: {wall:.0f} s")
+    return res, cmd
+
+
+def run_library(tasks: list[str], smoke: bool, run: dict) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {t: [] for t in tasks}
+    for world in ([2] if smoke else [2, 4]) if tasks else []:
+        recs, cmd = launch(run, "bench.workers", world, ["--tasks", ",".join(tasks)] + ["--smoke"] * smoke)
         for r in recs:
-            r["command"] = cmd
-        records += recs
-        launches.append({"command": cmd, "wall_s": wall})
-    return records, launches
-
-
-DS_POINTS = [
-    {"dp": 1, "sp": 2, "zero": 1},
-    {"dp": 1, "sp": 2, "zero": 2},
-    {"dp": 2, "sp": 2, "zero": 1},
-]
-
-
-def _merge(runs: list[dict]) -> dict:
-    """Repeated launches of one side: deterministic fields from the first, the best timings of all."""
-    out = dict(runs[0])
-    out["tokens_per_s_per_rank"] = max(r["tokens_per_s_per_rank"] for r in runs)
-    out["phase_s"] = {k: min(r["phase_s"][k] for r in runs) for k in runs[0]["phase_s"]}
-    out["repeats"] = len(runs)
+            out[r["task"]].append({**r, "command": cmd})
     return out
 
 
-def run_pair(
-    point: dict,
-    *,
-    steps: int,
-    seq: int,
-    mb: int = 1,
-    lr: float = 1e-3,
-    clip: float = 0.0,
-    repeats: int = 1,
-    log,
-) -> dict:
-    """ulysses-sp and DeepSpeed on one (dp, sp, zero) point, plus the single-process oracle.
+def _best(runs: list[dict]) -> dict:
+    """Repeated launches of one side: deterministic fields from the first, the best timings of all."""
+    return {**runs[0], "tokens_per_s_per_rank": max(r["tokens_per_s_per_rank"] for r in runs),
+            "phase_s": {k: min(r["phase_s"][k] for r in runs) for k in runs[0]["phase_s"]}, "repeats": len(runs)}  # fmt: skip
 
-    With ``repeats > 1`` the two sides alternate (ours, DS, ours, DS, ...) and each keeps its best timing,
-    so a burst of load from elsewhere on the machine hits neither side alone.
-    """
-    args = [
-        "--dp", str(point["dp"]), "--sp", str(point["sp"]), "--zero", str(point["zero"]),
-        "--steps", str(steps), "--seq-len", str(seq), "--micro-batch", str(mb), "--lr", str(lr),
-        "--clip", str(clip),
-    ]  # fmt: skip
-    n = point["dp"] * point["sp"]
-    ours_runs, ds_runs = [], []
+
+def run_pair(point: dict, *, steps: int, seq: int, repeats: int, run: dict, lr: float = 1e-3) -> dict:
+    """ulysses-sp and DeepSpeed on one (dp, sp, zero) point, alternating launches (so a burst of load from
+    elsewhere hits neither side alone), each side's best timing; plus the single-process oracle."""
+    args = ["--dp", str(point["dp"]), "--sp", str(point["sp"]), "--zero", str(point["zero"]), "--steps", str(steps),
+            "--seq-len", str(seq), "--micro-batch", "1", "--lr", str(lr), "--clip", "0.0"]  # fmt: skip
+    n, ours, ds = point["dp"] * point["sp"], [], []
     try:
         for _ in range(repeats):
-            ours, ours_cmd, ours_wall = run_worker("bench.ours_worker", n, args)
-            log(f"  ours {point}: {ours_wall:.0f} s")
-            ds, ds_cmd, ds_wall = run_worker("bench.ds_worker", n, args, python=DS_PYTHON)
-            log(f"  deepspeed {point}: {ds_wall:.0f} s")
-            ours_runs.append(ours)
-            ds_runs.append(ds)
+            res, ours_cmd = launch(run, "bench.ours_worker", n, args)
+            ours.append(res)
+            res, ds_cmd = launch(run, "bench.ds_worker", n, args, python=DS_PYTHON)
+            ds.append(res)
     except WorkerFailed as e:
         log(f"  {point}: FAILED {str(e).splitlines()[0]}")
         return {"point": point, "error": str(e)[-2000:], "errors": e.errors}
     ref = S.reference_run(
-        S.ModelSpec(),
-        steps=steps,
-        dp_size=point["dp"],
-        sp_size=point["sp"],
-        mb=mb,
-        seq_len=seq,
-        lr=lr,
-        clip=clip,
+        S.ModelSpec(), steps=steps, dp_size=point["dp"], sp_size=point["sp"], mb=1, seq_len=seq, lr=lr
     )
-    return {
-        "point": point, "steps": steps, "seq": seq, "micro_batch": mb, "lr": lr, "clip": clip,
-        "ours": _merge(ours_runs), "deepspeed": _merge(ds_runs), "reference": ref,
-        "ours_command": ours_cmd, "deepspeed_command": ds_cmd,
-    }  # fmt: skip
+    return {"point": point, "steps": steps, "seq": seq, "micro_batch": 1, "lr": lr, "clip": 0.0, "ours": _best(ours),
+            "deepspeed": _best(ds), "reference": ref, "ours_command": ours_cmd, "deepspeed_command": ds_cmd}  # fmt: skip
 
 
-def run_deepspeed(smoke: bool, log) -> list[dict]:
-    points = DS_POINTS[:1] if smoke else DS_POINTS
-    steps, seq = (3, 32) if smoke else (20, 256)
-    return [run_pair(p, steps=steps, seq=seq, repeats=1 if smoke else 2, log=log) for p in points]
-
-
-def run_findings(pairs: list[dict], log) -> dict:
-    """DeepSpeed runs that check the brief's claims; each result or error is recorded with its command."""
-    out: dict = {"runs": []}
-
-    def ds(name: str, n: int, args: list[str], ref: dict | None) -> None:
-        try:
-            res, cmd, wall = run_worker("bench.ds_worker", n, args, python=DS_PYTHON, timeout=300)
-            entry = {"name": name, "command": cmd, "result": res, "reference": ref, "error": None}
-        except WorkerFailed as e:
-            cmd = str(e).splitlines()[0].rsplit(" failed", 1)[0]
-            entry = {
-                "name": name,
-                "command": cmd,
-                "result": None,
-                "reference": ref,
-                "error": e.errors or [str(e)],
-            }
-            wall = 0.0
-        log(f"  findings {name}: {wall:.0f} s")
-        out["runs"].append(entry)
-
+def run_findings(pairs: list[dict], run: dict) -> dict:
+    """DeepSpeed runs that check its known problems; each result or error is kept with its command."""
+    ref = lambda **kw: S.reference_run(S.ModelSpec(), **{"steps": 3, "dp_size": 1, "sp_size": 2, "mb": 1,  # noqa: E731
+                                                         "seq_len": 64, "lr": 1e-2, **kw})  # fmt: skip
+    adam = ref(steps=20, seq_len=256)
+    adam["losses_grad_x2"] = ref(steps=20, seq_len=256, grad_scale=2.0)["losses"]
     base = ["--steps", "3", "--seq-len", "64", "--sp", "2", "--dp", "1"]
-    ref1 = S.reference_run(S.ModelSpec(), steps=3, dp_size=1, sp_size=2, mb=1, seq_len=64, lr=1e-2)
-    ds("zero0", 2, [*base, "--zero", "0"], ref1)
-    ds("mesh_param", 2, [*base, "--zero", "1", "--mesh-param"], ref1)
-    ref2 = S.reference_run(S.ModelSpec(), steps=3, dp_size=1, sp_size=2, mb=2, seq_len=64, lr=1e-2)
-    ds("micro_batch_2", 2, [*base, "--zero", "1", "--micro-batch", "2"], ref2)
-    ds("unequal_lengths", 2, [*base, "--zero", "1", "--seq-lens", "64,32"], None)
-    ds(
-        "dp2_all_gather_recipe",
-        4,
-        [
-            "--steps",
-            "3",
-            "--seq-len",
-            "64",
-            "--sp",
-            "2",
-            "--dp",
-            "2",
-            "--zero",
-            "1",
-            "--loss-combine",
-            "all_gather",
-        ],
-        None,
-    )
-    # the P x gradient under Adam at a large lr: DeepSpeed vs the oracle with gradients x1 and x2
-    kw = dict(steps=20, dp_size=1, sp_size=2, mb=1, seq_len=256, lr=1e-2)
-    refa = S.reference_run(S.ModelSpec(), **kw)
-    refa["losses_grad_x2"] = S.reference_run(S.ModelSpec(), grad_scale=2.0, **kw)["losses"]
-    ds(
-        "adam_lr1e-2",
-        2,
-        ["--steps", "20", "--seq-len", "256", "--sp", "2", "--dp", "1", "--zero", "1", "--lr", "0.01"],
-        refa,
-    )
-    refs = S.reference_run(
-        S.ModelSpec(), steps=3, dp_size=1, sp_size=2, mb=1, seq_len=64, lr=0.1, optim="sgd"
-    )
-    ds("sgd", 2, [*base, "--zero", "1", "--optim", "sgd", "--lr", "0.1"], refs)
-    out["pairs"] = pairs
-    return out
+    checks = [  # name, ranks, arguments, oracle
+        ("zero0", 2, [*base, "--zero", "0"], ref()),
+        ("mesh_param", 2, [*base, "--zero", "1", "--mesh-param"], ref()),
+        ("micro_batch_2", 2, [*base, "--zero", "1", "--micro-batch", "2"], ref(mb=2)),
+        ("unequal_lengths", 2, [*base, "--zero", "1", "--seq-lens", "64,32"], None),
+        ("dp2_all_gather_recipe", 4, ["--steps", "3", "--seq-len", "64", "--sp", "2", "--dp", "2", "--zero", "1",
+                                      "--loss-combine", "all_gather"], None),
+        ("adam_lr1e-2", 2, ["--steps", "20", "--seq-len", "256", "--sp", "2", "--dp", "1", "--zero", "1",
+                            "--lr", "0.01"], adam),
+        ("sgd", 2, [*base, "--zero", "1", "--optim", "sgd", "--lr", "0.1"], ref(lr=0.1, optim="sgd")),
+    ]  # fmt: skip
+    runs = []
+    for name, n, args, oracle in checks:
+        entry = {"name": name, "reference": oracle, "result": None, "error": None}
+        try:
+            entry["result"], entry["command"] = launch(
+                run, "bench.ds_worker", n, args, python=DS_PYTHON, timeout=300
+            )
+        except WorkerFailed as e:
+            entry["command"] = str(e).splitlines()[0].rsplit(" failed", 1)[0]
+            entry["error"] = e.errors or [str(e)]
+        runs.append(entry)
+    return {"runs": runs, "pairs": pairs}
 
 
-def run_alst_memory(out_dir: str, log) -> dict | None:
-    """``python bench/bench_memory.py --out-dir OUT``: its JSON and markdown, included in our report."""
-    script = ROOT / "bench" / "bench_memory.py"
-    if not script.exists():
-        log("  alst_memory: bench/bench_memory.py not present; skipped")
-        return None
-    t0 = time.perf_counter()
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, str(script), "--out-dir", out_dir], cwd=ROOT, env=env, capture_output=True, text=True,
-        timeout=900,
-    )  # fmt: skip
-    wall = time.perf_counter() - t0
-    log(f"  alst_memory: {wall:.0f} s")
-    if proc.returncode != 0:
-        return {"error": proc.stderr[-2000:], "command": "python bench/bench_memory.py", "wall_s": wall}
-    with open(os.path.join(out_dir, "bench_memory.json")) as f:
-        data = json.load(f)
-    with open(os.path.join(out_dir, "bench_memory.md")) as f:
-        data["markdown"] = f.read()
-    data["wall_s"] = wall
-    return data
+def run_sections(sections: list[str], smoke: bool, run: dict) -> dict:
+    """``{section: data}`` for the sections of this run."""
+    out: dict = run_library([s for s in LIBRARY if s in sections], smoke, run)
+    if "alst_memory" in sections:
+        res, cmd = launch(run, "bench.alst_worker", 2, ["--smoke"] * smoke, timeout=1800)
+        out["alst_memory"] = {**res, "command": cmd}
+    if {"deepspeed", "findings"} & set(sections):
+        steps, seq, repeats = (3, 32, 1) if smoke else (20, 256, 2)
+        pairs = [
+            run_pair(p, steps=steps, seq=seq, repeats=repeats, run=run)
+            for p in DS_POINTS[: 1 if smoke else 3]
+        ]
+        out["deepspeed"] = pairs
+        if "findings" in sections:
+            out["findings"] = run_findings(pairs, run)
+    if "projection" in sections:
+        pj = report.projection_inputs(out.get("comm", []), out.get("memory", []))
+        out["projection"] = {
+            **pj,
+            "rows": projection.projections(act_units=pj["act_units"], comm_ratio=pj["comm_ratio"]),
+        }
+    return {k: v for k, v in out.items() if k in sections}
 
 
-def previous_alst_memory(out_dir: str) -> dict | None:
-    """The last ``python bench/bench_memory.py`` results in ``out_dir``, if any (marked as such)."""
-    path = os.path.join(out_dir, "bench_memory.json")
-    if not os.path.exists(path) or not os.path.exists(path[:-5] + ".md"):
-        return None
+def carry_previous(result: dict, path: str) -> None:
+    """Add the sections of the previous results file that this run did not produce, with their runs."""
+    if not os.path.exists(path):
+        return
     with open(path) as f:
-        data = json.load(f)
-    with open(path[:-5] + ".md") as f:
-        data["markdown"] = f.read()
-    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(os.path.getmtime(path)))
-    data["included_from"] = f"{os.path.relpath(path, ROOT)} (written {stamp})"
-    return data
+        prev = json.load(f)
+    for name, sec in prev.get("sections", {}).items():
+        if name not in result["sections"]:
+            result["sections"][name] = sec
+            result["runs"].setdefault(sec["run"], prev["runs"][sec["run"]])
+            log(f"bench: section {name} carried from run {sec['run']} ({os.path.relpath(path, ROOT)})")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, ulysses-sp sections only (CI)")
-    ap.add_argument("--sections", default=None, help=f"comma list of {','.join(SECTIONS)}")
+    ap.add_argument("--sections", default=None, help=f"comma list of {','.join(SECTIONS)}, or all")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
-    ap.add_argument(
-        "--render", metavar="JSON", help="only re-render the markdown (and README section) from a result"
-    )
+    ap.add_argument("--render", metavar="JSON", help="only re-render the tables from a results file")
     args = ap.parse_args(argv)
+    readme = os.path.abspath(args.out_dir) == str(ROOT / "bench" / "results")
     if args.render:
         with open(args.render) as f:
             result = json.load(f)
-        result.pop("derived", None)
-        name = "smoke" if result.get("smoke") else "bench"
-        print(report.write(result, args.out_dir, name=name))
-        if not result.get("smoke"):
-            report.write_readme(result, str(ROOT / "docs" / "readme" / "performance.md"))
-        return 0
-    sections = (
-        args.sections.split(",")
-        if args.sections
-        else list(SMOKE_SECTIONS if args.smoke else DEFAULT_SECTIONS)
-    )
-    unknown = set(sections) - set(SECTIONS)
-    if unknown:
-        ap.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
-    needs_ds = {"deepspeed", "findings"} & set(sections)
-    if needs_ds and not deepspeed_available():
-        print(
-            f"bench: sections {sorted(needs_ds)} need DeepSpeed: run `bash bench/setup_deepspeed.sh` first; skipping",
-            file=sys.stderr,
-        )
-        sections = [s for s in sections if s not in needs_ds]
-
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-
-    t0 = time.perf_counter()
-    invocation = (
-        "python -m bench"
-        + (" --smoke" if args.smoke else "")
-        + (f" --sections {args.sections}" if args.sections else "")
-    )
-    result: dict = {"invocation": invocation, "machine": machine(), "smoke": args.smoke, "sections": sections}
-    records, launches = run_library_sections(sections, args.smoke, log)
-    result["records"], result["launches"] = records, launches
-    if "alst_memory" in sections:
-        result["alst_memory"] = run_alst_memory(args.out_dir, log)
-    elif "memory" in sections and not args.smoke:
-        result["alst_memory"] = previous_alst_memory(args.out_dir)
-    if "deepspeed" in sections or "findings" in sections:
-        pairs = run_deepspeed(args.smoke, log)
-        result["deepspeed"] = pairs if "deepspeed" in sections else []
-        if "findings" in sections:
-            result["findings"] = run_findings(pairs, log)
-    if "projection" in sections:
-        result["projection"] = report.projection_inputs(records)
-        result["projection"]["rows"] = proj.projections(
-            act_units=result["projection"]["act_units"], comm_ratio=result["projection"]["comm_ratio"]
-        )
-    result["wall_s"] = time.perf_counter() - t0
-    summary = report.write(result, args.out_dir, name="smoke" if args.smoke else "bench")
-    if not args.smoke and not args.sections:
+    else:
+        sections = list(SECTIONS if args.sections == "all" else args.sections.split(",") if args.sections
+                        else SMOKE_SECTIONS if args.smoke else DEFAULT_SECTIONS)  # fmt: skip
+        if unknown := set(sections) - set(SECTIONS):
+            ap.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
+        if (needs := {"deepspeed", "findings"} & set(sections)) and not deepspeed_available():
+            log(
+                f"bench: sections {sorted(needs)} need DeepSpeed: run `bash bench/setup_deepspeed.sh` first; skipping"
+            )
+            sections = [s for s in sections if s not in needs]
+        invocation = " ".join(["python -m bench", *(argv if argv is not None else sys.argv[1:])])
+        run, t0 = new_run(invocation), time.perf_counter()
+        found = run_sections(sections, args.smoke, run)
+        run["wall_s"] = time.perf_counter() - t0
+        result = {"smoke": args.smoke, "runs": {run["id"]: run},
+                  "sections": {k: {"run": run["id"], "data": v} for k, v in found.items()}}  # fmt: skip
+        if not args.smoke:
+            carry_previous(result, os.path.join(args.out_dir, "bench.json"))
+    summary = report.write(result, args.out_dir, name="smoke" if result["smoke"] else "bench")
+    if readme and not result["smoke"]:
         report.write_readme(result, str(ROOT / "docs" / "readme" / "performance.md"))
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "build_readme.py")], cwd=ROOT, check=True)
     log(summary)
-    log(f"bench: done in {result['wall_s']:.0f} s -> {args.out_dir}")
+    log(f"bench: done -> {args.out_dir}")
     return 0
 
 

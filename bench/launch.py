@@ -1,6 +1,8 @@
-"""Run one benchmark worker under ``torchrun`` (gloo, CPU) and return its JSON result and exact command.
+"""The one launcher of the suite: a worker module under ``torchrun`` (gloo, CPU), its JSON and exact command.
 
-The command recorded is the one a reader can paste from the repository root to reproduce the row.
+Every task (bench/workers.py, bench/alst_worker.py, bench/ours_worker.py, bench/ds_worker.py) is a
+module run by ``run_worker``; it writes its result to ``--out`` from rank 0. The command recorded is
+the one a reader can paste from the repository root to reproduce the row.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ def run_worker(
     base = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m", module]
     cmd = [python, *base, *args, "--out", out]
     shown = " ".join([display_python(python), *base, *map(shlex.quote, args)])
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # keep the caller's
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, PYTHONWARNINGS="ignore")
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

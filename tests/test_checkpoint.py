@@ -84,7 +84,7 @@ def test_checkpoint_loads_in_plain_transformers_and_resumes_exactly(pool, tmp_pa
 
     r0, r1 = pool.run(_save_load_resume, 2, str(tmp_path), stage)
     assert r0["path"] == os.path.join(str(tmp_path), "checkpoint-2")
-    assert sorted(os.listdir(os.path.join(r0["path"], ckpt.STATE_DIR))) == ["rank0.pt", "rank1.pt"]
+    assert sorted(os.listdir(os.path.join(r0["path"], ckpt.STATE_DIR))) == ["dcp", "rank0.pt", "rank1.pt"]
     # without ulysses-sp, without SP: plain transformers gives the training model's logits
     model = AutoModelForCausalLM.from_pretrained(r0["path"], local_files_only=True)
     assert model.config._attn_implementation == "sdpa"
@@ -143,3 +143,48 @@ def test_resolve_resume_and_manifest_differences(tmp_path):
         "world.sp: checkpoint has 2, this run has 1",
         "model_config.hidden_size: checkpoint has 64, this run has 32",
     ]
+
+
+def test_rng_state_on_cpu_restores_python_and_torch_streams():
+    import random
+
+    cpu = torch.device("cpu")
+    state = ckpt.rng_state(cpu)
+    assert set(state) == {"python", "torch"}  # no accelerator state on a CPU run
+    expected = (random.random(), torch.rand(3))
+    ckpt.set_rng_state(state, cpu)
+    assert random.random() == expected[0]
+    assert torch.equal(torch.rand(3), expected[1])
+
+
+class _FakeDeviceModule:
+    """Stands in for ``torch.<device>``: records which device's generator was read or written."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, torch.device]] = []
+
+    def get_rng_state(self, device: torch.device) -> torch.Tensor:
+        self.calls.append(("get", device))
+        return torch.tensor([device.index], dtype=torch.uint8)
+
+    def set_rng_state(self, state: torch.Tensor, device: torch.device) -> None:
+        self.calls.append(("set", device))
+        assert state.tolist() == [device.index]
+
+
+def test_rng_state_uses_the_engines_device_not_cuda(monkeypatch):
+    fake = _FakeDeviceModule()
+    asked: list[str] = []
+
+    def get_device_module(device_type: str) -> _FakeDeviceModule:
+        asked.append(device_type)
+        return fake
+
+    monkeypatch.setattr(torch, "get_device_module", get_device_module)
+    xpu = torch.device("xpu", 1)  # any accelerator type: the device decides, not torch.cuda
+    state = ckpt.rng_state(xpu)
+    assert state["device"][0] == "xpu" and fake.calls == [("get", xpu)]
+    ckpt.set_rng_state(state, xpu)
+    assert asked == ["xpu", "xpu"] and fake.calls == [("get", xpu), ("set", xpu)]
+    ckpt.set_rng_state(state, torch.device("cpu"))  # resumed on another device type: CPU streams only
+    assert len(fake.calls) == 2

@@ -199,7 +199,7 @@ def test_default_task_learns_and_eval_shows_late_positions(tmp_path):
 
 
 def test_config_file_with_flags_overriding(tmp_path):
-    from ulysses_sp.cli.main import build_parser, train_options
+    from ulysses_sp.cli.args import build_parser, train_options
 
     (tmp_path / "c.json").write_text(
         json.dumps({"steps": 5, "sp": 1, "seq-len": 64, "nproc": 3, "tiled_mlp": 4})
@@ -266,3 +266,30 @@ def test_refuses_other_runs_checkpoints_and_mismatched_resume(capsys, runs):
     assert "run.model: checkpoint has 'tiny-llama', this run has 'tiny-qwen2'" in err
     assert "run.seq_len: checkpoint has 32, this run has 64" in err and "model_config." in err
     assert (sorted(os.listdir(run)), (runs / "sp2" / "metrics.jsonl").read_bytes()) == before  # nothing lost
+
+
+def test_offloaded_chunked_attention_run_matches_sp1_and_says_which_path_runs(runs, tmp_path):
+    proc = train(
+        tmp_path / "off", "--sp", "2", "--nproc", "2", *STEPS8, "--offload-attention", "--attn-chunk", "5"
+    )
+    assert "blockwise core with K/V offloaded to host for every sequence (chunk 5)" in proc.stderr
+    for a, b in zip(metrics(runs / "sp1"), metrics(tmp_path / "off"), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+
+
+def test_attention_chunk_options_parse_and_bad_ones_are_rejected(capsys, tmp_path):
+    from ulysses_sp.cli.args import build_parser, train_options
+
+    (tmp_path / "c.json").write_text(json.dumps({"attn_chunk": "auto", "offload_attention": True}))
+    cfg, _ = train_options(build_parser().parse_args(["train", "--config", str(tmp_path / "c.json")]))
+    assert (cfg.attn_chunk, cfg.offload_attention) == (None, True)
+    cfg, _ = train_options(build_parser().parse_args(["train", "--attn-chunk", "512"]))
+    assert (cfg.attn_chunk, cfg.offload_attention) == (512, False)
+    out = ["--output-dir", str(tmp_path / "new")]
+    assert "expected a positive number of tokens or 'auto', got '0'" in _fails(
+        capsys, "train", "--attn-chunk", "0", *out
+    )
+    assert "configure the blockwise core" in _fails(
+        capsys, "train", "--offload-attention", "--attn", "eager", *out
+    )

@@ -8,16 +8,9 @@ import json
 
 import pytest
 
-from ulysses_sp.config import (
-    SCHEDULERS,
-    BatchSizes,
-    OptimizerConfig,
-    SchedulerConfig,
-    TrainingConfig,
-    ZeroConfig,
-    load_config,
-    resolve_batch_sizes,
-)
+from ulysses_sp.config import TrainingConfig, load_config
+from ulysses_sp.config.batch import BatchSizes, resolve_batch_sizes
+from ulysses_sp.config.sections import SCHEDULERS, OptimizerConfig, SchedulerConfig, ZeroConfig
 
 # ---- batch arithmetic: train_batch_size = micro * grad_accum * dp_world_size ----
 
@@ -169,7 +162,7 @@ def test_configs_are_frozen_and_keyword_only():
         ({"optimizer": {"type": "AdamW", "params": {"lr": 1, "weight_decy": 0}}}, r"'optimizer.params.weight_decy'; did you mean 'weight_decay'"),
         ({"scheduler": {"type": "WarmupLR", "params": {"warmup_steps": 3}}}, r"'scheduler.params.warmup_steps'; did you mean 'warmup_num_steps'"),
         ({"zzz": 1}, r"unknown config key 'zzz'; known keys: "),
-        ({"bf16": {"enabled": True}}, r"'bf16' is a DeepSpeed option that ulysses-sp does not implement"),
+        ({"amp": {"enabled": True}}, r"'amp' is a DeepSpeed option that ulysses-sp does not implement"),
         ({"zero_optimization": {"stage": 2, "overlap_comm": True}}, r"'zero_optimization.overlap_comm' is a DeepSpeed option"),
         ({"zero_optimization": {"stage": 4}}, r"zero_optimization.stage must be one of \(0, 1, 2, 3\), got 4"),
         ({"zero_optimization": {"stage": -1}}, r"zero_optimization.stage must be one of .*got -1"),

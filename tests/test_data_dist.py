@@ -17,7 +17,7 @@ from ulysses_sp.data import (
     shard_batch,
     sp_data_sampler,
 )
-from ulysses_sp.mesh import init_mesh, mesh_info, sp_group
+from ulysses_sp.mesh import init_mesh
 
 IGN = -100
 B = 2
@@ -199,15 +199,15 @@ def _run_order(dp: int, sp: int, n_docs: int):
     """Packed docs through sp_data_sampler + DataLoader + adapter; return the full input_ids of every
     micro-step (gathered over the SP group) as lists."""
     mesh = init_mesh((dp, sp))
-    info = mesh_info(mesh)
+    info = mesh
     docs = [[100 * i + t for t in range(1 + (i % 5))] for i in range(n_docs)]
     sampler = sp_data_sampler(docs, mesh, batch_size=3, seed=5)
     dl = torch.utils.data.DataLoader(docs, batch_size=3, sampler=sampler, collate_fn=PackingCollator(16))
-    ad = UlyssesSPDataLoaderAdapter(dl, info.sp_rank, sp_group(mesh), sp, "cpu")
+    ad = UlyssesSPDataLoaderAdapter(dl, info.sp_rank, mesh.sp_group, sp, "cpu")
     steps = []
     for out in ad:
         parts = [torch.empty_like(out["input_ids"]) for _ in range(sp)]
-        dist.all_gather(parts, out["input_ids"], group=sp_group(mesh))
+        dist.all_gather(parts, out["input_ids"], group=mesh.sp_group)
         steps.append(torch.cat(parts, dim=1).tolist())
     return info.dp_rank, steps
 

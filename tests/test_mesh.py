@@ -14,7 +14,6 @@ from ulysses_sp.mesh import (
     check_mesh_param,
     data_parallel_world_size,
     init_mesh,
-    mesh_info,
     resolve_mesh_shape,
 )
 
@@ -22,9 +21,9 @@ from ulysses_sp.mesh import (
 def _groups(mesh_param):
     mesh = init_mesh(mesh_param)
     mpu = Mpu(mesh)
-    info = mesh_info(mesh)
+    info = mesh
     return {
-        "names": tuple(mesh.mesh_dim_names),
+        "names": tuple(mesh.device_mesh.mesh_dim_names),
         "sp_ranks": dist.get_process_group_ranks(mpu.get_sequence_parallel_group()),
         "dp_ranks": dist.get_process_group_ranks(mpu.get_data_parallel_group()),
         "coords": (info.dp_rank, info.sp_rank),

@@ -58,13 +58,14 @@ def train(stage):
 
 dist.init_process_group(default_backend())
 mesh = init_mesh((1, 2))  # module-level: keeps its groups alive until shutdown() releases them
-dist.all_reduce(torch.ones(4), group=mesh.get_group("sequence_parallel"))
+dist.all_reduce(torch.ones(4), group=mesh.sp_group)
 for stage in (0, 3):
     train(stage)
 during = gloo_threads()
 shutdown()
 left = gloo_threads()
-print(f"rank {os.environ['RANK']} gloo threads: during {len(during)}, after shutdown {left}")
+with open(f"rank{os.environ['RANK']}.txt", "w") as f:  # one file per rank: their stdout lines can interleave
+    f.write(f"gloo threads: during {len(during)}, after shutdown {left}")
 assert during and not left, (during, left)
 shutdown()  # a second call is harmless
 """
@@ -77,8 +78,8 @@ def test_shutdown_leaves_no_gloo_worker_thread_after_training(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    lines = [line for line in r.stdout.splitlines() if "gloo threads" in line]
-    assert len(lines) == 2 and all(line.endswith("after shutdown []") for line in lines), r.stdout
+    reports = [(tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1)]
+    assert all(report.endswith("after shutdown []") for report in reports), reports
 
 
 def test_shutdown_without_process_group_is_a_no_op():

@@ -9,10 +9,11 @@ causally over the full sequence, and all-to-all the output back to ``[B, S_l, H,
 else in the model (embeddings, norms, MLPs, projections) is token-local and needs no change.
 
 Masks: transformers builds its causal mask for the *local* shard, which is wrong for the full
-sequence, so we never use it. Instead we gather the full sequence's ``position_ids`` over the SP
-group (once per forward, cached) and build what the full sequence needs: plain causal (no mask
-tensor at all for sdpa), or document-causal when position ids restart at 0 (packed documents),
-with a sliding window where the model asks for one.
+sequence, so we never use it. We gather the full sequence's ``position_ids`` over the SP group (once
+per forward) and run the path ``core_attention.py`` picks: plain causal through the kernel's own
+causal mode; packed documents (position ids restart at 0) and sliding windows through the blockwise
+core for sdpa (no ``S x S`` tensor), varlen for flash, a ``BlockMask`` for flex, a dense mask for eager.
+q, k and v cross the SP group in one packed all-to-all.
 
 GQA/MQA: kv heads split over ranks like query heads when ``Hkv % P == 0``; when ``Hkv < P`` each kv
 head is replicated locally ``P/Hkv`` times *before* the all-to-all, so every rank receives exactly
@@ -25,22 +26,32 @@ Shape legend: ``B`` batch, ``S`` global sequence, ``S_l = S/P``, ``H`` query hea
 from __future__ import annotations
 
 import logging
-import sys
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .comm import all_gather_seq, heads_to_seq, seq_to_heads
-from .masks import SeqLayout, mask_for
-from .mesh import Mpu, init_mesh, mesh_info, require_process_group
-from .registration import ATTN_NAME, SPRegistration, model_and_config  # noqa: F401 - ATTN_NAME re-exported
+from .attn_offload import KVOffload
+from .blockwise import BlockCounts
+from .comm import heads_to_seq, qkv_seq_to_heads
+from .core_attention import (
+    CORE_ATTENTIONS,
+    attention_path,
+    check_blockwise_options,
+    core_function,
+    run_blockwise,
+    structure_for,
+    warn_dense,
+)
+from .masks import SeqLayout, gather_positions, mask_for
+from .mesh import SPMesh, as_sp_mesh, init_mesh, require_process_group
+from .registration import SPRegistration, model_and_config
 
 logger = logging.getLogger(__name__)
-
-CORE_ATTENTIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 
 
 def valid_sp_sizes(num_heads: int, num_kv_heads: int) -> list[int]:
@@ -68,26 +79,21 @@ def check_heads(num_heads: int, num_kv_heads: int, sp_size: int) -> None:
     )
 
 
-def _core_function(name: str, module: torch.nn.Module) -> Callable[..., Any]:
-    """The unmodified core attention for ``name``; ``eager`` is the model's own eager function."""
-    if name == "eager":
-        own = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-        return own if own is not None else _generic_eager
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+@dataclass
+class _ForwardState:
+    """What one forward derives from its ``position_ids``: the layout and its masks.
 
-    return ALL_ATTENTION_FUNCTIONS[name]
+    Held only while that ``position_ids`` tensor lives (a weak reference, released by its
+    callback): for the step's forward and, under activation checkpointing, its recompute in
+    backward; then freed, so a dense mask never outlives its step. The tensor's version counter
+    is in ``key`` so in-place edits invalidate. Hits depend only on the program, identically on
+    every rank.
+    """
 
-
-def _generic_eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """Plain softmax attention for models whose modeling file has no ``eager_attention_forward``."""
-    n_rep = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(n_rep, 1), value.repeat_interleave(n_rep, 1)
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # [B, H_l, S, S]
-    if attention_mask is not None:
-        scores = scores + attention_mask
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    probs = torch.nn.functional.dropout(probs, p=dropout, training=module.training)
-    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs  # [B, S, H_l, D]
+    source: weakref.ref
+    key: tuple[int, int, bool]
+    layout: SeqLayout
+    masks: dict[tuple[Any, ...], Any] = field(default_factory=dict)
 
 
 class UlyssesSPAttentionHF:
@@ -110,12 +116,25 @@ class UlyssesSPAttentionHF:
         seq_length_is_variable: bool = True,
         max_length: int | None = None,
         disable_in_eval: bool = False,
+        attn_chunk: int | None = None,
+        offload_attention: bool = False,
     ) -> None:
         if core_attn_implementation not in CORE_ATTENTIONS:
             raise ValueError(
                 f"unknown core_attn_implementation {core_attn_implementation!r}; "
                 f"choose one of {list(CORE_ATTENTIONS)}"
             )
+        check_blockwise_options(core_attn_implementation, attn_chunk, offload_attention)
+        self.attn_chunk = attn_chunk
+        """Tokens per block of the blockwise core; ``None`` = auto."""
+        self.offload_attention = offload_attention
+        """Every sequence through the blockwise core, K/V on the host between forward and backward."""
+        self.kv_offload = KVOffload() if offload_attention else None
+        """The host K/V store and its streams (``offload_attention``), with byte counters."""
+        self.block_counts = BlockCounts()
+        """Blocks computed / skipped and their FLOPs in the blockwise core (cumulative)."""
+        self.last_path: str | None = None
+        """The path the most recent call ran (``core_attention.attention_path``)."""
         self.sp_group = sp_group
         self.sp_size = dist.get_world_size(sp_group)
         self.core = core_attn_implementation
@@ -127,15 +146,9 @@ class UlyssesSPAttentionHF:
         """Attention calls since the last ``reset_calls()`` (the guardrail counts them)."""
         self.last_seq_len: int | None = None
         """``S`` seen by the most recent call."""
-        # The layout cache: the position_ids object it was built from (held, so its id can never be
-        # reused by another tensor), that tensor's version counter (in-place edits invalidate), and
-        # the call's shape/mode. Hits then depend only on the program, identically on every rank.
-        self._layout_src: torch.Tensor | None = None
-        self._layout_key: tuple[int, int, bool] | None = None
-        self._layout: SeqLayout | None = None
-        self._mask_key: tuple[Any, ...] | None = None
-        self._mask: Any = None
-        self._mask_layout: SeqLayout | None = None
+        self.registration: SPRegistration | None = None
+        """The registration whose registry entry this is (``register_with_transformers`` sets it)."""
+        self._forward: _ForwardState | None = None
 
     # ------------------------------------------------------------------ per-forward layout
     def _seq_layout(self, position_ids: torch.Tensor | None, s_local: int, batch: int, device, sp: bool):
@@ -144,8 +157,9 @@ class UlyssesSPAttentionHF:
         if position_ids is None:
             position_ids = torch.arange(s_local, device=device)[None]
         key = (position_ids._version, s_local, sp)
-        if self._layout_src is position_ids and self._layout_key == key and self._layout is not None:
-            return self._layout
+        state = self._forward
+        if state is not None and state.source() is position_ids and state.key == key:
+            return state.layout
         if (
             position_ids.dim() != 2
             or position_ids.shape[-1] != s_local
@@ -156,39 +170,20 @@ class UlyssesSPAttentionHF:
                 f"got {tuple(position_ids.shape)}"
             )
         if sp:
-            self._check_local_lengths(s_local, device)
-            # [B|1, S_l] -> [B|1, S]: every rank needs the whole sequence's positions for the mask.
-            positions = all_gather_seq(position_ids, self.sp_group, dim=-1)
+            expected = None if self.seq_length_is_variable else self.max_length or self.seq_length
+            positions = gather_positions(
+                position_ids, self.sp_group, batch=batch, expected_len=expected
+            )  # [B|1, S]
         else:
             positions = position_ids
-        if (
-            sp
-            and torch.equal(positions[:, :s_local].repeat(1, self.sp_size), positions)
-            and self.sp_size > 1
-            and (positions[:, :s_local] == torch.arange(s_local, device=positions.device)).all()
-        ):
-            raise ValueError(
-                "position_ids are local (0..S_l-1 on every SP rank): pass the full-sequence positions of "
-                "the local tokens (UlyssesSPDataLoaderAdapter does), not let the model make them"
-            )
-        self._layout = SeqLayout.from_positions(positions)
-        self._layout_src, self._layout_key = position_ids, key
-        return self._layout
+        layout = SeqLayout.from_positions(positions)
+        self._forward = _ForwardState(weakref.ref(position_ids, self._release), key, layout)
+        return layout
 
-    def _check_local_lengths(self, s_local: int, device) -> None:
-        lengths = all_gather_seq(torch.tensor([s_local], device=device), self.sp_group, dim=0)
-        if bool((lengths != s_local).any()):
-            raise ValueError(
-                f"local sequence lengths differ between SP ranks: {lengths.tolist()}; every rank of an SP "
-                "group must hold S/P tokens of the same sequence (use UlyssesSPDataLoaderAdapter)"
-            )
-        total = s_local * self.sp_size
-        expected = self.max_length or self.seq_length
-        if not self.seq_length_is_variable and expected is not None and total != expected:
-            raise ValueError(
-                f"S_l ({s_local}) * sp_size ({self.sp_size}) = {total} != max_length ({expected}) "
-                "with seq_length_is_variable=False; pad batches to that length or pass seq_length_is_variable=True"
-            )
+    def _release(self, source: weakref.ref) -> None:
+        """The step's ``position_ids`` are gone: drop the layout and masks built from them."""
+        if self._forward is not None and self._forward.source is source:
+            self._forward = None
 
     # ------------------------------------------------------------------ the attention call
     def __call__(
@@ -210,42 +205,59 @@ class UlyssesSPAttentionHF:
         self.calls += 1
         self.last_seq_len = layout.seq_len
         kwargs.pop("is_causal", None)
-        mask = self._full_mask(layout, query.dtype, kwargs.get("sliding_window"))
-        core = _core_function(self.core, module)
+        if sp:
+            p = self.sp_size
+            if hkv < p:
+                # [B, Hkv, S_l, D] -> [B, P, S_l, D]: rank j will receive the kv head its queries use.
+                key = key.repeat_interleave(p // hkv, dim=1)
+                value = value.repeat_interleave(p // hkv, dim=1)
+            # one all-to-all: [B, H, S_l, D] -> [B, H_l, S, D], [B, Hkv|P, S_l, D] -> [B, Hkv_l, S, D]
+            query, key, value = qkv_seq_to_heads(query, key, value, self.sp_group)
+        out = self._core(module, query, key, value, layout, args, kwargs)  # [B, S, H_l, D]
+        if sp:
+            out = heads_to_seq(out, self.sp_group, head_dim=2, seq_dim=1)  # [B, S, H_l, D] -> [B, S_l, H, D]
+        return out, None
+
+    def _core(self, module, q, k, v, layout: SeqLayout, args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
+        """The core attention over the full sequence: ``[B, H_l, S, D] -> [B, S, H_l, D]``."""
+        window = kwargs.get("sliding_window")
+        path = self.last_path = attention_path(self.core, layout, window, self.offload_attention)
+        if path.startswith("blockwise"):
+            structure = self._per_forward(
+                layout, ("blockwise", window), lambda: structure_for(layout, window)
+            )
+            return run_blockwise(module, q, k, v, structure, kwargs, chunk=self.attn_chunk,
+                                 offload=self.kv_offload, counts=self.block_counts)  # fmt: skip
+        mask = self._per_forward(
+            layout, (q.dtype, window), lambda: self._dense_or_sparse(layout, q.dtype, window)
+        )
         if self.core.startswith("flash"):
             kwargs["position_ids"] = layout.positions  # varlen boundaries from the full sequence
-        if not sp:
-            out, _ = core(module, query, key, value, mask, *args, is_causal=True, **kwargs)
-            return out, None
-
-        p = self.sp_size
-        if hkv < p:
-            # [B, Hkv, S_l, D] -> [B, P, S_l, D]: rank j will receive the kv head its queries use.
-            key = key.repeat_interleave(p // hkv, dim=1)
-            value = value.repeat_interleave(p // hkv, dim=1)
-        q = seq_to_heads(query, self.sp_group)  # [B, H, S_l, D] -> [B, H_l, S, D]
-        k = seq_to_heads(key, self.sp_group)  # [B, Hkv|P, S_l, D] -> [B, Hkv_l, S, D]
-        v = seq_to_heads(value, self.sp_group)  # [B, Hkv|P, S_l, D] -> [B, Hkv_l, S, D]
-        groups = q.shape[1] // k.shape[1]
         prev = getattr(module, "num_key_value_groups", None)
-        module.num_key_value_groups = groups  # the local q/kv head ratio, which differs when Hkv < P
+        module.num_key_value_groups = q.shape[1] // k.shape[1]  # the local ratio: differs when Hkv < P
         try:
-            out, _ = core(module, q, k, v, mask, *args, is_causal=True, **kwargs)  # [B, S, H_l, D]
+            out, _ = core_function(self.core, module)(module, q, k, v, mask, *args, is_causal=True, **kwargs)
         finally:
             if prev is None:
                 del module.num_key_value_groups
             else:
                 module.num_key_value_groups = prev
-        out = heads_to_seq(out, self.sp_group, head_dim=2, seq_dim=1)  # [B, S, H_l, D] -> [B, S_l, H, D]
-        return out, None
+        return out
 
-    def _full_mask(self, layout: SeqLayout, dtype: torch.dtype, sliding_window: int | None) -> Any:
-        """The full-sequence mask, built once per forward (every layer shares it)."""
-        key = (id(layout), dtype, sliding_window)  # the layout object is held below: its id stays unique
-        if self._mask_key != key:
-            self._mask = mask_for(layout, self.core, dtype, sliding_window)
-            self._mask_key, self._mask_layout = key, layout
-        return self._mask
+    def _dense_or_sparse(self, layout: SeqLayout, dtype: torch.dtype, window: int | None) -> Any:
+        if self.core == "eager":
+            warn_dense(layout.seq_len)
+        return mask_for(layout, self.core, dtype, window)
+
+    def _per_forward(self, layout: SeqLayout, key: tuple[Any, ...], build: Callable[[], Any]) -> Any:
+        """What ``build`` makes from this forward's layout (a mask, the blockwise structure), built
+        once per forward (every layer shares it) and released with the forward's state."""
+        state = self._forward
+        if state is None or state.layout is not layout:  # not cached (cannot happen via __call__)
+            return build()
+        if key not in state.masks:
+            state.masks[key] = build()
+        return state.masks[key]
 
     def reset_calls(self) -> None:
         """Zero the call counter (the guardrail does this before each checked forward)."""
@@ -264,7 +276,9 @@ class UlyssesSPAttentionHF:
         disable_in_eval: bool = False,
         max_length: int | None = None,
         *,
-        mesh: DeviceMesh | None = None,
+        mesh: SPMesh | DeviceMesh | None = None,
+        attn_chunk: int | None = None,
+        offload_attention: bool = False,
     ) -> SPRegistration:
         """Build the SP groups, register Ulysses attention with transformers, and return an ``mpu``.
 
@@ -280,7 +294,15 @@ class UlyssesSPAttentionHF:
                 (or ``seq_length``).
             disable_in_eval: in ``model.eval()`` run plain attention on the whole local sequence
                 (single-rank evaluation of a model trained with SP).
-            mesh: adopt an existing ``(data_parallel, sequence_parallel)`` mesh instead of creating one.
+            mesh: adopt an existing layout (an ``SPMesh`` from ``init_mesh``, or a
+                ``(data_parallel, sequence_parallel)`` ``DeviceMesh``) instead of
+                ``init_mesh(sp_size=sequence_parallel_size)`` (which reuses a live layout of that shape).
+            attn_chunk: tokens per block of the blockwise core (sdpa with packed documents or a
+                window, or ``offload_attention``); ``None`` = auto. Memory per block is
+                ``B * H_l * attn_chunk^2`` fp32 scores.
+            offload_attention: Ulysses-Offload (sdpa only): every sequence through the blockwise
+                core, the full-sequence K/V kept on the host between forward and backward and
+                streamed back chunk by chunk.
 
         Returns:
             An ``SPRegistration``: an ``Mpu`` (``get_sequence_parallel_group()`` ...) that
@@ -296,19 +318,24 @@ class UlyssesSPAttentionHF:
         num_heads = config.num_attention_heads
         num_kv = getattr(config, "num_key_value_heads", None) or num_heads
         check_heads(num_heads, num_kv, sequence_parallel_size)
+        check_blockwise_options(core_attn_implementation, attn_chunk, offload_attention)
         if mesh is None:
             mesh = init_mesh(sp_size=sequence_parallel_size)
-        elif mesh_info(mesh).sp_size != sequence_parallel_size:
-            raise ValueError(
-                f"sequence_parallel_size ({sequence_parallel_size}) disagrees with the mesh's "
-                f"sequence_parallel axis ({mesh_info(mesh).sp_size})"
-            )
+        else:
+            mesh = as_sp_mesh(mesh)
+            if mesh.sp_size != sequence_parallel_size:
+                raise ValueError(
+                    f"sequence_parallel_size ({sequence_parallel_size}) disagrees with the mesh's "
+                    f"sequence_parallel axis ({mesh.sp_size})"
+                )
         attn = cls(
-            sp_group=Mpu(mesh).get_sequence_parallel_group(),
+            sp_group=mesh.sp_group,
             core_attn_implementation=core_attn_implementation,
             seq_length=seq_length,
             seq_length_is_variable=seq_length_is_variable,
             max_length=max_length,
             disable_in_eval=disable_in_eval,
+            attn_chunk=attn_chunk,
+            offload_attention=offload_attention,
         )
         return SPRegistration(mesh, attn, model)

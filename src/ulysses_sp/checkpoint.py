@@ -1,32 +1,37 @@
-"""Checkpoints in standard HF format, plus the training state for exact resume.
+"""Checkpoints: an HF-format export that plain transformers loads, and a reshardable training state.
 
 Layout of ``<output_dir>/checkpoint-<step>/``::
 
-    config.json, generation_config.json, model.safetensors   # save_pretrained: loads anywhere
+    config.json, generation_config.json                      # the model, as save_pretrained writes it:
+    model.safetensors | model-0000k-of-0000n.safetensors     #   one file, or numbered files + index
+        + model.safetensors.index.json                       #   (hf_export: one tensor at a time)
     tokenizer.json, tokenizer_config.json                    # the run's tokenizer
-    manifest.json                                            # step, model config, world layout, run settings
-    training_state/rank<r>.pt                                # per rank: optimizer (this rank's shard),
-                                                             # scheduler, RNG, data position, counters
+    manifest.json                                            # format, step, model config, layout, settings
+    training_state/dcp/                                      # model + optimizer, torch.distributed.checkpoint
+    training_state/rank<r>.pt                                # per rank: scheduler, loss scale, RNG, data
+                                                             #   position, counters (small)
 
-The model files are what ``AutoModelForCausalLM.from_pretrained(dir)`` reads, without ulysses-sp
-and without sequence parallelism: the full fp32 weights, gathered from whatever the engine holds
-(``get_model_state_dict(full_state_dict=True, cpu_offload=True)``: DDP's replica at ZeRO 0/1,
-FSDP2's ``DTensor`` shards at ZeRO 2/3), and a config whose attention is the core implementation
-(never the ``ulysses_sp`` registry name, which plain transformers does not know).
+The model files are the full weights in the dtype asked for (``save_dtype``; default the fp32
+master weights), gathered tensor by tensor from whatever the engine holds (DDP's replica at ZeRO
+0/1, FSDP2's ``DTensor`` shards at 2/3), with a config whose attention is the core
+implementation (never the ``ulysses_sp`` registry name, which plain transformers does not know).
 
-The optimizer state is saved per rank as that rank holds it (a ZeRO-1 shard, FSDP2 ``DTensor``
-shards as local tensors): no gather of the largest state, and resume needs the same world layout,
-which ``manifest.json`` records and ``compare_manifests`` checks (naming what differs).
+The training state is keyed by parameter name with global shapes (``dcp_state``): ``--resume`` on
+another layout (other ``nproc``, ``sp``, ZeRO stage) reads the pieces it now holds. The fp32
+master weights come from there too, so a bf16 export does not lose precision on resume. Format 1
+checkpoints (per-rank optimizer files of one layout, before this format) are refused with a
+message (``check_format``): their HF weights still load as a ``--model``.
 
 Atomic: every rank writes into ``.tmp-checkpoint-<step>``, and after a barrier rank 0 renames it to
 ``checkpoint-<step>``. A run killed while saving leaves only a ``.tmp-`` directory, which is ignored
-(and removed by the next save); the previous checkpoint is untouched. Per-rank files need a file
-system that every rank sees (one node, or a shared mount across nodes).
+(and removed by the next save); the previous checkpoint is untouched. Files need a file system that
+every rank sees (one node, or a shared mount across nodes).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -36,11 +41,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .comm import barrier
+from .dcp_state import load_state, save_state
+from .hf_export import DEFAULT_MAX_SHARD_BYTES, export_hf
+
+logger = logging.getLogger(__name__)
+
 PREFIX = "checkpoint-"
 TMP_PREFIX = ".tmp-" + PREFIX
 MANIFEST = "manifest.json"
 STATE_DIR = "training_state"
-FORMAT_VERSION = 1
+DCP_DIR = "dcp"
+FORMAT_VERSION = 2
 _CKPT_RE = re.compile(rf"^{PREFIX}(\d+)$")
 
 
@@ -93,40 +105,32 @@ def compare_manifests(saved: dict[str, Any], current: dict[str, Any]) -> list[st
 
 
 # ---------------------------------------------------------------- saving
-def _optimizer_and_groups(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, list[dict]]:
-    # ZeRO-1 keeps this rank's shard in a local optimizer; its own state_dict() would need a
-    # consolidation collective onto one rank. The outer param_groups carry the scheduled lr.
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    return inner, groups
-
-
-def _to_local(obj: Any) -> Any:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(obj, DTensor):
-        return obj.to_local().detach().cpu().clone()
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().clone()
-    if isinstance(obj, dict):
-        return {k: _to_local(v) for k, v in obj.items()}
-    return obj
+def check_format(manifest: dict[str, Any], path: str) -> None:
+    """``ValueError`` unless the checkpoint at ``path`` is in this version's format (resumable)."""
+    found = manifest.get("format")
+    if found != FORMAT_VERSION:
+        raise ValueError(
+            f"checkpoint {path!r} has format {found!r}; this ulysses-sp resumes format {FORMAT_VERSION} "
+            "(a reshardable torch.distributed.checkpoint training state). Its HF weights still load: start a "
+            f"new run with --model {path} (the optimizer state and the schedule start afresh)"
+        )
 
 
-def rng_state() -> dict[str, Any]:
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """This rank's RNG state: Python's, torch's CPU generator and, on an accelerator, ``device``'s."""
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type != "cpu":
+        state["device"] = (device.type, torch.get_device_module(device.type).get_rng_state(device))
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    """Restore ``rng_state(device)``; an accelerator state saved on another device type is skipped."""
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    device_type, device_state = state.get("device", (None, None))
+    if device.type != "cpu" and device_type == device.type:
+        torch.get_device_module(device.type).set_rng_state(device_state, device)
 
 
 def core_attention_config(module: torch.nn.Module, core_attn: str):
@@ -147,64 +151,65 @@ def save_checkpoint(
     manifest: dict[str, Any],
     train_state: dict[str, Any],
     core_attn: str,
+    save_dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> str:
-    """Save an HF checkpoint + this rank's training state; a collective (every rank calls it).
+    """Save the HF export + the training state; a collective (every rank calls it).
 
     Args:
         engine: the ``Engine`` (its ``module`` is the HF model, its ``optimizer``/``lr_scheduler``).
         manifest: JSON-able description of the run (``compare_manifests`` sections); ``step`` is added.
-        train_state: this rank's extra state (data position, counters); RNG, optimizer and
-            scheduler are added here.
+        train_state: this rank's extra state (data position, counters); RNG, scheduler and the
+            fp16 loss scale are added here, the model and optimizer go to the DCP state.
         core_attn: the attention implementation written into ``config.json``.
+        save_dtype: dtype of the exported weights (``None``: the fp32 master weights).
+        max_shard_bytes: above this the export is split into numbered files plus an index.
 
     Returns:
         The final checkpoint directory.
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     rank = dist.get_rank()
     final = os.path.join(output_dir, f"{PREFIX}{step}")
     tmp = os.path.join(output_dir, f"{TMP_PREFIX}{step}")
-    # Gather first (a collective on every rank; rank 0 receives the full fp32 weights on CPU).
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    full = get_model_state_dict(engine.module, options=options)
+    group = engine.mesh.reduce_group
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(os.path.join(tmp, STATE_DIR))
-    dist.barrier()
-    inner, groups = _optimizer_and_groups(engine.optimizer)
+    barrier(group)
+    save_state(engine.module, engine.optimizer, os.path.join(tmp, STATE_DIR, DCP_DIR), group)
+    scaler = getattr(engine, "loss_scaler", None)
     state = {
         **train_state,
-        "optimizer": _to_local(inner.state_dict()),
-        "param_groups": groups,
+        "param_groups": [
+            {k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups
+        ],
         "scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-        "rng": rng_state(),
+        "loss_scaler": scaler.state_dict() if scaler is not None else None,
+        "rng": rng_state(engine.device),
     }
     torch.save(state, os.path.join(tmp, STATE_DIR, f"rank{rank}.pt"))
+    config = core_attention_config(engine.module, core_attn)
+    export_hf(engine.module, tmp, is_writer=rank == 0, config=config, save_dtype=save_dtype,
+              max_shard_bytes=max_shard_bytes)  # fmt: skip
     if rank == 0:
-        module = engine.module
-        config = core_attention_config(module, core_attn)
-        prev = module.config
-        module.config = config  # save_pretrained writes self.config; restore it right after
-        try:
-            module.save_pretrained(tmp, state_dict=full, safe_serialization=True)
-        finally:
-            module.config = prev
+        generation = getattr(engine.module, "generation_config", None)
+        if generation is not None:
+            generation.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
             json.dump({"format": FORMAT_VERSION, "step": step, **manifest}, f, indent=2, sort_keys=True)
-    dist.barrier()  # every rank's file is written before the rename makes the checkpoint visible
+    barrier(group)  # every rank's file is written before the rename makes the checkpoint visible
     if rank == 0:
         if os.path.exists(final):  # re-saving a step (after --resume from an earlier one)
             shutil.rmtree(final)
         os.replace(tmp, final)
-    dist.barrier()
+    barrier(group)
     return final
 
 
 # ---------------------------------------------------------------- loading
 def load_model_state(checkpoint_dir: str) -> dict[str, torch.Tensor]:
-    """The full state dict of a checkpoint's model (safetensors, possibly sharded), on CPU."""
+    """The full state dict of a checkpoint's HF weights (safetensors, possibly sharded), on CPU."""
     from safetensors.torch import load_file
 
     files = sorted(f for f in os.listdir(checkpoint_dir) if f.endswith(".safetensors"))
@@ -216,39 +221,31 @@ def load_model_state(checkpoint_dir: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def _dtensor_like(value: Any, param: torch.Tensor) -> Any:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-        if value.dim() == 0:  # Adam's step counter stays a plain scalar
-            return value
-        local = value.to(param.to_local().device)
-        return DTensor.from_local(
-            local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
-        )
-    return value
-
-
 def load_training_state(engine: Any, checkpoint_dir: str) -> dict[str, Any]:
-    """Restore this rank's optimizer, scheduler and RNG state; return the rest (data position...).
+    """Restore the model (fp32 master weights), optimizer, scheduler, loss scale and RNG; return the
+    rest (data position, counters). Resharded to the engine's layout; call on every rank.
 
-    The model weights are loaded separately (``load_model_state``) before the engine wraps the
-    model. Call on every rank.
+    The RNG streams are per rank: on a layout with more ranks than the checkpoint's, a rank without
+    its own file takes rank 0's (the streams matter for dropout only).
     """
-    path = os.path.join(checkpoint_dir, STATE_DIR, f"rank{dist.get_rank()}.pt")
+    check_format(read_manifest(checkpoint_dir), checkpoint_dir)
+    load_state(engine.module, engine.optimizer, os.path.join(checkpoint_dir, STATE_DIR, DCP_DIR),
+               engine.mesh.reduce_group)  # fmt: skip
+    rank = dist.get_rank()
+    path = os.path.join(checkpoint_dir, STATE_DIR, f"rank{rank}.pt")
     if not os.path.isfile(path):
-        raise ValueError(f"{checkpoint_dir!r} has no training state for rank {dist.get_rank()} ({path})")
+        logger.warning(
+            "%s has no state of rank %d (saved on fewer ranks): using rank 0's", checkpoint_dir, rank
+        )
+        path = os.path.join(checkpoint_dir, STATE_DIR, "rank0.pt")
     state = torch.load(path, map_location="cpu", weights_only=False)
-    inner, _ = _optimizer_and_groups(engine.optimizer)
-    inner.load_state_dict(state.pop("optimizer"))
-    for group in inner.param_groups:
-        for p in group["params"]:
-            if p in inner.state:
-                inner.state[p] = {k: _dtensor_like(v, p) for k, v in inner.state[p].items()}
     for group, saved in zip(engine.optimizer.param_groups, state.pop("param_groups")):
         group.update(saved)
     scheduler = state.pop("scheduler")
     if engine.lr_scheduler is not None and scheduler is not None:
         engine.lr_scheduler.load_state_dict(scheduler)
-    set_rng_state(state.pop("rng"))
+    scaler_state = state.pop("loss_scaler", None)
+    if getattr(engine, "loss_scaler", None) is not None and scaler_state is not None:
+        engine.loss_scaler.load_state_dict(scaler_state)
+    set_rng_state(state.pop("rng"), engine.device)
     return state

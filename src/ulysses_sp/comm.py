@@ -1,9 +1,11 @@
-"""Collectives for sequence parallelism: differentiable all-to-all, gathers, and error agreement.
+"""Every collective of the library: the attention all-to-all, the data adapter's shard exchange,
+the gradient reduction's arithmetic, gathers, metric reductions, and error agreement.
 
-All communication of the sequence-parallel path lives here; every function takes its process
-group explicitly. Where it sits in the step (DESIGN.md): the all-to-all runs twice per attention
-layer (q/k/v in, output out), the gather of position ids once per forward, the loss reduction once
-per micro-step.
+Every function takes its process group explicitly (from the ``SPMesh``'s named views). Where each
+sits in the step (DESIGN.md): the shard exchange once per round of the data adapter (step 2); the
+all-to-all twice per attention layer, q/k/v in (packed, one collective) and the output out (step 4); the gather of position
+ids once per forward; the loss reduction once per micro-step (step 5); the gradient reduction at
+the accumulation boundary (step 7); metric reductions once per optimizer step.
 
 Shape legend: ``B`` batch, ``S`` global sequence, ``S_l = S/P`` local sequence, ``H`` heads,
 ``H_l = H/P``, ``D`` head dim, ``P`` sp size.
@@ -11,13 +13,84 @@ Shape legend: ``B`` batch, ``S`` global sequence, ``S_l = S/P`` local sequence, 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 
-def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+# --- communication timing (``--profile-comm``)
+@dataclass
+class CommTimes:
+    """Seconds spent in collectives while ``record_comm_times`` is active, by kind.
+
+    ``sp``: the sequence-parallel collectives (attention all-to-alls, the position gather, the loss
+    reduce); ``dp``: the gradient reduction issued through ``sum_over_sp_mean_over_dp_`` (DDP's
+    hook, stages 0-1). FSDP2's own reduce-scatters and all-gathers (stages 2-3) run inside FSDP2
+    and are not counted. The data adapter's shard exchange is not counted either (it is data
+    loading, not the step's communication).
+    """
+
+    device: torch.device
+    sp: float = 0.0
+    dp: float = 0.0
+    calls: dict[str, int] = field(default_factory=dict)
+
+
+_RECORDER: contextvars.ContextVar[CommTimes | None] = contextvars.ContextVar(
+    "ulysses_sp_comm_times", default=None
+)
+
+
+@contextlib.contextmanager
+def record_comm_times(device: torch.device) -> Iterator[CommTimes]:
+    """Time every collective of this module run inside (this thread/context), synchronising
+    ``device`` before and after each so that the wall time is the collective's own.
+
+    Costs a device synchronisation per collective while active and nothing when inactive (one
+    ``ContextVar.get``). Gradient reductions become blocking while recording (they are timed).
+    """
+    times = CommTimes(device=device)
+    token = _RECORDER.set(times)
+    try:
+        yield times
+    finally:
+        _RECORDER.reset(token)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.get_device_module(device.type).synchronize(device)
+
+
+@contextlib.contextmanager
+def _timed(kind: str, times: CommTimes | None = None) -> Iterator[None]:
+    times = times if times is not None else _RECORDER.get()
+    if times is None:
+        yield
+        return
+    _sync(times.device)
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        _sync(times.device)
+        setattr(times, kind, getattr(times, kind) + time.perf_counter() - t0)
+        times.calls[kind] = times.calls.get(kind, 0) + 1
+
+
+def _all_to_all(
+    x: torch.Tensor,
+    scatter_dim: int,
+    gather_dim: int,
+    group: dist.ProcessGroup,
+    times: CommTimes | None = None,
+) -> torch.Tensor:
     """Split ``x`` into ``P`` chunks along ``scatter_dim``, send chunk ``j`` to rank ``j``, and
     concatenate what arrives along ``gather_dim`` in rank order."""
     p = dist.get_world_size(group)
@@ -31,7 +104,8 @@ def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.
     # [..., n, ...] -> [P, ..., n/P, ...]: chunk j (for rank j) first, contiguous for the collective.
     send = x.unflatten(scatter_dim, (p, n // p)).movedim(scatter_dim, 0).contiguous()
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    with _timed("sp", times):
+        dist.all_to_all_single(recv, send, group=group)
     # [P(src), ..., g, ...] -> [..., P*g, ...]: the source rank's block goes before its elements.
     recv = recv.movedim(0, gather_dim)
     return recv.flatten(gather_dim, gather_dim + 1)
@@ -45,12 +119,14 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup):
         ctx.dims = (scatter_dim, gather_dim)
         ctx.group = group
+        # backward may run on an autograd device thread that does not see the context variable
+        ctx.times = _RECORDER.get()
         return _all_to_all(x, scatter_dim, gather_dim, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         scatter_dim, gather_dim = ctx.dims
-        return _all_to_all(grad, gather_dim, scatter_dim, ctx.group), None, None, None
+        return _all_to_all(grad, gather_dim, scatter_dim, ctx.group, ctx.times), None, None, None
 
 
 def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -71,6 +147,80 @@ def heads_to_seq(
     return _AllToAll.apply(x, seq_dim, head_dim, group)
 
 
+def _all_to_all_packed(
+    xs: tuple[torch.Tensor, ...], scatter_dim: int, gather_dim: int, group: dist.ProcessGroup
+) -> tuple[torch.Tensor, ...]:
+    """``_all_to_all`` of several same-dtype tensors in **one** collective: each tensor's chunk for
+    rank ``j`` is packed into row ``j`` of one buffer (one copy in, one view out per tensor)."""
+    p = dist.get_world_size(group)
+    if p == 1:
+        return xs
+    if len({x.dtype for x in xs}) != 1:
+        raise ValueError(f"packed all-to-all needs one dtype, got {[x.dtype for x in xs]}")
+    for x in xs:
+        if x.shape[scatter_dim] % p:
+            raise ValueError(f"dim {scatter_dim} of shape {tuple(x.shape)} is not divisible by sp_size {p}")
+    # [..., n, ...] -> [P, ..., n/P, ...] per tensor: chunk j (for rank j) first
+    parts = [
+        x.unflatten(scatter_dim % x.dim(), (p, x.shape[scatter_dim] // p)).movedim(scatter_dim % x.dim(), 0)
+        for x in xs
+    ]
+    sizes = [part[0].numel() for part in parts]
+    send = xs[0].new_empty((p, sum(sizes)))  # [P, sum of per-rank chunk sizes]
+    offset = 0
+    for part, n in zip(parts, sizes):
+        send[:, offset : offset + n].view(part.shape).copy_(part)
+        offset += n
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    outs, offset = [], 0
+    for x, part, n in zip(xs, parts, sizes):
+        g = gather_dim % x.dim()
+        # [P(src), ..., g, ...] -> [..., P*g, ...]: the source rank's block goes before its elements.
+        piece = recv[:, offset : offset + n].reshape(part.shape).movedim(0, g)
+        outs.append(piece.flatten(g, g + 1))
+        offset += n
+    return tuple(outs)
+
+
+class _AllToAllPacked(torch.autograd.Function):
+    """Several tensors through one all-to-all (scatter ``scatter_dim``, gather ``gather_dim``)
+    forward; one inverse all-to-all of their gradients backward (a missing gradient is zeros)."""
+
+    @staticmethod
+    def forward(ctx: Any, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup, *xs: torch.Tensor):
+        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
+        ctx.meta = [(x.shape, x.dtype, x.device) for x in xs]
+        outs = _all_to_all_packed(xs, scatter_dim, gather_dim, group)
+        return tuple(o if o is not x else o.view_as(o) for o, x in zip(outs, xs))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None):
+        scatter_dim, gather_dim = ctx.dims
+        p = dist.get_world_size(ctx.group)
+        full = []
+        for g, (shape, dtype, device) in zip(grads, ctx.meta):
+            if g is None:  # the output's shape: scatter dim / P, gather dim * P
+                out_shape = list(shape)
+                out_shape[scatter_dim] //= p
+                out_shape[gather_dim] *= p
+                g = torch.zeros(out_shape, dtype=dtype, device=device)
+            full.append(g)
+        return None, None, None, *_all_to_all_packed(tuple(full), gather_dim, scatter_dim, ctx.group)
+
+
+def qkv_seq_to_heads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``seq_to_heads`` of q, k and v in **one** all-to-all (same bytes as three).
+
+    ``[B, H, S_l, D] -> [B, H_l, S, D]`` for q and ``[B, Hkv|P, S_l, D] -> [B, Hkv_l, S, D]`` for
+    k, v. Differentiable; the backward is one inverse all-to-all of the three gradients.
+    """
+    # [B, H*, S_l, D] -> [B, H*/P, P*S_l, D] for each, packed per destination rank
+    return _AllToAllPacked.apply(1, 2, group, q, k, v)
+
+
 def all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup, *, dim: int = -1) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` in rank order (not differentiable).
 
@@ -80,16 +230,84 @@ def all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup, *, dim: int = -1) 
     if p == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(p)]
-    dist.all_gather(parts, x.contiguous(), group=group)
+    with _timed("sp"):
+        dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
 
 
-def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Sum of a detached tensor over ``group`` (a new tensor; the input is not modified)."""
+def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup, *, timed: str | None = None) -> torch.Tensor:
+    """Sum of a detached tensor over ``group`` (a new tensor; the input is not modified).
+
+    ``timed="sp"``: counted as sequence-parallel time under ``record_comm_times`` (the loss
+    reduce); metric reductions pass nothing and are not counted."""
     out = x.detach().clone()
     if dist.get_world_size(group) > 1:
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        with _timed(timed) if timed else contextlib.nullcontext():
+            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out
+
+
+def comm_device(group: dist.ProcessGroup, device: torch.device) -> torch.device:
+    """The device whose tensors ``group``'s backend exchanges: ``device`` for NCCL-like backends,
+    the CPU for gloo (which has no all-to-all of accelerator tensors)."""
+    if device.type == "cpu" or dist.get_backend(group) == "gloo":
+        return torch.device("cpu")
+    return device
+
+
+def exchange_bytes(
+    pieces: list[list[torch.Tensor]], recv_nbytes: list[int], group: dist.ProcessGroup, device: torch.device
+) -> torch.Tensor:
+    """One ``all_to_all`` of raw bytes: ``pieces[k]`` (any dtypes and shapes) goes to rank ``k``.
+
+    Every tensor is sent as its bytes, packed into one buffer, so there is one collective whatever
+    the number of tensors and dtypes, and uneven sizes need no padding. ``recv_nbytes[r]`` is what
+    rank ``r`` sends here (the caller knows it from metadata agreed beforehand).
+
+    Returns:
+        ``[sum(recv_nbytes)]`` uint8, on ``comm_device(group, device)``: rank 0's bytes first.
+    """
+    where = comm_device(group, device)
+    send_parts, in_splits = [], []
+    for piece in pieces:
+        # each tensor -> [numel * itemsize] uint8, in the caller's order
+        parts = [t.contiguous().reshape(-1).view(torch.uint8) for t in piece]
+        send_parts += parts
+        in_splits.append(sum(t.numel() for t in parts))
+    send = torch.cat(send_parts).to(where) if send_parts else torch.empty(0, dtype=torch.uint8, device=where)
+    del send_parts
+    recv = torch.empty(sum(recv_nbytes), dtype=torch.uint8, device=where)
+    dist.all_to_all_single(recv, send, list(recv_nbytes), in_splits, group=group)
+    return recv
+
+
+def sum_over_sp_mean_over_dp_(grad: torch.Tensor, group: dist.ProcessGroup, dp_size: int) -> dist.Work:
+    """Start the gradient reduction in place: ``grad <- sum over group / dp_size`` (async).
+
+    ``group`` spans all ``dp * sp`` ranks (``SPMesh.reduce_group``): summing there sums a sample's
+    gradient shares over its SP group and, divided by ``dp_size``, averages the replicas over the
+    DP axis — one collective. Divides first: the same rounding as FSDP2's path, and no fp16
+    overflow. Returns the collective's ``Work``.
+    """
+    grad.div_(dp_size)
+    if _RECORDER.get() is None:
+        return dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    with _timed("dp"):  # timed: wait here, hand DDP an already-completed Work
+        work = dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        work.wait()
+    return work
+
+
+def broadcast_from_first_(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Overwrite every tensor in place with the group's first rank's (one broadcast each, in order)."""
+    with torch.no_grad():
+        for t in tensors:
+            dist.broadcast(t.data, group_src=0, group=group)
+
+
+def barrier(group: dist.ProcessGroup) -> None:
+    """Wait until every rank of ``group`` got here (file-system ordering: written before renamed)."""
+    dist.barrier(group=group)
 
 
 def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
@@ -119,3 +337,14 @@ def raise_if_any_rank_failed(
             ranks = ", ".join(str(r) for r, _ in bad)
             raise exc_type(f"{bad[0][1]} (on rank(s) {ranks} of the group)")
         raise exc_type("; ".join(f"rank {r}: {e}" for r, e in bad))
+
+
+# --- run metrics
+def all_reduce_max(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Element-wise maximum of a detached tensor over ``group`` (a new tensor; the input is not
+    modified). For run metrics such as the busiest rank's peak memory; ``group=None`` is the
+    default (world) group."""
+    out = x.detach().clone()
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    return out

@@ -57,7 +57,7 @@ def sp_mean_loss(
     if group is None or dist.get_world_size(group) == 1:
         return local_sum / local_count.clamp(min=1).to(local_sum.dtype)
     both = torch.stack([local_sum.detach().to(torch.float64), local_count])
-    global_sum, global_count = all_reduce_sum(both, group).unbind()  # one collective for both
+    global_sum, global_count = all_reduce_sum(both, group, timed="sp").unbind()  # one collective for both
     denom = global_count.clamp(min=1)
     share = local_sum / denom.to(local_sum.dtype)
     return share + (global_sum / denom).to(local_sum.dtype).sub(share.detach())

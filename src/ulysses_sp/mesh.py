@@ -8,22 +8,23 @@ different samples). With 8 ranks and ``(2, 4)``: SP groups ``[0,1,2,3] [4,5,6,7]
 ``[0,4] [1,5] [2,6] [3,7]``.
 
 Pure arithmetic (``resolve_mesh_shape``, ``data_parallel_world_size``) needs no process group and
-is what the config validation and the unit tests use; ``init_mesh`` creates the real
-``DeviceMesh`` (a collective: every rank must call it).
+is what the config validation and the unit tests use; ``init_mesh`` creates the real layout, an
+``SPMesh`` over a torch ``DeviceMesh`` (a collective: every rank must call it). ``SPMesh`` is the
+one object the rest of the library takes: its named views (``sp_group``, ``dp_group``,
+``reduce_group``, ``fsdp_mesh``, ``mpu``) say what each group is for.
 """
 
 from __future__ import annotations
 
-import atexit
-import gc
-import time
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ._teardown import release_groups, track_mesh
+from .checks import positive_int
 
 DP_AXIS = "data_parallel"
 SP_AXIS = "sequence_parallel"
@@ -35,15 +36,6 @@ LAUNCH_HINT = (
 )
 
 
-def _check_size(name: str, value: Any) -> int:
-    # bool is an int subclass; True as a size is always a mistake.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be a positive int, got {value!r} ({type(value).__name__})")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
-
-
 def resolve_mesh_shape(
     world_size: int, dp_size: int | None = None, sp_size: int | None = None
 ) -> tuple[int, int]:
@@ -53,11 +45,11 @@ def resolve_mesh_shape(
         ValueError: a size is not a positive int, or ``dp_size * sp_size != world_size``, or the
             given size does not divide the world size. The message names every number.
     """
-    world_size = _check_size("world_size", world_size)
+    world_size = positive_int("world_size", world_size)
     if dp_size is not None:
-        dp_size = _check_size("data_parallel_size", dp_size)
+        dp_size = positive_int("data_parallel_size", dp_size)
     if sp_size is not None:
-        sp_size = _check_size("sequence_parallel_size", sp_size)
+        sp_size = positive_int("sequence_parallel_size", sp_size)
     if dp_size is None and sp_size is None:
         return world_size, 1
     if sp_size is None:
@@ -87,26 +79,30 @@ def check_mesh_param(mesh_param: Any) -> tuple[int, int]:
         raise ValueError(
             f"mesh_param must be a pair (data_parallel_size, sequence_parallel_size), got {mesh_param!r}"
         )
-    return _check_size("mesh_param[0] (dp_size)", mesh_param[0]), _check_size(
+    return positive_int("mesh_param[0] (dp_size)", mesh_param[0]), positive_int(
         "mesh_param[1] (sp_size)", mesh_param[1]
     )
 
 
 def default_device_type() -> str:
-    """``"cuda"`` when CUDA is usable, else ``"cpu"`` (gloo). Decided at run time, never hard-coded."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """The accelerator's device type (``"cuda"``, ...) when one is usable, else ``"cpu"`` (gloo).
+    Decided at run time, never hard-coded."""
+    if torch.accelerator.is_available():
+        return torch.accelerator.current_accelerator().type
+    return "cpu"
 
 
 def default_device() -> torch.device:
-    """The device this rank computes on: the current CUDA device, or the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """The device this rank computes on: the accelerator's current device, or the CPU."""
+    kind = default_device_type()
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, torch.get_device_module(kind).current_device())
 
 
 def default_backend() -> str:
-    """``"nccl"`` with CUDA, else ``"gloo"``."""
-    return "nccl" if default_device_type() == "cuda" else "gloo"
+    """The process-group backend for ``default_device_type()``: ``"nccl"`` with CUDA, ``"gloo"`` on CPU."""
+    return dist.Backend.default_device_backend_map.get(default_device_type(), "gloo")
 
 
 def require_process_group(what: str) -> None:
@@ -121,15 +117,17 @@ def init_mesh(
     dp_size: int | None = None,
     sp_size: int | None = None,
     device_type: str | None = None,
-) -> DeviceMesh:
-    """Create the 2-D ``(data_parallel, sequence_parallel)`` ``DeviceMesh`` over all ranks.
+) -> SPMesh:
+    """The ``(data_parallel, sequence_parallel)`` layout over all ranks, as an ``SPMesh``.
 
     Args:
         mesh_param: ``(dp_size, sp_size)``; alternatively give either size by keyword and the
             other is derived from the world size.
         device_type: ``"cpu"`` / ``"cuda"``; ``None`` chooses at run time.
 
-    A collective: every rank must call it with the same arguments.
+    A collective the first time a shape is asked for: every rank must call it with the same
+    arguments. Asking again for the same shape and device type on the same process group returns
+    the layout already built (its communicators are reused, never doubled).
     """
     require_process_group("init_mesh")
     if mesh_param is not None:
@@ -139,36 +137,17 @@ def init_mesh(
                 raise ValueError(f"{name}={given} disagrees with mesh_param={tuple(mesh_param)}")
         dp_size, sp_size = mdp, msp
     dp_size, sp_size = resolve_mesh_shape(dist.get_world_size(), dp_size, sp_size)
-    return track_mesh(
-        init_device_mesh(device_type or default_device_type(), (dp_size, sp_size), mesh_dim_names=MESH_AXES)
-    )
-
-
-# --- teardown -------------------------------------------------------------------------------------
-#
-# A gloo process group runs worker threads that stay alive as long as the group object does, and
-# ``dist.destroy_process_group()`` does not stop them. A worker that finishes a collective drops
-# its reference to the work (and its tensors) a moment *after* the caller has been released; if
-# the caller is the script's last collective and the interpreter is already finalizing by then,
-# the worker cannot take the GIL to free the tensors and the process aborts ("terminate called
-# without an active exception", SIGABRT) although the run succeeded. torch >= 2.13 meshes keep
-# their groups alive (``DeviceMesh._pg_registry``), so a module-level ``mesh`` is enough to hit it.
-# ``shutdown`` releases the groups while the interpreter is alive: the group's destructor then
-# joins its workers (it releases the GIL while joining), and nothing is left for finalization.
-
-_EXIT_GRACE_S = 0.1
-_tracked: weakref.WeakValueDictionary[int, DeviceMesh] = weakref.WeakValueDictionary()
-_exit_hook_registered = False
-
-
-def track_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """Remember ``mesh`` so that ``shutdown`` can release the process groups it holds; return it."""
-    global _exit_hook_registered
-    _tracked[id(mesh)] = mesh
-    if not _exit_hook_registered:
-        atexit.register(_release_at_exit)
-        _exit_hook_registered = True
+    key = (dp_size, sp_size, device_type or default_device_type())
+    existing = _layouts.get(key)
+    if existing is not None and existing.is_current():
+        return existing
+    mesh = SPMesh(track_mesh(init_device_mesh(key[2], (dp_size, sp_size), mesh_dim_names=MESH_AXES)))
+    _layouts[key] = mesh
     return mesh
+
+
+# Live layouts by (dp, sp, device type), so that a second init_mesh reuses the communicators.
+_layouts: weakref.WeakValueDictionary[tuple[int, int, str], SPMesh] = weakref.WeakValueDictionary()
 
 
 def shutdown() -> None:
@@ -183,108 +162,175 @@ def shutdown() -> None:
     """
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    _release_groups()
+    _layouts.clear()
+    release_groups()
 
 
-def _release_groups() -> None:
-    for mesh in list(_tracked.values()):
-        registry = getattr(mesh, "_pg_registry", None)  # torch >= 2.13: the mesh holds its groups
-        if isinstance(registry, dict):
-            registry.clear()
-    _tracked.clear()
-    gc.collect()
+class SPMesh:
+    """The ``(data_parallel, sequence_parallel)`` layout of a run: groups, sizes, coordinates, device.
+
+    One value object that every component takes instead of a bare ``DeviceMesh``, an ``mpu`` or a
+    group: each purpose has a named view, so no caller has to know which axis or which global
+    group stands for what.
+
+    - ``sp_group``: this rank's sequence-parallel group (its row): attention all-to-all, the loss
+      sum, the data adapter's exchange.
+    - ``dp_group``: this rank's data-parallel group (its column): ZeRO partitioning, loss averaging.
+    - ``reduce_group``: all ``dp * sp`` ranks of the layout: the gradient reduction (sum over SP,
+      mean over DP in one collective) and run-wide metrics.
+    - ``fsdp_mesh(partition)``: the mesh FSDP2 shards over (HSDP ``(SP replicate, DP shard)`` or
+      1-D over all ranks), built once from the existing groups.
+    - ``mpu``: the reference system's ``mpu`` view (``get_sequence_parallel_group()`` ...).
+
+    Build one with ``init_mesh``; a second ``init_mesh`` with the same shape on the same process
+    group returns the same object (no second set of communicators). A later sequence axis
+    factored into ``ring x ulysses`` adds views here; the ones above keep meaning the whole axis.
+    """
+
+    def __init__(self, device_mesh: DeviceMesh) -> None:
+        if not isinstance(device_mesh, DeviceMesh):
+            raise TypeError(f"expected a torch DeviceMesh, got {type(device_mesh).__name__}")
+        if tuple(device_mesh.mesh_dim_names or ()) != MESH_AXES:
+            raise ValueError(f"mesh must have axes {MESH_AXES}, got {device_mesh.mesh_dim_names}")
+        self.device_mesh = device_mesh
+        """The 2-D torch ``DeviceMesh`` (axes ``MESH_AXES``)."""
+        self.dp_size, self.sp_size = device_mesh.size(0), device_mesh.size(1)
+        self.dp_rank = device_mesh.get_local_rank(DP_AXIS)
+        self.sp_rank = device_mesh.get_local_rank(SP_AXIS)
+        # The default group this layout was built on, weakly: shutdown must be able to free it.
+        self._world = weakref.ref(dist.group.WORLD)
+        self._fsdp_meshes: dict[str, DeviceMesh] = {}
+
+    @property
+    def world_size(self) -> int:
+        """``dp_size * sp_size``: the ranks of the layout."""
+        return self.dp_size * self.sp_size
+
+    @property
+    def sp_group(self) -> dist.ProcessGroup:
+        """The sequence-parallel group (this rank's row of the mesh)."""
+        return self.device_mesh.get_group(SP_AXIS)
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """The data-parallel group (this rank's column of the mesh)."""
+        return self.device_mesh.get_group(DP_AXIS)
+
+    @property
+    def reduce_group(self) -> dist.ProcessGroup:
+        """All ``dp * sp`` ranks: the gradient reduction and run-wide metrics.
+
+        ``init_mesh`` lays the mesh over the whole default group, so this is that group (named
+        here, never used as a bare ``WORLD``)."""
+        group = self._world()
+        if group is None:
+            raise RuntimeError("this SPMesh's process group was destroyed (ulysses_sp.shutdown)")
+        return group
+
+    @property
+    def device_type(self) -> str:
+        return self.device_mesh.device_type
+
+    @property
+    def device(self) -> torch.device:
+        """The device this rank computes on, from the mesh's device type (never hard-coded)."""
+        if self.device_type == "cpu":
+            return torch.device("cpu")
+        return torch.device(self.device_type, torch.get_device_module(self.device_type).current_device())
+
+    @property
+    def mpu(self) -> Mpu:
+        """The reference system's ``mpu`` view of this layout."""
+        return Mpu(self)
+
+    def fsdp_mesh(self, partition: str) -> DeviceMesh:
+        """The mesh FSDP2 shards over, built once per ``partition`` from the existing groups.
+
+        ``"data_parallel"``: HSDP, a 2-D mesh whose first axis replicates along an SP group and
+        whose second shards along a DP group (the transpose of the ``(dp, sp)`` grid).
+        ``"all"``: 1-D over all ``dp * sp`` ranks.
+        """
+        if partition not in self._fsdp_meshes:
+            if partition == "all":
+                mesh = DeviceMesh.from_group(self.reduce_group, self.device_type, mesh_dim_names=("dp_sp",))
+            elif partition == "data_parallel":
+                # [dp, sp] rank grid -> [sp, dp]: dim 0 runs along an SP group, dim 1 along a DP group.
+                grid = torch.arange(self.world_size).view(self.dp_size, self.sp_size).T
+                mesh = DeviceMesh.from_group(
+                    [self.sp_group, self.dp_group],
+                    self.device_type,
+                    mesh=grid,
+                    mesh_dim_names=(SP_AXIS, DP_AXIS),
+                )
+            else:
+                raise ValueError(f"partition must be 'data_parallel' or 'all', got {partition!r}")
+            self._fsdp_meshes[partition] = track_mesh(mesh)
+        return self._fsdp_meshes[partition]
+
+    def is_current(self) -> bool:
+        """Whether this layout's groups belong to the live default process group."""
+        return dist.is_available() and dist.is_initialized() and self._world() is dist.group.WORLD
+
+    def __repr__(self) -> str:
+        return (
+            f"SPMesh(dp_size={self.dp_size}, sp_size={self.sp_size}, dp_rank={self.dp_rank}, "
+            f"sp_rank={self.sp_rank}, device_type={self.device_type!r})"
+        )
 
 
-def _release_at_exit() -> None:
-    """Safety net for scripts that end with ``dist.destroy_process_group()`` and globals."""
-    if not (dist.is_available() and dist.is_initialized()):  # the groups are no longer in use
-        _release_groups()
-    # Let a worker that still has to free a finished collective's tensors take the GIL now,
-    # while the interpreter is alive (groups that live objects hold are only freed later).
-    time.sleep(_EXIT_GRACE_S)
-
-
-def check_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """Check that ``mesh`` is a 2-D mesh with our axis names; return it."""
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"expected a torch DeviceMesh, got {type(mesh).__name__}")
-    if tuple(mesh.mesh_dim_names or ()) != MESH_AXES:
-        raise ValueError(f"mesh must have axes {MESH_AXES}, got {mesh.mesh_dim_names}")
-    return mesh
-
-
-def sp_group(mesh: DeviceMesh) -> dist.ProcessGroup:
-    """The sequence-parallel group (this rank's row of the mesh)."""
-    return mesh.get_group(SP_AXIS)
-
-
-def dp_group(mesh: DeviceMesh) -> dist.ProcessGroup:
-    """The data-parallel group (this rank's column of the mesh)."""
-    return mesh.get_group(DP_AXIS)
-
-
-@dataclass(frozen=True)
-class MeshInfo:
-    """The resolved sizes and this rank's coordinates on the mesh."""
-
-    dp_size: int
-    """Number of data-parallel replicas (rows)."""
-    sp_size: int
-    """Ranks that split one sequence (columns)."""
-    dp_rank: int
-    """This rank's row."""
-    sp_rank: int
-    """This rank's column."""
-
-
-def mesh_info(mesh: DeviceMesh) -> MeshInfo:
-    """Sizes and coordinates of this rank on ``mesh``."""
-    check_mesh(mesh)
-    return MeshInfo(
-        dp_size=mesh.size(0),
-        sp_size=mesh.size(1),
-        dp_rank=mesh.get_local_rank(DP_AXIS),
-        sp_rank=mesh.get_local_rank(SP_AXIS),
+def as_sp_mesh(mesh: Any) -> SPMesh:
+    """``mesh`` as an ``SPMesh``: an ``SPMesh`` itself, a 2-D ``DeviceMesh`` with our axis names, or an
+    ``mpu``/registration holding one. Raises ``TypeError`` for anything else."""
+    if isinstance(mesh, SPMesh):
+        return mesh
+    if isinstance(mesh, DeviceMesh):
+        return SPMesh(mesh)
+    held = getattr(mesh, "mesh", None)
+    if isinstance(held, SPMesh):
+        return held
+    raise TypeError(
+        f"expected an SPMesh (ulysses_sp.init_mesh), a (data_parallel, sequence_parallel) DeviceMesh or "
+        f"an mpu from register_with_transformers, got {type(mesh).__name__}"
     )
 
 
 class Mpu:
-    """The model-parallel-unit view of a mesh, with the method names the reference system uses.
+    """The model-parallel-unit view of an ``SPMesh``, with the method names the reference system uses.
 
-    ``register_with_transformers`` returns one; ``initialize(mpu=...)`` accepts it (or any object
-    with ``get_sequence_parallel_world_size`` and friends).
+    ``SPMesh.mpu`` returns one; ``initialize(mpu=...)`` accepts it (or any object with
+    ``get_sequence_parallel_world_size`` and friends).
     """
 
-    def __init__(self, mesh: DeviceMesh) -> None:
-        self.mesh = check_mesh(mesh)
+    def __init__(self, mesh: SPMesh | DeviceMesh) -> None:
+        self.mesh = as_sp_mesh(mesh)
 
     def get_sequence_parallel_group(self) -> dist.ProcessGroup:
-        return sp_group(self.mesh)
+        return self.mesh.sp_group
 
     def get_sequence_parallel_world_size(self) -> int:
-        return self.mesh.size(1)
+        return self.mesh.sp_size
 
     def get_sequence_parallel_rank(self) -> int:
-        return self.mesh.get_local_rank(SP_AXIS)
+        return self.mesh.sp_rank
 
     def get_data_parallel_group(self) -> dist.ProcessGroup:
-        return dp_group(self.mesh)
+        return self.mesh.dp_group
 
     def get_data_parallel_world_size(self) -> int:
-        return self.mesh.size(0)
+        return self.mesh.dp_size
 
     def get_data_parallel_rank(self) -> int:
-        return self.mesh.get_local_rank(DP_AXIS)
+        return self.mesh.dp_rank
 
     def __repr__(self) -> str:
-        return f"Mpu(dp_size={self.mesh.size(0)}, sp_size={self.mesh.size(1)})"
+        return f"Mpu(dp_size={self.mesh.dp_size}, sp_size={self.mesh.sp_size})"
 
 
 def data_parallel_world_size(
     world_size: int,
     *,
     mpu: Any | None = None,
-    mesh: DeviceMesh | None = None,
+    mesh: SPMesh | DeviceMesh | None = None,
     sequence_parallel_size: int | None = None,
 ) -> int:
     """The world size that ZeRO/FSDP partitions over and batch arithmetic uses.
@@ -297,12 +343,14 @@ def data_parallel_world_size(
     4. ``sequence_parallel_size`` -> ``world_size / sequence_parallel_size``;
     5. otherwise ``world_size``.
     """
-    world_size = _check_size("world_size", world_size)
+    world_size = positive_int("world_size", world_size)
     if mpu is not None:
         if hasattr(mpu, "get_data_parallel_world_size"):
-            return _check_size("mpu.get_data_parallel_world_size()", mpu.get_data_parallel_world_size())
-        sp = _check_size("mpu.get_sequence_parallel_world_size()", mpu.get_sequence_parallel_world_size())
+            return positive_int("mpu.get_data_parallel_world_size()", mpu.get_data_parallel_world_size())
+        sp = positive_int("mpu.get_sequence_parallel_world_size()", mpu.get_sequence_parallel_world_size())
         return resolve_mesh_shape(world_size, sp_size=sp)[0]
+    if isinstance(mesh, SPMesh):
+        return mesh.dp_size
     if mesh is not None:
         names = tuple(mesh.mesh_dim_names or ())
         return mesh.size(names.index(DP_AXIS)) if DP_AXIS in names else mesh.size(0)

@@ -1,24 +1,26 @@
 """Registering Ulysses attention with transformers, and the handle that undoes it.
 
-``SPRegistration`` is what ``UlyssesSPAttentionHF.register_with_transformers`` returns: an ``Mpu``
-over the mesh, the owner of the ``"ulysses_sp"`` entry in transformers' ``AttentionInterface``
-registry, and the guardrail that checks after every sequence-parallel forward that the SP
-attention ran in every attention layer (a model that bypasses it would silently attend within its
-local shard only).
+``SPRegistration`` is what ``UlyssesSPAttentionHF.register_with_transformers`` returns: the
+``mpu`` of the layout (an ``Mpu`` over the ``SPMesh``), the owner of one ``"ulysses_sp"`` entry in
+transformers' ``AttentionInterface`` registry, and the guardrail that checks after every
+sequence-parallel forward that the SP attention ran in every attention layer (a model that bypasses
+it would silently attend within its local shard only).
+
+The attention is reached through the small ``GuardedAttention`` protocol (its call counter), so
+this module does not import ``attention`` (which imports this one).
+
+Registrations stack: a second one under the same name shadows the first, and removing them in any
+order leaves the registry holding the most recent registration still active (or nothing).
 """
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 
-from .mesh import Mpu
-
-if TYPE_CHECKING:
-    from .attention import UlyssesSPAttentionHF
+from .mesh import Mpu, SPMesh
 
 ATTN_NAME = "ulysses_sp"
 """The name the SP attention is registered under (``attn_implementation="ulysses_sp"``)."""
@@ -51,6 +53,33 @@ def num_attention_layers(config: Any) -> int:
     return int(config.num_hidden_layers)
 
 
+def registered_layout(model: Any) -> SPMesh | None:
+    """The layout of the SP attention ``model`` dispatches to, or ``None`` when it uses another one."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) != ATTN_NAME:
+        return None
+    registration = getattr(ALL_ATTENTION_FUNCTIONS.get(ATTN_NAME), "registration", None)
+    return registration.mesh if isinstance(registration, SPRegistration) else None
+
+
+class GuardedAttention(Protocol):
+    """What the guardrail needs of a registered attention function."""
+
+    calls: int
+    """Attention calls since the last ``reset_calls()``."""
+    sp_size: int
+    disable_in_eval: bool
+    core: str
+    registration: SPRegistration | None
+    """The registration whose registry entry this is (set by it; links the stack of entries)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def reset_calls(self) -> None: ...
+
+
 class SPRegistration(Mpu):
     """The ``mpu`` returned by ``register_with_transformers``, and the handle that undoes it.
 
@@ -59,62 +88,87 @@ class SPRegistration(Mpu):
     implementation and removes the registry entry (restoring any entry it replaced).
     """
 
-    def __init__(self, mesh: DeviceMesh, attention: UlyssesSPAttentionHF, model: Any | None) -> None:
+    def __init__(self, mesh: SPMesh, attention: GuardedAttention, model: Any | None) -> None:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         super().__init__(mesh)
         self.attention = attention
-        self.model = model
+        self.model: Any | None = None
+        """The model attached last (``attach`` may be called for several)."""
         self._registry = ALL_ATTENTION_FUNCTIONS
         # Item assignment on the global instance (the public MutableMapping API) rather than the
-        # class-level register(): unlike register(), it can be deleted again.
-        self._replaced = ALL_ATTENTION_FUNCTIONS.get(ATTN_NAME)
+        # class-level register(): unlike register(), it can be deleted again. What this entry
+        # shadows is kept on the registration, so out-of-order removals can relink the stack.
+        if attention.registration is not None:
+            raise ValueError("this attention instance is registered already; build a new one")
+        self._below = ALL_ATTENTION_FUNCTIONS.get(ATTN_NAME)
+        attention.registration = self
         ALL_ATTENTION_FUNCTIONS[ATTN_NAME] = attention
-        self._prev_impl = None
-        self._hooks: list[Any] = []
+        self._attached: list[tuple[Any, str | None, list[Any]]] = []
         self._active = True
         if model is not None:
-            self._prev_impl = model.config._attn_implementation
-            model.set_attn_implementation(ATTN_NAME)
             self.attach(model)
 
     def attach(self, model: torch.nn.Module) -> None:
-        """Install the guardrail on ``model``: after every sequence-parallel forward, check that the
-        SP attention ran in every attention layer (raises with what to change otherwise)."""
+        """Point ``model`` at the SP attention and install the guardrail: after every
+        sequence-parallel forward, check that the SP attention ran in every attention layer (raises
+        with what to change otherwise). Several models may be attached; ``remove()`` restores all."""
+        prev_impl = model.config._attn_implementation
+        if prev_impl != ATTN_NAME:
+            model.set_attn_implementation(ATTN_NAME)
+        num_layers = num_attention_layers(model.config)
+        hooks = [
+            model.register_forward_pre_hook(lambda *_: self.attention.reset_calls()),
+            model.register_forward_hook(lambda module, *_: self._after_forward(module, num_layers)),
+        ]
+        self._attached.append((model, prev_impl, hooks))
         self.model = model
-        self._num_layers = num_attention_layers(model.config)
-        self._hooks.append(model.register_forward_pre_hook(lambda *_: self.attention.reset_calls()))
-        self._hooks.append(model.register_forward_hook(self._after_forward))
 
-    def _after_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def _after_forward(self, module: torch.nn.Module, num_layers: int) -> None:
         attn = self.attention
         if attn.sp_size > 1 and not (attn.disable_in_eval and not module.training):
-            self.check_ran(self._num_layers)
+            self.check_ran(num_layers, module)
 
     @property
     def sequence_parallel_size(self) -> int:
         return self.get_sequence_parallel_world_size()
 
     def remove(self) -> None:
-        """Undo the registration: the model computes exactly what it did before."""
+        """Undo the registration: every attached model computes exactly what it did before, and the
+        registry holds what it would hold had this registration never been made."""
         if not self._active:
             return
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        if self.model is not None and self._prev_impl is not None:
-            self.model.set_attn_implementation(self._prev_impl)
-        if self._registry.get(ATTN_NAME) is self.attention:
-            del self._registry[ATTN_NAME]
-            if self._replaced is not None and self._registry.get(ATTN_NAME) is not self._replaced:
-                self._registry[ATTN_NAME] = self._replaced
+        for model, prev_impl, hooks in reversed(self._attached):
+            for h in hooks:
+                h.remove()
+            if prev_impl is not None and prev_impl != ATTN_NAME:
+                model.set_attn_implementation(prev_impl)
+        self._attached = []
+        self._unlink()
         self._active = False
 
-    def check_ran(self, num_layers: int) -> None:
+    def _unlink(self) -> None:
+        """Take this registration's entry out of the registry's stack of ``ATTN_NAME`` entries."""
+        top = self._registry.get(ATTN_NAME)
+        if top is self.attention:
+            if self._below is None:
+                del self._registry[ATTN_NAME]
+            else:
+                self._registry[ATTN_NAME] = self._below
+            return
+        # Shadowed by later registrations: walk down from the top to the one right above this
+        # one, which from now on shadows what this one shadowed.
+        above = getattr(top, "registration", None)
+        while isinstance(above, SPRegistration) and above._below is not self.attention:
+            above = getattr(above._below, "registration", None)
+        if isinstance(above, SPRegistration):
+            above._below = self._below
+
+    def check_ran(self, num_layers: int, model: Any | None = None) -> None:
         """Guardrail: raise unless the SP attention ran in ``num_layers`` layers since the last reset."""
         calls = self.attention.calls
         if calls < num_layers:
-            impl = getattr(getattr(self.model, "config", None), "_attn_implementation", "?")
+            impl = getattr(getattr(model or self.model, "config", None), "_attn_implementation", "?")
             raise RuntimeError(
                 f"sequence-parallel attention ran in {calls} of {num_layers} attention layers: the model's "
                 f"attention bypassed it (attn_implementation={impl!r}). Set "

@@ -1,4 +1,4 @@
-"""Sequence-tiled compute (ALST): token-local work done over the sequence a tile at a time.
+"""Sequence-tiled compute (ALST): tiled MLP and tiled logits+loss, for HuggingFace models.
 
 Ulysses SP divides activations by ``P``; some per-token work is still far larger than the model's
 hidden state: the MLP's intermediate ``[B, S_l, I]`` (``I`` is 3-4x ``h``) and the logits
@@ -6,32 +6,28 @@ hidden state: the MLP's intermediate ``[B, S_l, I]`` (``I`` is 3-4x ``h``) and t
 ``n`` tiles of the sequence, keeping for backward only the tile *inputs* and recomputing each tile
 in backward. The big tensor then exists for one tile, ``1/n`` of it, at any time.
 
-This module is the mechanism, independent of any model library:
-
-* ``sequence_tiled_compute(fn, x, n, ...)``: the generic mechanism (one autograd Function).
-* ``TiledMLP.apply(fn, module, x, shards)``: DeepSpeed's entry point for a tiled MLP block.
+* ``apply_tiled_mlp(model, num_shards)`` -> ``TiledMLPHandle``: every MLP block (submodules named
+  ``mlp``) runs tiled; ``handle.remove()`` restores the original ``forward`` objects.
+* ``TiledCausalLMLoss``: the engine's ``loss_fn``; the logits never exist for the whole shard.
 * ``tiled_causal_lm_loss``: ``lm_head`` + cross-entropy per tile, with the same contract as
   ``ulysses_sp.loss.sp_causal_lm_loss``.
-* ``auto_num_shards`` / ``check_num_shards``: the default tile count and its validation.
-
-The HuggingFace integration (``apply_tiled_mlp``/``TiledMLPHandle``, which patch a model's MLP
-blocks after checking they are token-local, and ``TiledCausalLMLoss``, the engine's ``loss_fn``)
-lives in ``ulysses_sp.tiling_hf`` and is re-exported here on first access.
+* ``TiledMLP.apply(fn, module, x, shards)``: DeepSpeed's entry point for a tiled MLP block.
+* ``sequence_tiled_compute(fn, x, n, ...)``: the generic mechanism, for any token-local ``fn``.
 
 Contract: ``fn`` must treat every position independently, and every tensor requiring grad that it
 uses besides ``x`` must be passed in ``params`` (a missing one raises ``ValueError`` in backward).
-The result and the gradients equal those of the untiled call.
+The result and the gradients equal those of the untiled call. ``apply_tiled_mlp`` checks each MLP
+is token-local before patching anything; models that transform their logits after ``lm_head``
+(softcapping, logit scale) are refused by the tiled loss.
 
-Where it sits in the step (DESIGN.md): steps 3 (MLPs) and 5 (loss) of the forward, mirrored in
-backward. Tiles are local to the rank (no communication per tile), so ranks may use different
-tile counts; the tiled loss's only collective is ``sp_mean_loss``'s all-reduce, as untiled.
+Where it sits in the step (DESIGN.md): applied to the bare model before wrapping; at run time
+steps 3 (MLPs) and 5 (loss) of the forward, mirrored in backward. Tiles are local to the rank, so
+ranks may use different tile counts; the only collective is ``sp_mean_loss``'s all-reduce.
 
-Composition. Parameters are *inputs* of the autograd Function: their gradients are summed over the
-tiles inside the Function and handed to autograd once, so a parameter's gradient hook fires once
-per backward as with an untiled module (DDP, FSDP2's reduce-scatter, ZeRO-1). Under FSDP2 the
-tiled module runs inside its FSDP unit's forward, whose parameters are gathered once for all tiles
-(and once more for backward, as without tiling). Under activation checkpointing the Function is
-simply part of the recomputed layer.
+Composition: parameter gradients are summed over the tiles and handed to autograd once, so
+gradient hooks fire once per backward (DDP, FSDP2, ZeRO-1). Under FSDP2 the tiled module runs
+inside its unit's forward, whose parameters are gathered once for all tiles (and once more for
+backward). Under activation checkpointing the tiled block is recomputed with its layer.
 
 Shape legend: ``B`` batch, ``S_l`` local sequence, ``h`` hidden, ``I`` MLP intermediate, ``V``
 vocabulary, ``n`` number of tiles, ``T = ceil(S_l / n)`` tile length.
@@ -39,173 +35,26 @@ vocabulary, ``n`` number of tiles, ``T = ceil(S_l / n)`` tile length.
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.function import once_differentiable
 from torch.distributed.fsdp import FSDPModule
 
+from ._tiled import TiledCompute, TileSpec, auto_num_shards, check_num_shards, check_token_local, has_dropout
 from .loss import IGNORE_INDEX, causal_lm_loss_parts, sp_mean_loss
 
-
-def auto_num_shards(seq_len: int, hidden_size: int, batch_size: int = 1) -> int:
-    """Default tile count: tiles of about ``hidden_size`` tokens, ``ceil(B * S_l / h)``.
-
-    ALST's TiledMLP rule: a tile's ``[T, I]`` MLP activations (``[T, V]`` logits) are then no
-    larger than the block's own ``[h, I]`` (``[V, h]``) weight, which is in memory anyway.
-    Clamped to ``[1, S_l]``.
-    """
-    return max(1, min(seq_len, math.ceil(batch_size * seq_len / max(hidden_size, 1))))
-
-
-def check_num_shards(num_shards: Any, seq_len: int | None = None, *, what: str = "num_shards") -> int:
-    """Validate a tile count (and, given ``seq_len``, that every tile holds at least one token)."""
-    if isinstance(num_shards, bool) or not isinstance(num_shards, int):
-        raise ValueError(f"{what} must be a positive int, got {num_shards!r}")
-    if num_shards < 1:
-        raise ValueError(f"{what} must be >= 1, got {num_shards}")
-    if seq_len is not None and num_shards > seq_len:
-        raise ValueError(
-            f"{what} ({num_shards}) is larger than the local sequence length ({seq_len}): "
-            f"every tile needs at least one token; use at most {seq_len} (or None for auto)"
-        )
-    return num_shards
-
-
-def _tiles(length: int, n: int) -> list[tuple[int, int]]:
-    """``(start, size)`` of ``n`` tiles covering ``length`` (sizes differ by at most one)."""
-    base, extra = divmod(length, n)
-    out, start = [], 0
-    for i in range(n):
-        size = base + (i < extra)
-        out.append((start, size))
-        start += size
-    return out
-
-
-@contextlib.contextmanager
-def _rng_restored(state: tuple[torch.Tensor, torch.Tensor | None] | None, device: torch.device) -> Iterator:
-    """Replay the RNG from ``state`` (dropout masks of the forward) without disturbing the caller's."""
-    if state is None:
-        yield
-        return
-    accel = device.type != "cpu"
-    with torch.random.fork_rng(devices=[device] if accel else [], device_type=device.type):
-        torch.set_rng_state(state[0])
-        if accel:
-            torch.get_device_module(device.type).set_rng_state(state[1], device)
-        yield
-
-
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    dev = torch.get_device_module(device.type).get_rng_state(device) if device.type != "cpu" else None
-    return torch.get_rng_state(), dev
-
-
-def _unlisted_leaves(y: torch.Tensor, listed: set[int]) -> list[torch.Tensor]:
-    """Leaf tensors requiring grad that ``y``'s graph reaches but that are not in ``listed``."""
-    found, seen, stack = [], set(), [y.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        var = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf
-        if var is not None and id(var) not in listed:
-            found.append(var)
-        stack.extend(f for f, _ in node.next_functions)
-    return found
-
-
-def _check_not_freed(params: Sequence[torch.Tensor]) -> None:
-    freed = [tuple(p.shape) for p in params if p.numel() and p.untyped_storage().nbytes() == 0]
-    if freed:
-        raise ValueError(
-            f"parameters {freed} of a tiled function were freed between forward and backward (FSDP2 "
-            "resharded them): run the tiled module inside an FSDP unit whose parameters are gathered "
-            "again for backward (its own unit's pre-backward hook, or the root with the default "
-            "reshard_after_forward), not in a unit that never sees the gradient"
-        )
-
-
-@dataclass(frozen=True)
-class _Spec:
-    seq_dim: int
-    num_shards: int
-    n_aux: int
-    reduce_sum: bool
-    preserve_rng: bool
-
-
-class _TiledCompute(torch.autograd.Function):
-    """Forward: ``fn`` on each tile under ``no_grad``, outputs concatenated (or summed); saves only
-    ``x`` (and the aux tensors). Backward: each tile recomputed with grad and back-propagated; the
-    tile gradients of ``x`` are concatenated and the parameter gradients summed."""
-
-    @staticmethod
-    def forward(ctx: Any, fn: Callable, spec: _Spec, x: torch.Tensor, *rest: torch.Tensor):
-        ctx.fn, ctx.spec, ctx.params = fn, spec, rest[spec.n_aux :]
-        ctx.rng = _rng_state(x.device) if spec.preserve_rng else None
-        aux = rest[: spec.n_aux]
-        d, out = spec.seq_dim, None
-        with torch.no_grad():
-            for start, size in _tiles(x.shape[d], spec.num_shards):
-                y = fn(x.narrow(d, start, size), *(a.narrow(d, start, size) for a in aux))
-                if spec.reduce_sum:
-                    out = y if out is None else out.add_(y)
-                    continue
-                if out is None:  # [B, T, ...] -> preallocate [B, S_l, ...]: no list of tiles, no cat
-                    out = y.new_empty(y.shape[:d] + x.shape[d : d + 1] + y.shape[d + 1 :])
-                out.narrow(d, start, size).copy_(y)
-                del y  # the tile's activations die here, before the next tile
-        ctx.save_for_backward(x, *aux)
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad_out: torch.Tensor):
-        x, *aux = ctx.saved_tensors
-        spec, params = ctx.spec, ctx.params
-        _check_not_freed(params)
-        want_x = ctx.needs_input_grad[2]
-        want = [i for i, p in enumerate(params) if ctx.needs_input_grad[3 + spec.n_aux + i]]
-        grad_x = torch.zeros_like(x) if want_x else None
-        grad_p: list[torch.Tensor | None] = [None] * len(params)
-        d, checked = spec.seq_dim, False
-        with _rng_restored(ctx.rng, x.device), torch.enable_grad():
-            for start, size in _tiles(x.shape[d], spec.num_shards):
-                xt = x.narrow(d, start, size).detach().requires_grad_(want_x)
-                yt = ctx.fn(xt, *(a.narrow(d, start, size) for a in aux))
-                if yt.grad_fn is None:  # the tile does not depend on anything (e.g. no valid label)
-                    continue
-                inputs = ([xt] if want_x else []) + [params[i] for i in want]
-                if not checked and (extra := _unlisted_leaves(yt, {id(t) for t in inputs})):
-                    shapes = [tuple(t.shape) for t in extra]
-                    raise ValueError(
-                        f"the tiled function uses {len(extra)} tensor(s) that require grad but were "
-                        f"not passed in params (shapes {shapes}); their gradients would be lost"
-                    )
-                checked = True
-                g = grad_out if spec.reduce_sum else grad_out.narrow(d, start, size)
-                grads = torch.autograd.grad(yt, inputs, g, allow_unused=True)
-                if want_x:
-                    grad_x.narrow(d, start, size).copy_(grads[0])
-                    grads = grads[1:]
-                for i, gi in zip(want, grads):
-                    if gi is not None:
-                        grad_p[i] = gi if grad_p[i] is None else grad_p[i].add_(gi)
-                del yt, grads
-        for i in want:  # e.g. every tile skipped: a zero gradient, as the untiled graph would give
-            if grad_p[i] is None:
-                grad_p[i] = torch.zeros_like(params[i])
-        return (None, None, grad_x, *([None] * spec.n_aux), *grad_p)
+__all__ = [
+    "TiledCausalLMLoss",
+    "TiledMLP",
+    "TiledMLPHandle",
+    "apply_tiled_mlp",
+    "sequence_tiled_compute",
+    "tiled_causal_lm_loss",
+]
 
 
 def sequence_tiled_compute(
@@ -245,8 +94,8 @@ def sequence_tiled_compute(
     for a in aux:
         if a.dim() <= seq_dim or a.shape[seq_dim] != x.shape[seq_dim]:
             raise ValueError(f"aux {tuple(a.shape)} does not match x {tuple(x.shape)} in dim {seq_dim}")
-    spec = _Spec(seq_dim, num_shards, len(aux), reduction == "sum", preserve_rng_state)
-    return _TiledCompute.apply(fn, spec, x, *aux, *params)
+    spec = TileSpec(seq_dim, num_shards, len(aux), reduction == "sum", preserve_rng_state)
+    return TiledCompute.apply(fn, spec, x, *aux, *params)
 
 
 class TiledMLP:
@@ -266,15 +115,109 @@ class TiledMLP:
         compute_params: Iterable[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         params = list(module.parameters() if compute_params is None else compute_params)
-        preserve = any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in module.modules())
         return sequence_tiled_compute(
             lambda t: fn(module, t),
             x,
             shards,
             params=params,
             seq_dim=x.dim() - 2,
-            preserve_rng_state=preserve,
+            preserve_rng_state=has_dropout(module),
         )
+
+
+class TiledMLPHandle:
+    """Undo handle of ``apply_tiled_mlp``: ``remove()`` (or leaving a ``with`` block) restores
+    every patched module's original ``forward`` object."""
+
+    def __init__(self, patched: list[tuple[str, nn.Module, Any]], num_shards: int | None) -> None:
+        self._patched = patched
+        self.num_shards = num_shards
+        """Tiles per MLP call; ``None`` = ``auto_num_shards`` per call."""
+
+    @property
+    def module_names(self) -> list[str]:
+        """Qualified names of the tiled MLPs."""
+        return [n for n, _, _ in self._patched]
+
+    def remove(self) -> None:
+        for _, mlp, previous in self._patched:
+            if previous is None:
+                del mlp.forward  # back to the class's forward
+            else:
+                mlp.forward = previous
+        self._patched = []
+
+    def __repr__(self) -> str:
+        shards = "auto" if self.num_shards is None else self.num_shards
+        return f"TiledMLPHandle(modules={len(self._patched)}, num_shards={shards})"
+
+    def __enter__(self) -> TiledMLPHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def apply_tiled_mlp(
+    model: nn.Module, num_shards: int | None = None, *, mlp_name: str = "mlp"
+) -> TiledMLPHandle:
+    """Make every MLP block of ``model`` (submodules named ``mlp_name``) run tiled.
+
+    Each block's ``forward`` is replaced, on the instance, by one that calls the original over
+    ``num_shards`` tiles of the sequence with ``sequence_tiled_compute``: the ``[B, S_l, I]``
+    intermediates never exist for the whole shard, only one ``[B, T, I]`` tile at a time.
+
+    Args:
+        model: an HF model (or any module) whose MLP blocks take and return ``[B, S_l, h]``.
+        num_shards: tiles per call; ``None`` = ``auto_num_shards(S_l, h, B)`` at each call, i.e.
+            tiles of about ``h`` tokens. A call whose ``S_l`` is below ``num_shards`` raises.
+        mlp_name: attribute name of the MLP blocks.
+
+    Returns:
+        A handle; ``handle.remove()`` restores the original ``forward`` objects.
+
+    Raises:
+        ValueError: ``num_shards < 1``; no module named ``mlp_name``; an MLP that is not
+            token-local (names the module; the model is left untouched); applying twice.
+
+    Composes with FSDP2 (apply before or after ``fully_shard``: the block still runs inside its
+    unit's single all-gather), activation checkpointing (the tiled block is recomputed with its
+    layer) and SP attention (MLPs are token-local, so SP does not change them).
+    """
+    if num_shards is not None:
+        check_num_shards(num_shards, what="tiled MLP num_shards")
+    mlps = [(n, m) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] == mlp_name]
+    if not mlps:
+        raise ValueError(f"{type(model).__name__} has no submodule named {mlp_name!r} to tile")
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    for name, mlp in mlps:
+        if getattr(mlp.forward, "_ulysses_sp_tiled", False):
+            raise ValueError(f"{name} is already tiled: remove the previous handle before applying again")
+        check_token_local(name, mlp, hidden)
+    patched = []
+    for name, mlp in mlps:
+        previous = mlp.__dict__.get("forward")
+        mlp.forward = _tiled_forward(name, mlp, mlp.forward, num_shards)
+        patched.append((name, mlp, previous))
+    return TiledMLPHandle(patched, num_shards)
+
+
+def _tiled_forward(name: str, mlp: nn.Module, forward: Callable, num_shards: int | None) -> Callable:
+    preserve = has_dropout(mlp)
+
+    def tiled_forward(x: torch.Tensor) -> torch.Tensor:
+        seq_dim = x.dim() - 2  # [B, S_l, h] or [T, h]
+        s_l = x.shape[seq_dim]
+        b = x.shape[0] if x.dim() == 3 else 1
+        n = auto_num_shards(s_l, x.shape[-1], b) if num_shards is None else num_shards
+        check_num_shards(n, s_l, what=f"{name}: tiled MLP num_shards")
+        return sequence_tiled_compute(
+            forward, x, n, params=list(mlp.parameters()), seq_dim=seq_dim, preserve_rng_state=preserve
+        )
+
+    tiled_forward.__wrapped__ = forward  # type: ignore[attr-defined]
+    tiled_forward._ulysses_sp_tiled = True  # type: ignore[attr-defined]
+    return tiled_forward
 
 
 def tiled_causal_lm_loss(
@@ -340,16 +283,67 @@ def tiled_causal_lm_loss(
     return sp_mean_loss(total, count, sp_group)
 
 
-# The HF integration imports this module, so it is re-exported lazily (PEP 562) rather than
-# imported here: ``from ulysses_sp.tiling import apply_tiled_mlp`` keeps working, with no cycle.
-_HF_EXPORTS = ("TiledCausalLMLoss", "TiledMLPHandle", "apply_tiled_mlp")
+@dataclass(frozen=True)
+class TiledCausalLMLoss:
+    """A ``loss_fn`` for the engine: ``loss_fn(model, batch, shift_labels, sp_group) -> output``.
 
+    Runs ``model(**batch)`` through the model's own ``__call__`` (so FSDP2's root hooks gather the
+    root's parameters and the decoder layers' hooks run as usual), but intercepts the
+    ``lm_head`` call: its input hidden states ``[B, S_l, h]`` go to ``tiled_causal_lm_loss`` and
+    ``lm_head`` itself only sees an empty ``[B, 0, h]`` slice. The returned HF output has the
+    loss set (``out.loss`` and ``out["loss"]``) and empty ``logits [B, 0, V]``. ``batch`` holds the model's keyword inputs
+    (``input_ids``, ``position_ids``, ...); ``labels``/``shift_labels`` entries are ignored.
+    """
 
-def __getattr__(name: str) -> Any:
-    if name in _HF_EXPORTS:
-        return getattr(importlib.import_module(".tiling_hf", __package__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    num_shards: int | None = None
+    """Tiles per shard; ``None`` = ``auto_num_shards``."""
+    ignore_index: int = IGNORE_INDEX
+    """Label value excluded from the loss."""
 
+    def __post_init__(self) -> None:
+        if self.num_shards is not None:
+            check_num_shards(self.num_shards, what="tiled loss num_shards")
 
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_HF_EXPORTS])
+    def __call__(
+        self, model: nn.Module, batch: dict[str, Any], shift_labels: torch.Tensor, sp_group: Any
+    ) -> Any:
+        inner = model  # DDP and similar wrappers: hooks go on the wrapped model, the call on the wrapper
+        while not hasattr(inner, "get_output_embeddings") and isinstance(
+            getattr(inner, "module", None), nn.Module
+        ):
+            inner = inner.module
+        config = getattr(inner, "config", None)
+        for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+            if getattr(config, attr, None) not in (None, 1, 1.0):
+                raise ValueError(f"tiled loss computes plain lm_head logits; {attr} is not supported")
+        lm_head = inner.get_output_embeddings()
+        result: dict[str, torch.Tensor] = {}
+
+        def intercept(module: nn.Module, args: tuple) -> tuple | None:
+            if "loss" in result:
+                return None
+            (hidden,) = args
+            result["loss"] = tiled_causal_lm_loss(
+                hidden,
+                module,
+                shift_labels,
+                sp_group,
+                num_shards=self.num_shards,
+                ignore_index=self.ignore_index,
+            )
+            return (hidden[:, :0],)  # [B, S_l, h] -> [B, 0, h]: no logits materialised
+
+        inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
+        inputs.setdefault("use_cache", False)
+        hook = lm_head.register_forward_pre_hook(intercept)
+        try:
+            out = model(**inputs)
+        finally:
+            hook.remove()
+        if "loss" not in result:
+            raise ValueError(f"{type(model).__name__}'s forward never called its output embeddings")
+        if isinstance(out, MutableMapping):  # transformers ModelOutput: keep item and attribute in step
+            out["loss"] = result["loss"]
+        else:
+            out.loss = result["loss"]
+        return out

@@ -4,43 +4,51 @@
 be checked without processes and raises ``ValueError`` naming the numbers; ``run(cfg)`` (every
 rank, process group initialised) then builds and trains:
 
-1. tokenizer, dataset, model (a preset from ``cfg.seed`` or a local HF directory; on resume the
-   checkpoint's weights), ALST transforms (tiled MLP, activation checkpointing / offload);
+1. tokenizer, dataset, model (a preset from ``cfg.seed`` or a local HF directory; at ZeRO 2/3 a
+   directory is built on the meta device and filled shard by shard after sharding, ``loading.py``;
+   on resume the checkpoint's training state fills model and optimizer), ALST transforms (tiled MLP, activation checkpointing / offload);
 2. sequence parallelism (``sp > 1``): ``UlyssesSPAttentionHF.register_with_transformers`` ->
-   ``mpu``; the engine: ``initialize(model, config, mpu=...)`` (ZeRO stage, AdamW, warmup+cosine);
-3. data: ``sp_data_sampler`` per rank -> ``DataLoader`` -> ``UlyssesSPDataLoaderAdapter``, so a run
-   with ``sp = P`` processes the same global batches as ``sp = 1`` with the same ``dp``;
+   ``mpu``; the engine: ``initialize(model, cfg.training_config(), mpu=...)`` (ZeRO stage, AdamW,
+   warmup + cosine: the recipe is ``TrainConfig``'s fields);
+3. data: ``sp_dataloader`` per rank -> ``UlyssesSPDataLoaderAdapter``, so a run with ``sp = P``
+   processes the same global batches as ``sp = 1`` with the same ``dp``;
 4. per optimizer step: ``grad_accum`` micro-steps of ``engine(**batch)`` / ``backward`` / ``step``,
-   a metrics line, and every ``save_every`` steps an atomic checkpoint (``checkpoint.py``).
+   a metrics line, and every ``save_every`` steps an atomic checkpoint (``checkpoint.py``, through
+   ``rundir.checked_save``: finite weights, free space).
+
+Reliability: rank 0 holds the output directory's ``RunLock`` for the whole run; a non-finite step
+is skipped by the engine's divergence guard (its metrics line says ``"skipped": true``) and a
+diverged run raises ``DivergenceError`` naming the last good checkpoint; ``stop`` (an event the
+CLI sets on SIGTERM with ``--save-on-signal``) is agreed across ranks inside the per-step metrics
+reduction, then the run saves and returns with ``"stopped": True``.
 
 The library never reads argv or launcher variables; the CLI does and passes a ``TrainConfig``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader
 
 from . import checkpoint as ckpt
 from . import tasks
-from .train_setup import (  # noqa: F401 - re-exported: the train command's public names
-    ATTN_CHOICES,
-    RUN_KEYS,
-    TrainConfig,
-    config_from_dict,
-    manifest_for,
-    model_config,
-    prepare_output_dir,
-    validate,
-)
+from .comm import all_reduce_max, barrier, raise_if_any_rank_failed, record_comm_times
+from .core_attention import describe_paths
+from .guard import DivergenceError
+from .precision import DTYPES
+from .rundir import checked_save, prepare_output_dir
+from .runlock import RunLock, RunLockedError
+from .train_checks import validate
+from .train_setup import TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -63,17 +71,15 @@ class DataStream:
         return {"epoch": self.epoch, "offset": self.offset}
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        from .data import UlyssesSPDataLoaderAdapter, sp_data_sampler
+        from .data import UlyssesSPDataLoaderAdapter, sp_dataloader
 
         e, b = self.engine, self.micro_batch_size
         while True:
-            sampler = sp_data_sampler(
-                self.dataset, e.mesh, batch_size=b, shuffle=self.shuffle, seed=self.seed
-            )
-            sampler.set_epoch(self.epoch)
             rounds, rest = divmod(self.offset, e.sp_size)
-            indices = list(sampler)[rounds * b :]
-            loader = DataLoader(self.dataset, batch_size=b, sampler=indices)
+            loader = sp_dataloader(
+                self.dataset, batch_size=b, dp_size=e.dp_size, sp_size=e.sp_size, dp_rank=e.dp_rank,
+                sp_rank=e.sp_rank, shuffle=self.shuffle, seed=self.seed, epoch=self.epoch, start_batch=rounds,
+            )  # fmt: skip
             group = e.sp_group if e.sp_size > 1 else None
             adapter = UlyssesSPDataLoaderAdapter(
                 loader, e.sp_rank, group, e.sp_size, e.device, pad_token_id=self.pad_id
@@ -87,33 +93,12 @@ class DataStream:
 
 
 # ---------------------------------------------------------------- building
-def _engine_config(cfg: TrainConfig) -> dict[str, Any]:
-    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, min(20, cfg.steps // 10))
-    return {
-        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
-        "gradient_accumulation_steps": cfg.grad_accum,
-        "gradient_clipping": cfg.grad_clip,
-        "zero_optimization": {"stage": cfg.zero_stage},
-        "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "betas": [0.9, 0.95], "weight_decay": 0.0}},
-        "scheduler": {
-            "type": "WarmupCosineLR",
-            "params": {
-                "total_num_steps": max(cfg.steps, warmup),
-                "warmup_num_steps": warmup,
-                "warmup_min_ratio": 0.05,
-                "cos_min_ratio": 0.1,
-                "warmup_type": "linear",
-            },
-        },  # fmt: skip
-    }
-
-
 def _techniques(cfg: TrainConfig, model) -> tuple[list[Any], Any]:
     """Apply the ALST transforms to the bare model; return (undo handles, loss_fn or None)."""
     handles: list[Any] = []
     loss_fn = None
     if cfg.tiled_mlp:
-        from .tiling_hf import apply_tiled_mlp
+        from .tiling import apply_tiled_mlp
 
         handles.append(apply_tiled_mlp(model, cfg.tiled_mlp_shards))
     if cfg.activation_checkpointing:
@@ -125,7 +110,7 @@ def _techniques(cfg: TrainConfig, model) -> tuple[list[Any], Any]:
 
         handles.append(enable_activation_offload(model))
     if cfg.tiled_loss:
-        from .tiling_hf import TiledCausalLMLoss
+        from .tiling import TiledCausalLMLoss
 
         loss_fn = TiledCausalLMLoss(num_shards=cfg.tiled_loss_shards)
     return handles, loss_fn
@@ -144,29 +129,34 @@ def startup_summary(cfg: TrainConfig, engine, model, dataset, resumed: str | Non
         f"ulysses-sp train: {dist.get_world_size()} processes = dp {engine.dp_size} x sp {engine.sp_size}, "
         f"device {engine.device.type} ({dist.get_backend()}), ZeRO stage {cfg.zero_stage}",
         f"  model {cfg.model}: {type(model).__name__}, {n_params / 1e6:.3f}M params, attention {cfg.attn}"
-        + (" inside Ulysses SP" if engine.sp_size > 1 else ""),
+        + (" inside Ulysses SP" if engine.sp_size > 1 else "")
+        + (
+            f" ({describe_paths(cfg.attn, attn_chunk=cfg.attn_chunk, offload_attention=cfg.offload_attention)})"
+            if engine.sp_size > 1 or cfg.offload_attention or cfg.attn_chunk is not None
+            else ""
+        ),  # fmt: skip
         f"  data {cfg.data}: {len(dataset)} samples of {cfg.seq_len} tokens; {cfg.seq_len // engine.sp_size} "
         f"tokens per rank; global batch {bs.train_batch_size} = micro {bs.train_micro_batch_size_per_gpu} x "
         f"accum {bs.gradient_accumulation_steps} x dp {bs.dp_world_size}",
-        f"  steps {cfg.steps}, lr {cfg.lr}, seed {cfg.seed}; output {cfg.output_dir}, metrics {cfg.metrics_path}"
+        f"  steps {cfg.steps}, AdamW lr {cfg.lr} betas {tuple(cfg.betas)} weight decay {cfg.weight_decay}, "
+        f"warmup {cfg.warmup_num_steps} steps, seed {cfg.seed}",
+        f"  output {cfg.output_dir}, metrics {cfg.metrics_path}"
         + (f"; resumed from {resumed}" if resumed else ""),
+        *filter(None, [tasks.data_summary(dataset)]),
         f"  ALST: tiled MLP {_on_off(cfg.tiled_mlp, cfg.tiled_mlp_shards)}, tiled loss "
         f"{_on_off(cfg.tiled_loss, cfg.tiled_loss_shards)}, activation checkpointing "
         f"{_on_off(cfg.activation_checkpointing)}, activation offload {_on_off(cfg.offload_activations)}",
+        f"  precision {cfg.dtype}"
+        + (" (fp32 master weights, optimizer state and gradient reduction)" if cfg.dtype != "fp32" else "")
+        + f"; CPU offload of model states {_on_off(cfg.cpu_offload)}; "
+        f"checkpoints saved in {cfg.save_dtype or 'fp32'}"
+        + (
+            "; weights loaded shard by shard"
+            if cfg.zero_stage >= 2 and not tasks.is_preset(cfg.model)
+            else ""
+        ),
     ]
     return "\n".join(lines)
-
-
-def _load_weights(model, state: dict[str, torch.Tensor], where: str) -> None:
-    """Load a checkpoint's full state into the bare model; only tied duplicates may be absent."""
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {
-        n for n, _ in model.named_parameters()
-    }
-    if unexpected or set(missing) - aliases:
-        raise ValueError(
-            f"{where!r}: weights do not fit the model (missing {missing}, unexpected {unexpected})"
-        )
 
 
 def _num_samples(cfg: TrainConfig, dp: int) -> int:
@@ -175,17 +165,28 @@ def _num_samples(cfg: TrainConfig, dp: int) -> int:
 
 
 # ---------------------------------------------------------------- the loop
-def run(cfg: TrainConfig) -> dict[str, Any]:
+def run(cfg: TrainConfig, *, stop: Any = None) -> dict[str, Any]:
     """Train on every rank of the initialised process group; return a summary (same on every rank).
 
-    A collective from start to end. Raises ``ValueError`` (on every rank) for bad input.
+    A collective from start to end. Raises ``ValueError`` (on every rank) for bad input,
+    ``RunLockedError`` when another run holds ``cfg.output_dir``, ``DivergenceError`` when the
+    training diverged. ``stop``: an object with ``is_set()`` (a ``threading.Event``); once it is
+    set on any rank, the run saves a checkpoint after the current step and returns early.
     """
+    with ExitStack() as held:
+        return _run(cfg, stop, held)
+
+
+def _run(cfg: TrainConfig, stop: Any, held: ExitStack) -> dict[str, Any]:
     from .attention import UlyssesSPAttentionHF
     from .engine import initialize
+    from .loading import init_empty_model, load_pretrained_weights
     from .memory import track_peak_memory
+    from .mesh import init_mesh
 
     world, rank = dist.get_world_size(), dist.get_rank()
     manifest = validate(cfg, world)
+    mesh = init_mesh(sp_size=cfg.sp)  # the run's layout: attention, engine and loop share it
     resume_dir = ckpt.resolve_resume(cfg.resume, cfg.output_dir) if cfg.resume else None
     saved = ckpt.read_manifest(resume_dir) if resume_dir else {}
     resumed_step = saved.get("step")
@@ -194,40 +195,56 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             "resuming with --steps %s --lr %s, the checkpoint's run had --steps %s --lr %s: the learning-rate "
             "schedule continues as saved in the checkpoint", cfg.steps, cfg.lr, saved.get("steps"), saved.get("lr"),
         )  # fmt: skip
+    error = None
+    if rank == 0:  # held from before prepare_output_dir (which --overwrite lets delete) to the end
+        try:
+            held.enter_context(RunLock(cfg.output_dir))
+        except RunLockedError as e:
+            error = str(e)
+    raise_if_any_rank_failed(error, mesh.reduce_group, RunLockedError)
     if rank == 0:
         prepare_output_dir(cfg, resumed_step)
-    dist.barrier()
+    barrier(mesh.reduce_group)
 
     tokenizer = tasks.load_tokenizer(cfg.tokenizer, cfg.model)
-    dp = world // cfg.sp
+    predicted = _preflight(cfg, world, len(tokenizer), mesh)  # before the data and the model exist
     dataset = tasks.build_dataset(
-        cfg.data, tokenizer=tokenizer, seq_len=cfg.seq_len, seed=cfg.seed, num_samples=_num_samples(cfg, dp)
+        cfg.data,
+        tokenizer=tokenizer,
+        seq_len=cfg.seq_len,
+        seed=cfg.seed,
+        num_samples=_num_samples(cfg, mesh.dp_size),
+        settings=cfg.data_settings(progress=cfg.progress and rank == 0),
     )
-    model = tasks.build_model(
-        cfg.model, vocab_size=len(tokenizer), seed=cfg.seed, attn_implementation=cfg.attn
-    )
-    if resume_dir:
-        _load_weights(model, ckpt.load_model_state(resume_dir), resume_dir)
+    sharded_load = cfg.zero_stage >= 2 and not tasks.is_preset(cfg.model)
+    if sharded_load:  # parameters on meta; each rank fills only its shards after sharding
+        model = init_empty_model(cfg.model, attn_implementation=cfg.attn)
+    else:
+        model = tasks.build_model(
+            cfg.model, vocab_size=len(tokenizer), seed=cfg.seed, attn_implementation=cfg.attn
+        )
     handles, loss_fn = _techniques(cfg, model)
     mpu = None
-    if cfg.sp > 1:
+    if cfg.sp > 1 or cfg.offload_attention or cfg.attn_chunk is not None:  # sp 1: for the blockwise core
         mpu = UlyssesSPAttentionHF.register_with_transformers(
-            model, cfg.attn, cfg.sp, cfg.micro_batch_size, seq_length=cfg.seq_len
-        )
-    engine, _, _, _ = initialize(
-        model, _engine_config(cfg), mesh_param=(dp, cfg.sp) if mpu is None else None, mpu=mpu, loss_fn=loss_fn
-    )
+            model, cfg.attn, cfg.sp, cfg.micro_batch_size, seq_length=cfg.seq_len, mesh=mesh,
+            attn_chunk=cfg.attn_chunk, offload_attention=cfg.offload_attention,
+        )  # fmt: skip
+    engine, _, _, _ = initialize(model, cfg.training_config(), mpu=mpu or mesh.mpu, loss_fn=loss_fn)
     state = {"step": 0, "tokens": 0, "data": {"epoch": 0, "offset": 0}}
-    if resume_dir:
+    if resume_dir:  # model (fp32 master weights) + optimizer resharded to this layout
         state = ckpt.load_training_state(engine, resume_dir)
+        engine.guard.steps = state["step"]  # the guard's messages count the run's steps
+    elif sharded_load:
+        load_pretrained_weights(engine.module, cfg.model)
     stream = DataStream(
         dataset, engine, micro_batch_size=cfg.micro_batch_size, seed=cfg.seed,
         shuffle=cfg.data != tasks.RECALL, pad_id=tokenizer.pad_token_id or 0, **state["data"],
     )  # fmt: skip
     if rank == 0:
-        logger.info(startup_summary(cfg, engine, model, dataset, resume_dir))
+        logger.info(startup_summary(cfg, engine, model, dataset, resume_dir) + "\n" + predicted)
     try:
-        return _loop(cfg, engine, stream, state, tokenizer, manifest, track_peak_memory)
+        return _loop(cfg, engine, stream, state, tokenizer, manifest, track_peak_memory, stop)
     finally:
         for h in handles:
             h.remove()
@@ -235,7 +252,36 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             mpu.remove()
 
 
-def _loop(cfg, engine, stream, state, tokenizer, manifest, track_peak_memory) -> dict[str, Any]:
+def _preflight(cfg: TrainConfig, world: int, vocab_size: int, mesh) -> str:
+    """The planner's predicted peak (summary line); every rank refuses alike when it cannot fit."""
+    from .comm import raise_if_any_rank_failed
+    from .preflight import check_fits, prediction
+    from .train_checks import model_config
+
+    pred = prediction(cfg, world, model_config(cfg.model, vocab_size), mesh.device)
+    line, error = "", None
+    try:
+        line = check_fits(cfg, pred, mesh.device)
+    except ValueError as e:
+        error = str(e)
+    raise_if_any_rank_failed(error, mesh.reduce_group)  # budgets may differ between hosts
+    return line
+
+
+def _comm_fields(times, dt: float) -> dict[str, Any]:
+    if times is None:
+        return {}
+    comm_s, dp_s = times.sp, times.dp
+    return {"comm_s": comm_s, "dp_comm_s": dp_s, "compute_s": max(dt - comm_s - dp_s, 0.0),
+            "comm_share": (comm_s + dp_s) / dt if dt > 0 else 0.0}  # fmt: skip
+
+
+def _last_good(cfg: TrainConfig) -> str:
+    found = ckpt.list_checkpoints(cfg.output_dir)
+    return found[-1][1] if found else "none (no checkpoint was saved yet)"
+
+
+def _loop(cfg, engine, stream, state, tokenizer, manifest, track_peak_memory, stop) -> dict[str, Any]:
     from tqdm import tqdm
 
     rank = dist.get_rank()
@@ -248,43 +294,67 @@ def _loop(cfg, engine, stream, state, tokenizer, manifest, track_peak_memory) ->
     )
     metrics = open(cfg.metrics_path, "a", encoding="utf-8") if rank == 0 else None
     losses: list[float] = []
+    stopped = False
     start = time.perf_counter()
     try:
         while step < cfg.steps:
             t0 = time.perf_counter()
             lr = engine.get_lr()[0]
-            with track_peak_memory(engine.device) as mem:
+            profile = record_comm_times(engine.device) if cfg.profile_comm else contextlib.nullcontext()
+            with track_peak_memory(engine.device) as mem, profile as times:
                 for _ in range(cfg.grad_accum):
                     out = engine(**next(batches))
                     engine.backward(out.loss)
-                    loss = engine.step()
+                    try:
+                        loss = engine.step()
+                    except DivergenceError as e:
+                        raise DivergenceError(f"{e} Last good checkpoint: {_last_good(cfg)}.",
+                                              step=e.step, bad_steps=e.bad_steps) from None  # fmt: skip
+                comm_dt = time.perf_counter() - t0  # the step's metric reductions are not in it
             step, tokens = step + 1, tokens + tokens_per_step
-            peak = torch.tensor(mem.peak_bytes, dtype=torch.int64, device=engine.device)
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the busiest rank's peak
+            # one reduction: the busiest rank's peak memory, and whether any rank was asked to stop
+            flags = [mem.peak_bytes, int(stop is not None and stop.is_set())]
+            flags = all_reduce_max(torch.tensor(flags, dtype=torch.int64, device=engine.device),
+                                   engine.mesh.reduce_group).tolist()  # fmt: skip
             dt = time.perf_counter() - t0
             record = {
                 "step": step, "loss": loss, "grad_norm": engine.get_global_grad_norm(), "lr": lr,
-                "tokens": tokens, "tokens_per_s": tokens_per_step / dt, "peak_mem_bytes": int(peak.item()),
+                "tokens": tokens, "tokens_per_s": tokens_per_step / dt, "peak_mem_bytes": int(flags[0]),
+                **_comm_fields(times, comm_dt),
             }  # fmt: skip
+            if engine.loss_scaler is not None:  # fp16: the scale and the overflowing steps skipped so far
+                record.update(loss_scale=engine.loss_scaler.scale, skipped_steps=engine.skipped_steps)
+            if engine.last_step_skipped:  # only then: the usual line keeps its schema
+                record.update(skipped=True, skipped_steps=engine.skipped_steps)
+                if rank == 0:
+                    logger.warning("step %d skipped: loss %s, gradient norm %s (not finite)", step, loss,
+                                   record["grad_norm"])  # fmt: skip
             losses.append(loss)
             if metrics is not None:
-                metrics.write(json.dumps(record) + "\n")
+                metrics.write(json.dumps(record) + "\n")  # one write per line: a torn line is the last
                 metrics.flush()
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            shown = {"comm": f"{record['comm_share']:.0%}"} if "comm_share" in record else {}
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", **shown)
             bar.update(1)
-            if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+            stopping = bool(flags[1])
+            if stopping or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
                 train_state = {"step": step, "tokens": tokens, "data": stream.position()}
-                path = ckpt.save_checkpoint(engine, cfg.output_dir, step, tokenizer=tokenizer, manifest=manifest,
-                                            train_state=train_state, core_attn=cfg.attn)  # fmt: skip
+                path = checked_save(engine, cfg.output_dir, step, last_good=_last_good(cfg), tokenizer=tokenizer,
+                                    manifest=manifest, train_state=train_state, core_attn=cfg.attn,
+                                    save_dtype=DTYPES[cfg.save_dtype] if cfg.save_dtype else None)  # fmt: skip
                 if rank == 0:
                     bar.write(f"saved {path}")
+            if stopping:
+                stopped = True
+                break
     finally:
         bar.close()
         if metrics is not None:
             metrics.close()
     elapsed = time.perf_counter() - start
     summary = {"steps": step, "final_loss": losses[-1] if losses else None, "seconds": elapsed,
-               "output_dir": cfg.output_dir, "checkpoint": os.path.join(cfg.output_dir, f"{ckpt.PREFIX}{step}")}  # fmt: skip
+               "output_dir": cfg.output_dir, "checkpoint": os.path.join(cfg.output_dir, f"{ckpt.PREFIX}{step}"),
+               "stopped": stopped, "skipped_steps": engine.skipped_steps}  # fmt: skip
     if rank == 0:
         logger.info("done: %d steps in %.1f s, final loss %s", step, elapsed, summary["final_loss"])
     return summary

@@ -1,27 +1,30 @@
-"""The ``train`` command's settings and everything checked before any process starts.
+"""The ``train`` command's settings: ``TrainConfig``, one field per flag.
 
-``TrainConfig`` is what ``ulysses-sp train`` (and ``ulysses_sp.train.run``) takes;
-``validate(cfg, world_size)`` checks sizes, model, tokenizer, data, output directory and resume
-compatibility without processes or collectives, so every rank (or the launching process) reaches
-the same verdict, and raises ``ValueError`` naming the numbers. ``manifest_for`` is what a
-checkpoint records and a resume compares; ``prepare_output_dir`` readies the run directory.
+``TrainConfig`` is what ``ulysses-sp train`` (and ``ulysses_sp.train.run``) takes, optimizer and
+schedule recipe included; ``TrainConfig.training_config()`` is the engine's ``TrainingConfig`` it
+means; ``config_from_dict`` builds one from a ``--config`` JSON object. What is checked before any
+process starts is ``train_checks``'s; the run directory (manifest, output-dir checks) ``rundir``'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
 import os
-import shutil
 from dataclasses import dataclass
 from typing import Any
 
-from . import checkpoint as ckpt
 from . import tasks
-
-ATTN_CHOICES = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
-RUN_KEYS = ("model", "data", "seq_len", "micro_batch_size", "grad_accum", "seed", "attn")
-"""Settings a resumed run must share with its checkpoint (else the batches or model differ)."""
+from .config import TrainingConfig
+from .config.sections import (
+    BF16Config,
+    FP16Config,
+    OffloadConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    ZeroConfig,
+)
+from .prelaunch import check_option_types
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,9 +50,22 @@ class TrainConfig:
     steps: int = 300
     """Optimizer steps to train (in total, counting those before a resume)."""
     lr: float = 1e-2
-    """Peak learning rate (AdamW; linear warmup, then cosine to 10%)."""
+    """Peak learning rate of AdamW (warmup to it, then a cosine down to ``cos_min_ratio * lr``)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's ``(beta1, beta2)``, each in ``[0, 1)``."""
+    weight_decay: float = 0.0
+    """AdamW's decoupled weight decay (``>= 0``)."""
     warmup_steps: int | None = None
-    """Warmup steps; ``None``: ``min(20, steps // 10)``."""
+    """Warmup steps; ``None``: from ``warmup_ratio``, else ``min(20, steps // 10)`` (at least 1)."""
+    warmup_ratio: float | None = None
+    """Warmup as a fraction of ``steps`` in ``[0, 1]``: ``ceil(warmup_ratio * steps)`` steps (at
+    least 1); ``None``: see ``warmup_steps``. Giving both is an error."""
+    warmup_min_ratio: float = 0.05
+    """Learning rate at step 0 as a fraction of ``lr`` (the warmup ramps from it to 1)."""
+    cos_min_ratio: float = 0.1
+    """Learning rate at the last step as a fraction of ``lr`` (the floor of the cosine)."""
+    warmup_type: str = "linear"
+    """Shape of the warmup ramp: ``"linear"`` or ``"log"`` (DeepSpeed's)."""
     grad_clip: float = 1.0
     """Max global gradient norm; 0 = no clipping."""
     seed: int = 0
@@ -80,153 +96,109 @@ class TrainConfig:
     """Keep checkpointed layer inputs in host memory (needs ``activation_checkpointing``)."""
     progress: bool = True
     """Show a progress bar on rank 0."""
+    # ---- fine-tuning data (tasks.DataSettings; data/): formats, loss masks, packing, cache, eval split
+    data_format: str = "auto"
+    """``auto`` (decided from the columns), ``text``, ``chat`` or ``prompt-completion``."""
+    loss_on: str | None = None
+    """``all``, ``assistant`` or ``completion``; ``None``: assistant (chat), completion, all (text)."""
+    chat_template: str | None = None
+    """A Jinja chat template file; ``None``: the tokenizer's own."""
+    packing: str | None = None
+    """``best-fit`` or ``none``; ``None``: best-fit (``.txt``/``.jsonl`` text: a continuous stream)."""
+    long_samples: str = "truncate"
+    """Samples longer than ``seq_len``: ``truncate``, ``split`` or ``drop``."""
+    eval_split: float = 0.0
+    """Fraction of the samples held out for ``ulysses-sp eval`` (chosen by ``seed``); 0: none."""
+    data_cache: str | None = None
+    """Tokenization cache root; ``None``: ``~/.cache/ulysses-sp/data``."""
+    data_workers: int | None = None
+    """Tokenizing processes; ``None``: ``min(8, cpu count)``."""
+
+    memory: str | None = None
+    """Memory budget per rank (``"20GB"``) for the planner's fit check; ``None``: the device's."""
+    force: bool = False
+    """Start even when the planner predicts the run does not fit (warn instead of refusing)."""
+    profile_comm: bool = False
+    """Time collectives (device syncs): ``comm_s``, ``dp_comm_s``, ``compute_s`` in the metrics."""
+    zero_partition: str = "data_parallel"
+    """ZeRO partitions span the DP axis (``data_parallel``) or all dp*sp ranks (``all``)."""
+
+    dtype: str = "fp32"
+    """Compute dtype: ``fp32``, ``bf16`` or ``fp16`` (mixed precision: fp32 master weights and state)."""
+    cpu_offload: bool = False
+    """Parameters, gradients and the optimizer step in host memory (ZeRO stage 3, FSDP2)."""
+    save_dtype: str | None = None
+    """Dtype of the exported HF weights (``fp32``/``bf16``/``fp16``); ``None``: the fp32 master weights."""
+
+    attn_chunk: int | None = None
+    """Tokens per block of the blockwise attention core (sdpa: packed documents, windows, offload); ``None`` = auto."""
+    offload_attention: bool = False
+    """Ulysses-Offload (sdpa): the full-sequence K/V on the host between forward and backward."""
+
+    max_nonfinite_steps: int = 3
+    """Optimizer steps in a row with a non-finite loss or gradient norm that are skipped; the next
+    one stops the run (the divergence guard)."""
+    save_on_signal: float = 0.0
+    """Seconds: on SIGTERM (preemption) finish the current step and save a checkpoint within this
+    time before stopping (the launcher kills the workers after it); 0 = stop at once."""
+    allow_data_change: bool = False
+    """``--resume`` even though the data's fingerprint differs from the checkpoint's."""
+
+    def data_settings(self, *, progress: bool = False) -> tasks.DataSettings:
+        """The data flags as ``tasks.DataSettings``."""
+        return tasks.DataSettings(
+            data_format=self.data_format, loss_on=self.loss_on, chat_template=self.chat_template,
+            packing=self.packing, long_samples=self.long_samples, eval_split=self.eval_split,
+            cache_dir=self.data_cache, workers=self.data_workers, progress=progress,
+        )  # fmt: skip
 
     @property
     def metrics_path(self) -> str:
+        """Where the metrics JSONL goes: ``metrics_file``, else ``<output_dir>/metrics.jsonl``."""
         return self.metrics_file or os.path.join(self.output_dir, "metrics.jsonl")
 
+    @property
+    def warmup_num_steps(self) -> int:
+        """The warmup length the settings mean (see ``warmup_steps`` and ``warmup_ratio``)."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        if self.warmup_ratio is not None:
+            # rounded first: 0.1 * 30 is 3.0000000000000004 in floating point, and means 3
+            return max(1, math.ceil(round(self.warmup_ratio * self.steps, 6)))
+        return max(1, min(20, self.steps // 10))
 
-# ---------------------------------------------------------------- validation (no processes)
-def _positive(name: str, value: Any, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"--{name.replace('_', '-')} must be an int >= {minimum}, got {value!r}")
-
-
-def model_config(cfg: TrainConfig, vocab_size: int):
-    """The transformers config of ``cfg.model`` (preset or directory), without building weights."""
-    if tasks.is_preset(cfg.model):
-        return tasks.preset_config(cfg.model, vocab_size=vocab_size)
-    tasks.check_model_dir(cfg.model)
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(cfg.model, local_files_only=True)
-
-
-def manifest_for(cfg: TrainConfig, world_size: int, model_cfg) -> dict[str, Any]:
-    """The ``world`` / ``run`` / ``model_config`` sections a checkpoint records and resume compares."""
-    mc = model_cfg.to_dict()
-    # what may legitimately differ between the saving and the resuming run: not the architecture
-    ignore = (
-        "_attn_implementation_autoset",
-        "attn_implementation",
-        "transformers_version",
-        "dtype",
-        "_name_or_path",
-    )
-    for key in ignore:
-        mc.pop(key, None)
-    return {
-        "world": {
-            "world_size": world_size,
-            "sp": cfg.sp,
-            "dp": world_size // cfg.sp,
-            "zero_stage": cfg.zero_stage,
-        },
-        "run": {k: getattr(cfg, k) for k in RUN_KEYS},
-        "model_config": json.loads(json.dumps(mc, default=str)),
-        "steps": cfg.steps,
-        "lr": cfg.lr,
-    }
-
-
-def validate(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
-    """Check ``cfg`` for a run on ``world_size`` processes; return the run's manifest.
-
-    Deterministic and free of collectives: every rank (or the launching process) can call it and
-    all reach the same verdict. Raises ``ValueError`` naming what is wrong.
-    """
-    from .attention import check_heads
-
-    for name in ("seq_len", "sp", "micro_batch_size", "grad_accum", "steps"):
-        _positive(name, getattr(cfg, name))
-    _positive("save_every", cfg.save_every, 0)
-    if world_size % cfg.sp:
-        raise ValueError(
-            f"--nproc / world size ({world_size}) is not divisible by --sp ({cfg.sp}): "
-            f"dp = world_size / sp must be an integer; use --sp in "
-            f"{[p for p in range(1, world_size + 1) if world_size % p == 0]}"
+    def training_config(self) -> TrainingConfig:
+        """The engine's config for this run: batch sizes, clipping, ZeRO stage, AdamW and a
+        warmup + cosine ``WarmupCosineLR`` over ``steps`` (the mesh comes from ``mesh_param``/``mpu``)."""
+        warmup = self.warmup_num_steps
+        return TrainingConfig(
+            train_micro_batch_size_per_gpu=self.micro_batch_size,
+            gradient_accumulation_steps=self.grad_accum,
+            gradient_clipping=self.grad_clip,
+            zero_optimization=ZeroConfig(
+                stage=self.zero_stage,
+                partition=self.zero_partition,
+                offload_param=OffloadConfig(device="cpu") if self.cpu_offload else None,
+                offload_optimizer=OffloadConfig(device="cpu") if self.cpu_offload else None,
+            ),
+            bf16=BF16Config(enabled=self.dtype == "bf16"),
+            fp16=FP16Config(enabled=self.dtype == "fp16"),
+            optimizer=OptimizerConfig(
+                type="AdamW",
+                params={"lr": self.lr, "betas": tuple(self.betas), "weight_decay": self.weight_decay},
+            ),
+            max_nonfinite_steps=self.max_nonfinite_steps,
+            scheduler=SchedulerConfig(
+                type="WarmupCosineLR",
+                params={
+                    "total_num_steps": max(self.steps, warmup),
+                    "warmup_num_steps": warmup,
+                    "warmup_min_ratio": self.warmup_min_ratio,
+                    "cos_min_ratio": self.cos_min_ratio,
+                    "warmup_type": self.warmup_type,
+                },
+            ),
         )
-    if cfg.zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"--zero-stage must be 0, 1, 2 or 3, got {cfg.zero_stage}")
-    if cfg.attn not in ATTN_CHOICES:
-        raise ValueError(f"--attn must be one of {ATTN_CHOICES}, got {cfg.attn!r}")
-    if cfg.seq_len % cfg.sp:
-        raise ValueError(
-            f"--seq-len ({cfg.seq_len}) is not divisible by --sp ({cfg.sp}); "
-            f"use a multiple of {cfg.sp}, e.g. {cfg.seq_len + cfg.sp - cfg.seq_len % cfg.sp}"
-        )
-    if not cfg.lr > 0:
-        raise ValueError(f"--lr must be > 0, got {cfg.lr}")
-    if cfg.offload_activations and not cfg.activation_checkpointing:
-        raise ValueError(
-            "--offload-activations needs --activation-checkpointing: offload moves the one input each "
-            "checkpointed layer keeps for backward to host memory; without checkpointing there is "
-            "nothing it could offload"
-        )
-    tokenizer = tasks.load_tokenizer(cfg.tokenizer, cfg.model)
-    mcfg = model_config(cfg, len(tokenizer))
-    if len(tokenizer) > mcfg.vocab_size:
-        raise ValueError(
-            f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {mcfg.vocab_size}; "
-            "pass the model's own tokenizer with --tokenizer"
-        )
-    check_heads(
-        mcfg.num_attention_heads,
-        getattr(mcfg, "num_key_value_heads", None) or mcfg.num_attention_heads,
-        cfg.sp,
-    )
-    tasks.build_dataset(cfg.data, tokenizer=tokenizer, seq_len=cfg.seq_len, seed=cfg.seed, num_samples=1)
-    manifest = manifest_for(cfg, world_size, mcfg)
-    check_output_dir(cfg, manifest)
-    return manifest
-
-
-def check_output_dir(cfg: TrainConfig, manifest: dict[str, Any]) -> None:
-    """Refuse to mix runs: another run's checkpoints need ``--resume`` or ``--overwrite``;
-    ``--resume`` needs a compatible checkpoint (the message lists every difference)."""
-    if cfg.resume is not None:
-        if cfg.overwrite:
-            raise ValueError("--resume and --overwrite contradict each other; pass one of them")
-        path = ckpt.resolve_resume(cfg.resume, cfg.output_dir)
-        diffs = ckpt.compare_manifests(ckpt.read_manifest(path), manifest)
-        if diffs:
-            raise ValueError(
-                f"--resume {path!r} does not match this run:\n  "
-                + "\n  ".join(diffs)
-                + "\nresume with the checkpoint's settings, or start a new run in another --output-dir"
-            )
-        return
-    existing = ckpt.list_checkpoints(cfg.output_dir)
-    if existing and not cfg.overwrite:
-        raise ValueError(
-            f"--output-dir {cfg.output_dir!r} already holds checkpoints of a run "
-            f"({', '.join(os.path.basename(p) for _, p in existing[-3:])}); pass --resume to continue it, "
-            "--overwrite to replace it, or choose another --output-dir"
-        )
-
-
-def prepare_output_dir(cfg: TrainConfig, resumed_step: int | None) -> None:
-    """Rank 0: create the output dir; with ``--overwrite`` remove the old run's checkpoints and
-    metrics (only those); on resume drop metrics lines past the resumed step."""
-    os.makedirs(cfg.output_dir, exist_ok=True)
-    if cfg.overwrite:
-        for _, path in ckpt.list_checkpoints(cfg.output_dir):
-            shutil.rmtree(path)
-        if os.path.exists(cfg.metrics_path):
-            os.remove(cfg.metrics_path)
-    for name in os.listdir(cfg.output_dir):
-        if name.startswith(ckpt.TMP_PREFIX):  # left by a run killed while saving
-            shutil.rmtree(os.path.join(cfg.output_dir, name), ignore_errors=True)
-    metrics_dir = os.path.dirname(cfg.metrics_path)
-    if metrics_dir:
-        os.makedirs(metrics_dir, exist_ok=True)
-    if resumed_step is not None and os.path.exists(cfg.metrics_path):
-        with open(cfg.metrics_path, encoding="utf-8") as f:
-            keep = [line for line in f if line.strip() and json.loads(line)["step"] <= resumed_step]
-        with open(cfg.metrics_path, "w", encoding="utf-8") as f:
-            f.writelines(keep)
-    elif resumed_step is None and os.path.exists(cfg.metrics_path):
-        os.remove(cfg.metrics_path)
 
 
 def config_from_dict(values: dict[str, Any]) -> TrainConfig:
@@ -235,4 +207,7 @@ def config_from_dict(values: dict[str, Any]) -> TrainConfig:
     unknown = sorted(set(values) - known)
     if unknown:
         raise ValueError(f"unknown training option(s) {unknown}; known: {sorted(known)}")
+    check_option_types(TrainConfig, values)
+    if isinstance(values.get("betas"), list):  # JSON has no tuples
+        values = {**values, "betas": tuple(values["betas"])}
     return TrainConfig(**values)

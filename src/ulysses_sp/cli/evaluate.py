@@ -49,6 +49,58 @@ class EvalConfig:
     output_json: str = "eval.json"
     plot: str | None = "eval.png"
     """PNG path; ``None`` = no plot."""
+    # ---- fine-tuning data (as ``train``'s; unset: the training run's manifest, else these defaults)
+    data_format: str = "auto"
+    """``auto``, ``text``, ``chat`` or ``prompt-completion``."""
+    loss_on: str | None = None
+    """Tokens scored: ``all``, ``assistant``, ``completion``; ``None``: the format's default."""
+    chat_template: str | None = None
+    """A Jinja chat template file; ``None``: the tokenizer's own."""
+    packing: str | None = None
+    """``best-fit`` or ``none``; ``None``: as ``train``."""
+    long_samples: str = "truncate"
+    """Samples longer than ``seq_len``: ``truncate``, ``split`` or ``drop``."""
+    eval_split: float = 0.0
+    """With the training run's ``--eval-split`` and ``--seed``: evaluate exactly its held-out samples."""
+    data_cache: str | None = None
+    """Tokenization cache root; ``None``: ``~/.cache/ulysses-sp/data``."""
+    data_workers: int | None = None
+    """Tokenizing processes; ``None``: ``min(8, cpu count)``."""
+
+    def data_settings(self):
+        from ..tasks import DataSettings
+
+        return DataSettings(
+            data_format=self.data_format, loss_on=self.loss_on, chat_template=self.chat_template,
+            packing=self.packing, long_samples=self.long_samples, eval_split=self.eval_split,
+            cache_dir=self.data_cache, workers=self.data_workers,
+        )  # fmt: skip
+
+
+DATA_KEYS = ("data_format", "loss_on", "chat_template", "packing", "long_samples", "eval_split")
+"""Data settings an eval takes from the training run's manifest unless given."""
+
+
+def add_data_args(p: argparse.ArgumentParser, default: Any) -> None:
+    """The fine-tuning data flags (``tasks.DataSettings``), shared by ``train`` and ``eval``."""
+    g = p.add_argument_group("fine-tuning data (chat, prompt/completion, datasets formats)")
+    g.add_argument("--data-format", choices=("auto", "text", "chat", "prompt-completion"), default=default,
+                   help="format of --data; auto decides from the columns (default auto)")  # fmt: skip
+    g.add_argument("--loss-on", choices=("all", "assistant", "completion"), default=default,
+                   help="tokens the loss scores (default: assistant for chat, completion, all for text)")  # fmt: skip
+    g.add_argument("--chat-template", default=default, metavar="FILE",
+                   help="Jinja chat template file (default: the tokenizer's own)")  # fmt: skip
+    g.add_argument("--packing", choices=("best-fit", "none"), default=default,
+                   help="best-fit-decreasing packing or one sample per block (default best-fit; "
+                        ".txt/.jsonl text: a continuous stream)")  # fmt: skip
+    g.add_argument("--long-samples", choices=("truncate", "split", "drop"), default=default,
+                   help="samples longer than --seq-len (default truncate)")  # fmt: skip
+    g.add_argument("--eval-split", type=float, default=default,
+                   help="fraction of samples held out for eval, chosen by --seed (default 0)")  # fmt: skip
+    g.add_argument("--data-cache", default=default, metavar="DIR",
+                   help="tokenization cache (default ~/.cache/ulysses-sp/data)")  # fmt: skip
+    g.add_argument("--data-workers", type=int, default=default,
+                   help="tokenizing processes (default min(8, cpus))")  # fmt: skip
 
 
 def add_eval_args(p: argparse.ArgumentParser) -> None:
@@ -69,6 +121,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attn", default=d.attn)
     p.add_argument("--output-json", default=d.output_json)
     p.add_argument("--plot", default=d.plot, help="PNG path ('' = no plot)")
+    add_data_args(p, None)
 
 
 def eval_options(ns: argparse.Namespace) -> tuple[EvalConfig, dict[str, Any]]:
@@ -83,6 +136,9 @@ def eval_options(ns: argparse.Namespace) -> tuple[EvalConfig, dict[str, Any]]:
     for key, fallback in (("seq_len", EvalConfig.seq_len), ("seed", EvalConfig.seed)):
         if values[key] is None:
             values[key] = trained.get(key, fallback)
+    for key in (*DATA_KEYS, "data_cache", "data_workers"):  # unset: the training run's, else the default
+        if values.get(key) is None:
+            values[key] = trained.get(key, getattr(EvalConfig, key))
     return EvalConfig(**values), launch
 
 
@@ -96,50 +152,28 @@ def _resolve_model(path: str) -> str:
 
 
 def validate_eval(cfg: EvalConfig, world_size: int) -> None:
-    """Check sizes, models and data before any process starts (``ValueError``)."""
-    from .. import tasks
-    from ..attention import check_heads
-    from ..train import ATTN_CHOICES
+    """Check sizes, models and data before any process starts (``ValueError``); the checks shared
+    with ``train`` are ``train_checks.check_run``'s."""
+    from ..train_checks import check_run
 
-    for name in ("seq_len", "sp", "num_samples", "micro_batch_size", "bins"):
-        value = getattr(cfg, name)
-        if value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if world_size % cfg.sp:
-        raise ValueError(f"--nproc ({world_size}) is not divisible by --sp ({cfg.sp})")
-    if cfg.seq_len % cfg.sp:
-        raise ValueError(f"--seq-len ({cfg.seq_len}) is not divisible by --sp ({cfg.sp})")
-    if cfg.attn not in ATTN_CHOICES:
-        raise ValueError(f"--attn must be one of {ATTN_CHOICES}, got {cfg.attn!r}")
-    for model in cfg.models:
-        tok = tasks.load_tokenizer(cfg.tokenizer, model)
-        if tasks.is_preset(model):
-            mcfg = tasks.preset_config(model, vocab_size=len(tok))
-        else:
-            tasks.check_model_dir(model)
-            from transformers import AutoConfig
-
-            mcfg = AutoConfig.from_pretrained(model, local_files_only=True)
-        check_heads(
-            mcfg.num_attention_heads,
-            getattr(mcfg, "num_key_value_heads", None) or mcfg.num_attention_heads,
-            cfg.sp,
-        )
-    tasks.build_dataset(cfg.data, tokenizer=tasks.load_tokenizer(cfg.tokenizer, cfg.models[0]),
-                        seq_len=cfg.seq_len, seed=cfg.seed, num_samples=1, held_out=True)  # fmt: skip
+    sizes = {"num_samples": cfg.num_samples, "micro_batch_size": cfg.micro_batch_size, "bins": cfg.bins}
+    check_run(
+        world_size, sp=cfg.sp, seq_len=cfg.seq_len, sizes=sizes, attn=cfg.attn, models=cfg.models,
+        tokenizer=cfg.tokenizer, data=cfg.data, seed=cfg.seed, held_out=True, data_settings=cfg.data_settings(),
+    )  # fmt: skip
 
 
 def _evaluate_model(cfg: EvalConfig, model_name: str) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.utils.data import DataLoader
 
     from .. import tasks
     from ..attention import UlyssesSPAttentionHF
-    from ..data import UlyssesSPDataLoaderAdapter, sp_data_sampler
+    from ..comm import all_reduce_sum
+    from ..data import UlyssesSPDataLoaderAdapter, sp_dataloader
     from ..loss import IGNORE_INDEX
-    from ..mesh import default_device, init_mesh, mesh_info
+    from ..mesh import init_mesh
 
     world = dist.get_world_size()
     dp = world // cfg.sp
@@ -147,7 +181,7 @@ def _evaluate_model(cfg: EvalConfig, model_name: str) -> dict[str, Any]:
     per_round = world * cfg.micro_batch_size
     n = math.ceil(cfg.num_samples / per_round) * per_round
     dataset = tasks.build_dataset(cfg.data, tokenizer=tokenizer, seq_len=cfg.seq_len, seed=cfg.seed,
-                                  num_samples=n, held_out=True)  # fmt: skip
+                                  num_samples=n, held_out=True, settings=cfg.data_settings())  # fmt: skip
     if len(dataset) < per_round:
         raise ValueError(
             f"--data {cfg.data!r}: {len(dataset)} sequences; need >= {per_round} (nproc x micro-batch)"
@@ -155,19 +189,21 @@ def _evaluate_model(cfg: EvalConfig, model_name: str) -> dict[str, Any]:
     model = tasks.build_model(
         model_name, vocab_size=len(tokenizer), seed=cfg.seed, attn_implementation=cfg.attn
     )
+    from ..guard import check_finite_model
+
+    check_finite_model(model.state_dict(), model_name)  # the same full weights on every rank
     mpu = None
     if cfg.sp > 1:
         mpu = UlyssesSPAttentionHF.register_with_transformers(model, cfg.attn, cfg.sp, cfg.micro_batch_size)
         mesh = mpu.mesh
     else:
-        mesh = init_mesh((dp, 1))
-    info = mesh_info(mesh)
-    device = default_device()
+        mesh = init_mesh((dp, 1))  # the eval's layout: its ranks and the run-wide reduction group
+    group = mesh.sp_group if cfg.sp > 1 else None
+    device = mesh.device
     model.to(device).eval()
-    sampler = sp_data_sampler(dataset, mesh, batch_size=cfg.micro_batch_size, shuffle=False, drop_last=True)
-    loader = DataLoader(dataset, batch_size=cfg.micro_batch_size, sampler=sampler)
-    group = mpu.get_sequence_parallel_group() if mpu is not None else None
-    adapter = UlyssesSPDataLoaderAdapter(loader, info.sp_rank, group, cfg.sp, device,
+    loader = sp_dataloader(dataset, batch_size=cfg.micro_batch_size, dp_size=dp, sp_size=cfg.sp,
+                           dp_rank=mesh.dp_rank, sp_rank=mesh.sp_rank, shuffle=False, drop_last=True)  # fmt: skip
+    adapter = UlyssesSPDataLoaderAdapter(loader, mesh.sp_rank, group, cfg.sp, device,
                                          pad_token_id=tokenizer.pad_token_id or 0)  # fmt: skip
     # per bin: [loss sum, valid tokens, correct]; float64 so the sums are exact enough
     stats = torch.zeros(cfg.bins, 3, dtype=torch.float64, device=device)
@@ -190,7 +226,8 @@ def _evaluate_model(cfg: EvalConfig, model_name: str) -> dict[str, Any]:
     finally:
         if mpu is not None:
             mpu.remove()
-    dist.all_reduce(stats)  # every rank binned its own tokens by global position: sum = all tokens
+    # every rank binned its own tokens by global position: the sum is all tokens
+    stats = all_reduce_sum(stats, mesh.reduce_group)
     return _report(cfg, model_name, stats.cpu())
 
 
@@ -225,6 +262,11 @@ def run_eval(cfg: EvalConfig) -> list[dict[str, Any]]:
 
     validate_eval(cfg, dist.get_world_size())
     reports = [_evaluate_model(cfg, m) for m in cfg.models]
+    for r in reports:  # the same reduced numbers on every rank: every rank raises
+        if r["loss"] is not None and not math.isfinite(r["loss"]):
+            raise ValueError(
+                f"{r['model']}: the loss is {r['loss']} (not finite) on finite weights; check the data"
+            )
     if dist.get_rank() == 0:
         out = {"results": reports}
         os.makedirs(os.path.dirname(os.path.abspath(cfg.output_json)), exist_ok=True)

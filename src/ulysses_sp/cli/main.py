@@ -1,4 +1,4 @@
-"""``ulysses-sp``: the command line (``train``, ``eval``), a thin layer over the library.
+"""``ulysses-sp``: the command line (``train``, ``eval``, ``plan``), a thin layer over the library.
 
 Launch: ``--nproc N`` starts N local processes through PyTorch's elastic launcher (the machinery
 behind ``torchrun``); under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set) the command
@@ -15,18 +15,20 @@ before any process is started (exit code 2); a failed worker makes the command e
 
 from __future__ import annotations
 
-import argparse
-import json
+import functools
 import logging
+import math
 import os
+import signal
 import sys
 import uuid
 from datetime import timedelta
 from typing import Any
 
+from ..checks import positive_int
+from .args import DEFAULT_TIMEOUT_S, build_parser, train_options
+
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-DEFAULT_TIMEOUT_S = 300.0
-LAUNCH_KEYS = ("nproc", "timeout")
 
 
 def under_launcher() -> bool:
@@ -35,115 +37,6 @@ def under_launcher() -> bool:
 
 
 # ---------------------------------------------------------------- argument parsing
-def _tiles(value: str) -> str | int:
-    if value == "auto":
-        return value
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of tiles or 'auto', got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"number of tiles must be >= 1, got {n}")
-    return n
-
-
-def _add_launch_args(p: argparse.ArgumentParser) -> None:
-    s = argparse.SUPPRESS
-    p.add_argument(
-        "--nproc", type=int, default=s, help="local processes to launch (dp = nproc / sp); default 2"
-    )
-    p.add_argument("--timeout", type=float, default=s,
-                   help=f"collective timeout in seconds: a dead rank fails the others after it (default {DEFAULT_TIMEOUT_S:g})")  # fmt: skip
-
-
-def build_parser() -> argparse.ArgumentParser:
-    s = argparse.SUPPRESS  # only flags actually given override --config and the defaults
-    parser = argparse.ArgumentParser(
-        prog="ulysses-sp", description="Ulysses sequence-parallel training for HF models"
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    t = sub.add_parser("train", help="train a model (default: the embedded recall task)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
-    t.add_argument("--config", default=s, help="JSON file with any of these options (flags override it)")
-    t.add_argument(
-        "--model", default=s, help="preset (tiny-llama, tiny-qwen2, tiny-mistral) or local HF model dir"
-    )
-    t.add_argument("--data", default=s, help="'recall' or a local .txt/.jsonl file or directory")
-    t.add_argument(
-        "--tokenizer", default=s, help="tokenizer directory (default: the model's, else byte-level)"
-    )
-    t.add_argument("--seq-len", type=int, default=s, help="tokens per sample (default 256)")
-    t.add_argument("--sp", type=int, default=s, help="sequence-parallel size (default 2)")
-    _add_launch_args(t)
-    t.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=s, help="ZeRO stage (default 0)")
-    t.add_argument(
-        "--micro-batch-size", type=int, default=s, help="samples per micro-step per dp replica (default 8)"
-    )
-    t.add_argument("--grad-accum", type=int, default=s, help="micro-steps per optimizer step (default 1)")
-    t.add_argument("--steps", type=int, default=s, help="optimizer steps (default 300)")
-    t.add_argument("--lr", type=float, default=s, help="peak learning rate (default 1e-2)")
-    t.add_argument("--warmup-steps", type=int, default=s, help="warmup steps (default min(20, steps/10))")
-    t.add_argument("--grad-clip", type=float, default=s, help="max gradient norm, 0 = off (default 1.0)")
-    t.add_argument(
-        "--seed", type=int, default=s, help="seed for init, data order, recall samples (default 0)"
-    )
-    t.add_argument(
-        "--attn", default=s, help="core attention: sdpa, eager, flash_attention_2, ... (default sdpa)"
-    )
-    t.add_argument("--output-dir", default=s, help="checkpoints go here (default runs/ulysses-sp)")
-    t.add_argument("--save-every", type=int, default=s, help="checkpoint every N steps; 0 = at the end only")
-    t.add_argument("--resume", nargs="?", const="latest", default=s,
-                   help="resume the newest checkpoint in --output-dir, or the given checkpoint/run dir")  # fmt: skip
-    t.add_argument("--overwrite", action="store_true", default=s, help="replace another run's checkpoints")
-    t.add_argument("--metrics-file", default=s, help="JSONL metrics (default <output-dir>/metrics.jsonl)")
-    t.add_argument("--tiled-mlp", nargs="?", const="auto", type=_tiles, default=s, help="tiled MLP [N tiles]")
-    t.add_argument(
-        "--tiled-loss", nargs="?", const="auto", type=_tiles, default=s, help="tiled logits+loss [N tiles]"
-    )
-    t.add_argument(
-        "--activation-checkpointing", action="store_true", default=s, help="recompute layers in backward"
-    )
-    t.add_argument("--offload-activations", action="store_true", default=s,
-                   help="checkpointed layer inputs to host memory (needs --activation-checkpointing)")  # fmt: skip
-    t.add_argument("--no-progress", dest="progress", action="store_false", default=s, help="no progress bar")
-
-    from .evaluate import add_eval_args
-
-    e = sub.add_parser("eval", help="evaluate checkpoints: loss, accuracy, per-position loss (JSON + PNG)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
-    add_eval_args(e)
-    _add_launch_args(e)
-    return parser
-
-
-def _load_json_config(path: str) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            values = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"--config {path!r}: {e}") from e
-    if not isinstance(values, dict):
-        raise ValueError(f"--config {path!r}: expected a JSON object, got {type(values).__name__}")
-    return {k.replace("-", "_"): v for k, v in values.items()}
-
-
-def train_options(ns: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
-    """``(TrainConfig, launch options)`` from defaults <- ``--config`` JSON <- given flags."""
-    from ..train import config_from_dict
-
-    given = {k: v for k, v in vars(ns).items() if k != "command"}
-    values = _load_json_config(given.pop("config")) if "config" in given else {}
-    values.update(given)
-    for name in ("tiled_mlp", "tiled_loss"):
-        if name in values and not isinstance(values[name], bool):
-            tiles = values[name]
-            values[name] = tiles is not None
-            values[f"{name}_shards"] = None if tiles in (None, "auto") else int(tiles)
-    launch = {k: values.pop(k) for k in LAUNCH_KEYS if k in values}
-    return config_from_dict(values), launch
-
-
 # ---------------------------------------------------------------- processes
 def _configure_logging(rank: int) -> None:
     logging.basicConfig(
@@ -164,10 +57,10 @@ def _init_process_group(timeout_s: float, *, single: bool) -> None:
     import torch
     import torch.distributed as dist
 
-    from ..mesh import default_backend
+    from ..mesh import default_backend, default_device_type
 
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if (kind := default_device_type()) != "cpu":  # one accelerator per local rank
+        torch.get_device_module(kind).set_device(int(os.environ.get("LOCAL_RANK", "0")))
     else:  # one core per local rank: CPU ranks sharing a machine must not oversubscribe it
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
@@ -180,16 +73,36 @@ def _init_process_group(timeout_s: float, *, single: bool) -> None:
         dist.init_process_group(default_backend(), timeout=timeout)
 
 
-def _run_rank(command: str, options: Any, timeout_s: float, single: bool = False) -> Any:
-    """Body of one rank: process group, the command, teardown."""
+def _run_rank(
+    command: str, options: Any, timeout_s: float, single: bool = False, launched: str | None = None
+) -> Any:
+    """Body of one rank: process group, the command, teardown; ends reported by ``stops``.
+
+    ``launched``: started by ``_launch`` (its ``FailureWatch`` directory), whose process reports a
+    stop; otherwise (one process, torchrun) rank 0 prints the stop line itself.
+    """
+    from .stops import run_reporting, signal_handlers, stop_line
+
     rank = int(os.environ.get("RANK", "0"))
     _configure_logging(rank)
+    output_dir = getattr(options, "output_dir", None)
+    report = None if launched or rank != 0 else (lambda signum: stop_line(command, signum, output_dir))
+    with signal_handlers(getattr(options, "save_on_signal", 0.0)) as stop:
+        body = functools.partial(_run_command, command, options, timeout_s, single, stop)
+        result = run_reporting(rank, body, report, failed_dir=launched)
+    if report is not None and isinstance(result, dict) and result.get("stopped"):
+        print(report(signal.SIGTERM), file=sys.stderr)
+        sys.exit(128 + signal.SIGTERM)
+    return result
+
+
+def _run_command(command: str, options: Any, timeout_s: float, single: bool, stop: Any) -> Any:
     _init_process_group(timeout_s, single=single)
     try:
         if command == "train":
             from ..train import run
 
-            return run(options)
+            return run(options, stop=stop)
         from .evaluate import run_eval
 
         return run_eval(options)
@@ -200,26 +113,48 @@ def _run_rank(command: str, options: Any, timeout_s: float, single: bool = False
 
 
 def _launch(command: str, options: Any, nproc: int, timeout_s: float) -> None:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    from .stops import SHUTDOWN_GRACE_S, FailureWatch, blame, exit_code_of, quiet_launcher_logs, stop_line
+
+    quiet_launcher_logs()
+    grace = max(SHUTDOWN_GRACE_S, math.ceil(getattr(options, "save_on_signal", 0.0)))
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"ulysses-sp-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
-        start_method="spawn",
+        start_method="spawn", shutdown_timeout=grace,
     )  # fmt: skip
-    try:
-        elastic_launch(config, _run_rank)(command, options, timeout_s)
-    except ChildFailedError as e:
-        ranks = ", ".join(f"rank {r} (exit {f.exitcode})" for r, f in sorted(e.failures.items()))
-        print(f"ulysses-sp {command}: failed: {ranks}; see the errors above", file=sys.stderr)
-        sys.exit(1)
+    output_dir = getattr(options, "output_dir", None)
+    with FailureWatch() as watch:
+        try:
+            results = elastic_launch(config, _run_rank)(command, options, timeout_s, False, watch.path)
+        except SignalException as e:
+            print(stop_line(command, e.sigval, output_dir), file=sys.stderr)
+            sys.exit(128 + e.sigval)
+        except ChildFailedError as e:
+            failures = watch.exit_codes({r: exit_code_of(f) for r, f in e.failures.items()})
+            print(f"ulysses-sp {command}: failed: {blame(failures, nproc, timeout_s)}", file=sys.stderr)
+            sys.exit(1)
+    summary = (results or {}).get(0)
+    if isinstance(summary, dict) and summary.get("stopped"):  # --save-on-signal: saved, then stopped
+        print(stop_line(command, signal.SIGTERM, output_dir), file=sys.stderr)
+        sys.exit(128 + signal.SIGTERM)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point ``ulysses-sp``."""
     args = build_parser().parse_args(argv)
+    if args.command == "plan":
+        from .plan import run_plan
+
+        try:
+            print(run_plan(args))
+        except ValueError as e:
+            print(f"ulysses-sp plan: error: {e}", file=sys.stderr)
+            sys.exit(2)
+        return
     try:
         if args.command == "train":
             options, launch = train_options(args)
@@ -227,13 +162,18 @@ def main(argv: list[str] | None = None) -> None:
             from .evaluate import eval_options
 
             options, launch = eval_options(args)
-        timeout_s = float(launch.get("timeout", DEFAULT_TIMEOUT_S))
+        timeout_s = launch.get("timeout", DEFAULT_TIMEOUT_S)
+        if (
+            isinstance(timeout_s, bool)
+            or not isinstance(timeout_s, (int, float))
+            or not 0 < timeout_s < math.inf
+        ):
+            raise ValueError(f"--timeout must be a positive number of seconds, got {timeout_s!r}")
+        timeout_s = float(timeout_s)
         if under_launcher():
             _run_rank(args.command, options, timeout_s)
             return
-        nproc = int(launch.get("nproc", 2 if args.command == "train" else 1))
-        if nproc < 1:
-            raise ValueError(f"--nproc must be >= 1, got {nproc}")
+        nproc = positive_int("--nproc", launch.get("nproc", 2 if args.command == "train" else 1))
         _check_before_launch(args.command, options, nproc)
     except ValueError as e:
         print(f"ulysses-sp {args.command}: error: {e}", file=sys.stderr)
@@ -246,9 +186,13 @@ def main(argv: list[str] | None = None) -> None:
 
 def _check_before_launch(command: str, options: Any, nproc: int) -> None:
     if command == "train":
-        from ..train import validate
+        from ..preflight import check_before_launch
+        from ..runlock import check_unlocked
+        from ..train_checks import validate
 
         validate(options, nproc)
+        check_unlocked(options.output_dir)
+        check_before_launch(options, nproc)
     else:
         from .evaluate import validate_eval
 

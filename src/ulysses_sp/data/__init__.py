@@ -14,7 +14,19 @@ One concern per module:
 - ``adapter``: ``UlyssesSPDataLoaderAdapter``, which adds only the exchange between ranks;
 - ``packing``: ``PackingCollator``, packed batches (documents marked by restarting ``position_ids``);
 - ``sampler``: ``sp_data_sampler``, the order that makes an ``sp = P`` run see the same global
-  batches as an ``sp = 1`` run.
+  batches as an ``sp = 1`` run;
+- ``loader``: ``sp_dataloader``, one rank's ``DataLoader`` in that order (resumable): the one
+  construction path of the engine, the train and the eval commands.
+
+Fine-tuning data (local files, tokenized once, packed):
+
+- ``formats``: reading ``.jsonl/.json/.parquet/.arrow/.txt`` and ``save_to_disk`` directories
+  through ``datasets`` (local only), and the format (``text`` / ``chat`` / ``prompt-completion``);
+- ``chat``: one record to ``(ids, scored)`` — chat templates, assistant-only / completion masks;
+- ``cache``: ``tokenized_corpus``, tokenization in worker processes into a memory-mapped on-disk
+  cache, one tokenizing process per node (file lock);
+- ``bestfit``: ``plan_blocks``, best-fit-decreasing packing (or one sample per block);
+- ``packed``: ``packed_dataset`` / ``PackedDataset``, the eval split and the packed rows.
 
 Shape legend: ``B`` batch, ``S`` global (padded) sequence, ``S_l = S/P`` local sequence,
 ``P`` sp size, ``D`` dp size.
@@ -23,16 +35,27 @@ Shape legend: ``B`` batch, ``S`` global (padded) sequence, ``S_l = S/P`` local s
 from __future__ import annotations
 
 from .adapter import UlyssesSPDataLoaderAdapter
+from .bestfit import PackingPlan, plan_blocks
+from .cache import TokenizedCorpus, tokenized_corpus
+from .loader import sp_dataloader
+from .packed import PackedDataset, packed_dataset
 from .packing import PackingCollator
 from .sampler import SPDistributedSampler, sp_data_sampler
 from .shard import make_shift_labels, prepare_batch, shard_batch
 
 __all__ = [
+    "PackedDataset",
     "PackingCollator",
+    "PackingPlan",
     "SPDistributedSampler",
+    "TokenizedCorpus",
     "UlyssesSPDataLoaderAdapter",
     "make_shift_labels",
+    "packed_dataset",
+    "plan_blocks",
     "prepare_batch",
     "shard_batch",
     "sp_data_sampler",
+    "sp_dataloader",
+    "tokenized_corpus",
 ]

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..comm import all_gather_object, raise_if_any_rank_failed
+from ..checks import positive_int
+from ..comm import all_gather_object, exchange_bytes, raise_if_any_rank_failed
 from .shard import _is_seq, prepare_batch, shard_batch
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ class UlyssesSPDataLoaderAdapter:
         sp_rank: this rank's rank in ``sp_group``.
         sp_group: the sequence-parallel group (``None`` only with ``sp_world_size == 1``).
         sp_world_size: ``P``; must equal the size of ``sp_group``.
-        device: where yielded shards go (``mesh.default_device()``).
+        device: where yielded shards go (``SPMesh.device``).
         pad_token_id: id used to pad a length not divisible by ``P``.
         strict: raise ``ValueError`` instead of padding such a length.
 
@@ -101,14 +102,12 @@ class UlyssesSPDataLoaderAdapter:
         self._check_group()
 
     def _check_group(self) -> None:
-        p = self.sp_world_size
-        if isinstance(p, bool) or not isinstance(p, int) or p < 1:
-            raise ValueError(f"sp_world_size must be a positive int, got {self.sp_world_size!r}")
+        positive_int("sp_world_size", self.sp_world_size)
         if self.sp_group is None:
             if self.sp_world_size != 1 or self.sp_rank != 0:
                 raise ValueError(
                     f"sp_group is None but sp_world_size={self.sp_world_size}, sp_rank={self.sp_rank}; "
-                    "pass the sequence-parallel group (mesh.sp_group(mesh))"
+                    "pass the sequence-parallel group (SPMesh.sp_group)"
                 )
             return
         size, rank = dist.get_world_size(self.sp_group), dist.get_rank(self.sp_group)
@@ -202,28 +201,16 @@ class UlyssesSPDataLoaderAdapter:
             raise ValueError(f"batch keys differ between SP ranks: {keys} (by SP rank)")
 
     def _exchange(self, prepared: dict[str, Any], metas: list[dict[str, tuple]]) -> list[dict[str, Any]]:
-        """One ``all_to_all``: shard ``k`` of this rank's batch to rank ``k``; the shards of every rank's
+        """One byte all-to-all: shard ``k`` of this rank's batch to rank ``k``; the shards of every rank's
         batch (rank order) back, kept on CPU."""
         p = self.sp_world_size
-        backend = dist.get_backend(self.sp_group)
-        comm_device = self.device if self.device.type != "cpu" and backend != "gloo" else torch.device("cpu")
-        # Send buffer: for destination k, shard k of every per-token tensor and every other tensor whole,
-        # each as raw bytes, in the batch's key order.
-        pieces = [shard_batch(prepared, k, p) for k in range(p)]
-        send_parts, in_splits = [], []
-        for piece in pieces:
-            parts = [
-                v.contiguous().reshape(-1).view(torch.uint8) for v in piece.values() if torch.is_tensor(v)
-            ]
-            send_parts += parts
-            in_splits.append(sum(t.numel() for t in parts))
-        send = torch.cat(send_parts).to(comm_device)
-        del pieces, send_parts
+        # For destination k: shard k of every per-token tensor and every other tensor whole, in the
+        # batch's key order (every rank describes its batch in that order, see _describe).
+        pieces = [[v for v in shard_batch(prepared, k, p).values() if torch.is_tensor(v)] for k in range(p)]
         tensor_metas = [[(k, m) for k, m in meta.items() if m[0] == "tensor"] for meta in metas]
-        out_splits = [sum(_piece_nbytes(m, p) for _, m in tm) for tm in tensor_metas]
-        recv = torch.empty(sum(out_splits), dtype=torch.uint8, device=comm_device)
-        dist.all_to_all_single(recv, send, out_splits, in_splits, group=self.sp_group)
-        del send
+        recv_nbytes = [sum(_piece_nbytes(m, p) for _, m in tm) for tm in tensor_metas]
+        recv = exchange_bytes(pieces, recv_nbytes, self.sp_group, self.device)
+        del pieces
         shards, offset = [], 0
         for meta in metas:
             shard: dict[str, Any] = {}

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
-from ..mesh import mesh_info
+from ..checks import positive_int
+from ..mesh import as_sp_mesh
 
 
 class SPDistributedSampler(DistributedSampler):
@@ -46,10 +47,10 @@ class SPDistributedSampler(DistributedSampler):
         drop_last: bool = False,
     ) -> None:
         for name, size, rank in (("dp", dp_size, dp_rank), ("sp", sp_size, sp_rank)):
-            if size < 1 or not 0 <= rank < size:
+            positive_int(f"{name}_size", size)
+            if not 0 <= rank < size:
                 raise ValueError(f"{name}_rank ({rank}) must be in [0, {name}_size ({size}))")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        positive_int("batch_size", batch_size)
         super().__init__(
             dataset, num_replicas=dp_size * sp_size, rank=sp_rank * dp_size + dp_rank,
             shuffle=shuffle, seed=seed, drop_last=drop_last,
@@ -102,19 +103,15 @@ def sp_data_sampler(
 
     Args:
         dataset: a map-style dataset.
-        mesh: a ``(data_parallel, sequence_parallel)`` ``DeviceMesh`` or an ``mpu``; or give all four
-            of ``dp_size, sp_size, dp_rank, sp_rank``.
+        mesh: the run's ``SPMesh`` (or what holds one: the ``mpu`` ``register_with_transformers``
+            returns); or give all four of ``dp_size, sp_size, dp_rank, sp_rank``.
     """
     given = (dp_size, sp_size, dp_rank, sp_rank)
     if mesh is not None:
         if any(v is not None for v in given):
             raise ValueError("pass either mesh (or mpu) or dp_size/sp_size/dp_rank/sp_rank, not both")
-        if hasattr(mesh, "get_sequence_parallel_world_size"):
-            dp_size, sp_size = mesh.get_data_parallel_world_size(), mesh.get_sequence_parallel_world_size()
-            dp_rank, sp_rank = mesh.get_data_parallel_rank(), mesh.get_sequence_parallel_rank()
-        else:
-            info = mesh_info(mesh)
-            dp_size, sp_size, dp_rank, sp_rank = info.dp_size, info.sp_size, info.dp_rank, info.sp_rank
+        layout = as_sp_mesh(mesh)
+        dp_size, sp_size, dp_rank, sp_rank = layout.dp_size, layout.sp_size, layout.dp_rank, layout.sp_rank
     elif any(v is None for v in given):
         raise ValueError(f"without a mesh give dp_size, sp_size, dp_rank and sp_rank; got {given}")
     return SPDistributedSampler(

@@ -83,7 +83,30 @@ def _check_batch(batch: Any) -> torch.Tensor:
                 f"'{key}' has shape {tuple(t.shape)}: a tensor with the sequence length {s} at dim 1 "
                 f"must have the batch size {b} of input_ids at dim 0"
             )
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        _check_right_padded(mask)
     return ids
+
+
+def _check_right_padded(mask: torch.Tensor) -> None:
+    """Raise unless every row of ``attention_mask`` is real tokens followed only by padding.
+
+    The SP path drops ``attention_mask`` (the full-sequence structure comes from ``position_ids``),
+    which is exact for right padding (causal attention never looks ahead, and padded positions
+    carry no label) but not for padding before real tokens (left padding, gaps).
+    """
+    real = mask != 0
+    # [B, S-1]: a padded position followed by a real one
+    gap = (~real[:, :-1] & real[:, 1:]).any(dim=1)
+    if bool(gap.any()):
+        rows = gap.nonzero().flatten().tolist()
+        raise ValueError(
+            f"attention_mask rows {rows} have padding before real tokens (left padding or gaps), which "
+            "sequence parallelism cannot shard: it drops attention_mask and takes the sequence "
+            "structure from position_ids; pad on the right (tokenizer.padding_side = 'right') or pass "
+            "padding-free batches (documents concatenated, position_ids restarting at 0)"
+        )
 
 
 def prepare_batch(

@@ -19,7 +19,6 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, Dataset
 
@@ -27,16 +26,14 @@ from ..comm import raise_if_any_rank_failed
 from ..config import TrainingConfig, load_config
 from ..mesh import (
     LAUNCH_HINT,
-    MESH_AXES,
-    Mpu,
-    check_mesh,
+    SPMesh,
     check_mesh_param,
     data_parallel_world_size,
-    dp_group,
     init_mesh,
     resolve_mesh_shape,
-    sp_group,
 )
+from ..precision import policy_for
+from ..registration import registered_layout
 from .data import build_dataloader, check_dataset
 from .engine import Engine, LossFn
 from .optim import (
@@ -47,7 +44,7 @@ from .optim import (
     check_optimizer_args,
     remap_parameters,
 )
-from .sharding import apply_ddp, apply_fsdp
+from .sharding import apply_ddp, apply_fsdp, on_meta
 
 logger = logging.getLogger(__name__)
 
@@ -128,19 +125,24 @@ def initialize(
     )
     if training_data is not None:
         check_dataset(training_data)
+    if stage <= 1 and on_meta(model):
+        raise ValueError(
+            f"the model's parameters are on the meta device, which needs ZeRO stage 2 or 3 (got stage {stage}): "
+            "the shards are filled after sharding; at stage 0 or 1 load the whole model (from_pretrained)"
+        )
 
     # ---- collectives from here on ----
-    mesh = _build_mesh(dp_size, sp_size, mpu)
+    mesh = _build_mesh(dp_size, sp_size, mpu, model)
     names = {id(p): n for n, p in model.named_parameters()}
     if stage <= 1:
         wrapper = apply_ddp(model, mesh)
     else:
-        wrapper = apply_fsdp(model, mesh, stage=stage, partition=partition)
+        wrapper = apply_fsdp(model, mesh, stage=stage, partition=partition, policy=policy_for(cfg))
     if model_parameters is not None:
         params = remap_parameters(model_parameters, names, model)
     else:
         params = [p for p in model.parameters() if p.requires_grad]
-    zero_group = dp_group(mesh) if partition == "data_parallel" else dist.group.WORLD
+    zero_group = mesh.dp_group if partition == "data_parallel" else mesh.reduce_group
     opt = build_optimizer(
         params, stage=stage, section=cfg.optimizer, optimizer=optimizer, zero_group=zero_group
     )
@@ -151,7 +153,7 @@ def initialize(
         optimizer=opt,
         lr_scheduler=sched,
         mesh=mesh,
-        mpu=mpu if mpu is not None else Mpu(mesh),
+        mpu=mpu if mpu is not None else mesh.mpu,
         config=cfg,
         batch_sizes=batch_sizes,
         loss_fn=loss_fn,
@@ -203,17 +205,35 @@ def plan_mesh_shape(
     return resolve_mesh_shape(world_size, dp, sp)
 
 
-def _build_mesh(dp_size: int, sp_size: int, mpu: Any) -> DeviceMesh:
-    mesh = getattr(mpu, "mesh", None)
-    if isinstance(mesh, DeviceMesh) and tuple(mesh.mesh_dim_names or ()) == MESH_AXES:
-        return check_mesh(mesh)
-    mesh = init_mesh((dp_size, sp_size))
-    if mpu is not None and hasattr(mpu, "get_sequence_parallel_group"):
+def _build_mesh(dp_size: int, sp_size: int, mpu: Any, model: nn.Module) -> SPMesh:
+    """The run's layout: the ``mpu``'s own ``SPMesh``, else the one the model's SP attention was
+    registered on (when the shape agrees), else ``init_mesh`` (which reuses a live layout of the
+    same shape): one set of communicators per layout, never two."""
+    held = getattr(mpu, "mesh", None)
+    attention_mesh = registered_layout(model)
+    if isinstance(held, SPMesh):
+        mesh = held
+    elif (
+        attention_mesh is not None
+        and (attention_mesh.dp_size, attention_mesh.sp_size) == (dp_size, sp_size)
+        and attention_mesh.is_current()
+    ):
+        mesh = attention_mesh
+    else:
+        mesh = init_mesh((dp_size, sp_size))
+    if mpu is not None and not isinstance(held, SPMesh) and hasattr(mpu, "get_sequence_parallel_group"):
         # A foreign mpu: its groups must be the ones our mesh uses, on every rank.
-        want = dist.get_process_group_ranks(sp_group(mesh))
+        want = dist.get_process_group_ranks(mesh.sp_group)
         got = dist.get_process_group_ranks(mpu.get_sequence_parallel_group())
         error = (
             None if got == want else f"mpu SP group {got} != the mesh's SP group {want} (rank layout differs)"
         )
-        raise_if_any_rank_failed(error)
+        raise_if_any_rank_failed(error, mesh.reduce_group)
+    if attention_mesh is not None and attention_mesh is not mesh:
+        # The same verdict on every rank (all ranks registered the same way): no agreement needed.
+        raise ValueError(
+            f"the model's sequence-parallel attention was registered on {attention_mesh!r}, but the engine "
+            f"would train on {mesh!r}: pass initialize(mpu=<what register_with_transformers returned>), "
+            "or the same (dp_size, sp_size)"
+        )
     return mesh

@@ -1,12 +1,9 @@
 """The DataLoader ``initialize(training_data=...)`` builds: micro-batches in the sequence-parallel order.
 
-Each rank loads its own micro-batches with ``data.SPDistributedSampler`` (``num_replicas = dp*sp``,
-``rank = sp_rank * dp_size + dp_rank``, dealing *batches* round-robin to the SP ranks of a DP
-replica). The data adapter (``data.UlyssesSPDataLoaderAdapter``) then processes the ``P`` batches
-of an SP group round-robin, so an ``sp = P`` run sees the same global batches, in the same order,
-as an ``sp = 1`` run with the same ``dp`` and seed: SP rank ``k`` of replica ``d`` loads batches
-``k, k+P, k+2P, ...`` of the stream replica ``d`` of the ``sp = 1`` run would load, and the adapter
-processes batch ``j*P + k`` at its micro-step ``j*P + k``.
+The loader comes from ``data.sp_dataloader``, the one construction path (``SPDistributedSampler``:
+an ``sp = P`` run sees the same global batches, in the same order, as an ``sp = 1`` run with the
+same ``dp`` and seed); this module adds the engine's policy: ``training_data`` must be map-style,
+is shuffled with seed 0, and ``loader.sampler.set_epoch(e)`` is the caller's, once per epoch.
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Dataset
 
-from ..data import sp_data_sampler
+from ..data import sp_dataloader
 
 
 def check_dataset(dataset: Any) -> None:
@@ -41,7 +38,7 @@ def build_dataloader(
     """A shuffling ``DataLoader`` of micro-batches for this rank; call ``loader.sampler.set_epoch(e)``
     each epoch. Wrap it in ``UlyssesSPDataLoaderAdapter`` when ``sp_size > 1``."""
     check_dataset(dataset)
-    sampler = sp_data_sampler(
-        dataset, dp_size=dp_size, sp_size=sp_size, dp_rank=dp_rank, sp_rank=sp_rank, batch_size=batch_size
-    )
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn)
+    return sp_dataloader(
+        dataset, batch_size=batch_size, dp_size=dp_size, sp_size=sp_size, dp_rank=dp_rank,
+        sp_rank=sp_rank, collate_fn=collate_fn,
+    )  # fmt: skip

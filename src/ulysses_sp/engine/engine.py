@@ -18,17 +18,18 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from ..comm import all_reduce_sum
-from ..config import BatchSizes, TrainingConfig
+from ..config import TrainingConfig
+from ..config.batch import BatchSizes
+from ..guard import DivergenceGuard, check_sp_attention
 from ..loss import sp_causal_lm_loss
-from ..mesh import dp_group, mesh_info, sp_group
-from .sharding import mesh_device
+from ..mesh import SPMesh
+from ..precision import policy_for, scaler_for, unscale_grads_
 
 LossFn = Callable[[nn.Module, dict[str, Any], torch.Tensor, Any], Any]
 """``loss_fn(model, batch, shift_labels, sp_group) -> outputs`` with ``outputs.loss`` set."""
@@ -43,9 +44,12 @@ class Engine:
       what DeepSpeed calls ``engine.module``.
     - ``wrapper``: what ``engine(**batch)`` calls: the ``DistributedDataParallel`` wrapper at
       stages 0/1, ``module`` itself at stages 2/3.
-    - ``mesh``, ``mpu``, ``sp_group``, ``dp_group``, ``dp_size``, ``sp_size``, ``dp_rank``,
-      ``sp_rank``, ``zero_stage``, ``partition``, ``device``, ``optimizer``, ``lr_scheduler``,
-      ``config``, ``batch_sizes``, ``micro_steps``, ``global_steps``, ``last_loss``.
+    - ``mesh``: the run's ``SPMesh``; ``sp_group``, ``dp_group``, ``dp_size``, ``sp_size``,
+      ``dp_rank``, ``sp_rank`` and ``device`` read from it.
+    - ``mpu``, ``zero_stage``, ``partition``, ``optimizer``, ``lr_scheduler``, ``config``,
+      ``batch_sizes``, ``micro_steps``, ``global_steps``, ``last_loss``.
+    - ``guard``: the ``DivergenceGuard`` (``skipped_steps``, ``last_step_skipped``): a step whose
+      loss or gradient norm is not finite is skipped; ``max_nonfinite_steps`` in a row raise.
     """
 
     def __init__(
@@ -55,7 +59,7 @@ class Engine:
         wrapper: nn.Module,
         optimizer: Optimizer | None,
         lr_scheduler: Any,
-        mesh: DeviceMesh,
+        mesh: SPMesh,
         mpu: Any,
         config: TrainingConfig,
         batch_sizes: BatchSizes,
@@ -65,17 +69,9 @@ class Engine:
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
         self.mesh, self.mpu, self.config, self.batch_sizes = mesh, mpu, config, batch_sizes
         self.loss_fn = loss_fn
-        info = mesh_info(mesh)
-        self.dp_size, self.sp_size, self.dp_rank, self.sp_rank = (
-            info.dp_size,
-            info.sp_size,
-            info.dp_rank,
-            info.sp_rank,
-        )
-        self.sp_group, self.dp_group = sp_group(mesh), dp_group(mesh)
         self.zero_stage = config.zero_optimization.stage
         self.partition = config.zero_optimization.partition
-        self.device = mesh_device(mesh)
+        self.device = mesh.device
         self.micro_steps = 0
         """Micro-steps taken (``step()`` calls)."""
         self.global_steps = 0
@@ -85,6 +81,40 @@ class Engine:
         self._grad_norm: float | None = None
         self._loss_sum: torch.Tensor | None = None
         self._loss_count = 0
+        self.precision = policy_for(config)
+        """The dtype policy (``precision.py``): compute dtype, CPU offload."""
+        self.loss_scaler = scaler_for(config)
+        """fp16's ``DynamicLossScaler``; ``None`` in fp32 and bf16."""
+        self._overflow_skips = 0  # fp16 steps whose gradient overflowed (the scaler's skips)
+        self._overflowed = False
+        self._backward_since_step = False
+        self._attention_checked = False
+        self.guard = DivergenceGuard(max_consecutive=config.max_nonfinite_steps)
+
+    # the layout, read from the mesh
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.dp_size
+
+    @property
+    def sp_size(self) -> int:
+        return self.mesh.sp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.dp_rank
+
+    @property
+    def sp_rank(self) -> int:
+        return self.mesh.sp_rank
+
+    @property
+    def sp_group(self) -> Any:
+        return self.mesh.sp_group
+
+    @property
+    def dp_group(self) -> Any:
+        return self.mesh.dp_group
 
     # DeepSpeed-style accessors
     def train_batch_size(self) -> int:
@@ -103,6 +133,17 @@ class Engine:
     def get_global_grad_norm(self) -> float | None:
         """L2 norm of the full reduced gradient of the last optimizer step, before clipping."""
         return self._grad_norm
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped (counted in ``global_steps``): a non-finite loss or gradient norm
+        (the divergence guard), or an fp16 gradient overflow (the loss scaler)."""
+        return self.guard.skipped + self._overflow_skips
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last optimizer step was skipped (non-finite loss/gradient norm, fp16 overflow)."""
+        return self.guard.last_skipped or self._overflowed
 
     def get_lr(self) -> list[float]:
         """The current learning rate of each param group."""
@@ -128,9 +169,17 @@ class Engine:
         """
         if torch.is_grad_enabled() and self.wrapper.training:
             self._set_gradient_sync(self.is_gradient_accumulation_boundary())
+        # stages 0/1: autocast casts per op; stages 2/3: FSDP2's MixedPrecisionPolicy casts the units
+        with self.precision.autocast(self.device, enabled=self.zero_stage <= 1):
+            return self._forward(*args, **batch)
+
+    def _forward(self, *args: Any, **batch: Any) -> Any:
         shift_labels = batch.pop("shift_labels", None)
         if shift_labels is None:
             return self.wrapper(*args, **batch)
+        if not self._attention_checked:  # once: shards on a model whose attention is not SP's
+            check_sp_attention(self.module, batch, self.sp_group, self.sp_size)
+            self._attention_checked = True
         if args:
             raise ValueError("with shift_labels, pass the whole batch as keyword arguments")
         if self.loss_fn is not None:
@@ -163,18 +212,34 @@ class Engine:
         value = loss.detach().float()
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
         self._loss_count += 1
+        self._backward_since_step = True
         ga = self.gradient_accumulation_steps()
-        (loss / ga if ga > 1 else loss).backward()
+        scaled = loss if self.loss_scaler is None else self.loss_scaler.scale_loss(loss)
+        (scaled / ga if ga > 1 else scaled).backward()
         return loss
 
     def step(self) -> float | None:
         """End a micro-step; at the accumulation boundary take the optimizer step.
 
-        At the boundary: compute the global gradient norm, clip to ``gradient_clipping`` if > 0,
-        ``optimizer.step()``, ``lr_scheduler.step()``, ``zero_grad``; return the step's loss (mean
-        over its micro-steps, averaged over the DP axis; ``None`` if ``backward`` never saw one).
+        At the boundary: reduce the step's loss, compute the global gradient norm, and — when both
+        are finite (the divergence guard's verdict, the same on every rank since both numbers are
+        global) — clip to ``gradient_clipping`` if > 0, ``optimizer.step()``,
+        ``lr_scheduler.step()``; a non-finite step is skipped (no update, the LR does not move) and
+        counted in ``skipped_steps``. Then ``zero_grad``; return the step's loss (mean over its
+        micro-steps, averaged over the DP axis; ``None`` if ``backward`` never saw one).
         Off the boundary: return ``None``.
+
+        Raises:
+            ValueError: ``step()`` without a ``backward()`` since the last ``step()`` (it would count
+                a micro-step and move the schedule with no gradient).
+            DivergenceError: the ``max_nonfinite_steps``-th non-finite step in a row.
         """
+        if not self._backward_since_step:
+            raise ValueError(
+                "engine.step() without engine.backward(loss) since the last step(): call "
+                "engine.backward(engine(**batch).loss) once per micro-step, then engine.step()"
+            )
+        self._backward_since_step = False
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:
@@ -183,22 +248,35 @@ class Engine:
             raise ValueError(
                 "engine.step() needs an optimizer: add an 'optimizer' section or pass optimizer="
             )
-        self._grad_norm = self._norm_and_clip()
-        self.optimizer.step()
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.global_steps += 1
         self.last_loss = self._reduce_loss()
+        self._grad_norm = self._norm_and_clip()
+        self.global_steps += 1
+        self._overflowed = self._grad_norm is None
+        try:
+            if self._overflowed:  # fp16 overflow: the scaler skips it (DeepSpeed's behaviour), not divergence
+                self._overflow_skips += 1
+            elif self.guard.admit(self.last_loss, self._grad_norm):
+                self.optimizer.step()
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
         return self.last_loss
 
-    def _norm_and_clip(self) -> float:
+    def _norm_and_clip(self) -> float | None:
+        """The global grad norm (after fp16 unscaling) and clipping; ``None``: fp16 overflow, skip."""
         params = [p for p in self.module.parameters() if p.grad is not None]
         if not params:
             return 0.0
         total = torch.nn.utils.get_total_norm([p.grad for p in params])
         if isinstance(total, DTensor):  # FSDP2: per-shard partial norms -> the full norm
             total = total.full_tensor()
+        if self.loss_scaler is not None:  # the same norm on every rank: the same verdict
+            scale = self.loss_scaler.scale
+            if not self.loss_scaler.update(float(total)):
+                return None
+            unscale_grads_([p.grad for p in params], scale)
+            total = total / scale
         clip = self.config.gradient_clipping
         if clip > 0:
             torch.nn.utils.clip_grads_with_norm_(params, clip, total)

@@ -19,7 +19,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from ..config import OptimizerConfig, SchedulerConfig
+from ..config.sections import OptimizerConfig, SchedulerConfig
 from .schedulers import SCHEDULER_CLASSES
 
 OptimizerArg = Optimizer | Callable[..., Optimizer] | None

@@ -4,7 +4,8 @@ Names and parameters mirror DeepSpeed's ``lr_schedules`` (``WarmupLR``, ``Warmup
 ``WarmupCosineLR``) so a DeepSpeed ``scheduler`` section works unchanged. Step counting follows
 torch: optimizer step ``k`` (0-based) runs with the lr computed for ``k``; the engine calls
 ``scheduler.step()`` once per optimizer step (not per micro-step). Being ``LRScheduler`` s they
-have ``state_dict``/``load_state_dict`` for exact resume.
+have ``state_dict``/``load_state_dict`` for exact resume. Their parameters' defaults are
+``config.SCHEDULERS``'s (the one table, which the config's validation also reads).
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ import math
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
+
+from ..config.sections import SCHEDULERS
+
+_LR, _DECAY, _COS = SCHEDULERS["WarmupLR"], SCHEDULERS["WarmupDecayLR"], SCHEDULERS["WarmupCosineLR"]
 
 
 class _Warmup(LRScheduler):
@@ -47,10 +52,10 @@ class WarmupLR(_Warmup):
         self,
         optimizer: Optimizer,
         *,
-        warmup_min_lr: float = 0.0,
-        warmup_max_lr: float | None = None,
-        warmup_num_steps: int = 1000,
-        warmup_type: str = "log",
+        warmup_min_lr: float = _LR["warmup_min_lr"],
+        warmup_max_lr: float | None = _LR["warmup_max_lr"],
+        warmup_num_steps: int = _LR["warmup_num_steps"],
+        warmup_type: str = _LR["warmup_type"],
         last_epoch: int = -1,
     ) -> None:
         self.warmup_min_lr = warmup_min_lr
@@ -79,10 +84,10 @@ class WarmupDecayLR(WarmupLR):
         optimizer: Optimizer,
         *,
         total_num_steps: int,
-        warmup_min_lr: float = 0.0,
-        warmup_max_lr: float | None = None,
-        warmup_num_steps: int = 1000,
-        warmup_type: str = "log",
+        warmup_min_lr: float = _DECAY["warmup_min_lr"],
+        warmup_max_lr: float | None = _DECAY["warmup_max_lr"],
+        warmup_num_steps: int = _DECAY["warmup_num_steps"],
+        warmup_type: str = _DECAY["warmup_type"],
         last_epoch: int = -1,
     ) -> None:
         if total_num_steps < warmup_num_steps:
@@ -113,10 +118,10 @@ class WarmupCosineLR(_Warmup):
         optimizer: Optimizer,
         *,
         total_num_steps: int,
-        warmup_min_ratio: float = 0.0,
-        warmup_num_steps: int = 1000,
-        cos_min_ratio: float = 0.0001,
-        warmup_type: str = "log",
+        warmup_min_ratio: float = _COS["warmup_min_ratio"],
+        warmup_num_steps: int = _COS["warmup_num_steps"],
+        cos_min_ratio: float = _COS["cos_min_ratio"],
+        warmup_type: str = _COS["warmup_type"],
         last_epoch: int = -1,
     ) -> None:
         if total_num_steps < warmup_num_steps:

@@ -27,7 +27,7 @@ gathers them again in backward.
 
 FSDP2 over the DP axis is HSDP: a 2-D mesh whose **first** axis is the replicate axis (SP) and
 whose second is the shard axis (DP) — the transpose of our ``(dp, sp)`` grid, built from the
-existing SP and DP groups (no new communicators).
+existing SP and DP groups (no new communicators): ``SPMesh.fsdp_mesh``.
 """
 
 from __future__ import annotations
@@ -35,26 +35,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from ..mesh import DP_AXIS, SP_AXIS, dp_group, sp_group, track_mesh
-
-
-def mesh_device(mesh: DeviceMesh) -> torch.device:
-    """The device this rank computes on, from the mesh's device type (never hard-coded)."""
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+from ..comm import broadcast_from_first_, sum_over_sp_mean_over_dp_
+from ..mesh import SPMesh
+from ..precision import PrecisionPolicy
 
 
 @dataclass
 class _SumMeanState:
-    """State of the DDP comm hook: all-reduce over ``group`` and divide by ``dp_size``."""
+    """State of the DDP comm hook: the group spanning all ``dp * sp`` ranks, and ``dp_size``."""
 
     group: dist.ProcessGroup
     dp_size: int
@@ -67,43 +60,31 @@ def _sum_over_sp_mean_over_dp(state: _SumMeanState, bucket):  # noqa: ANN001
     compares annotations to the real classes and ``from __future__ import annotations`` makes them
     strings.
     """
-    buf = bucket.buffer()
-    buf.div_(state.dp_size)  # divide first: same rounding as FSDP2's sum path, no overflow in fp16
-    fut = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=state.group, async_op=True).get_future()
+    fut = sum_over_sp_mean_over_dp_(bucket.buffer(), state.group, state.dp_size).get_future()
     return fut.then(lambda f: f.value()[0])
 
 
-def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> DistributedDataParallel:
-    """DDP over the whole world with the sum-over-SP / mean-over-DP gradient hook (stages 0, 1).
+def apply_ddp(model: nn.Module, mesh: SPMesh) -> DistributedDataParallel:
+    """DDP over the layout's ``dp * sp`` ranks with the sum-over-SP / mean-over-DP hook (stages 0, 1).
 
     DDP broadcasts rank 0's parameters and buffers at construction, so every replica starts equal.
     """
-    device = mesh_device(mesh)
+    if on_meta(model):
+        raise ValueError(
+            "the model's parameters are on the meta device, which needs ZeRO stage 2 or 3 (the shards are "
+            "filled after sharding); at stage 0 or 1 load the whole model (from_pretrained)"
+        )
+    device = mesh.device
     model.to(device)
-    ddp = DistributedDataParallel(model, device_ids=None if device.type == "cpu" else [device.index])
+    ddp = DistributedDataParallel(
+        model,
+        device_ids=None if device.type == "cpu" else [device.index],
+        process_group=mesh.reduce_group,
+    )
     ddp.register_comm_hook(
-        _SumMeanState(group=dist.group.WORLD, dp_size=mesh.size(0)), _sum_over_sp_mean_over_dp
+        _SumMeanState(group=mesh.reduce_group, dp_size=mesh.dp_size), _sum_over_sp_mean_over_dp
     )
     return ddp
-
-
-def fsdp_mesh(mesh: DeviceMesh, partition: str) -> DeviceMesh:
-    """The mesh FSDP2 shards over: HSDP ``(SP replicate, DP shard)`` or 1-D over all ranks.
-
-    A collective only in the bookkeeping sense: it reuses the existing process groups.
-    """
-    if partition == "all":
-        return track_mesh(
-            DeviceMesh.from_group(dist.group.WORLD, mesh.device_type, mesh_dim_names=("dp_sp",))
-        )
-    dp_size, sp_size = mesh.size(0), mesh.size(1)
-    # [dp, sp] rank grid -> [sp, dp]: dim 0 runs along an SP group (replicate), dim 1 along a DP group (shard).
-    grid = torch.arange(dp_size * sp_size).view(dp_size, sp_size).T
-    return track_mesh(
-        DeviceMesh.from_group(
-            [sp_group(mesh), dp_group(mesh)], mesh.device_type, mesh=grid, mesh_dim_names=(SP_AXIS, DP_AXIS)
-        )
-    )
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
@@ -115,30 +96,48 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
     return [child for child in model.children() if next(child.parameters(), None) is not None]
 
 
-def broadcast_module_states(model: nn.Module, device: torch.device) -> None:
-    """Make every rank's parameters and buffers equal to global rank 0's (FSDP2 does not)."""
-    model.to(device)
-    with torch.no_grad():
-        for t in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(t.data, src=0)
+def broadcast_module_states(model: nn.Module, mesh: SPMesh) -> None:
+    """Make every rank's parameters and buffers equal to the layout's first rank's (FSDP2 does not)."""
+    model.to(mesh.device)
+    broadcast_from_first_([*model.parameters(), *model.buffers()], mesh.reduce_group)
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, stage: int, partition: str) -> nn.Module:
+def on_meta(model: nn.Module) -> bool:
+    """Whether ``model``'s parameters are on the meta device (``loading.init_empty_model``)."""
+    return any(p.is_meta for p in model.parameters())
+
+
+def apply_fsdp(
+    model: nn.Module, mesh: SPMesh, *, stage: int, partition: str, policy: PrecisionPolicy | None = None
+) -> nn.Module:
     """FSDP2 per block, then the root (stages 2, 3), with the sum-over-SP / mean-over-DP reduction.
 
     FSDP2 divides by the size of the mesh it shards over by default; we replace that with
     ``dp_size`` and force plain SUM collectives (gloo has no AVG / PREMUL_SUM; on NCCL the cost
-    is one division of the already-reduced shard).
+    is one division of the already-reduced shard). ``policy`` adds the mixed-precision and CPU
+    offload policies (``precision.py``). A model whose parameters are on the meta device is
+    sharded as it is, then each rank allocates only its own shards (``to_empty``) with the real
+    buffers put back; ``loading.load_pretrained_weights`` fills the shards.
     """
-    device = mesh_device(mesh)
-    broadcast_module_states(model, device)
-    shard_mesh = fsdp_mesh(mesh, partition)
+    policy = policy or PrecisionPolicy()
+    meta = on_meta(model)
+    if meta:
+        buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    else:
+        broadcast_module_states(model, mesh)
+    shard_mesh = mesh.fsdp_mesh(partition)
+    extra = policy.fsdp_kwargs(mesh.device)
     reshard: Any = False if stage == 2 else None  # None: blocks reshard, the root keeps its params
     for unit in fsdp_units(model):
-        fully_shard(unit, mesh=shard_mesh, reshard_after_forward=True if stage == 3 else reshard)
-    fully_shard(model, mesh=shard_mesh, reshard_after_forward=reshard)
+        fully_shard(unit, mesh=shard_mesh, reshard_after_forward=True if stage == 3 else reshard, **extra)
+    fully_shard(model, mesh=shard_mesh, reshard_after_forward=reshard, **extra)
     for m in model.modules():
         if isinstance(m, FSDPModule):
-            m.set_gradient_divide_factor(float(mesh.size(0)))
+            m.set_gradient_divide_factor(float(mesh.dp_size))
             m.set_force_sum_reduction_for_comms(True)
+    if meta:
+        # shards where FSDP2 keeps them: host memory under CPU offload, else the run's device
+        model.to_empty(device="cpu" if policy.cpu_offload else mesh.device)
+        for name, buf in model.named_buffers():
+            buf.copy_(buffers[name])
     return model

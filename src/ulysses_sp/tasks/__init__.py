@@ -3,7 +3,9 @@
 - :func:`byte_tokenizer` — the byte-level tokenizer shipped in code;
 - the ``recall`` task (:class:`RecallDataset`) — needs attention across SP shards to be learned;
 - model presets ``tiny-llama`` / ``tiny-qwen2`` / ``tiny-mistral`` (:func:`build_model`);
-- local ``.txt`` / ``.jsonl`` data (:class:`TextBlockDataset`).
+- local ``.txt`` / ``.jsonl`` text (:class:`TextBlockDataset`), and fine-tuning data in any of
+  ``datasets``' local formats — chat, prompt/completion, text — tokenized once and packed
+  (:func:`build_local_dataset`, :class:`DataSettings`).
 
 :func:`build_dataset` and :func:`load_tokenizer` turn the CLI's ``--data`` / ``--tokenizer`` /
 ``--model`` strings into these objects.
@@ -17,7 +19,7 @@ from torch.utils.data import Dataset
 
 from .presets import PRESETS, build_model, check_model_dir, is_preset, preset_config
 from .recall import CHANCE_LOSS, RecallDataset, recall_sample, recall_start
-from .text import TextBlockDataset
+from .text import DataSettings, TextBlockDataset, build_local_dataset, data_summary
 from .tokenizer import VOCAB_SIZE, byte_tokenizer
 
 RECALL = "recall"
@@ -26,15 +28,18 @@ EVAL_SEED_OFFSET = 1_000_000_007
 
 __all__ = [
     "CHANCE_LOSS",
+    "DataSettings",
     "PRESETS",
     "RECALL",
     "RecallDataset",
     "TextBlockDataset",
     "VOCAB_SIZE",
     "build_dataset",
+    "build_local_dataset",
     "build_model",
     "byte_tokenizer",
     "check_model_dir",
+    "data_summary",
     "is_preset",
     "load_tokenizer",
     "preset_config",
@@ -58,11 +63,15 @@ def load_tokenizer(tokenizer: str | None, model: str):
 
 
 def build_dataset(
-    data: str, *, tokenizer, seq_len: int, seed: int, num_samples: int, held_out: bool = False
-) -> Dataset:
-    """``recall`` (``num_samples`` samples; ``held_out`` draws from a disjoint seed) or local text."""
+    data: str, *, tokenizer, seq_len: int, seed: int, num_samples: int, held_out: bool = False,
+    settings: DataSettings | None = None, probe: bool = False,
+) -> Dataset | None:  # fmt: skip
+    """``recall`` (``num_samples`` samples; ``held_out`` draws from a disjoint seed) or local data
+    (``build_local_dataset``: ``held_out`` = the ``--eval-split`` part; ``probe``: checks only,
+    nothing tokenized into the cache, returns ``None`` for fine-tuning data)."""
     if data == RECALL:
         return RecallDataset(
             seq_len=seq_len, num_samples=num_samples, seed=seed + (EVAL_SEED_OFFSET if held_out else 0)
         )
-    return TextBlockDataset(data, tokenizer=tokenizer, seq_len=seq_len)
+    return build_local_dataset(data, tokenizer=tokenizer, seq_len=seq_len, seed=seed,
+                               settings=settings or DataSettings(), held_out=held_out, probe=probe)  # fmt: skip

@@ -1,4 +1,12 @@
-"""Local text data: a ``.txt`` / ``.jsonl`` file or a directory of them, tokenized and chunked.
+"""Local data: plain text chunked into blocks, or fine-tuning data tokenized once and packed.
+
+``build_local_dataset`` picks the path: ``.txt`` / ``.jsonl`` text with no packing asked for
+(``--packing`` unset) keeps the continuous-stream chunking below (``TextBlockDataset``); everything
+else — ``.json`` / ``.parquet`` / ``.arrow`` / ``save_to_disk`` data, chat and prompt/completion
+data, ``--packing best-fit|none`` — goes through ``ulysses_sp.data``: read with ``datasets``,
+tokenized once into the on-disk cache, packed into ``seq_len`` blocks (``PackedDataset``).
+
+The continuous stream (``TextBlockDataset``):
 
 Each ``.txt`` file is one document; each ``.jsonl`` line is one document (its ``"text"`` field).
 Documents are tokenized, each followed by the tokenizer's ``eos`` token (when it has one),
@@ -11,9 +19,16 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
+
+from ..checks import positive_int
+from ..data import formats
+from ..data.cache import default_cache_dir, tokenized_corpus
+from ..data.chat import chat_template_of, read_chat_template, resolve_loss_on, tokenize_record
+from ..data.packed import PackedDataset, describe, packed_dataset, split_samples
 
 SUFFIXES = (".txt", ".jsonl")
 
@@ -87,3 +102,118 @@ class TextBlockDataset(Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         ids = self.blocks[index]
         return {"input_ids": ids, "labels": ids.clone()}
+
+
+# ---------------------------------------------------------------- fine-tuning data (data/)
+@dataclass(frozen=True, kw_only=True)
+class DataSettings:
+    """How local data becomes training blocks (the ``--data-*`` / ``--loss-on`` / packing flags)."""
+
+    data_format: str = "auto"
+    """``auto`` (from the columns), ``text``, ``chat`` or ``prompt-completion``."""
+    loss_on: str | None = None
+    """``all``, ``assistant`` or ``completion``; ``None``: the format's default."""
+    chat_template: str | None = None
+    """A Jinja chat template file overriding the tokenizer's; ``None``: the tokenizer's own."""
+    packing: str | None = None
+    """``best-fit`` or ``none``; ``None``: best-fit, but ``.txt``/``.jsonl`` text as a continuous stream."""
+    long_samples: str = "truncate"
+    """Samples longer than ``seq_len``: ``truncate``, ``split`` or ``drop``."""
+    eval_split: float = 0.0
+    """Fraction of samples held out for ``eval`` (chosen by the seed); 0: none."""
+    cache_dir: str | None = None
+    """Root of the tokenization cache; ``None``: ``~/.cache/ulysses-sp/data``."""
+    workers: int | None = None
+    """Tokenizing processes; ``None``: ``min(8, cpu count)``."""
+    progress: bool = False
+    """A progress bar while tokenizing."""
+
+
+def _legacy_text(path: str, settings: DataSettings) -> bool:
+    """Plain ``.txt``/``.jsonl`` text with no packing asked for: the continuous stream, as before."""
+    if settings.packing is not None or settings.data_format not in ("auto", "text"):
+        return False
+    if not os.path.exists(path) or formats.is_save_to_disk_dir(path):
+        return False
+    files = formats.data_files(path) if os.path.isdir(path) else [path]
+    if not all(f.endswith(SUFFIXES) for f in files):
+        return False
+    for f in files:  # auto: a .jsonl whose first row has no "text" is chat or prompt/completion data
+        if f.endswith(".jsonl") and settings.data_format == "auto":
+            with open(f, encoding="utf-8", errors="replace") as fh:
+                first = next((line for line in fh if line.strip()), "")
+            try:
+                row = json.loads(first)
+            except json.JSONDecodeError:
+                return True  # the stream reader names the line
+            if isinstance(row, dict) and "text" not in row:
+                return False
+    return True
+
+
+def _check_settings(settings: DataSettings) -> None:
+    from ..data.bestfit import LONG_SAMPLES, PACKINGS
+    from ..data.packed import split_samples
+
+    if settings.packing is not None and settings.packing not in PACKINGS:
+        raise ValueError(f"--packing must be one of {PACKINGS}, got {settings.packing!r}")
+    if settings.long_samples not in LONG_SAMPLES:
+        raise ValueError(f"--long-samples must be one of {LONG_SAMPLES}, got {settings.long_samples!r}")
+    split_samples(2, settings.eval_split, 0)  # the fraction's range
+    if settings.workers is not None:
+        positive_int("--data-workers", settings.workers)
+
+
+def _probe(path: str, tokenizer, settings: DataSettings) -> None:
+    """The checks a run would fail on, without tokenizing the data: its format, loss mask, template."""
+    table = formats.read_table(
+        path, cache_dir=os.path.join(settings.cache_dir or default_cache_dir(), "arrow")
+    )
+    fmt = formats.resolve_format(table.column_names, settings.data_format, where=path)
+    loss_on = resolve_loss_on(fmt, settings.loss_on)
+    template = (
+        chat_template_of(tokenizer, read_chat_template(settings.chat_template)) if fmt == "chat" else None
+    )
+    if not len(table):
+        raise ValueError(f"--data {path!r}: no samples")
+    try:
+        tokenize_record(formats.records(table, 0, 1, fmt)[0], fmt=fmt, loss_on=loss_on, tokenizer=tokenizer,
+                        template=template)  # fmt: skip
+    except ValueError as e:
+        raise ValueError(f"--data {path!r}, sample 0: {e}") from e
+
+
+def build_local_dataset(
+    path: str, *, tokenizer, seq_len: int, seed: int, settings: DataSettings, held_out: bool = False,
+    probe: bool = False,
+) -> Dataset | None:  # fmt: skip
+    """The training (``held_out``: eval) blocks of local data, or with ``probe`` only its checks.
+
+    Every rank may call it: the first to reach the cache tokenizes, the others wait and share it.
+    """
+    _check_settings(settings)
+    if _legacy_text(path, settings):
+        blocks = TextBlockDataset(path, tokenizer=tokenizer, seq_len=seq_len)
+        train, held = split_samples(len(blocks), settings.eval_split, seed)
+        if not settings.eval_split:
+            return blocks
+        return Subset(blocks, (held if held_out else train).tolist())
+    if probe:
+        _probe(path, tokenizer, settings)
+        return None
+    corpus = tokenized_corpus(
+        path, tokenizer, data_format=settings.data_format, loss_on=settings.loss_on,
+        chat_template=read_chat_template(settings.chat_template), cache_dir=settings.cache_dir,
+        workers=settings.workers or min(8, os.cpu_count() or 1), progress=settings.progress,
+    )  # fmt: skip
+    return packed_dataset(
+        corpus, seq_len=seq_len, pad_id=tokenizer.pad_token_id or 0, packing=settings.packing or "best-fit",
+        long_samples=settings.long_samples, eval_split=settings.eval_split, seed=seed, held_out=held_out,
+    )  # fmt: skip
+
+
+def data_summary(dataset: Dataset) -> str | None:
+    """The packing line of the startup summary (efficiency, scored-token share), if it has one."""
+    if isinstance(dataset, PackedDataset):
+        return describe(dataset.stats())
+    return None

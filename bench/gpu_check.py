@@ -1,0 +1,126 @@
+"""GPU check for issue 11 — NOT YET RUN (written in a session without a GPU; run it where one is).
+
+The CUDA path of mixed precision and offload: bf16 + sdpa, a ~1.2B-parameter Llama (Llama-3.2-1B
+shape, random weights), sp = 1, one GPU, sequence lengths 32K / 64K / 128K, ZeRO 3 with and
+without CPU offload of the model states (FSDP2 ``CPUOffloadPolicy``, pinned memory), with the ALST
+techniques a long sequence needs (tiled MLP, tiled logits + loss, activation checkpointing). For
+each case: tokens/s (median of 3 steps after 1 warm-up), ``torch.cuda.max_memory_allocated``, the
+loss, or the exception if it failed (OOM included). Writes ``bench/results/gpu_check.md``.
+
+Run on a CUDA machine (about 5-10 minutes)::
+
+    PYTHONPATH=src python bench/gpu_check.py                 # all cases
+    PYTHONPATH=src python bench/gpu_check.py --lengths 32768 # a subset
+
+Benchmark code may name CUDA (the library does not): it measures this device's allocator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import time
+import traceback
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT = os.path.join(ROOT, "bench", "results", "gpu_check.md")
+MODEL = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+             num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True,
+             max_position_embeddings=131072, rope_theta=500000.0)  # fmt: skip
+
+
+def run_case(seq: int, offload: bool) -> dict:
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from ulysses_sp.engine import initialize
+    from ulysses_sp.offload import enable_activation_checkpointing
+    from ulysses_sp.tiling import TiledCausalLMLoss, apply_tiled_mlp
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**MODEL), attn_implementation="sdpa")
+    n_params = sum(p.numel() for p in model.parameters())
+    apply_tiled_mlp(model, None)
+    enable_activation_checkpointing(model)
+    zero = {
+        "stage": 3,
+        **({"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}} if offload else {}),
+    }
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero, "bf16": {"enabled": True},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}}  # fmt: skip
+    engine, *_ = initialize(model, config, mesh_param=(1, 1), loss_fn=TiledCausalLMLoss(num_shards=None))
+    device = engine.device
+    ids = torch.randint(0, MODEL["vocab_size"], (1, seq), device=device)
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+    torch.cuda.reset_peak_memory_stats(device)
+    times, loss = [], None
+    for i in range(4):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        out = engine(input_ids=ids, shift_labels=labels)
+        engine.backward(out.loss)
+        loss = engine.step()
+        torch.cuda.synchronize(device)
+        if i:
+            times.append(time.perf_counter() - t0)
+    del engine, model
+    dist.barrier()
+    return {
+        "params": n_params,
+        "tok_s": seq / statistics.median(times),
+        "max_alloc": torch.cuda.max_memory_allocated(device),
+        "loss": loss,
+    }
+
+
+def main() -> None:
+    import torch.distributed as dist
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 65536, 131072])
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/gpu_check.py needs a CUDA device")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    rows = []
+    for seq in args.lengths:
+        for offload in (False, True):
+            try:
+                r = run_case(seq, offload)
+                rows.append(f"| {seq} | {'on' if offload else 'off'} | {r['params'] / 1e9:.2f}B | {r['tok_s']:,.0f} | "
+                            f"{r['max_alloc'] / 2**30:.1f} GiB | {r['loss']:.3f} | |")  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - a failing case (OOM) is a result to report
+                rows.append(
+                    f"| {seq} | {'on' if offload else 'off'} | | | | | {type(e).__name__}: {str(e)[:120]} |"
+                )
+                traceback.print_exc()
+            torch.cuda.empty_cache()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
+    lines = [
+        "# gpu_check (issue 11): bf16 + ZeRO 3 (+ CPU offload) on one GPU",
+        "",
+        f"Run {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, git {commit}, host {platform.node()}, "
+        f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}; `PYTHONPATH=src python bench/gpu_check.py`.",
+        "Llama-3.2-1B shape (random weights), sp = 1, bf16, sdpa, tiled MLP + tiled loss + activation checkpointing.",
+        "",
+        "| tokens | CPU offload | params | tokens/s | max_memory_allocated | loss | failure |",
+        "|---|---|---|---|---|---|---|",
+        *rows,
+    ]
+    with open(OUT, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))  # noqa: T201 - a script's report
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

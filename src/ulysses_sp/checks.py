@@ -1,0 +1,28 @@
+"""The validation vocabulary every component uses: one checker per kind of value, one wording.
+
+Checks run before any collective (DESIGN.md: validate early) and raise ``ValueError`` naming the
+value and what was expected, so the same bad input gets the same message from the config, the
+mesh, the data adapter, the tiling and the CLI. The base of the import graph: imports nothing of
+ours.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def positive_int(name: str, value: Any, *, minimum: int = 1) -> int:
+    """Return ``value`` if it is an ``int >= minimum`` (``bool`` is refused: ``True`` as a size is a
+    mistake); else raise ``ValueError``: ``"{name} must be a positive int, got 1.5 (float)"`` or
+    ``"{name} must be >= 1, got 0"``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ValueError(f"{name} must be {kind}, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def optional_positive_int(name: str, value: Any, *, minimum: int = 1) -> int | None:
+    """``positive_int`` that lets ``None`` ("not set" / "auto") through."""
+    return None if value is None else positive_int(name, value, minimum=minimum)

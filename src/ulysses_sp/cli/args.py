@@ -1,0 +1,187 @@
+"""The ``ulysses-sp`` argument parser: the ``train`` / ``eval`` / ``plan`` flags, and ``TrainConfig``
+from defaults <- ``--config`` JSON <- the flags given. Pure: no processes, no environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ..checks import positive_int
+
+DEFAULT_TIMEOUT_S = 300.0
+LAUNCH_KEYS = ("nproc", "timeout")
+
+
+def _tiles(value: str) -> str | int:
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tiles or 'auto', got {value!r}") from None
+    try:
+        return positive_int("number of tiles", n)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _attn_chunk(value: str) -> int | None:
+    """``"auto"`` -> ``None``; otherwise a positive number of tokens."""
+    if value == "auto":
+        return None
+    try:
+        return positive_int("--attn-chunk", int(value))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive number of tokens or 'auto', got {value!r}"
+        ) from None
+
+
+def _betas(value: str) -> tuple[float, float]:
+    """``"B1,B2"`` -> ``(B1, B2)``; the range is checked with the other settings (``check_recipe``)."""
+    try:
+        b1, b2 = (float(v) for v in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected two numbers B1,B2 (e.g. 0.9,0.95), got {value!r}"
+        ) from None
+    return b1, b2
+
+
+def _add_launch_args(p: argparse.ArgumentParser) -> None:
+    s = argparse.SUPPRESS
+    p.add_argument(
+        "--nproc", type=int, default=s, help="local processes to launch (dp = nproc / sp); default 2"
+    )
+    p.add_argument("--timeout", type=float, default=s,
+                   help=f"collective timeout in seconds: a dead rank fails the others after it (default {DEFAULT_TIMEOUT_S:g})")  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    s = argparse.SUPPRESS  # only flags actually given override --config and the defaults
+    parser = argparse.ArgumentParser(
+        prog="ulysses-sp", description="Ulysses sequence-parallel training for HF models"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train a model (default: the embedded recall task)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    t.add_argument("--config", default=s, help="JSON file with any of these options (flags override it)")
+    t.add_argument(
+        "--model", default=s, help="preset (tiny-llama, tiny-qwen2, tiny-mistral) or local HF model dir"
+    )
+    t.add_argument("--data", default=s, help="'recall' or a local .txt/.jsonl file or directory")
+    t.add_argument(
+        "--tokenizer", default=s, help="tokenizer directory (default: the model's, else byte-level)"
+    )
+    t.add_argument("--seq-len", type=int, default=s, help="tokens per sample (default 256)")
+    t.add_argument("--sp", type=int, default=s, help="sequence-parallel size (default 2)")
+    _add_launch_args(t)
+    t.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=s, help="ZeRO stage (default 0)")
+    t.add_argument(
+        "--micro-batch-size", type=int, default=s, help="samples per micro-step per dp replica (default 8)"
+    )
+    t.add_argument("--grad-accum", type=int, default=s, help="micro-steps per optimizer step (default 1)")
+    t.add_argument("--steps", type=int, default=s, help="optimizer steps (default 300)")
+    t.add_argument("--lr", type=float, default=s, help="peak learning rate (default 1e-2)")
+    t.add_argument("--warmup-steps", type=int, default=s, help="warmup steps (default min(20, steps/10))")
+    t.add_argument("--warmup-ratio", type=float, default=s,
+                   help="warmup as a fraction of --steps, ceil(ratio*steps); instead of --warmup-steps")  # fmt: skip
+    t.add_argument("--weight-decay", type=float, default=s, help="AdamW weight decay (default 0)")
+    t.add_argument("--betas", type=_betas, default=s, metavar="B1,B2", help="AdamW betas (default 0.9,0.95)")
+    t.add_argument("--grad-clip", type=float, default=s, help="max gradient norm, 0 = off (default 1.0)")
+    t.add_argument(
+        "--seed", type=int, default=s, help="seed for init, data order, recall samples (default 0)"
+    )
+    t.add_argument(
+        "--attn", default=s, help="core attention: sdpa, eager, flash_attention_2, ... (default sdpa)"
+    )
+    t.add_argument("--output-dir", default=s, help="checkpoints go here (default runs/ulysses-sp)")
+    t.add_argument("--save-every", type=int, default=s, help="checkpoint every N steps; 0 = at the end only")
+    t.add_argument("--resume", nargs="?", const="latest", default=s,
+                   help="resume the newest checkpoint in --output-dir, or the given checkpoint/run dir")  # fmt: skip
+    t.add_argument("--overwrite", action="store_true", default=s, help="replace another run's checkpoints")
+    t.add_argument("--metrics-file", default=s, help="JSONL metrics (default <output-dir>/metrics.jsonl)")
+    t.add_argument("--tiled-mlp", nargs="?", const="auto", type=_tiles, default=s, help="tiled MLP [N tiles]")
+    t.add_argument(
+        "--tiled-loss", nargs="?", const="auto", type=_tiles, default=s, help="tiled logits+loss [N tiles]"
+    )
+    t.add_argument(
+        "--activation-checkpointing", action="store_true", default=s, help="recompute layers in backward"
+    )
+    t.add_argument("--offload-activations", action="store_true", default=s,
+                   help="checkpointed layer inputs to host memory (needs --activation-checkpointing)")  # fmt: skip
+    t.add_argument("--no-progress", dest="progress", action="store_false", default=s, help="no progress bar")
+    t.add_argument("--attn-chunk", type=_attn_chunk, default=s, metavar="N|auto",
+                   help="tokens per block of the blockwise attention core (sdpa; default auto)")  # fmt: skip
+    t.add_argument("--offload-attention", action="store_true", default=s,
+                   help="Ulysses-Offload: attention K/V on the host between forward and backward (sdpa)")  # fmt: skip
+    t.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=s,
+                   help="compute dtype; bf16/fp16 keep fp32 master weights and optimizer state (default fp32)")  # fmt: skip
+    t.add_argument("--cpu-offload", action="store_true", default=s,
+                   help="parameters, gradients and optimizer step in host memory (needs --zero-stage 3)")  # fmt: skip
+    t.add_argument("--save-dtype", choices=("fp32", "bf16", "fp16"), default=s,
+                   help="dtype of the exported HF weights (default: the fp32 master weights)")  # fmt: skip
+    t.add_argument("--memory", default=s, help="memory budget per rank for the fit check, e.g. 20GB "
+                   "(default: the accelerator's memory; CPU: available host memory / local ranks)")  # fmt: skip
+    t.add_argument(
+        "--force", action="store_true", default=s, help="start even if the planner predicts no fit"
+    )
+    t.add_argument("--profile-comm", action="store_true", default=s,
+                   help="time collectives (device syncs): comm_s, dp_comm_s, compute_s per metrics line")  # fmt: skip
+    t.add_argument("--zero-partition", choices=("data_parallel", "all"), default=s,
+                   help="ZeRO partitions over the DP axis or all dp*sp ranks (default data_parallel)")  # fmt: skip
+    from .evaluate import add_data_args
+
+    add_data_args(t, s)
+    t.add_argument("--max-nonfinite-steps", type=int, default=s,
+                   help="skip up to N steps in a row with a non-finite loss/gradient, then stop (default 3)")  # fmt: skip
+    t.add_argument("--save-on-signal", type=float, nargs="?", const=60.0, default=s, metavar="SECONDS",
+                   help="on SIGTERM, save a checkpoint within SECONDS (default 60) before stopping")  # fmt: skip
+    t.add_argument("--allow-data-change", action="store_true", default=s,
+                   help="--resume although the data's fingerprint differs from the checkpoint's")  # fmt: skip
+
+    from .evaluate import add_eval_args
+
+    e = sub.add_parser("eval", help="evaluate checkpoints: loss, accuracy, per-position loss (JSON + PNG)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    add_eval_args(e)
+    _add_launch_args(e)
+
+    from .plan import add_plan_args
+
+    pl = sub.add_parser("plan", help="predict memory and speed per setting; recommend a train command line",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    add_plan_args(pl)
+    return parser
+
+
+def _load_json_config(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--config {path!r}: {e}") from e
+    if not isinstance(values, dict):
+        raise ValueError(f"--config {path!r}: expected a JSON object, got {type(values).__name__}")
+    return {k.replace("-", "_"): v for k, v in values.items()}
+
+
+def train_options(ns: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """``(TrainConfig, launch options)`` from defaults <- ``--config`` JSON <- given flags."""
+    from ..train_setup import config_from_dict
+
+    given = {k: v for k, v in vars(ns).items() if k != "command"}
+    values = _load_json_config(given.pop("config")) if "config" in given else {}
+    values.update(given)
+    for name in ("tiled_mlp", "tiled_loss"):
+        if name in values and not isinstance(values[name], bool):
+            tiles = values[name]
+            values[name] = tiles is not None
+            values[f"{name}_shards"] = None if tiles in (None, "auto") else int(tiles)
+    if values.get("attn_chunk") == "auto":  # a --config file may say "auto" too
+        values["attn_chunk"] = None
+    launch = {k: values.pop(k) for k in LAUNCH_KEYS if k in values}
+    return config_from_dict(values), launch

@@ -1,0 +1,8 @@
+"""Integrations with other training front-ends (optional extra ``ulysses-sp[hf]``).
+
+- ``integrations.transformers``: sequence parallelism inside ``transformers.Trainer`` and TRL's
+  ``SFTTrainer`` (any ``Trainer`` subclass), without DeepSpeed: ``prepare(trainer, sp_size=P)``.
+
+Importing this package imports nothing else (``transformers``, ``accelerate``, ``trl`` and ``peft``
+are imported by the submodule that uses them).
+"""

@@ -1,0 +1,215 @@
+"""Ulysses sequence parallelism inside ``transformers.Trainer`` and TRL's ``SFTTrainer``, no DeepSpeed.
+
+One call turns an existing trainer script sequence-parallel::
+
+    trainer = SFTTrainer(model=model, args=args, train_dataset=ds, eval_dataset=eval_ds)
+    prepare(trainer, sp_size=2)          # the one new line
+    trainer.train()
+
+Launch as before (``torchrun --nproc-per-node W script.py``); ``W / sp_size`` ranks are data
+parallel. ``prepare`` builds the ``(dp, sp)`` layout over the process group the Trainer's
+``TrainingArguments`` started, registers ``UlyssesSPAttentionHF`` and points the model at it
+(a PEFT/LoRA model too: only its adapter weights train, its checkpoints are the adapter's usual
+files), and puts ``SPTrainerMixin`` in front of the trainer's class: train, eval and test loaders go
+through the SP data adapter, the loss is the SP causal-LM loss normalised exactly as the Trainer
+normalises the model's own, and the Trainer's own DDP or FSDP (through accelerate) reduces the
+gradients (see ``_trainer``'s module docstring for why that is the sum over SP and the mean over DP).
+
+What changes for the user: each rank runs ``sp_size`` times as many micro-steps per epoch (an SP
+group shares its ranks' batches), so ``gradient_accumulation_steps * sp_size`` keeps the global batch
+of a run without SP on the same number of processes.
+
+Refused, with the fix in the message (``ValueError`` on every rank, before any collective): a
+Trainer with DeepSpeed or with accelerate's own sequence/context/tensor parallelism, single-process
+multi-GPU ``DataParallel``, an attention implementation the SP attention cannot wrap, a custom
+``compute_loss_func``, label smoothing, TRL's ``loss_type="dft"`` or MoE auxiliary loss, ``compute_metrics`` (it needs full-sequence logits, which SP
+never gathers). Collator outputs the adapter cannot shard (left padding, a ``[B, S]`` tensor whose
+batch size differs, ...) raise at the first batch on every rank of the group.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..attention import UlyssesSPAttentionHF
+from ..checks import positive_int
+from ..core_attention import CORE_ATTENTIONS
+from ..mesh import SPMesh, init_mesh, require_process_group
+from ..registration import ATTN_NAME, SPRegistration
+from ._trainer import SPTrainerDataLoader, SPTrainerMixin
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SPTrainerDataLoader", "SPTrainerHandle", "SPTrainerMixin", "prepare"]
+
+
+class SPTrainerHandle:
+    """What ``prepare`` returns: the layout, the attention registration, and ``remove()``.
+
+    Attributes:
+        trainer: the prepared trainer (the same object, now an instance of the SP subclass).
+        mesh: the run's ``SPMesh`` (``mesh.sp_group``, ``mesh.dp_group``, ...).
+        registration: the ``mpu`` of ``register_with_transformers``.
+    """
+
+    def __init__(
+        self,
+        trainer: Any,
+        mesh: SPMesh,
+        registration: SPRegistration,
+        *,
+        pad_token_id: int,
+        strict: bool,
+    ) -> None:
+        self.trainer = trainer
+        self.mesh = mesh
+        self.registration = registration
+        self.pad_token_id = pad_token_id
+        self.strict = strict
+        self.own_eval_loss: Any = None
+        """During an eval round: the loss of the batch this rank loaded (see ``prediction_step``)."""
+        self._trainer_class = type(trainer)
+        trainer._ulysses_sp = self
+        # A subclass built per trainer (no module-level cache): the trainer's own overrides stay in
+        # force below the mixin's five, and ``remove`` restores the class.
+        cls = self._trainer_class
+        trainer.__class__ = type(f"SequenceParallel{cls.__name__}", (SPTrainerMixin, cls), {})
+
+    def remove(self) -> None:
+        """Undo ``prepare``: the trainer's class and the model's attention are restored."""
+        if getattr(self.trainer, "_ulysses_sp", None) is not self:
+            return
+        self.trainer.__class__ = self._trainer_class
+        del self.trainer._ulysses_sp
+        self.registration.remove()
+
+    def __repr__(self) -> str:
+        return f"SPTrainerHandle({self._trainer_class.__name__}, {self.mesh!r})"
+
+
+def prepare(
+    trainer: Any,
+    *,
+    sp_size: int,
+    core_attn_implementation: str | None = None,
+    strict: bool = False,
+) -> SPTrainerHandle:
+    """Make ``trainer`` (a ``transformers.Trainer`` or subclass, e.g. TRL's ``SFTTrainer``) train
+    and evaluate with Ulysses sequence parallelism over groups of ``sp_size`` ranks.
+
+    Call it after building the trainer and before ``train()`` / ``evaluate()``, on every rank.
+
+    Args:
+        trainer: the trainer; its model must be a transformers causal LM (or a PEFT model of one).
+        sp_size: ranks per sequence-parallel group ``P``; must divide the world size, the number
+            of attention heads, and (or be a multiple of) the number of kv heads.
+        core_attn_implementation: the attention run over the full sequence (``sdpa``, ``eager``,
+            ``flash_attention_2``/``_3``, ``flex_attention``); ``None`` keeps the model's own.
+        strict: refuse a sequence length not divisible by ``sp_size`` instead of padding it.
+
+    Returns:
+        An ``SPTrainerHandle``; ``handle.remove()`` undoes the preparation.
+
+    Raises:
+        ValueError: the trainer's configuration cannot run with SP (the message says what to
+            change), or the sizes do not fit (it names them).
+    """
+    positive_int("sp_size", sp_size)
+    if isinstance(trainer, SPTrainerMixin):
+        raise ValueError("this trainer is prepared for sequence parallelism already")
+    model = getattr(trainer, "model", None)
+    core = core_attn_implementation or _model_attention(model)
+    _check_trainer(trainer, core)
+    require_process_group("ulysses_sp.integrations.transformers.prepare")
+    mesh = init_mesh(sp_size=sp_size)
+    registration = UlyssesSPAttentionHF.register_with_transformers(
+        model,
+        core,
+        sp_size,
+        trainer.args.per_device_train_batch_size,
+        mesh=mesh,
+    )
+    logger.info("sequence parallelism in %s: %r, core attention %r", type(trainer).__name__, mesh, core)
+    return SPTrainerHandle(trainer, mesh, registration, pad_token_id=_pad_token_id(trainer), strict=strict)
+
+
+def _model_attention(model: Any) -> str:
+    """The model's attention implementation, if the SP attention can run it over the full sequence."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "num_attention_heads"):
+        raise ValueError(
+            f"trainer.model is a {type(model).__name__}, not a transformers model with a config: "
+            "sequence parallelism needs a transformers causal LM (or a PEFT model of one)"
+        )
+    impl = getattr(config, "_attn_implementation", None) or "eager"
+    if impl == ATTN_NAME:
+        raise ValueError(
+            f"the model already uses attn_implementation={ATTN_NAME!r}; load it with its core attention "
+            f"(one of {list(CORE_ATTENTIONS)}) or pass core_attn_implementation="
+        )
+    if impl not in CORE_ATTENTIONS:
+        raise ValueError(
+            f"attn_implementation={impl!r} cannot run inside Ulysses sequence parallelism; load the model "
+            f"with attn_implementation='sdpa' (or one of {list(CORE_ATTENTIONS)}), or pass "
+            "core_attn_implementation='sdpa' to prepare()"
+        )
+    return impl
+
+
+def _check_trainer(trainer: Any, core: str) -> None:
+    """Refuse what cannot run with SP; every rank sees the same configuration, so every rank raises."""
+    if core not in CORE_ATTENTIONS:
+        raise ValueError(f"core_attn_implementation={core!r}; choose one of {list(CORE_ATTENTIONS)}")
+    args = trainer.args
+    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(args, "deepspeed", None):
+        raise ValueError(
+            "this Trainer is configured with DeepSpeed; ulysses-sp replaces DeepSpeed's Ulysses path: "
+            "remove `deepspeed=` from TrainingArguments (use `fsdp=` for sharded states, or DDP)"
+        )
+    pc = getattr(trainer.accelerator, "parallelism_config", None) or getattr(args, "parallelism_config", None)
+    if pc is not None:
+        sizes = {n: getattr(pc, f"{n}_size", 1) or 1 for n in ("sp", "cp", "tp")}
+        used = {n: s for n, s in sizes.items() if s > 1}
+        if used:
+            raise ValueError(
+                f"TrainingArguments.parallelism_config uses {used}: accelerate's own sequence/context/"
+                "tensor parallelism cannot be combined with ulysses-sp; remove parallelism_config "
+                "(prepare(trainer, sp_size=...) sets the sequence-parallel size)"
+            )
+    if args.n_gpu > 1:
+        raise ValueError(
+            f"n_gpu={args.n_gpu}: one process drives several GPUs (torch DataParallel); launch one process "
+            "per GPU with `torchrun --nproc-per-node N`"
+        )
+    if getattr(trainer, "compute_loss_func", None) is not None:
+        raise ValueError(
+            "a custom compute_loss_func would see only this rank's shard of each sequence; remove it "
+            "(ulysses-sp computes the exact causal-LM loss over the full sequence)"
+        )
+    if getattr(trainer, "label_smoother", None) is not None:
+        raise ValueError(
+            f"label_smoothing_factor={args.label_smoothing_factor} is not supported with sequence "
+            "parallelism; set label_smoothing_factor=0"
+        )
+    loss_type = getattr(args, "loss_type", None)  # TRL's SFTConfig
+    if loss_type not in (None, "nll") or getattr(trainer, "aux_loss_enabled", False):
+        what = f"loss_type={loss_type!r}" if loss_type not in (None, "nll") else "the MoE auxiliary loss"
+        raise ValueError(
+            f"{what} is not reproduced under sequence parallelism (the SP loss is the causal-LM "
+            "negative log-likelihood); set loss_type='nll' (and output_router_logits=False in the model config)"
+        )
+    if getattr(trainer, "compute_metrics", None) is not None:
+        raise ValueError(
+            "compute_metrics needs full-sequence logits, which sequence parallelism never gathers on one "
+            "rank; remove compute_metrics (the eval loss is computed with SP)"
+        )
+
+
+def _pad_token_id(trainer: Any) -> int:
+    """The id used to pad a length not divisible by ``sp_size`` (its label is ``-100`` anyway)."""
+    for source in (getattr(trainer, "processing_class", None), getattr(trainer.model, "config", None)):
+        pad = getattr(source, "pad_token_id", None)
+        if isinstance(pad, int):
+            return pad
+    return 0

@@ -1,0 +1,110 @@
+"""The planner's inputs: a model's shape (from a transformers config or a named shape) and one
+way to run it (``Settings``: layout, dtype, ZeRO stage, techniques, offload).
+
+Used by ``plan`` (the memory and time model), ``preflight`` (a training run's own settings) and
+``ulysses-sp plan`` (the candidates). Plain frozen dataclasses, no tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """The sizes of a decoder-only transformer that memory and time depend on."""
+
+    hidden: int
+    """``h``, the model width."""
+    intermediate: int
+    """``I``, the MLP width."""
+    layers: int
+    """``L``, decoder layers."""
+    heads: int
+    """``H``, query heads."""
+    kv_heads: int
+    """``Hkv``, key/value heads."""
+    head_dim: int
+    """``D``."""
+    vocab: int
+    """``V``, vocabulary (embedding rows)."""
+    tied: bool = False
+    """Input and output embeddings share one matrix."""
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> ModelShape:
+        """From a transformers ``PretrainedConfig`` (Llama, Qwen2, Mistral and their kin)."""
+        heads = config.num_attention_heads
+        return cls(
+            hidden=config.hidden_size, intermediate=config.intermediate_size, layers=config.num_hidden_layers,
+            heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, vocab=config.vocab_size,
+            tied=bool(getattr(config, "tie_word_embeddings", False)),
+        )  # fmt: skip
+
+    @property
+    def layer_params(self) -> int:
+        q, kv, h = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.hidden
+        return 2 * q * h + 2 * kv * h + 3 * h * self.intermediate + 2 * h
+
+    @property
+    def params(self) -> int:
+        """Parameter count (Llama layout: no biases; Qwen2's q/k/v biases are ignored, < 0.1 %)."""
+        return (
+            self.layers * self.layer_params + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+        )
+
+
+LLAMA_8B = ModelShape(
+    hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, head_dim=128, vocab=128256
+)
+"""Llama-3.1-8B (8.03e9 parameters)."""
+SHAPES = {"llama-8b": LLAMA_8B}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """One way to run: the layout and the ``ulysses-sp train`` settings that change memory or time."""
+
+    seq_len: int
+    """``S``, tokens per sample."""
+    micro_batch_size: int = 1
+    """``B``, samples per micro-step per dp replica."""
+    dp: int = 1
+    """Data-parallel size."""
+    sp: int = 1
+    """Sequence-parallel size ``P``."""
+    zero_stage: int = 0
+    """0-3, as ``--zero-stage``."""
+    partition: str = "data_parallel"
+    """ZeRO partitions over the DP axis or ``"all"`` dp*sp ranks."""
+    dtype: str = "fp32"
+    """Parameter/activation dtype: ``fp32`` (pure fp32 training) or ``bf16``/``fp16`` (mixed)."""
+    tiled_mlp: bool = False
+    tiled_mlp_shards: int | None = None
+    """``None``: auto, tiles of about ``h`` tokens."""
+    tiled_loss: bool = False
+    tiled_loss_shards: int | None = None
+    """``None``: auto, tiles of about ``h`` tokens."""
+    activation_checkpointing: bool = False
+    offload_activations: bool = False
+    """Checkpointed layer inputs on the host."""
+    offload_states: bool = False
+    """Gradients, optimizer state and master weights on the host (one layer's on the device)."""
+    attention: str = "sdpa"
+    """``sdpa``/``flash``: memory-efficient core attention (O(S) workspace); ``blockwise``: the same
+    in blocks, attention inputs offloaded (a setting of the attention engineers' branch)."""
+    device_type: str = "cuda"
+    """``cpu``: single-tensor AdamW; accelerators: multi-tensor (whole-shard workspace)."""
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.sp
+
+    @property
+    def shard(self) -> int:
+        """Ranks the ZeRO partitions span."""
+        return self.world if self.partition == "all" else self.dp

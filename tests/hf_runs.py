@@ -1,0 +1,195 @@
+"""Worker-side helpers for the HF Trainer / TRL tests: a real ``Trainer`` on a tiny model inside a
+harness pool worker (gloo, already-initialised process group), with or without sequence parallelism.
+
+accelerate takes the process group the harness started: it sees ``WORLD_SIZE`` > 1 with
+``use_cpu=True`` (multi-CPU), finds ``torch.distributed`` initialised and does not start another.
+Its state singletons are reset around each run, so runs in a long-lived worker do not leak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from models import tiny_model
+
+VOCAB = 259  # ulysses_sp's byte tokenizer
+
+
+@contextlib.contextmanager
+def accelerate_env() -> Iterator[None]:
+    """The launcher variables accelerate reads, for this worker's rank; restored afterwards."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    env = {
+        "RANK": str(dist.get_rank()),
+        "WORLD_SIZE": str(dist.get_world_size()),
+        "LOCAL_RANK": str(dist.get_rank()),
+        "LOCAL_WORLD_SIZE": str(dist.get_world_size()),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",  # unused: the process group exists already
+        "OMP_NUM_THREADS": "1",
+    }
+    prev = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    PartialState._reset_state()
+    try:
+        yield
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        PartialState._reset_state()
+        for k, v in prev.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def right_pad_collator(examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest sample: attention_mask marks real tokens, labels -100 on padding."""
+    s = max(len(e["input_ids"]) for e in examples)
+    ids = torch.full((len(examples), s), 256)
+    mask = torch.zeros((len(examples), s), dtype=torch.long)
+    labels = torch.full((len(examples), s), -100)
+    for i, e in enumerate(examples):
+        n = len(e["input_ids"])
+        ids[i, :n] = torch.tensor(e["input_ids"])
+        mask[i, :n] = 1
+        labels[i, :n] = torch.tensor(e.get("labels", e["input_ids"]))
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def token_rows(n: int, lengths: tuple[int, ...], seed: int) -> list[dict[str, list[int]]]:
+    """``n`` random byte sequences with lengths cycling through ``lengths``."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        {"input_ids": torch.randint(0, 256, (lengths[i % len(lengths)],), generator=g).tolist()}
+        for i in range(n)
+    ]
+
+
+def text_rows(n: int, seed: int, *, completion: bool) -> list[dict[str, str]]:
+    """Short texts (or prompt/completion pairs) of varied lengths."""
+    g = torch.Generator().manual_seed(seed)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+
+    def text(k: int) -> str:
+        return " ".join(words[int(i)] for i in torch.randint(0, len(words), (k,), generator=g))
+
+    rows = []
+    for i in range(n):
+        if completion:
+            rows.append({"prompt": text(2 + i % 3), "completion": text(1 + i % 2)})
+        else:
+            rows.append({"text": text(2 + i % 4)})
+    return rows
+
+
+def train_and_eval(
+    sp_size: int,
+    *,
+    kind: str = "plain",
+    steps: int = 3,
+    accum: int = 1,
+    lora: bool = False,
+    arch: str = "llama",
+    kv_heads: int | None = None,
+    token_weighted: bool = True,
+) -> dict[str, Any]:
+    """Train ``steps`` optimizer steps and evaluate once; return the per-step logs and the eval loss.
+
+    ``kind``: ``plain`` (Trainer, right-padded variable lengths), ``packed`` (SFTTrainer, BFD
+    packing = padding-free), ``completion`` (SFTTrainer, prompt/completion: completion-only loss).
+    ``sp_size=0`` means no ``prepare`` call (the oracle). ``token_weighted=False``: the Trainer's
+    per-batch-mean loss (what it does for models that take no ``num_items_in_batch``).
+    """
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    from ulysses_sp.integrations.transformers import prepare
+    from ulysses_sp.tasks.tokenizer import byte_tokenizer
+
+    model = tiny_model(arch, seed=0, vocab=VOCAB, kv_heads=kv_heads)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        torch.manual_seed(1)
+        with torch.no_grad():  # non-zero B so that every adapter weight has a gradient at step 1
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1)
+    common = dict(
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        max_steps=steps,
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=2,
+        gradient_accumulation_steps=accum,
+        learning_rate=1e-2,
+        logging_steps=1,
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    with accelerate_env(), tempfile.TemporaryDirectory() as out:
+        if kind == "plain":
+            args = TrainingArguments(output_dir=out, remove_unused_columns=False, **common)
+            train = Dataset.from_list(token_rows(24, (13, 20, 7, 16), seed=1))
+            evals = Dataset.from_list(token_rows(8, (11, 18), seed=2))
+            trainer = Trainer(
+                model=model,
+                args=args,
+                train_dataset=train,
+                eval_dataset=evals,
+                data_collator=right_pad_collator,
+            )
+        else:
+            from trl import SFTConfig, SFTTrainer
+
+            completion = kind == "completion"
+            args = SFTConfig(
+                output_dir=out,
+                packing=not completion,
+                max_length=40,
+                bf16=False,  # exact fp32 comparison (TRL defaults to bf16 autocast)
+                dataset_num_proc=None,
+                **common,
+            )
+            trainer = SFTTrainer(
+                model=model,
+                args=args,
+                processing_class=byte_tokenizer(),
+                train_dataset=Dataset.from_list(text_rows(32, 1, completion=completion)),
+                eval_dataset=Dataset.from_list(text_rows(8, 2, completion=completion)),
+            )
+        trainer.model_accepts_loss_kwargs = token_weighted
+        handle = prepare(trainer, sp_size=sp_size) if sp_size else None
+        name = type(trainer).__name__
+        trainer.train()
+        logs = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+        eval_loss = trainer.evaluate()["eval_loss"]
+        trained = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+        saved = []
+        if lora:  # rank 0 writes (each rank has its own temporary output_dir)
+            trainer.save_model(os.path.join(out, "adapter"))
+            if dist.get_rank() == 0:
+                saved = sorted(os.listdir(os.path.join(out, "adapter")))
+        if handle is not None:
+            handle.remove()
+        restored = (type(trainer).__name__, trainer.model.config._attn_implementation)
+    return {
+        "logs": logs,
+        "eval_loss": eval_loss,
+        "trained": trained,
+        "name": name,
+        "saved": saved,
+        "restored": restored,
+    }

@@ -1,0 +1,189 @@
+"""The planner: predicted peak vs the tracker's measurement on a grid of real training steps, the
+``ulysses-sp plan`` command and its JSON schema, the fit check before a run, and ``--profile-comm``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from dataclasses import replace
+
+import pytest
+
+from bench.plan_check import grid, measure_all, predict_case
+from ulysses_sp.cli.args import build_parser
+from ulysses_sp.cli.main import main
+from ulysses_sp.plan import max_seq_len, predict
+from ulysses_sp.plan_hw import DEVICES, parse_bytes
+from ulysses_sp.plan_inputs import LLAMA_8B, ModelShape, Settings
+
+CANDIDATE_KEYS = {"settings", "train_args", "peak_bytes_per_rank", "breakdown", "host_bytes_per_rank", "fits",
+                  "max_seq_len", "tokens_per_s", "comm_share"}  # fmt: skip
+
+
+# ---------------------------------------------------------------- truth: predicted vs measured
+def test_predicted_peak_is_within_10_percent_of_measured_on_20_settings(pool):
+    cases = grid()
+    assert len(cases) >= 20 and {c["model"] for c in cases} == {"tiny-llama", "tiny-qwen2"}
+    measured = pool.run(measure_all, 2, cases)[0]
+    for case, got in zip(cases, measured, strict=True):
+        pred = predict_case(case)
+        assert pred["trackable_bytes"] == pytest.approx(got["peak_bytes"], rel=0.10), case
+        assert pred["host_bytes"] == got["host_peak_bytes"], case  # offloaded checkpoints: exact
+        # --profile-comm's recorder saw the SP collectives and DDP's gradient reduction
+        assert (got["comm_s"] > 0) == (case["sp"] > 1), case
+        assert got["dp_comm_s"] > 0 and 0 < got["comm_share"] < 1, case
+
+
+# ---------------------------------------------------------------- the model's own logic
+def test_max_seq_len_is_the_longest_that_fits():
+    hw = DEVICES["h100"]
+    s = Settings(seq_len=8, sp=8, dp=1, zero_stage=3, partition="all", dtype="bf16", tiled_mlp=True,
+                 tiled_loss=True, activation_checkpointing=True, offload_activations=True)  # fmt: skip
+    n = max_seq_len(LLAMA_8B, s, hw)
+    assert n % 8 == 0 and n > 1_000_000
+    assert predict(LLAMA_8B, replace(s, seq_len=n), hw).peak_bytes <= hw.memory_bytes
+    assert predict(LLAMA_8B, replace(s, seq_len=n + 8), hw).peak_bytes > hw.memory_bytes
+
+
+def test_each_memory_technique_lowers_the_predicted_peak():
+    hw, s = DEVICES["h100"], Settings(seq_len=1 << 20, dtype="bf16", zero_stage=0)
+    ladder = [{}, {"tiled_loss": True}, {"tiled_mlp": True}, {"activation_checkpointing": True},
+              {"offload_activations": True}, {"offload_states": True}]  # fmt: skip
+    peaks = []
+    for step in ladder:
+        s = replace(s, **step)
+        peaks.append(predict(LLAMA_8B, s, hw).peak_bytes)
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == len(peaks)
+
+
+@pytest.mark.parametrize("gpus, published", [(1, 500_000), (8, 3_700_000), (32, 15_000_000)])
+def test_llama_8b_lengths_are_near_the_published_alst_points(gpus, published):
+    """ALST (arXiv 2506.13996): Llama-8B on 80 GB H100s, bf16, tiled MLP/loss, offloaded
+    checkpoints, model states on the host (1 GPU) / ZeRO-3 (8, 32 GPUs)."""
+    s = Settings(seq_len=gpus, sp=gpus, dtype="bf16", tiled_mlp=True, tiled_loss=True,
+                 activation_checkpointing=True, offload_activations=True, offload_states=True)  # fmt: skip
+    ratio = max_seq_len(LLAMA_8B, s, DEVICES["h100"]) / published
+    assert 0.75 < ratio < 1.25
+
+
+def test_parse_bytes_units_and_errors():
+    assert parse_bytes("80GB") == 80 * 10**9 and parse_bytes("2GiB") == 2 << 30 and parse_bytes("512") == 512
+    with pytest.raises(ValueError, match=r"--memory must be a size like 80GB.*'lots'"):
+        parse_bytes("lots")
+
+
+def test_model_shape_from_a_config_counts_the_parameters():
+    from ulysses_sp import tasks
+
+    model = tasks.build_model("tiny-qwen2", vocab_size=259, seed=0)
+    shape = ModelShape.from_hf_config(model.config)
+    biases = sum(p.numel() for n, p in model.named_parameters() if n.endswith("bias"))
+    assert shape.params == sum(p.numel() for p in model.parameters()) - biases
+
+
+# ---------------------------------------------------------------- ulysses-sp plan
+def _plan(capsys, *argv: str) -> dict:
+    main(["plan", *argv, "--json"])
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_json_schema_and_the_recommendation_is_the_fastest_fitting_train_command(capsys):
+    doc = _plan(capsys, "--model", "tiny-llama", "--device", "cpu", "--memory", "24MB", "--gpus", "2",
+                "--seq-len", "4096")  # fmt: skip
+    assert {"recommended", "candidates"} <= set(doc)
+    cands = doc["candidates"]
+    assert all(set(c) == CANDIDATE_KEYS for c in cands)
+    assert all(sum(c["breakdown"].values()) == c["peak_bytes_per_rank"] for c in cands)
+    assert all(v >= 0 for c in cands for v in c["breakdown"].values())
+    assert {c["fits"] for c in cands} == {True, False}  # the budget separates them
+    fitting = [c for c in cands if c["fits"]]
+    best = doc["recommended"]
+    assert best["fits"] and best["tokens_per_s"] == max(c["tokens_per_s"] for c in fitting)
+    # the command line is exactly the settings, and `ulysses-sp train` accepts it
+    args = best["train_args"]
+    assert args[:2] == ["ulysses-sp", "train"]
+    ns = build_parser().parse_args(args[1:])
+    assert ns.sp == best["settings"]["sp"] and ns.seq_len == 4096 and ns.nproc == 2
+    assert all(c["max_seq_len"] >= 4096 for c in fitting)
+
+
+def test_plan_max_recommends_the_longest_sequence_and_prints_a_table(capsys):
+    doc = _plan(capsys, "--model", "llama-8b", "--gpus", "8", "--dtype", "bf16", "--max")
+    best = doc["recommended"]
+    assert best["max_seq_len"] == max(c["max_seq_len"] for c in doc["candidates"] if c["fits"])
+    assert best["settings"]["seq_len"] == best["max_seq_len"]
+    main(["plan", "--model", "llama-8b", "--gpus", "8", "--dtype", "bf16"])
+    out = capsys.readouterr().out
+    assert "recommended: " in out and "ulysses-sp train --model llama-8b --sp " in out
+
+
+def test_plan_reports_when_nothing_fits(capsys):
+    doc = _plan(capsys, "--model", "tiny-llama", "--device", "cpu", "--memory", "1KB", "--seq-len", "64")
+    assert doc["recommended"] is None and not any(c["fits"] for c in doc["candidates"])
+
+
+def test_plan_bad_inputs(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--model", "tiny-llama", "--gpus", "0"])
+    assert exc.value.code == 2 and "--gpus" in capsys.readouterr().err
+    bad = tmp_path / "config.json"
+    bad.write_text("{}")
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", str(bad)])
+    assert "not a transformers config.json" in capsys.readouterr().err
+
+
+def test_plan_reads_a_config_json_file(capsys, tmp_path):
+    from ulysses_sp import tasks
+
+    path = tmp_path / "config.json"
+    path.write_text(tasks.preset_config("tiny-mistral", vocab_size=259).to_json_string())
+    doc = _plan(
+        capsys, "--model", str(path), "--device", "cpu", "--memory", "1GB", "--gpus", "2", "--seq-len", "64"
+    )
+    assert doc["recommended"]["settings"]["model"] == str(path)
+
+
+# ---------------------------------------------------------------- in every run
+def test_train_refuses_before_launch_when_the_prediction_exceeds_memory(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--memory", "1MB", "--output-dir", str(tmp_path / "r"), "--seq-len", "64"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert "predicted peak per rank" in err and "> 1,000,000 bytes (--memory)" in err and "--force" in err
+
+
+def test_force_turns_the_refusal_into_a_warning(caplog):
+    import torch
+
+    from ulysses_sp.preflight import check_fits, prediction
+    from ulysses_sp.train_checks import model_config
+    from ulysses_sp.train_setup import TrainConfig
+
+    cfg = TrainConfig(memory="1MB", force=True, seq_len=64)
+    pred = prediction(cfg, 2, model_config("tiny-llama", 259), torch.device("cpu"))
+    with caplog.at_level(logging.WARNING):
+        line = check_fits(cfg, pred, torch.device("cpu"))
+    assert "predicted peak per rank" in line and "--force" in caplog.text
+    with pytest.raises(ValueError, match=r"predicted peak per rank \d[\d,]* bytes > 1,000,000 bytes"):
+        check_fits(replace(cfg, force=False), pred, torch.device("cpu"))
+
+
+def test_profile_comm_adds_comm_times_to_every_metrics_line(tmp_path):
+    import subprocess
+
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ulysses_sp.cli.main", "train", "--model", "tiny-llama", "--seq-len", "32",
+         "--micro-batch-size", "2", "--steps", "2", "--nproc", "2", "--sp", "2", "--no-progress",
+         "--output-dir", str(out), "--profile-comm"],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "predicted peak per rank" in proc.stderr
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    for m in lines:
+        assert m["comm_s"] > 0 and m["dp_comm_s"] > 0 and m["compute_s"] > 0
+        assert m["comm_share"] == pytest.approx((m["comm_s"] + m["dp_comm_s"]) / (
+            m["comm_s"] + m["dp_comm_s"] + m["compute_s"]), rel=1e-6)  # fmt: skip
