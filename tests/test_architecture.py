@@ -13,8 +13,8 @@ SRC = pathlib.Path(__file__).resolve().parent.parent / "src" / "ulysses_sp"
 
 # Bottom to top; a module may import its own layer (without a cycle) and the ones below.
 LAYERS = [
-    {"checks", "_teardown"},
-    {"mesh"},
+    {"checks", "_teardown", "mesh_shape"},
+    {"mesh", "comm_timing"},
     {"comm"},
     {
         "masks",
