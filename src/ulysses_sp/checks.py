@@ -26,3 +26,16 @@ def positive_int(name: str, value: Any, *, minimum: int = 1) -> int:
 def optional_positive_int(name: str, value: Any, *, minimum: int = 1) -> int | None:
     """``positive_int`` that lets ``None`` ("not set" / "auto") through."""
     return None if value is None else positive_int(name, value, minimum=minimum)
+
+
+def read_text_file(flag: str, path: str) -> str:
+    """The UTF-8 contents of the file ``path`` given as ``flag`` (``--data``, ``--chat-template``);
+    ``ValueError`` naming both when it cannot be read or holds only whitespace."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            content = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{flag}: cannot read {path!r}: {e}") from e
+    if not content.strip():
+        raise ValueError(f"{flag}: {path!r} is empty")
+    return content

@@ -20,12 +20,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import checkpoint as ckpt
+from ..tasks import DataFlags
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
-class EvalConfig:
+class EvalConfig(DataFlags):
+    """The ``eval`` command's settings; the data flags (``DataFlags``) unset take the training run's."""
+
     models: tuple[str, ...] = ()
     """Checkpoint / model directories or presets; each becomes one curve."""
     data: str = "recall"
@@ -49,32 +52,6 @@ class EvalConfig:
     output_json: str = "eval.json"
     plot: str | None = "eval.png"
     """PNG path; ``None`` = no plot."""
-    # ---- fine-tuning data (as ``train``'s; unset: the training run's manifest, else these defaults)
-    data_format: str = "auto"
-    """``auto``, ``text``, ``chat`` or ``prompt-completion``."""
-    loss_on: str | None = None
-    """Tokens scored: ``all``, ``assistant``, ``completion``; ``None``: the format's default."""
-    chat_template: str | None = None
-    """A Jinja chat template file; ``None``: the tokenizer's own."""
-    packing: str | None = None
-    """``best-fit`` or ``none``; ``None``: as ``train``."""
-    long_samples: str = "truncate"
-    """Samples longer than ``seq_len``: ``truncate``, ``split`` or ``drop``."""
-    eval_split: float = 0.0
-    """With the training run's ``--eval-split`` and ``--seed``: evaluate exactly its held-out samples."""
-    data_cache: str | None = None
-    """Tokenization cache root; ``None``: ``~/.cache/ulysses-sp/data``."""
-    data_workers: int | None = None
-    """Tokenizing processes; ``None``: ``min(8, cpu count)``."""
-
-    def data_settings(self):
-        from ..tasks import DataSettings
-
-        return DataSettings(
-            data_format=self.data_format, loss_on=self.loss_on, chat_template=self.chat_template,
-            packing=self.packing, long_samples=self.long_samples, eval_split=self.eval_split,
-            cache_dir=self.data_cache, workers=self.data_workers,
-        )  # fmt: skip
 
 
 DATA_KEYS = ("data_format", "loss_on", "chat_template", "packing", "long_samples", "eval_split")

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..checks import read_text_file
+
 LOSS_ON = ("all", "assistant", "completion")
 _DEFAULT_LOSS_ON = {"text": "all", "chat": "assistant", "prompt-completion": "completion"}
 
@@ -41,16 +43,7 @@ def resolve_loss_on(fmt: str, loss_on: str | None) -> str:
 
 def read_chat_template(path: str | None) -> str | None:
     """The Jinja template in the file ``path`` (``--chat-template``), or ``None`` without one."""
-    if path is None:
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            template = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"--chat-template {path!r}: cannot read it: {e}") from e
-    if not template.strip():
-        raise ValueError(f"--chat-template {path!r} is empty")
-    return template
+    return None if path is None else read_text_file("--chat-template", path)
 
 
 def chat_template_of(tokenizer, template: str | None) -> str:

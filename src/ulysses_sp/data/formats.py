@@ -24,6 +24,8 @@ import os
 import re
 from typing import Any
 
+from ..checks import read_text_file
+
 FORMATS = ("auto", "text", "chat", "prompt-completion")
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".txt": "txt"}
 REQUIRED = {"text": ("text",), "chat": ("messages",), "prompt-completion": ("prompt", "completion")}
@@ -95,17 +97,7 @@ def fingerprint(path: str) -> str:
 def _read_txt(files: list[str]):
     from datasets import Dataset
 
-    docs = []
-    for f in files:
-        try:
-            with open(f, encoding="utf-8") as fh:
-                text = fh.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"--data: cannot read {f!r}: {e}") from e
-        if not text.strip():
-            raise ValueError(f"--data: {f!r} is empty")
-        docs.append(text)
-    return Dataset.from_dict({"text": docs})
+    return Dataset.from_dict({"text": [read_text_file("--data", f) for f in files]})
 
 
 def _read_arrow(files: list[str]):

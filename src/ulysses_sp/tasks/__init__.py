@@ -19,7 +19,7 @@ from torch.utils.data import Dataset
 
 from .presets import PRESETS, build_model, check_model_dir, is_preset, preset_config
 from .recall import CHANCE_LOSS, RecallDataset, recall_sample, recall_start
-from .text import DataSettings, TextBlockDataset, build_local_dataset, data_summary
+from .text import DataFlags, DataSettings, TextBlockDataset, build_local_dataset, data_summary
 from .tokenizer import VOCAB_SIZE, byte_tokenizer
 
 RECALL = "recall"
@@ -28,6 +28,7 @@ EVAL_SEED_OFFSET = 1_000_000_007
 
 __all__ = [
     "CHANCE_LOSS",
+    "DataFlags",
     "DataSettings",
     "PRESETS",
     "RECALL",

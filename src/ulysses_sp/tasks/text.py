@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Dataset, Subset
 
-from ..checks import positive_int
+from ..checks import positive_int, read_text_file
 from ..data import formats
 from ..data.cache import default_cache_dir, tokenized_corpus
 from ..data.chat import chat_template_of, read_chat_template, resolve_loss_on, tokenize_record
@@ -51,13 +51,7 @@ def list_text_files(path: str) -> list[str]:
 
 def read_documents(path: str) -> list[str]:
     """Read the documents of one file; ``ValueError`` if unreadable, empty or malformed."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            content = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"--data: cannot read {path!r}: {e}") from e
-    if not content.strip():
-        raise ValueError(f"--data: {path!r} is empty")
+    content = read_text_file("--data", path)
     if path.endswith(".txt"):
         return [content]
     docs = []
@@ -127,6 +121,33 @@ class DataSettings:
     """Tokenizing processes; ``None``: ``min(8, cpu count)``."""
     progress: bool = False
     """A progress bar while tokenizing."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataFlags:
+    """The fine-tuning data flags as config fields, one definition for the ``train`` and ``eval``
+    configs (``TrainConfig``, ``EvalConfig`` inherit it); ``data_settings()`` turns them into a
+    ``DataSettings``. Defaults and meanings are ``DataSettings``'s."""
+
+    data_format: str = "auto"
+    loss_on: str | None = None
+    chat_template: str | None = None
+    packing: str | None = None
+    long_samples: str = "truncate"
+    eval_split: float = 0.0
+    """With ``eval``: the training run's ``--eval-split`` (and ``--seed``) evaluates exactly its held-out samples."""
+    data_cache: str | None = None
+    """``DataSettings.cache_dir``."""
+    data_workers: int | None = None
+    """``DataSettings.workers``."""
+
+    def data_settings(self, *, progress: bool = False) -> DataSettings:
+        """The data flags as ``DataSettings``."""
+        return DataSettings(
+            data_format=self.data_format, loss_on=self.loss_on, chat_template=self.chat_template,
+            packing=self.packing, long_samples=self.long_samples, eval_split=self.eval_split,
+            cache_dir=self.data_cache, workers=self.data_workers, progress=progress,
+        )  # fmt: skip
 
 
 def _legacy_text(path: str, settings: DataSettings) -> bool:
