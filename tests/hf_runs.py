@@ -101,6 +101,7 @@ def train_and_eval(
     arch: str = "llama",
     kv_heads: int | None = None,
     token_weighted: bool = True,
+    ring_size: int | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` optimizer steps and evaluate once; return the per-step logs and the eval loss.
 
@@ -171,7 +172,7 @@ def train_and_eval(
                 eval_dataset=Dataset.from_list(text_rows(8, 2, completion=completion)),
             )
         trainer.model_accepts_loss_kwargs = token_weighted
-        handle = prepare(trainer, sp_size=sp_size) if sp_size else None
+        handle = prepare(trainer, sp_size=sp_size, ring_size=ring_size) if sp_size else None
         name = type(trainer).__name__
         trainer.train()
         logs = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]

@@ -18,9 +18,10 @@ from harness import WorkerError
 from models import global_batch, reference_loss, shift, tiny_model
 from oracle import assert_step_close
 
-from ulysses_sp.attention import UlyssesSPAttentionHF, check_heads, valid_sp_sizes
+from ulysses_sp.attention import UlyssesSPAttentionHF
 from ulysses_sp.loss import sp_causal_lm_loss
 from ulysses_sp.mesh import init_mesh
+from ulysses_sp.mesh_shape import check_heads, valid_sp_sizes
 from ulysses_sp.offload import enable_activation_checkpointing
 
 B, S = 2, 16

@@ -68,6 +68,14 @@ def test_sft_trainer_sp2_packed_batches_equal_sft_without_sp(pool):
 
 
 @pytest.mark.slow
+def test_sft_trainer_ring2_packed_batches_equal_sft_without_sp(pool):
+    """The hybrid layout from the Trainer: sp 2 as a ring of 2 (zigzag shards, K/V around the ring)."""
+    ref = pool.run(train_and_eval, 2, 0, kind="packed", accum=1)
+    sp = pool.run(train_and_eval, 2, 2, kind="packed", accum=2, ring_size=2)
+    _assert_same_run(sp, ref)
+
+
+@pytest.mark.slow
 def test_sft_trainer_sp2_completion_only_loss_equals_sft_without_sp(pool):
     """Prompt/completion data: TRL masks the prompt tokens; the mask survives the sharding."""
     ref = pool.run(train_and_eval, 2, 0, kind="completion", accum=1)

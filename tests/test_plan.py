@@ -187,3 +187,19 @@ def test_profile_comm_adds_comm_times_to_every_metrics_line(tmp_path):
         assert m["comm_s"] > 0 and m["dp_comm_s"] > 0 and m["compute_s"] > 0
         assert m["comm_share"] == pytest.approx((m["comm_s"] + m["dp_comm_s"]) / (
             m["comm_s"] + m["dp_comm_s"] + m["compute_s"]), rel=1e-6)  # fmt: skip
+
+
+def test_plan_goes_beyond_the_head_count_with_a_ring(capsys, tmp_path):
+    from transformers import LlamaConfig
+
+    path = tmp_path / "config.json"  # 2 heads: Ulysses alone stops at sp 2
+    path.write_text(LlamaConfig(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=2, num_key_value_heads=2).to_json_string())  # fmt: skip
+    doc = _plan(capsys, "--model", str(path), "--device", "cpu", "--memory", "1GB", "--gpus", "4", "--seq-len", "64")
+    sp4 = [c for c in doc["candidates"] if c["settings"]["sp"] == 4]
+    assert sp4 and all(c["settings"]["ring_size"] == 2 for c in sp4)
+    args = sp4[0]["train_args"]
+    assert args[args.index("--ring-size") + 1] == "2"
+    assert build_parser().parse_args(args[1:]).ring_size == 2
+    sp2 = [c for c in doc["candidates"] if c["settings"]["sp"] == 2]
+    assert sp2 and all("ring_size" not in c["settings"] for c in sp2)

@@ -15,7 +15,7 @@ _EXPORTS = {
     "Mpu": "mesh",
     "init_mesh": "mesh",
     "shutdown": "mesh",
-    "data_parallel_world_size": "mesh",
+    "data_parallel_world_size": "mesh_shape",
     "UlyssesSPAttentionHF": "attention",
     "sp_causal_lm_loss": "loss",
     "UlyssesSPDataLoaderAdapter": "data",

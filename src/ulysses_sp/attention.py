@@ -42,41 +42,19 @@ from .core_attention import (
     CORE_ATTENTIONS,
     attention_path,
     check_blockwise_options,
+    check_ring_options,
     core_function,
     run_blockwise,
+    run_ring,
     structure_for,
     warn_dense,
 )
 from .masks import SeqLayout, gather_positions, mask_for
 from .mesh import SPMesh, as_sp_mesh, init_mesh, require_process_group
+from .mesh_shape import check_heads, resolve_ring_size, sp_token_order
 from .registration import SPRegistration, model_and_config
 
 logger = logging.getLogger(__name__)
-
-
-def valid_sp_sizes(num_heads: int, num_kv_heads: int) -> list[int]:
-    """SP sizes that split ``num_heads`` query heads and ``num_kv_heads`` kv heads evenly
-    (kv heads either split, or replicated when fewer than ``P``)."""
-    return [
-        p
-        for p in range(1, num_heads + 1)
-        if num_heads % p == 0 and (num_kv_heads % p == 0 or p % num_kv_heads == 0)
-    ]
-
-
-def check_heads(num_heads: int, num_kv_heads: int, sp_size: int) -> None:
-    """Raise ``ValueError`` naming the numbers when the heads cannot be split over ``sp_size``."""
-    if num_heads % sp_size == 0 and (num_kv_heads % sp_size == 0 or sp_size % num_kv_heads == 0):
-        return
-    what = (
-        f"num_attention_heads ({num_heads}) is not divisible by sequence_parallel_size ({sp_size})"
-        if num_heads % sp_size
-        else f"num_key_value_heads ({num_kv_heads}) neither divides nor is divisible by "
-        f"sequence_parallel_size ({sp_size})"
-    )
-    raise ValueError(
-        f"{what}; valid sequence_parallel_size values: {valid_sp_sizes(num_heads, num_kv_heads)}"
-    )
 
 
 @dataclass
@@ -118,6 +96,8 @@ class UlyssesSPAttentionHF:
         disable_in_eval: bool = False,
         attn_chunk: int | None = None,
         offload_attention: bool = False,
+        ulysses_group: dist.ProcessGroup | None = None,
+        ring_group: dist.ProcessGroup | None = None,
     ) -> None:
         if core_attn_implementation not in CORE_ATTENTIONS:
             raise ValueError(
@@ -137,6 +117,18 @@ class UlyssesSPAttentionHF:
         """The path the most recent call ran (``core_attention.attention_path``)."""
         self.sp_group = sp_group
         self.sp_size = dist.get_world_size(sp_group)
+        self.ulysses_group = sp_group if ulysses_group is None else ulysses_group
+        """The all-to-all group: the SP group, or its Ulysses sub-group in the hybrid layout."""
+        self.ring_group = ring_group
+        """The hybrid layout's ring sub-group (K/V passing), or ``None``."""
+        self.ring_size = 1 if ring_group is None else dist.get_world_size(ring_group)
+        self.ulysses_size = dist.get_world_size(self.ulysses_group)
+        check_ring_options(core_attn_implementation, self.ring_size, offload_attention)
+        if self.ring_size * self.ulysses_size != self.sp_size:
+            raise ValueError(
+                f"ring group size ({self.ring_size}) x ulysses group size ({self.ulysses_size}) != "
+                f"sp group size ({self.sp_size}); pass the groups of one SPMesh (init_mesh(ring_size=...))"
+            )
         self.core = core_attn_implementation
         self.seq_length = seq_length
         self.seq_length_is_variable = seq_length_is_variable
@@ -173,7 +165,10 @@ class UlyssesSPAttentionHF:
             expected = None if self.seq_length_is_variable else self.max_length or self.seq_length
             positions = gather_positions(
                 position_ids, self.sp_group, batch=batch, expected_len=expected
-            )  # [B|1, S]
+            )  # [B|1, S] in SP-rank order
+            order = sp_token_order(positions.shape[-1], self.sp_size, self.ring_size)
+            if order is not None:  # zigzag shards (ring): back to global order
+                positions = positions.new_empty(positions.shape).index_copy_(-1, order.to(positions.device), positions)
         else:
             positions = position_ids
         layout = SeqLayout.from_positions(positions)
@@ -200,22 +195,30 @@ class UlyssesSPAttentionHF:
         b, h, s_local, _ = query.shape
         hkv = key.shape[1]
         if sp:
-            check_heads(h, hkv, self.sp_size)
+            check_heads(h, hkv, self.ulysses_size)
         layout = self._seq_layout(kwargs.pop("position_ids", None), s_local, b, query.device, sp)
         self.calls += 1
         self.last_seq_len = layout.seq_len
         kwargs.pop("is_causal", None)
-        if sp:
-            p = self.sp_size
+        a2a = sp and self.ulysses_size > 1
+        if a2a:  # P below is the Ulysses size U (= sp size without a ring); S the ring rank's S/R tokens
+            p = self.ulysses_size
             if hkv < p:
                 # [B, Hkv, S_l, D] -> [B, P, S_l, D]: rank j will receive the kv head its queries use.
                 key = key.repeat_interleave(p // hkv, dim=1)
                 value = value.repeat_interleave(p // hkv, dim=1)
             # one all-to-all: [B, H, S_l, D] -> [B, H_l, S, D], [B, Hkv|P, S_l, D] -> [B, Hkv_l, S, D]
-            query, key, value = qkv_seq_to_heads(query, key, value, self.sp_group)
-        out = self._core(module, query, key, value, layout, args, kwargs)  # [B, S, H_l, D]
-        if sp:
-            out = heads_to_seq(out, self.sp_group, head_dim=2, seq_dim=1)  # [B, S, H_l, D] -> [B, S_l, H, D]
+            query, key, value = qkv_seq_to_heads(query, key, value, self.ulysses_group)
+        if sp and self.ring_size > 1:  # K/V around the ring: [B, H_l, S/R, D] -> [B, S/R, H_l, D]
+            structure = self._per_forward(layout, ("ring", kwargs.get("sliding_window")),
+                                          lambda: structure_for(layout, kwargs.get("sliding_window")))  # fmt: skip
+            self.last_path = "ring"
+            out = run_ring(module, query, key, value, structure, kwargs, group=self.ring_group,
+                           chunk=self.attn_chunk, counts=self.block_counts)  # fmt: skip
+        else:
+            out = self._core(module, query, key, value, layout, args, kwargs)  # [B, S, H_l, D]
+        if a2a:
+            out = heads_to_seq(out, self.ulysses_group, head_dim=2, seq_dim=1)  # [B, S, H_l, D] -> [B, S_l, H, D]
         return out, None
 
     def _core(self, module, q, k, v, layout: SeqLayout, args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
@@ -279,6 +282,7 @@ class UlyssesSPAttentionHF:
         mesh: SPMesh | DeviceMesh | None = None,
         attn_chunk: int | None = None,
         offload_attention: bool = False,
+        ring_size: int | str | None = None,
     ) -> SPRegistration:
         """Build the SP groups, register Ulysses attention with transformers, and return an ``mpu``.
 
@@ -303,6 +307,11 @@ class UlyssesSPAttentionHF:
             offload_attention: Ulysses-Offload (sdpa only): every sequence through the blockwise
                 core, the full-sequence K/V kept on the host between forward and backward and
                 streamed back chunk by chunk.
+            ring_size: hybrid Ulysses x Ring: the SP axis factors into ``ring_size`` ring groups of
+                ``sequence_parallel_size / ring_size`` Ulysses ranks (K/V passed around the ring,
+                zigzag token layout: the data adapter shards accordingly). ``None``/``"auto"``: 1
+                when the heads allow Ulysses alone, else the smallest ring size that makes them
+                split (with a given ``mesh``: the mesh's ring size). Cores ``sdpa``/``eager``.
 
         Returns:
             An ``SPRegistration``: an ``Mpu`` (``get_sequence_parallel_group()`` ...) that
@@ -317,10 +326,11 @@ class UlyssesSPAttentionHF:
         model, config = model_and_config(model_name_or_path)
         num_heads = config.num_attention_heads
         num_kv = getattr(config, "num_key_value_heads", None) or num_heads
-        check_heads(num_heads, num_kv, sequence_parallel_size)
+        ring = resolve_ring_size(sequence_parallel_size, num_heads, num_kv, ring_size)
         check_blockwise_options(core_attn_implementation, attn_chunk, offload_attention)
+        check_ring_options(core_attn_implementation, ring, offload_attention)
         if mesh is None:
-            mesh = init_mesh(sp_size=sequence_parallel_size)
+            mesh = init_mesh(sp_size=sequence_parallel_size, ring_size=ring)
         else:
             mesh = as_sp_mesh(mesh)
             if mesh.sp_size != sequence_parallel_size:
@@ -328,6 +338,10 @@ class UlyssesSPAttentionHF:
                     f"sequence_parallel_size ({sequence_parallel_size}) disagrees with the mesh's "
                     f"sequence_parallel axis ({mesh.sp_size})"
                 )
+            if ring_size not in (None, "auto") and ring != mesh.ring_size:
+                raise ValueError(f"ring_size ({ring}) disagrees with the mesh's ring_size ({mesh.ring_size})")
+            resolve_ring_size(sequence_parallel_size, num_heads, num_kv, mesh.ring_size)
+            check_ring_options(core_attn_implementation, mesh.ring_size, offload_attention)
         attn = cls(
             sp_group=mesh.sp_group,
             core_attn_implementation=core_attn_implementation,
@@ -337,5 +351,7 @@ class UlyssesSPAttentionHF:
             disable_in_eval=disable_in_eval,
             attn_chunk=attn_chunk,
             offload_attention=offload_attention,
+            ulysses_group=mesh.ulysses_group,
+            ring_group=mesh.ring_group,
         )
         return SPRegistration(mesh, attn, model)

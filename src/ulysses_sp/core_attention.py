@@ -18,6 +18,10 @@ With ``offload_attention`` (sdpa only) every sequence goes through the blockwise
 then live on the host between forward and backward (``attn_offload.py``). No ``S x S`` tensor is
 built on any path but ``eager``.
 
+In the hybrid Ulysses x Ring layout (``ring_size > 1``) the full attention is ring attention
+(``ring.py``): the blockwise core's per-block math with K/V chunks passed around the ring, for
+``sdpa`` and ``eager`` alike (no dense mask then); flash/flex and ``offload_attention`` are refused.
+
 Shape legend: ``B`` batch, ``S`` full sequence, ``H_l`` query heads here, ``Hkv_l`` kv heads here,
 ``D`` head dim.
 """
@@ -34,6 +38,7 @@ import torch
 from .attn_offload import KVOffload
 from .blockwise import AUTO_CHUNK, AttnStructure, BlockCounts, blockwise_attention
 from .masks import SeqLayout
+from .ring import ring_attention
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +58,16 @@ def check_blockwise_options(core: str, attn_chunk: int | None, offload_attention
             f"attn_chunk ({attn_chunk}) / offload_attention ({offload_attention}) configure the blockwise "
             f"core, which runs in place of sdpa's masked path; core_attn_implementation is {core!r}. "
             "Use core 'sdpa' (flash and flex bring their own chunking; eager is dense by definition)"
+        )
+
+
+def check_ring_options(core: str, ring_size: int, offload_attention: bool) -> None:
+    """Raise ``ValueError`` when the core or offload cannot run as ring attention (``ring_size > 1``)."""
+    if ring_size > 1 and (core not in ("sdpa", "eager") or offload_attention):
+        raise ValueError(
+            f"ring attention (ring_size {ring_size}) runs the blockwise core's math for cores 'sdpa' and "
+            f"'eager'; core_attn_implementation is {core!r}, offload_attention {offload_attention}. Use "
+            "core 'sdpa' without offload_attention, or ring_size 1 (Ulysses alone, needs the heads to split)"
         )
 
 
@@ -127,20 +142,46 @@ def run_blockwise(
     counts: BlockCounts | None,
 ) -> torch.Tensor:
     """The blockwise core with transformers' sdpa keyword arguments: ``[B, H_l, S, D] -> [B, S, H_l, D]``."""
+    _check_kwargs(module, kwargs)
+    out = blockwise_attention(q, k, v, structure=structure, scale=kwargs.get("scaling"), chunk=chunk,
+                              offload=offload, counts=counts)  # fmt: skip
+    return out.transpose(1, 2).contiguous()  # [B, H_l, S, D] -> [B, S, H_l, D]
+
+
+def _check_kwargs(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    """Refuse what the blockwise math (blockwise core, ring) does not implement."""
     dropout = kwargs.get("dropout") or 0.0
     if dropout and module.training:
         raise ValueError(
             f"attention dropout ({dropout}) is not supported by the blockwise core (packed documents, "
-            "windows or offload_attention on sdpa); set the model's attention_dropout to 0"
+            "windows or offload_attention on sdpa, ring attention); set the model's attention_dropout to 0"
         )
     for name in ("softcap", "s_aux"):
         if kwargs.get(name) is not None:
             raise ValueError(
-                f"the blockwise core does not implement {name!r}; use core 'eager' or 'flex_attention'"
+                f"the blockwise core and ring attention do not implement {name!r}; use core 'eager' or "
+                "'flex_attention' with ring_size 1"
             )
-    out = blockwise_attention(q, k, v, structure=structure, scale=kwargs.get("scaling"), chunk=chunk,
-                              offload=offload, counts=counts)  # fmt: skip
-    return out.transpose(1, 2).contiguous()  # [B, H_l, S, D] -> [B, S, H_l, D]
+
+
+def run_ring(
+    module: torch.nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    structure: AttnStructure,
+    kwargs: dict[str, Any],
+    *,
+    group: Any,
+    chunk: int | None,
+    counts: BlockCounts | None,
+) -> torch.Tensor:
+    """Ring attention over the ring group with transformers' keyword arguments:
+    ``[B, H_l, S/R, D]`` (this ring rank's zigzag tokens) ``-> [B, S/R, H_l, D]``."""
+    _check_kwargs(module, kwargs)
+    out = ring_attention(q, k, v, group=group, structure=structure, scale=kwargs.get("scaling"), chunk=chunk,
+                         counts=counts)  # fmt: skip
+    return out.transpose(1, 2).contiguous()
 
 
 def warn_dense(seq_len: int) -> None:

@@ -25,63 +25,18 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ._teardown import release_groups, track_mesh
 from .checks import positive_int
+from .mesh_shape import check_mesh_param, resolve_mesh_shape
 
 DP_AXIS = "data_parallel"
 SP_AXIS = "sequence_parallel"
 MESH_AXES = (DP_AXIS, SP_AXIS)
+RING_AXIS = "ring"
+ULYSSES_AXIS = "ulysses"
 
 LAUNCH_HINT = (
     "launch with `torchrun --nproc-per-node N your_script.py` (or `ulysses-sp train --nproc N`), "
     "or call torch.distributed.init_process_group(...) before this"
 )
-
-
-def resolve_mesh_shape(
-    world_size: int, dp_size: int | None = None, sp_size: int | None = None
-) -> tuple[int, int]:
-    """Return ``(dp_size, sp_size)`` with any missing size derived from ``world_size``.
-
-    Raises:
-        ValueError: a size is not a positive int, or ``dp_size * sp_size != world_size``, or the
-            given size does not divide the world size. The message names every number.
-    """
-    world_size = positive_int("world_size", world_size)
-    if dp_size is not None:
-        dp_size = positive_int("data_parallel_size", dp_size)
-    if sp_size is not None:
-        sp_size = positive_int("sequence_parallel_size", sp_size)
-    if dp_size is None and sp_size is None:
-        return world_size, 1
-    if sp_size is None:
-        if world_size % dp_size:
-            raise ValueError(
-                f"data_parallel_size ({dp_size}) does not divide world_size ({world_size}); "
-                f"choose a divisor of {world_size}"
-            )
-        return dp_size, world_size // dp_size
-    if dp_size is None:
-        if world_size % sp_size:
-            raise ValueError(
-                f"sequence_parallel_size ({sp_size}) does not divide world_size ({world_size}); "
-                f"choose a divisor of {world_size}"
-            )
-        return world_size // sp_size, sp_size
-    if dp_size * sp_size != world_size:
-        raise ValueError(
-            f"dp_size ({dp_size}) * sp_size ({sp_size}) = {dp_size * sp_size} != world_size ({world_size})"
-        )
-    return dp_size, sp_size
-
-
-def check_mesh_param(mesh_param: Any) -> tuple[int, int]:
-    """Validate ``mesh_param`` as a ``(dp_size, sp_size)`` pair of positive ints and return it."""
-    if not isinstance(mesh_param, (tuple, list)) or len(mesh_param) != 2:
-        raise ValueError(
-            f"mesh_param must be a pair (data_parallel_size, sequence_parallel_size), got {mesh_param!r}"
-        )
-    return positive_int("mesh_param[0] (dp_size)", mesh_param[0]), positive_int(
-        "mesh_param[1] (sp_size)", mesh_param[1]
-    )
 
 
 def default_device_type() -> str:
@@ -116,6 +71,7 @@ def init_mesh(
     *,
     dp_size: int | None = None,
     sp_size: int | None = None,
+    ring_size: int | None = None,
     device_type: str | None = None,
 ) -> SPMesh:
     """The ``(data_parallel, sequence_parallel)`` layout over all ranks, as an ``SPMesh``.
@@ -123,6 +79,9 @@ def init_mesh(
     Args:
         mesh_param: ``(dp_size, sp_size)``; alternatively give either size by keyword and the
             other is derived from the world size.
+        ring_size: factor the SP axis into ``ring_size x (sp_size / ring_size)`` (ring x Ulysses,
+            Ulysses ranks contiguous; ``mesh_shape`` documents the layout). ``None``: a live
+            layout of this shape whatever its ring size, else ``1`` (Ulysses alone).
         device_type: ``"cpu"`` / ``"cuda"``; ``None`` chooses at run time.
 
     A collective the first time a shape is asked for: every rank must call it with the same
@@ -137,17 +96,34 @@ def init_mesh(
                 raise ValueError(f"{name}={given} disagrees with mesh_param={tuple(mesh_param)}")
         dp_size, sp_size = mdp, msp
     dp_size, sp_size = resolve_mesh_shape(dist.get_world_size(), dp_size, sp_size)
-    key = (dp_size, sp_size, device_type or default_device_type())
-    existing = _layouts.get(key)
-    if existing is not None and existing.is_current():
-        return existing
-    mesh = SPMesh(track_mesh(init_device_mesh(key[2], (dp_size, sp_size), mesh_dim_names=MESH_AXES)))
-    _layouts[key] = mesh
+    kind = device_type or default_device_type()
+    live = [m for k, m in list(_layouts.items()) if k[:2] == (dp_size, sp_size) and k[3] == kind and m.is_current()]
+    if ring_size is None:
+        if live:
+            return live[0]
+        ring_size = 1
+    ring_size = positive_int("ring_size", ring_size)
+    if sp_size % ring_size:
+        raise ValueError(f"ring_size ({ring_size}) does not divide sequence_parallel_size ({sp_size})")
+    for mesh in live:
+        if mesh.ring_size == ring_size:
+            return mesh
+    mesh = SPMesh(track_mesh(init_device_mesh(kind, (dp_size, sp_size), mesh_dim_names=MESH_AXES)), ring_size)
+    _layouts[(dp_size, sp_size, ring_size, kind)] = mesh
     return mesh
 
 
-# Live layouts by (dp, sp, device type), so that a second init_mesh reuses the communicators.
-_layouts: weakref.WeakValueDictionary[tuple[int, int, str], SPMesh] = weakref.WeakValueDictionary()
+# Live layouts by (dp, sp, ring, device type), so that a second init_mesh reuses the communicators.
+_layouts: weakref.WeakValueDictionary[tuple[int, int, int, str], SPMesh] = weakref.WeakValueDictionary()
+
+
+def ring_size_of(sp_group: dist.ProcessGroup | None) -> int:
+    """The ring size of the live layout whose ``sp_group`` this is (``1`` when none is): how the data
+    path learns the token layout that the attention registered on that group expects."""
+    for mesh in list(_layouts.values()):
+        if sp_group is not None and mesh.is_current() and mesh.sp_group is sp_group:
+            return mesh.ring_size
+    return 1
 
 
 def shutdown() -> None:
@@ -184,10 +160,11 @@ class SPMesh:
 
     Build one with ``init_mesh``; a second ``init_mesh`` with the same shape on the same process
     group returns the same object (no second set of communicators). A later sequence axis
-    factored into ``ring x ulysses`` adds views here; the ones above keep meaning the whole axis.
+    factored into ``ring x ulysses`` (``ring_size > 1``) adds ``ulysses_group`` (the all-to-all)
+    and ``ring_group`` (K/V passing); the views above keep meaning the whole axis.
     """
 
-    def __init__(self, device_mesh: DeviceMesh) -> None:
+    def __init__(self, device_mesh: DeviceMesh, ring_size: int = 1) -> None:
         if not isinstance(device_mesh, DeviceMesh):
             raise TypeError(f"expected a torch DeviceMesh, got {type(device_mesh).__name__}")
         if tuple(device_mesh.mesh_dim_names or ()) != MESH_AXES:
@@ -200,6 +177,27 @@ class SPMesh:
         # The default group this layout was built on, weakly: shutdown must be able to free it.
         self._world = weakref.ref(dist.group.WORLD)
         self._fsdp_meshes: dict[str, DeviceMesh] = {}
+        self.ring_size = positive_int("ring_size", ring_size)
+        """Ring groups ``R`` the SP axis factors into (``1``: Ulysses alone)."""
+        self.ulysses_size = self.sp_size // ring_size
+        """``U = sp_size / ring_size``: the ranks of one all-to-all."""
+        self.ring_rank, self.ulysses_rank = divmod(self.sp_rank, self.ulysses_size)
+        self._hybrid = None
+        if ring_size > 1:  # a collective: every rank builds the (dp, ring, ulysses) groups
+            shape = (self.dp_size, ring_size, self.ulysses_size)
+            self._hybrid = track_mesh(
+                init_device_mesh(self.device_type, shape, mesh_dim_names=(DP_AXIS, RING_AXIS, ULYSSES_AXIS))
+            )
+
+    @property
+    def ulysses_group(self) -> dist.ProcessGroup:
+        """The all-to-all group: the whole SP group without a ring, else this rank's ``U`` Ulysses ranks."""
+        return self.sp_group if self._hybrid is None else self._hybrid.get_group(ULYSSES_AXIS)
+
+    @property
+    def ring_group(self) -> dist.ProcessGroup | None:
+        """The ``R`` ranks that pass K/V around (same Ulysses rank, one per ring rank); ``None`` without a ring."""
+        return None if self._hybrid is None else self._hybrid.get_group(RING_AXIS)
 
     @property
     def world_size(self) -> int:
@@ -274,7 +272,7 @@ class SPMesh:
     def __repr__(self) -> str:
         return (
             f"SPMesh(dp_size={self.dp_size}, sp_size={self.sp_size}, dp_rank={self.dp_rank}, "
-            f"sp_rank={self.sp_rank}, device_type={self.device_type!r})"
+            f"sp_rank={self.sp_rank}, ring_size={self.ring_size}, device_type={self.device_type!r})"
         )
 
 
@@ -322,38 +320,13 @@ class Mpu:
     def get_data_parallel_rank(self) -> int:
         return self.mesh.dp_rank
 
+    def get_ulysses_group(self) -> dist.ProcessGroup:
+        """The all-to-all sub-group of the hybrid layout (the SP group without a ring)."""
+        return self.mesh.ulysses_group
+
+    def get_ring_group(self) -> dist.ProcessGroup | None:
+        """The ring sub-group of the hybrid layout (``None`` without a ring)."""
+        return self.mesh.ring_group
+
     def __repr__(self) -> str:
         return f"Mpu(dp_size={self.mesh.dp_size}, sp_size={self.mesh.sp_size})"
-
-
-def data_parallel_world_size(
-    world_size: int,
-    *,
-    mpu: Any | None = None,
-    mesh: SPMesh | DeviceMesh | None = None,
-    sequence_parallel_size: int | None = None,
-) -> int:
-    """The world size that ZeRO/FSDP partitions over and batch arithmetic uses.
-
-    Decided in this order (the reference system's rule):
-
-    1. an ``mpu`` with ``get_data_parallel_world_size()`` -> that;
-    2. an ``mpu`` without it -> ``world_size / mpu.get_sequence_parallel_world_size()``;
-    3. a ``mesh`` -> the size of its ``data_parallel`` axis;
-    4. ``sequence_parallel_size`` -> ``world_size / sequence_parallel_size``;
-    5. otherwise ``world_size``.
-    """
-    world_size = positive_int("world_size", world_size)
-    if mpu is not None:
-        if hasattr(mpu, "get_data_parallel_world_size"):
-            return positive_int("mpu.get_data_parallel_world_size()", mpu.get_data_parallel_world_size())
-        sp = positive_int("mpu.get_sequence_parallel_world_size()", mpu.get_sequence_parallel_world_size())
-        return resolve_mesh_shape(world_size, sp_size=sp)[0]
-    if isinstance(mesh, SPMesh):
-        return mesh.dp_size
-    if mesh is not None:
-        names = tuple(mesh.mesh_dim_names or ())
-        return mesh.size(names.index(DP_AXIS)) if DP_AXIS in names else mesh.size(0)
-    if sequence_parallel_size is not None:
-        return resolve_mesh_shape(world_size, sp_size=sequence_parallel_size)[0]
-    return world_size

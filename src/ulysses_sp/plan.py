@@ -230,12 +230,17 @@ def predict(m: ModelShape, s: Settings, hw: Hardware) -> Prediction:
     flops = _flops(m, s)
     compute = flops / s.world / (hw.tflops[s.dtype if s.dtype in hw.tflops else "bf16"] * 1e12 * hw.mfu)
     tok = s.micro_batch_size * s.seq_len // s.sp
-    q, kv = m.heads * m.head_dim, max(m.kv_heads, s.sp) * m.head_dim
+    u, r = s.sp // s.ring_size, s.ring_size  # Ulysses ranks (the all-to-all) x ring ranks
+    q, kv = m.heads * m.head_dim, max(m.kv_heads, u) * m.head_dim
     passes = 3 if s.activation_checkpointing else 2
     a2a = 0.0
-    if s.sp > 1:  # sent per rank per layer per pass: (P-1)/P of q, k, v in and the output back
-        a2a = passes * m.layers * tok * (2 * q + 2 * kv) * e * (s.sp - 1) / s.sp
-    comm = a2a / (link_gbps(hw, s.sp) * 1e9)
+    if u > 1:  # sent per rank per layer per pass: (U-1)/U of q, k, v in and the output back
+        a2a = passes * m.layers * tok * (2 * q + 2 * kv) * e * (u - 1) / u
+    comm = a2a / (link_gbps(hw, u) * 1e9)
+    if r > 1:  # ring: a hop sends the local K/V (S/R tokens, kv/U heads); forward passes R-1 hops each,
+        # backward R-1 K/V hops plus R hops of fp32 dK/dV (counted exactly by bench/ring_bench.py)
+        hop = s.micro_batch_size * s.seq_len // r * 2 * kv // u
+        comm += m.layers * hop * ((passes - 1) * (r - 1) * e + (r - 1) * e + r * 4) / (link_gbps(hw, s.sp) * 1e9)
     grad_bytes = m.params * e
     ring = 2 * (s.world - 1) / s.world * grad_bytes if s.world > 1 else 0.0
     if s.zero_stage == 3 and s.shard > 1:

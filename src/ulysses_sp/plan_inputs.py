@@ -77,6 +77,8 @@ class Settings:
     """Data-parallel size."""
     sp: int = 1
     """Sequence-parallel size ``P``."""
+    ring_size: int = 1
+    """Hybrid Ulysses x Ring: ``P = ring_size x (P / ring_size)`` Ulysses ranks (``--ring-size``)."""
     zero_stage: int = 0
     """0-3, as ``--zero-stage``."""
     partition: str = "data_parallel"

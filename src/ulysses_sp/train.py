@@ -42,13 +42,12 @@ import torch.distributed as dist
 from . import checkpoint as ckpt
 from . import tasks
 from .comm import all_reduce_max, barrier, raise_if_any_rank_failed, record_comm_times
-from .core_attention import describe_paths
 from .guard import DivergenceError
 from .precision import DTYPES
 from .rundir import checked_save, prepare_output_dir
 from .runlock import RunLock, RunLockedError
-from .train_checks import validate
-from .train_setup import TrainConfig
+from .train_checks import ring_size_for, validate
+from .train_setup import TrainConfig, startup_summary
 
 logger = logging.getLogger(__name__)
 
@@ -116,49 +115,6 @@ def _techniques(cfg: TrainConfig, model) -> tuple[list[Any], Any]:
     return handles, loss_fn
 
 
-def _on_off(flag: bool, shards: int | None = None) -> str:
-    if not flag:
-        return "off"
-    return "on" if shards is None else f"on ({shards} tiles)"
-
-
-def startup_summary(cfg: TrainConfig, engine, model, dataset, resumed: str | None) -> str:
-    n_params = sum(p.numel() for p in model.parameters())
-    bs = engine.batch_sizes
-    lines = [
-        f"ulysses-sp train: {dist.get_world_size()} processes = dp {engine.dp_size} x sp {engine.sp_size}, "
-        f"device {engine.device.type} ({dist.get_backend()}), ZeRO stage {cfg.zero_stage}",
-        f"  model {cfg.model}: {type(model).__name__}, {n_params / 1e6:.3f}M params, attention {cfg.attn}"
-        + (" inside Ulysses SP" if engine.sp_size > 1 else "")
-        + (
-            f" ({describe_paths(cfg.attn, attn_chunk=cfg.attn_chunk, offload_attention=cfg.offload_attention)})"
-            if engine.sp_size > 1 or cfg.offload_attention or cfg.attn_chunk is not None
-            else ""
-        ),  # fmt: skip
-        f"  data {cfg.data}: {len(dataset)} samples of {cfg.seq_len} tokens; {cfg.seq_len // engine.sp_size} "
-        f"tokens per rank; global batch {bs.train_batch_size} = micro {bs.train_micro_batch_size_per_gpu} x "
-        f"accum {bs.gradient_accumulation_steps} x dp {bs.dp_world_size}",
-        f"  steps {cfg.steps}, AdamW lr {cfg.lr} betas {tuple(cfg.betas)} weight decay {cfg.weight_decay}, "
-        f"warmup {cfg.warmup_num_steps} steps, seed {cfg.seed}",
-        f"  output {cfg.output_dir}, metrics {cfg.metrics_path}"
-        + (f"; resumed from {resumed}" if resumed else ""),
-        *filter(None, [tasks.data_summary(dataset)]),
-        f"  ALST: tiled MLP {_on_off(cfg.tiled_mlp, cfg.tiled_mlp_shards)}, tiled loss "
-        f"{_on_off(cfg.tiled_loss, cfg.tiled_loss_shards)}, activation checkpointing "
-        f"{_on_off(cfg.activation_checkpointing)}, activation offload {_on_off(cfg.offload_activations)}",
-        f"  precision {cfg.dtype}"
-        + (" (fp32 master weights, optimizer state and gradient reduction)" if cfg.dtype != "fp32" else "")
-        + f"; CPU offload of model states {_on_off(cfg.cpu_offload)}; "
-        f"checkpoints saved in {cfg.save_dtype or 'fp32'}"
-        + (
-            "; weights loaded shard by shard"
-            if cfg.zero_stage >= 2 and not tasks.is_preset(cfg.model)
-            else ""
-        ),
-    ]
-    return "\n".join(lines)
-
-
 def _num_samples(cfg: TrainConfig, dp: int) -> int:
     # Recall samples are generated, not stored: exactly enough for every step, never repeated.
     return cfg.steps * cfg.micro_batch_size * cfg.grad_accum * dp
@@ -186,7 +142,8 @@ def _run(cfg: TrainConfig, stop: Any, held: ExitStack) -> dict[str, Any]:
 
     world, rank = dist.get_world_size(), dist.get_rank()
     manifest = validate(cfg, world)
-    mesh = init_mesh(sp_size=cfg.sp)  # the run's layout: attention, engine and loop share it
+    ring = ring_size_for(manifest["model_config"], cfg.sp, cfg.ring_size)
+    mesh = init_mesh(sp_size=cfg.sp, ring_size=ring)  # the run's layout: attention, engine and loop share it
     resume_dir = ckpt.resolve_resume(cfg.resume, cfg.output_dir) if cfg.resume else None
     saved = ckpt.read_manifest(resume_dir) if resume_dir else {}
     resumed_step = saved.get("step")

@@ -14,9 +14,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from . import tasks
-from .attention import check_heads
 from .checks import optional_positive_int, positive_int
 from .core_attention import CORE_ATTENTIONS, check_blockwise_options
+from .mesh_shape import resolve_ring_size, seq_multiple
 from .prelaunch import check_attention_available, check_seq_len_fits
 from .rundir import check_output_dir, manifest_for
 from .train_setup import TrainConfig
@@ -87,6 +87,15 @@ def model_config(model: str, vocab_size: int):
     return AutoConfig.from_pretrained(model, local_files_only=True)
 
 
+def ring_size_for(mcfg: Any, sp: int, ring_size: int | str | None) -> int:
+    """The ring size of a run of this model (a transformers config, or its dict as the manifest's
+    ``model_config``) at ``sp``: ``ring_size``, or for ``None``/``"auto"`` the smallest that works.
+    A layout choice, not a run setting: a resume may change it with ``--sp``."""
+    get = mcfg.get if isinstance(mcfg, dict) else lambda key: getattr(mcfg, key, None)
+    heads = get("num_attention_heads")
+    return resolve_ring_size(sp, heads, get("num_key_value_heads") or heads, ring_size)
+
+
 def check_run(
     world_size: int,
     *,
@@ -100,10 +109,12 @@ def check_run(
     seed: int,
     held_out: bool = False,
     data_settings: tasks.DataSettings | None = None,
+    ring_size: int | str | None = None,
 ) -> list[Any]:
     """The checks ``train`` and ``eval`` share: sizes (``sizes``: more positive ints, by option
     name), the ``(dp, sp)`` layout, sequence length, core attention, each model with its tokenizer
-    (vocabulary, heads divisible by ``sp``) and the data. Returns each model's transformers config.
+    (vocabulary, heads split over ``sp`` by Ulysses or Ulysses x Ring: ``ring_size``, ``None`` = auto)
+    and the data. Returns each model's transformers config.
     """
     positive_int("--nproc", world_size)
     for name, value in {"seq_len": seq_len, "sp": sp, **sizes}.items():
@@ -131,8 +142,13 @@ def check_run(
                 f"tokenizer has {len(tok)} tokens but the model's vocab_size is {mcfg.vocab_size}; "
                 "pass the model's own tokenizer with --tokenizer"
             )
-        heads = mcfg.num_attention_heads
-        check_heads(heads, getattr(mcfg, "num_key_value_heads", None) or heads, sp)
+        ring = ring_size_for(mcfg, sp, ring_size)
+        if seq_len % seq_multiple(sp, ring):
+            m = seq_multiple(sp, ring)
+            raise ValueError(
+                f"--seq-len ({seq_len}) is not divisible by {m} (--sp {sp} x 2 zigzag chunks per ring rank, "
+                f"ring size {ring}); use a multiple of {m}, e.g. {seq_len + m - seq_len % m}"
+            )
         check_seq_len_fits(seq_len, mcfg, model)
         configs.append(mcfg)
     tasks.build_dataset(data, tokenizer=tasks.load_tokenizer(tokenizer, models[0]), seq_len=seq_len,
@@ -170,6 +186,7 @@ def validate(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
     (mcfg,) = check_run(
         world_size, sp=cfg.sp, seq_len=cfg.seq_len, sizes={}, attn=cfg.attn, models=[cfg.model],
         tokenizer=cfg.tokenizer, data=cfg.data, seed=cfg.seed, data_settings=cfg.data_settings(),
+        ring_size=cfg.ring_size,
     )  # fmt: skip
     cfg.training_config()  # the engine's own checks, before any process starts
     manifest = manifest_for(cfg, world_size, mcfg)

@@ -1,4 +1,4 @@
-"""The ``train`` command's settings: ``TrainConfig``, one field per flag.
+"""The ``train`` command's settings: ``TrainConfig``, one field per flag, and their startup summary.
 
 ``TrainConfig`` is what ``ulysses-sp train`` (and ``ulysses_sp.train.run``) takes, optimizer and
 schedule recipe included; ``TrainConfig.training_config()`` is the engine's ``TrainingConfig`` it
@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
+
 from . import tasks
 from .config import TrainingConfig
 from .config.sections import (
@@ -24,11 +26,12 @@ from .config.sections import (
     SchedulerConfig,
     ZeroConfig,
 )
+from .core_attention import describe_paths
 from .prelaunch import check_option_types
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainConfig:
+class TrainConfig(tasks.DataFlags):
     """Everything ``run`` needs; the CLI flags of the same names fill it."""
 
     model: str = "tiny-llama"
@@ -96,23 +99,6 @@ class TrainConfig:
     """Keep checkpointed layer inputs in host memory (needs ``activation_checkpointing``)."""
     progress: bool = True
     """Show a progress bar on rank 0."""
-    # ---- fine-tuning data (tasks.DataSettings; data/): formats, loss masks, packing, cache, eval split
-    data_format: str = "auto"
-    """``auto`` (decided from the columns), ``text``, ``chat`` or ``prompt-completion``."""
-    loss_on: str | None = None
-    """``all``, ``assistant`` or ``completion``; ``None``: assistant (chat), completion, all (text)."""
-    chat_template: str | None = None
-    """A Jinja chat template file; ``None``: the tokenizer's own."""
-    packing: str | None = None
-    """``best-fit`` or ``none``; ``None``: best-fit (``.txt``/``.jsonl`` text: a continuous stream)."""
-    long_samples: str = "truncate"
-    """Samples longer than ``seq_len``: ``truncate``, ``split`` or ``drop``."""
-    eval_split: float = 0.0
-    """Fraction of the samples held out for ``ulysses-sp eval`` (chosen by ``seed``); 0: none."""
-    data_cache: str | None = None
-    """Tokenization cache root; ``None``: ``~/.cache/ulysses-sp/data``."""
-    data_workers: int | None = None
-    """Tokenizing processes; ``None``: ``min(8, cpu count)``."""
 
     memory: str | None = None
     """Memory budget per rank (``"20GB"``) for the planner's fit check; ``None``: the device's."""
@@ -130,6 +116,8 @@ class TrainConfig:
     save_dtype: str | None = None
     """Dtype of the exported HF weights (``fp32``/``bf16``/``fp16``); ``None``: the fp32 master weights."""
 
+    ring_size: int | None = None
+    """Hybrid Ulysses x Ring: ring groups the SP axis factors into; ``None`` = auto (1 when the heads allow)."""
     attn_chunk: int | None = None
     """Tokens per block of the blockwise attention core (sdpa: packed documents, windows, offload); ``None`` = auto."""
     offload_attention: bool = False
@@ -143,14 +131,6 @@ class TrainConfig:
     time before stopping (the launcher kills the workers after it); 0 = stop at once."""
     allow_data_change: bool = False
     """``--resume`` even though the data's fingerprint differs from the checkpoint's."""
-
-    def data_settings(self, *, progress: bool = False) -> tasks.DataSettings:
-        """The data flags as ``tasks.DataSettings``."""
-        return tasks.DataSettings(
-            data_format=self.data_format, loss_on=self.loss_on, chat_template=self.chat_template,
-            packing=self.packing, long_samples=self.long_samples, eval_split=self.eval_split,
-            cache_dir=self.data_cache, workers=self.data_workers, progress=progress,
-        )  # fmt: skip
 
     @property
     def metrics_path(self) -> str:
@@ -211,3 +191,50 @@ def config_from_dict(values: dict[str, Any]) -> TrainConfig:
     if isinstance(values.get("betas"), list):  # JSON has no tuples
         values = {**values, "betas": tuple(values["betas"])}
     return TrainConfig(**values)
+
+
+def _on_off(flag: bool, shards: int | None = None) -> str:
+    if not flag:
+        return "off"
+    return "on" if shards is None else f"on ({shards} tiles)"
+
+
+def _ring_note(mesh) -> str:
+    return f" (ring {mesh.ring_size} x ulysses {mesh.ulysses_size}: ring attention)" if mesh.ring_size > 1 else ""
+
+
+def startup_summary(cfg: TrainConfig, engine, model, dataset, resumed: str | None) -> str:
+    n_params = sum(p.numel() for p in model.parameters())
+    bs = engine.batch_sizes
+    lines = [
+        f"ulysses-sp train: {dist.get_world_size()} processes = dp {engine.dp_size} x sp {engine.sp_size}"
+        f"{_ring_note(engine.mesh)}, device {engine.device.type} ({dist.get_backend()}), ZeRO stage {cfg.zero_stage}",
+        f"  model {cfg.model}: {type(model).__name__}, {n_params / 1e6:.3f}M params, attention {cfg.attn}"
+        + (" inside Ulysses SP" if engine.sp_size > 1 else "")
+        + (
+            f" ({describe_paths(cfg.attn, attn_chunk=cfg.attn_chunk, offload_attention=cfg.offload_attention)})"
+            if engine.sp_size > 1 or cfg.offload_attention or cfg.attn_chunk is not None
+            else ""
+        ),  # fmt: skip
+        f"  data {cfg.data}: {len(dataset)} samples of {cfg.seq_len} tokens; {cfg.seq_len // engine.sp_size} "
+        f"tokens per rank; global batch {bs.train_batch_size} = micro {bs.train_micro_batch_size_per_gpu} x "
+        f"accum {bs.gradient_accumulation_steps} x dp {bs.dp_world_size}",
+        f"  steps {cfg.steps}, AdamW lr {cfg.lr} betas {tuple(cfg.betas)} weight decay {cfg.weight_decay}, "
+        f"warmup {cfg.warmup_num_steps} steps, seed {cfg.seed}",
+        f"  output {cfg.output_dir}, metrics {cfg.metrics_path}"
+        + (f"; resumed from {resumed}" if resumed else ""),
+        *filter(None, [tasks.data_summary(dataset)]),
+        f"  ALST: tiled MLP {_on_off(cfg.tiled_mlp, cfg.tiled_mlp_shards)}, tiled loss "
+        f"{_on_off(cfg.tiled_loss, cfg.tiled_loss_shards)}, activation checkpointing "
+        f"{_on_off(cfg.activation_checkpointing)}, activation offload {_on_off(cfg.offload_activations)}",
+        f"  precision {cfg.dtype}"
+        + (" (fp32 master weights, optimizer state and gradient reduction)" if cfg.dtype != "fp32" else "")
+        + f"; CPU offload of model states {_on_off(cfg.cpu_offload)}; "
+        f"checkpoints saved in {cfg.save_dtype or 'fp32'}"
+        + (
+            "; weights loaded shard by shard"
+            if cfg.zero_stage >= 2 and not tasks.is_preset(cfg.model)
+            else ""
+        ),
+    ]
+    return "\n".join(lines)

@@ -27,6 +27,16 @@ def _tiles(value: str) -> str | int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _ring_size(value: str) -> int | None:
+    """``"auto"`` -> ``None``; otherwise a positive ring size."""
+    if value == "auto":
+        return None
+    try:
+        return positive_int("--ring-size", int(value))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive ring size or 'auto', got {value!r}") from None
+
+
 def _attn_chunk(value: str) -> int | None:
     """``"auto"`` -> ``None``; otherwise a positive number of tokens."""
     if value == "auto":
@@ -114,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--offload-activations", action="store_true", default=s,
                    help="checkpointed layer inputs to host memory (needs --activation-checkpointing)")  # fmt: skip
     t.add_argument("--no-progress", dest="progress", action="store_false", default=s, help="no progress bar")
+    t.add_argument("--ring-size", type=_ring_size, default=s, metavar="R|auto",
+                   help="hybrid Ulysses x Ring: --sp = R ring groups x sp/R Ulysses ranks (default auto: "
+                   "1 when the heads split over --sp, else the smallest R that makes them)")  # fmt: skip
     t.add_argument("--attn-chunk", type=_attn_chunk, default=s, metavar="N|auto",
                    help="tokens per block of the blockwise attention core (sdpa; default auto)")  # fmt: skip
     t.add_argument("--offload-attention", action="store_true", default=s,
@@ -181,7 +194,8 @@ def train_options(ns: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
             tiles = values[name]
             values[name] = tiles is not None
             values[f"{name}_shards"] = None if tiles in (None, "auto") else int(tiles)
-    if values.get("attn_chunk") == "auto":  # a --config file may say "auto" too
-        values["attn_chunk"] = None
+    for name in ("attn_chunk", "ring_size"):
+        if values.get(name) == "auto":  # a --config file may say "auto" too
+            values[name] = None
     launch = {k: values.pop(k) for k in LAUNCH_KEYS if k in values}
     return config_from_dict(values), launch

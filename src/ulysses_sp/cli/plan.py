@@ -113,6 +113,8 @@ def train_args(model: str, s: Any, nodes: int) -> tuple[dict[str, Any], list[str
     """The ``ulysses-sp train`` flags of a setting, as a dict and as the command line."""
     flags: dict[str, Any] = {"model": model, "sp": s.sp, "seq_len": s.seq_len, "zero_stage": s.zero_stage,
                              "micro_batch_size": s.micro_batch_size}  # fmt: skip
+    if getattr(s, "ring_size", 1) > 1:
+        flags["ring_size"] = s.ring_size
     if s.partition != "data_parallel":
         flags["zero_partition"] = s.partition
     if nodes == 1:
@@ -143,8 +145,8 @@ def _layouts(sps: list[int], world: int):
 
 def candidates(ns: argparse.Namespace) -> dict[str, Any]:
     """The ``--json`` document: every candidate and the recommended one."""
-    from ..attention import valid_sp_sizes
     from ..checks import positive_int
+    from ..mesh_shape import resolve_ring_size
     from ..plan import max_seq_len, predict
     from ..plan_inputs import Settings
 
@@ -154,19 +156,21 @@ def candidates(ns: argparse.Namespace) -> dict[str, Any]:
         positive_int("--seq-len", ns.seq_len)
     shape, hw = load_shape(ns.model), hardware(ns)
     world = ns.gpus * ns.nodes
-    sps = [p for p in valid_sp_sizes(shape.heads, shape.kv_heads) if world % p == 0]
+    sps = [p for p in range(1, world + 1) if world % p == 0]  # beyond the heads: a ring (auto size)
     out = []
     for sp, stage, part in _layouts(sps, world):
         for tech in TECHNIQUES:
             for offload in (False, True) if ns.offload_states and stage == 3 else (False,):
-                if ns.seq_len is not None and ns.seq_len % sp:
+                ring = resolve_ring_size(sp, shape.heads, shape.kv_heads)
+                multiple = sp * (2 if ring > 1 else 1)
+                if ns.seq_len is not None and ns.seq_len % multiple:
                     continue
-                s = Settings(seq_len=ns.seq_len or sp, micro_batch_size=ns.micro_batch_size, dp=world // sp,
-                             sp=sp, zero_stage=stage, partition=part, dtype=ns.dtype, offload_states=offload,
+                s = Settings(seq_len=ns.seq_len or multiple, micro_batch_size=ns.micro_batch_size, dp=world // sp,
+                             sp=sp, ring_size=ring, zero_stage=stage, partition=part, dtype=ns.dtype, offload_states=offload,
                              device_type="cpu" if hw.name == "cpu" else "cuda", **tech)  # fmt: skip
                 longest = max_seq_len(shape, s, hw)
                 if ns.seq_len is None:
-                    s = replace(s, seq_len=max(longest, sp))
+                    s = replace(s, seq_len=max(longest - longest % multiple, multiple))
                 pred = predict(shape, s, hw)
                 settings, args = train_args(ns.model, s, ns.nodes)
                 out.append({
@@ -194,7 +198,8 @@ def _label(c: dict[str, Any]) -> str:
     tech = [n for n, k in (("loss", "tiled_loss"), ("mlp", "tiled_mlp"), ("ckpt", "activation_checkpointing"),
                            ("offload", "offload_activations"), ("states->host", "offload_states")) if s.get(k)]  # fmt: skip
     part = "/all" if s.get("zero_partition") == "all" else ""
-    return f"sp {s['sp']} zero {s['zero_stage']}{part} " + ("+".join(tech) or "plain")
+    ring = f" (ring {s['ring_size']})" if s.get("ring_size", 1) > 1 else ""
+    return f"sp {s['sp']}{ring} zero {s['zero_stage']}{part} " + ("+".join(tech) or "plain")
 
 
 def render(doc: dict[str, Any]) -> str:

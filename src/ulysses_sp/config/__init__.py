@@ -6,7 +6,7 @@ is touched: an unknown key names itself (with a did-you-mean), a bad value names
 value. Nothing here needs ``torch.distributed``; ``initialize`` (engine) consumes the result.
 
 Where it sits in the step (DESIGN.md): before step 1. The batch arithmetic uses the data-parallel
-world size from ``mesh.data_parallel_world_size`` (the five-step rule):
+world size from ``mesh_shape.data_parallel_world_size`` (the five-step rule):
 ``train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps * dp_world_size``.
 
 Accepted keys::

@@ -1,7 +1,7 @@
 """Batch-size arithmetic: ``train_batch_size = micro_batch_per_gpu * grad_accum * dp_world_size``.
 
 Any two of the three sizes determine the third; the data-parallel world size comes from
-``mesh.data_parallel_world_size`` (the five-step rule). Pure: no process group.
+``mesh_shape.data_parallel_world_size`` (the five-step rule). Pure: no process group.
 """
 
 from __future__ import annotations

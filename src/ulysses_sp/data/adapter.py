@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ..checks import positive_int
 from ..comm import all_gather_object, exchange_bytes, raise_if_any_rank_failed
+from ..mesh import ring_size_of
 from .shard import _is_seq, prepare_batch, shard_batch
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,9 @@ class UlyssesSPDataLoaderAdapter:
         device: where yielded shards go (``SPMesh.device``).
         pad_token_id: id used to pad a length not divisible by ``P``.
         strict: raise ``ValueError`` instead of padding such a length.
+        ring_size: the hybrid Ulysses x Ring layout's ring size; ``None``: the ring size of the
+            ``init_mesh`` layout whose ``sp_group`` this is (the one the attention was registered
+            on), so the shards have the zigzag token order the ring attention expects.
 
     Raises:
         ValueError: on every rank of the group when any rank's input is bad (see ``prepare_batch``;
@@ -89,6 +93,7 @@ class UlyssesSPDataLoaderAdapter:
         *,
         pad_token_id: int = 0,
         strict: bool = False,
+        ring_size: int | None = None,
     ) -> None:
         self.dl = dl
         self.sp_rank = sp_rank
@@ -100,6 +105,8 @@ class UlyssesSPDataLoaderAdapter:
         self._default_pass: Iterator[dict[str, Any]] | None = None
         self._logged_padding = False
         self._check_group()
+        self.ring_size = ring_size_of(sp_group) if ring_size is None else positive_int("ring_size", ring_size)
+        """Ring groups of the hybrid layout: ``> 1`` shards each sequence in zigzag order."""
 
     def _check_group(self) -> None:
         positive_int("sp_world_size", self.sp_world_size)
@@ -151,9 +158,8 @@ class UlyssesSPDataLoaderAdapter:
             exhausted = True
         if not exhausted:
             try:
-                prepared = prepare_batch(
-                    batch, self.sp_world_size, pad_token_id=self.pad_token_id, strict=self.strict
-                )
+                prepared = prepare_batch(batch, self.sp_world_size, pad_token_id=self.pad_token_id,
+                                         strict=self.strict, ring_size=self.ring_size)  # fmt: skip
             except ValueError as e:
                 error = str(e)
         if self.sp_group is None:  # no sequence parallelism: nothing to exchange
@@ -206,7 +212,8 @@ class UlyssesSPDataLoaderAdapter:
         p = self.sp_world_size
         # For destination k: shard k of every per-token tensor and every other tensor whole, in the
         # batch's key order (every rank describes its batch in that order, see _describe).
-        pieces = [[v for v in shard_batch(prepared, k, p).values() if torch.is_tensor(v)] for k in range(p)]
+        r = self.ring_size
+        pieces = [[v for v in shard_batch(prepared, k, p, r).values() if torch.is_tensor(v)] for k in range(p)]
         tensor_metas = [[(k, m) for k, m in meta.items() if m[0] == "tensor"] for meta in metas]
         recv_nbytes = [sum(_piece_nbytes(m, p) for _, m in tm) for tm in tensor_metas]
         recv = exchange_bytes(pieces, recv_nbytes, self.sp_group, self.device)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..loss import IGNORE_INDEX
+from ..mesh_shape import seq_multiple, shard_spans
 
 _CONSUMED = ("input_ids", "labels", "position_ids", "attention_mask")
 _SAME_SHAPE_AS_INPUT = ("labels", "position_ids", "attention_mask")
@@ -110,7 +111,7 @@ def _check_right_padded(mask: torch.Tensor) -> None:
 
 
 def prepare_batch(
-    batch: Mapping[str, Any], sp_size: int, *, pad_token_id: int = 0, strict: bool = False
+    batch: Mapping[str, Any], sp_size: int, *, pad_token_id: int = 0, strict: bool = False, ring_size: int = 1
 ) -> dict[str, Any]:
     """Turn one full-sequence batch into the adapter's output format, before sharding.
 
@@ -119,7 +120,8 @@ def prepare_batch(
     padded to the next multiple (``pad_token_id``, labels ``-100``, positions continuing, other
     per-token tensors ``0``) or, with ``strict``, rejected; labels are shifted
     (``make_shift_labels``, honouring document starts). ``labels`` and ``attention_mask`` are
-    dropped; other entries are kept (per-token tensors padded).
+    dropped; other entries are kept (per-token tensors padded). With a ring (``ring_size > 1``) the
+    length is padded to a multiple of ``2 * sp_size`` (``mesh_shape.seq_multiple``: zigzag chunks).
 
     Returns:
         ``{"input_ids": [B, S], "position_ids": [B, S], "shift_labels": [B, S], **others}`` with
@@ -139,11 +141,14 @@ def prepare_batch(
     pos = batch.get("position_ids")
     if pos is None:
         pos = torch.arange(s, device=ids.device).repeat(b, 1)
-    padded = math.ceil(s / sp_size) * sp_size
+    multiple = seq_multiple(sp_size, ring_size)
+    padded = math.ceil(s / multiple) * multiple
     n = padded - s
     if n and strict:
+        what = f"{multiple} (2 zigzag chunks x sequence_parallel_size {sp_size}, ring_size {ring_size})"
         raise ValueError(
-            f"sequence length {s} is not divisible by sequence_parallel_size {sp_size}; pad to {padded}"
+            f"sequence length {s} is not divisible by "
+            f"{what if ring_size > 1 else f'sequence_parallel_size {sp_size}'}; pad to {padded}"
         )
     if n:
         ids = F.pad(ids, (0, n), value=pad_token_id)
@@ -167,16 +172,20 @@ def prepare_batch(
     return out
 
 
-def shard_batch(batch: Mapping[str, Any], sp_rank: int, sp_size: int) -> dict[str, Any]:
+def shard_batch(batch: Mapping[str, Any], sp_rank: int, sp_size: int, ring_size: int = 1) -> dict[str, Any]:
     """Rank ``sp_rank``'s share of a prepared batch: tokens ``[k*S/P, (k+1)*S/P)`` of every
-    per-token tensor (``[B, S, ...] -> [B, S_l, ...]``); other tensors and non-tensors whole."""
+    per-token tensor (``[B, S, ...] -> [B, S_l, ...]``), or with a ring its zigzag tokens
+    (``mesh_shape.shard_spans``); other tensors and non-tensors whole."""
     b, s = batch["input_ids"].shape
-    if s % sp_size:
+    if s % seq_multiple(sp_size, ring_size):
         raise ValueError(
-            f"sequence length {s} is not divisible by sp_size {sp_size}; use prepare_batch first"
+            f"sequence length {s} is not divisible by {seq_multiple(sp_size, ring_size)} (sp_size {sp_size}, "
+            f"ring_size {ring_size}); use prepare_batch first"
         )
-    local = s // sp_size
-    lo = sp_rank * local
-    return {
-        k: v[:, lo : lo + local] if torch.is_tensor(v) and _is_seq(v, b, s) else v for k, v in batch.items()
-    }
+    spans = shard_spans(s, sp_rank, sp_size, ring_size)
+
+    def cut(v: torch.Tensor) -> torch.Tensor:
+        pieces = [v[:, a:e] for a, e in spans]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+
+    return {k: cut(v) if torch.is_tensor(v) and _is_seq(v, b, s) else v for k, v in batch.items()}

@@ -5,7 +5,7 @@ so a bad input raises ``ValueError`` everywhere instead of leaving some ranks in
 
 1. parse the config; check the arguments and that a process group exists;
 2. decide the mesh shape from ``mesh_param`` / ``mpu`` / config keys (they must agree) and the
-   data-parallel world size (``mesh.data_parallel_world_size``), then the batch triple;
+   data-parallel world size (``mesh_shape.data_parallel_world_size``), then the batch triple;
 3. check the optimizer / scheduler arguments against the ZeRO stage;
 4. collectives: build or adopt the mesh, wrap the model (DDP or FSDP2), build the optimizer over
    the wrapped parameters, the scheduler, and the DataLoader.
@@ -24,14 +24,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from ..comm import raise_if_any_rank_failed
 from ..config import TrainingConfig, load_config
-from ..mesh import (
-    LAUNCH_HINT,
-    SPMesh,
-    check_mesh_param,
-    data_parallel_world_size,
-    init_mesh,
-    resolve_mesh_shape,
-)
+from ..mesh import LAUNCH_HINT, SPMesh, init_mesh
+from ..mesh_shape import check_mesh_param, data_parallel_world_size, resolve_mesh_shape
 from ..precision import policy_for
 from ..registration import registered_layout
 from .data import build_dataloader, check_dataset

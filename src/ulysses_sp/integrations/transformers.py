@@ -36,6 +36,7 @@ from ..attention import UlyssesSPAttentionHF
 from ..checks import positive_int
 from ..core_attention import CORE_ATTENTIONS
 from ..mesh import SPMesh, init_mesh, require_process_group
+from ..mesh_shape import resolve_ring_size
 from ..registration import ATTN_NAME, SPRegistration
 from ._trainer import SPTrainerDataLoader, SPTrainerMixin
 
@@ -94,6 +95,7 @@ def prepare(
     sp_size: int,
     core_attn_implementation: str | None = None,
     strict: bool = False,
+    ring_size: int | str | None = None,
 ) -> SPTrainerHandle:
     """Make ``trainer`` (a ``transformers.Trainer`` or subclass, e.g. TRL's ``SFTTrainer``) train
     and evaluate with Ulysses sequence parallelism over groups of ``sp_size`` ranks.
@@ -102,11 +104,13 @@ def prepare(
 
     Args:
         trainer: the trainer; its model must be a transformers causal LM (or a PEFT model of one).
-        sp_size: ranks per sequence-parallel group ``P``; must divide the world size, the number
-            of attention heads, and (or be a multiple of) the number of kv heads.
+        sp_size: ranks per sequence-parallel group ``P``; must divide the world size. Beyond what
+            the heads allow, a ring takes the rest (``ring_size``).
         core_attn_implementation: the attention run over the full sequence (``sdpa``, ``eager``,
             ``flash_attention_2``/``_3``, ``flex_attention``); ``None`` keeps the model's own.
         strict: refuse a sequence length not divisible by ``sp_size`` instead of padding it.
+        ring_size: hybrid Ulysses x Ring (``register_with_transformers``'s ``ring_size``); ``None``:
+            1 when the heads split over ``sp_size``, else the smallest ring that makes them.
 
     Returns:
         An ``SPTrainerHandle``; ``handle.remove()`` undoes the preparation.
@@ -122,7 +126,11 @@ def prepare(
     core = core_attn_implementation or _model_attention(model)
     _check_trainer(trainer, core)
     require_process_group("ulysses_sp.integrations.transformers.prepare")
-    mesh = init_mesh(sp_size=sp_size)
+    config, ring = getattr(model, "config", None), ring_size
+    if hasattr(config, "num_attention_heads"):  # else registration refuses the model, naming why
+        heads = config.num_attention_heads
+        ring = resolve_ring_size(sp_size, heads, getattr(config, "num_key_value_heads", None) or heads, ring_size)
+    mesh = init_mesh(sp_size=sp_size, ring_size=ring)
     registration = UlyssesSPAttentionHF.register_with_transformers(
         model,
         core,
