@@ -14,74 +14,13 @@ Shape legend: ``B`` batch, ``S`` global sequence, ``S_l = S/P`` local sequence, 
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-
-# --- communication timing (``--profile-comm``)
-@dataclass
-class CommTimes:
-    """Seconds spent in collectives while ``record_comm_times`` is active, by kind.
-
-    ``sp``: the sequence-parallel collectives (attention all-to-alls, the position gather, the loss
-    reduce); ``dp``: the gradient reduction issued through ``sum_over_sp_mean_over_dp_`` (DDP's
-    hook, stages 0-1). FSDP2's own reduce-scatters and all-gathers (stages 2-3) run inside FSDP2
-    and are not counted. The data adapter's shard exchange is not counted either (it is data
-    loading, not the step's communication).
-    """
-
-    device: torch.device
-    sp: float = 0.0
-    dp: float = 0.0
-    calls: dict[str, int] = field(default_factory=dict)
-
-
-_RECORDER: contextvars.ContextVar[CommTimes | None] = contextvars.ContextVar(
-    "ulysses_sp_comm_times", default=None
-)
-
-
-@contextlib.contextmanager
-def record_comm_times(device: torch.device) -> Iterator[CommTimes]:
-    """Time every collective of this module run inside (this thread/context), synchronising
-    ``device`` before and after each so that the wall time is the collective's own.
-
-    Costs a device synchronisation per collective while active and nothing when inactive (one
-    ``ContextVar.get``). Gradient reductions become blocking while recording (they are timed).
-    """
-    times = CommTimes(device=device)
-    token = _RECORDER.set(times)
-    try:
-        yield times
-    finally:
-        _RECORDER.reset(token)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type != "cpu":
-        torch.get_device_module(device.type).synchronize(device)
-
-
-@contextlib.contextmanager
-def _timed(kind: str, times: CommTimes | None = None) -> Iterator[None]:
-    times = times if times is not None else _RECORDER.get()
-    if times is None:
-        yield
-        return
-    _sync(times.device)
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        _sync(times.device)
-        setattr(times, kind, getattr(times, kind) + time.perf_counter() - t0)
-        times.calls[kind] = times.calls.get(kind, 0) + 1
+from .comm_timing import CommTimes, active_comm_times
+from .comm_timing import timed as _timed
 
 
 def _all_to_all(
@@ -120,7 +59,7 @@ class _AllToAll(torch.autograd.Function):
         ctx.dims = (scatter_dim, gather_dim)
         ctx.group = group
         # backward may run on an autograd device thread that does not see the context variable
-        ctx.times = _RECORDER.get()
+        ctx.times = active_comm_times()
         return _all_to_all(x, scatter_dim, gather_dim, group)
 
     @staticmethod
@@ -290,7 +229,7 @@ def sum_over_sp_mean_over_dp_(grad: torch.Tensor, group: dist.ProcessGroup, dp_s
     overflow. Returns the collective's ``Work``.
     """
     grad.div_(dp_size)
-    if _RECORDER.get() is None:
+    if active_comm_times() is None:
         return dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group, async_op=True)
     with _timed("dp"):  # timed: wait here, hand DDP an already-completed Work
         work = dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group, async_op=True)
