@@ -1,11 +1,14 @@
-"""Every collective of the library: the attention all-to-all, the data adapter's shard exchange,
-the gradient reduction's arithmetic, gathers, metric reductions, and error agreement.
+"""Every collective of the library: the attention all-to-all, ring attention's K/V hops, the data
+adapter's shard exchange, the gradient reduction's arithmetic, gathers, metric reductions, and
+error agreement.
 
 Every function takes its process group explicitly (from the ``SPMesh``'s named views). Where each
 sits in the step (DESIGN.md): the shard exchange once per round of the data adapter (step 2); the
-all-to-all twice per attention layer, q/k/v in (packed, one collective) and the output out (step 4); the gather of position
-ids once per forward; the loss reduction once per micro-step (step 5); the gradient reduction at
-the accumulation boundary (step 7); metric reductions once per optimizer step.
+all-to-all twice per attention layer, q/k/v in (packed, one collective) and the output out (step 4);
+under ring attention, point-to-point hops around the ring axis inside each layer (step 4, overlapped
+with compute, counted by ``ring.RingStats``, not timed by ``record_comm_times``); the gather of
+position ids once per forward; the loss reduction once per micro-step (step 5); the gradient
+reduction at the accumulation boundary (step 7); metric reductions once per optimizer step.
 
 Shape legend: ``B`` batch, ``S`` global sequence, ``S_l = S/P`` local sequence, ``H`` heads,
 ``H_l = H/P``, ``D`` head dim, ``P`` sp size.
@@ -158,6 +161,38 @@ def qkv_seq_to_heads(
     """
     # [B, H*, S_l, D] -> [B, H*/P, P*S_l, D] for each, packed per destination rank
     return _AllToAllPacked.apply(1, 2, group, q, k, v)
+
+
+def ring_exchange(
+    send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup, *, tag: int = 0
+) -> list[dist.Work]:
+    """Start one ring hop: ``send`` goes to the next rank of ``group`` (group rank + 1 mod R),
+    ``recv`` is filled from the previous one (group rank - 1 mod R). Asynchronous.
+
+    The send and the receive go in one ``batch_isend_irecv`` (one NCCL group: every rank sends and
+    receives at once, no ordering deadlock; with R = 2 next and previous are the same peer). Peers
+    are addressed by global rank, so ``group`` may be any sub-group of the world (a ring axis).
+    Hops posted in the same order on every rank match in that order; ``tag`` (gloo) keeps two
+    kinds of hop in flight at once apart.
+
+    Returns:
+        The works to wait on (each once: a gloo p2p work waited twice blocks) before reading
+        ``recv`` or writing ``send``; empty when R = 1.
+    """
+    ring_size = dist.get_world_size(group)
+    if send.shape != recv.shape or send.dtype != recv.dtype:
+        raise ValueError(f"ring exchange needs matching buffers: send {tuple(send.shape)} {send.dtype}, "
+                         f"recv {tuple(recv.shape)} {recv.dtype}")  # fmt: skip
+    if not (send.is_contiguous() and recv.is_contiguous()):
+        raise ValueError("ring exchange needs contiguous send and recv buffers")
+    if ring_size == 1:
+        return []
+    ring_rank = dist.get_rank(group)
+    nxt = dist.get_global_rank(group, (ring_rank + 1) % ring_size)
+    prev = dist.get_global_rank(group, (ring_rank - 1) % ring_size)
+    # [...] to the next ring rank, the same shape from the previous one
+    ops = [dist.P2POp(dist.isend, send, nxt, group, tag), dist.P2POp(dist.irecv, recv, prev, group, tag)]
+    return dist.batch_isend_irecv(ops)
 
 
 def all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup, *, dim: int = -1) -> torch.Tensor:
