@@ -167,7 +167,8 @@ def _header() -> str:
     ).stdout.strip()
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return (f"Run {now}, commit {commit or '?'}, host {platform.node()} ({os.cpu_count()} CPUs), "
-            f"torch {torch.__version__}, gloo ranks on CPU, one thread each.")  # fmt: skip
+            f"torch {torch.__version__}, gloo ranks on CPU, one thread each; 1-minute load average at the "
+            f"end {os.getloadavg()[0]:.1f} (other users of the machine included).")  # fmt: skip
 
 
 def _shape(s: dict) -> str:

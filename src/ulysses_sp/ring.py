@@ -17,9 +17,9 @@ times the work of rank 0). ``zigzag=False`` takes contiguous ``S_r`` pieces (for
 
 **Communication per rank and layer call** (``RingStats``), ``KV = 2 B Hkv S_r D`` elements:
 forward ``R-1`` hops of K/V; backward ``R-1`` hops of K/V plus ``R`` hops of the dK/dV accumulator
-(fp32; the last hop takes each finished accumulator home): ``(R-1) KV`` + ``(R-1) KV + R dKV``
-elements, one message each. Each hop is one ``comm.ring_exchange`` (send to the next ring rank,
-receive from the previous). **Overlap**: a step's K/V hop is posted before the step's compute and
+(fp32; the last hop takes each finished accumulator home). Bytes sent per rank:
+``2 (R-1) KV itemsize(input) + R KV itemsize(fp32)``, in ``3R - 2`` messages (one per hop, each one
+``comm.ring_exchange``: send to the next ring rank, receive from the previous; ``2R`` steps). **Overlap**: a step's K/V hop is posted before the step's compute and
 waited after it (double buffering); the dK/dV hop of step ``t`` is posted after its compute and
 waited after step ``t+1``'s compute, whose contribution is built in a third buffer meanwhile.
 
