@@ -206,16 +206,18 @@ def report(counts: dict[int, list[dict]], timing: dict, argv: list[str], repeats
     lines += ["", "## (c) Overlap of the hops with compute, R = 2", "",
               f"Forward + backward of one layer call, slowest rank, median (best) of {repeats} rounds alternating "
               "the modes; `hops alone` = the same hops with no compute. Hidden share = "
-              "`(no overlap - overlap) / hops alone` (median of the per-round differences; not measurable where the hops "
+              "`(no overlap - overlap) / hops alone` (median and quartiles of the per-round differences; not measurable where the hops "
               "are under 5 % of the time, below this machine's noise); by waits = `1 - wait(overlap) / wait(no overlap)` "
               "(`RingStats.wait_s`, host time blocked in waits, mean over ranks).", "",
               "| shape | overlap (s) | no overlap (s) | hops alone (s) | comm share of no-overlap time | hidden (time) | hidden (waits) |",
               "|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, t in timing.items():
         med = {k: statistics.median(v) for k, v in t.items() if k != "shape"}
-        saved = statistics.median(n - o for n, o in zip(t["no_overlap"], t["overlap"]))  # paired by round
+        saved = [n - o for n, o in zip(t["no_overlap"], t["overlap"])]  # paired by round
+        q1, q2, q3 = statistics.quantiles(saved, n=4) if len(saved) > 1 else saved * 3
         share = med["comm"] / med["no_overlap"]
-        hidden = f"{saved / med['comm']:.0%}" if share >= MEASURABLE else "not measurable (comm < 5 %)"
+        hidden = (f"{q2 / med['comm']:.0%} (quartiles {q1 / med['comm']:.0%} .. {q3 / med['comm']:.0%})"
+                  if share >= MEASURABLE else "not measurable (comm < 5 %)")  # fmt: skip
         by_wait = 1 - med["wait_overlap"] / med["wait_no_overlap"]
         lines.append(f"| {name}: {_shape(t['shape'])} | {med['overlap']:.4f} ({min(t['overlap']):.4f}) | "
                      f"{med['no_overlap']:.4f} ({min(t['no_overlap']):.4f}) | {med['comm']:.4f} | "
