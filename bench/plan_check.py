@@ -4,7 +4,7 @@ Each case builds the run's model with its techniques and engine exactly as ``uly
 does (``train._techniques``, ``register_with_transformers``, ``initialize``), takes one warm-up
 optimizer step (the AdamW state then exists, as in every later step), and measures the second step
 with ``ulysses_sp.memory.track_peak_memory`` (parameters and optimizer state counted in the
-baseline) and ``comm.record_comm_times``. The prediction is ``plan.predict`` for the same settings,
+baseline) and ``comm_timing.record_comm_times``. The prediction is ``plan.predict`` for the same settings,
 less what the CPU tracker cannot see: DDP's gradient buckets (allocated at construction, outside any
 aten op) and the reserve. FSDP2 (ZeRO 2-3) is left out on CPU: its unsharded parameters are
 allocated with ``UntypedStorage.resize_``, invisible to the tracker (``memory.py``'s blind spots).
@@ -61,7 +61,8 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
 
     from ulysses_sp import tasks
     from ulysses_sp.attention import UlyssesSPAttentionHF
-    from ulysses_sp.comm import all_reduce_max, record_comm_times
+    from ulysses_sp.comm import all_reduce_max
+    from ulysses_sp.comm_timing import record_comm_times
     from ulysses_sp.engine import initialize
     from ulysses_sp.memory import track_peak_memory
     from ulysses_sp.mesh import init_mesh

@@ -125,3 +125,28 @@ def test_smoke_flops_per_rank_is_total_over_p(smoke):
     assert {r["sp"] for r in flops} == {1, 2}
     for r in flops:
         assert r["ratio_to_total_over_p"] <= 1.02, r
+
+
+@pytest.mark.slow
+def test_ring_bench_smoke_counts_the_analytic_bytes_and_balances_zigzag(tmp_path):
+    """``python -m bench.ring_bench --smoke`` runs (R = 2 and 4) and its tables say: bytes sent equal
+    the analytic ring volume, zigzag FLOPs equal across ranks, contiguous ones not."""
+    out = tmp_path / "ring.md"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.ring_bench", "--smoke", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [
+        line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith(("| 2 |", "| 4 |"))
+    ]
+    byte_rows = [r for r in rows if r[1].strip() in ("float32", "bfloat16")]
+    assert len(byte_rows) == 4 and all(r[-1].strip() == "1.00x" for r in byte_rows)
+    balance = {
+        (r[0].strip(), r[1].strip()): float(r[3]) for r in rows if r[1].strip() in ("zigzag", "contiguous")
+    }
+    assert balance[("2", "zigzag")] == balance[("4", "zigzag")] == 1.0
+    assert balance[("2", "contiguous")] > 1.5 and balance[("4", "contiguous")] > 3

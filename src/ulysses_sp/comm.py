@@ -1,11 +1,14 @@
-"""Every collective of the library: the attention all-to-all, the data adapter's shard exchange,
-the gradient reduction's arithmetic, gathers, metric reductions, and error agreement.
+"""Every collective of the library: the attention all-to-all, ring attention's K/V hops, the data
+adapter's shard exchange, the gradient reduction's arithmetic, gathers, metric reductions, and
+error agreement.
 
 Every function takes its process group explicitly (from the ``SPMesh``'s named views). Where each
 sits in the step (DESIGN.md): the shard exchange once per round of the data adapter (step 2); the
-all-to-all twice per attention layer, q/k/v in (packed, one collective) and the output out (step 4); the gather of position
-ids once per forward; the loss reduction once per micro-step (step 5); the gradient reduction at
-the accumulation boundary (step 7); metric reductions once per optimizer step.
+all-to-all twice per attention layer, q/k/v in (packed, one collective) and the output out (step 4);
+under ring attention, point-to-point hops around the ring axis inside each layer (step 4, overlapped
+with compute, counted by ``ring.RingStats``, not timed by ``record_comm_times``); the gather of
+position ids once per forward; the loss reduction once per micro-step (step 5); the gradient
+reduction at the accumulation boundary (step 7); metric reductions once per optimizer step.
 
 Shape legend: ``B`` batch, ``S`` global sequence, ``S_l = S/P`` local sequence, ``H`` heads,
 ``H_l = H/P``, ``D`` head dim, ``P`` sp size.
@@ -14,74 +17,13 @@ Shape legend: ``B`` batch, ``S`` global sequence, ``S_l = S/P`` local sequence, 
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-
-# --- communication timing (``--profile-comm``)
-@dataclass
-class CommTimes:
-    """Seconds spent in collectives while ``record_comm_times`` is active, by kind.
-
-    ``sp``: the sequence-parallel collectives (attention all-to-alls, the position gather, the loss
-    reduce); ``dp``: the gradient reduction issued through ``sum_over_sp_mean_over_dp_`` (DDP's
-    hook, stages 0-1). FSDP2's own reduce-scatters and all-gathers (stages 2-3) run inside FSDP2
-    and are not counted. The data adapter's shard exchange is not counted either (it is data
-    loading, not the step's communication).
-    """
-
-    device: torch.device
-    sp: float = 0.0
-    dp: float = 0.0
-    calls: dict[str, int] = field(default_factory=dict)
-
-
-_RECORDER: contextvars.ContextVar[CommTimes | None] = contextvars.ContextVar(
-    "ulysses_sp_comm_times", default=None
-)
-
-
-@contextlib.contextmanager
-def record_comm_times(device: torch.device) -> Iterator[CommTimes]:
-    """Time every collective of this module run inside (this thread/context), synchronising
-    ``device`` before and after each so that the wall time is the collective's own.
-
-    Costs a device synchronisation per collective while active and nothing when inactive (one
-    ``ContextVar.get``). Gradient reductions become blocking while recording (they are timed).
-    """
-    times = CommTimes(device=device)
-    token = _RECORDER.set(times)
-    try:
-        yield times
-    finally:
-        _RECORDER.reset(token)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type != "cpu":
-        torch.get_device_module(device.type).synchronize(device)
-
-
-@contextlib.contextmanager
-def _timed(kind: str, times: CommTimes | None = None) -> Iterator[None]:
-    times = times if times is not None else _RECORDER.get()
-    if times is None:
-        yield
-        return
-    _sync(times.device)
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        _sync(times.device)
-        setattr(times, kind, getattr(times, kind) + time.perf_counter() - t0)
-        times.calls[kind] = times.calls.get(kind, 0) + 1
+from .comm_timing import CommTimes, active_comm_times
+from .comm_timing import timed as _timed
 
 
 def _all_to_all(
@@ -120,7 +62,7 @@ class _AllToAll(torch.autograd.Function):
         ctx.dims = (scatter_dim, gather_dim)
         ctx.group = group
         # backward may run on an autograd device thread that does not see the context variable
-        ctx.times = _RECORDER.get()
+        ctx.times = active_comm_times()
         return _all_to_all(x, scatter_dim, gather_dim, group)
 
     @staticmethod
@@ -221,6 +163,38 @@ def qkv_seq_to_heads(
     return _AllToAllPacked.apply(1, 2, group, q, k, v)
 
 
+def ring_exchange(
+    send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup, *, tag: int = 0
+) -> list[dist.Work]:
+    """Start one ring hop: ``send`` goes to the next rank of ``group`` (group rank + 1 mod R),
+    ``recv`` is filled from the previous one (group rank - 1 mod R). Asynchronous.
+
+    The send and the receive go in one ``batch_isend_irecv`` (one NCCL group: every rank sends and
+    receives at once, no ordering deadlock; with R = 2 next and previous are the same peer). Peers
+    are addressed by global rank, so ``group`` may be any sub-group of the world (a ring axis).
+    Hops posted in the same order on every rank match in that order; ``tag`` (gloo) keeps two
+    kinds of hop in flight at once apart.
+
+    Returns:
+        The works to wait on (each once: a gloo p2p work waited twice blocks) before reading
+        ``recv`` or writing ``send``; empty when R = 1.
+    """
+    ring_size = dist.get_world_size(group)
+    if send.shape != recv.shape or send.dtype != recv.dtype:
+        raise ValueError(f"ring exchange needs matching buffers: send {tuple(send.shape)} {send.dtype}, "
+                         f"recv {tuple(recv.shape)} {recv.dtype}")  # fmt: skip
+    if not (send.is_contiguous() and recv.is_contiguous()):
+        raise ValueError("ring exchange needs contiguous send and recv buffers")
+    if ring_size == 1:
+        return []
+    ring_rank = dist.get_rank(group)
+    nxt = dist.get_global_rank(group, (ring_rank + 1) % ring_size)
+    prev = dist.get_global_rank(group, (ring_rank - 1) % ring_size)
+    # [...] to the next ring rank, the same shape from the previous one
+    ops = [dist.P2POp(dist.isend, send, nxt, group, tag), dist.P2POp(dist.irecv, recv, prev, group, tag)]
+    return dist.batch_isend_irecv(ops)
+
+
 def all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup, *, dim: int = -1) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` in rank order (not differentiable).
 
@@ -290,7 +264,7 @@ def sum_over_sp_mean_over_dp_(grad: torch.Tensor, group: dist.ProcessGroup, dp_s
     overflow. Returns the collective's ``Work``.
     """
     grad.div_(dp_size)
-    if _RECORDER.get() is None:
+    if active_comm_times() is None:
         return dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group, async_op=True)
     with _timed("dp"):  # timed: wait here, hand DDP an already-completed Work
         work = dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group, async_op=True)

@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as ckpt
-from . import tasks
-from .comm import all_reduce_max, barrier, raise_if_any_rank_failed, record_comm_times
+from . import comm_timing, tasks
+from .comm import all_reduce_max, barrier, raise_if_any_rank_failed
 from .guard import DivergenceError
 from .precision import DTYPES
 from .rundir import checked_save, prepare_output_dir
@@ -257,7 +257,7 @@ def _loop(cfg, engine, stream, state, tokenizer, manifest, track_peak_memory, st
         while step < cfg.steps:
             t0 = time.perf_counter()
             lr = engine.get_lr()[0]
-            profile = record_comm_times(engine.device) if cfg.profile_comm else contextlib.nullcontext()
+            profile = comm_timing.record_comm_times(engine.device) if cfg.profile_comm else contextlib.nullcontext()  # fmt: skip
             with track_peak_memory(engine.device) as mem, profile as times:
                 for _ in range(cfg.grad_accum):
                     out = engine(**next(batches))
