@@ -174,3 +174,15 @@ def test_layouts_that_cannot_work_are_refused_naming_the_choices(pool):
     assert "ring attention (ring_size 2)" in errors[2] and "'flex_attention'" in errors[2]
     assert "offload_attention True" in errors[3]
     assert "valid ring sizes for sequence_parallel_size 4: [2, 4]" in errors[4]
+
+
+def _hybrid_bytes(ulysses, ring):
+    from bench.hybrid_bytes import analytic, measure
+
+    return measure(ulysses, ring), analytic(ulysses, ring)
+
+
+@pytest.mark.parametrize("ulysses, ring", [(2, 2), (1, 4)])
+def test_each_rank_sends_exactly_the_analytic_ulysses_plus_ring_volume(pool, ulysses, ring):
+    for sent, want in pool.run(_hybrid_bytes, ulysses * ring, ulysses, ring):
+        assert sent == want and sent["ring"] > 0

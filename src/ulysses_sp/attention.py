@@ -53,6 +53,7 @@ from .masks import SeqLayout, gather_positions, mask_for
 from .mesh import SPMesh, as_sp_mesh, init_mesh, require_process_group
 from .mesh_shape import check_heads, resolve_ring_size, sp_token_order
 from .registration import SPRegistration, model_and_config
+from .ring import RingStats
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +113,9 @@ class UlyssesSPAttentionHF:
         self.kv_offload = KVOffload() if offload_attention else None
         """The host K/V store and its streams (``offload_attention``), with byte counters."""
         self.block_counts = BlockCounts()
-        """Blocks computed / skipped and their FLOPs in the blockwise core (cumulative)."""
+        """Blocks computed / skipped and their FLOPs in the blockwise core and the ring (cumulative)."""
+        self.ring_stats = RingStats()
+        """Bytes and hops ring attention sent from this rank (cumulative; hybrid layout only)."""
         self.last_path: str | None = None
         """The path the most recent call ran (``core_attention.attention_path``)."""
         self.sp_group = sp_group
@@ -214,7 +217,7 @@ class UlyssesSPAttentionHF:
                                           lambda: structure_for(layout, kwargs.get("sliding_window")))  # fmt: skip
             self.last_path = "ring"
             out = run_ring(module, query, key, value, structure, kwargs, group=self.ring_group,
-                           chunk=self.attn_chunk, counts=self.block_counts)  # fmt: skip
+                           chunk=self.attn_chunk, counts=self.block_counts, stats=self.ring_stats)  # fmt: skip
         else:
             out = self._core(module, query, key, value, layout, args, kwargs)  # [B, S, H_l, D]
         if a2a:

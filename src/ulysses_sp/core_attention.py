@@ -38,7 +38,7 @@ import torch
 from .attn_offload import KVOffload
 from .blockwise import AUTO_CHUNK, AttnStructure, BlockCounts, blockwise_attention
 from .masks import SeqLayout
-from .ring import ring_attention
+from .ring import RingStats, ring_attention
 
 logger = logging.getLogger(__name__)
 
@@ -175,12 +175,13 @@ def run_ring(
     group: Any,
     chunk: int | None,
     counts: BlockCounts | None,
+    stats: RingStats | None = None,
 ) -> torch.Tensor:
     """Ring attention over the ring group with transformers' keyword arguments:
     ``[B, H_l, S/R, D]`` (this ring rank's zigzag tokens) ``-> [B, S/R, H_l, D]``."""
     _check_kwargs(module, kwargs)
     out = ring_attention(q, k, v, group=group, structure=structure, scale=kwargs.get("scaling"), chunk=chunk,
-                         counts=counts)  # fmt: skip
+                         counts=counts, stats=stats)  # fmt: skip
     return out.transpose(1, 2).contiguous()
 
 
