@@ -69,3 +69,17 @@ def reference_loss(ref, ids: torch.Tensor, labels: torch.Tensor, dp: int) -> tor
         lab = labels[d * b : (d + 1) * b]
         losses.append(F.cross_entropy(logits.flatten(0, 1), lab.flatten(), ignore_index=-100))
     return torch.stack(losses).mean()
+
+
+def per_document_loss(ref, ids: torch.Tensor, docs: tuple[int, ...]) -> torch.Tensor:
+    """The packed-documents oracle: token-mean loss of every document of the packed row ``ids [1, S]``
+    (lengths ``docs``) run on its own through the unmodified model, no SP. Differentiable."""
+    import torch.nn.functional as F
+
+    total, count, start = 0.0, 0, 0
+    for n in docs:
+        doc = ids[:, start : start + n]
+        logits = ref(input_ids=doc).logits
+        total = total + F.cross_entropy(logits[0, :-1], doc[0, 1:], reduction="sum")
+        count, start = count + n - 1, start + n
+    return total / count

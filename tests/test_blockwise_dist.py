@@ -9,8 +9,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from models import global_batch, shift, tiny_model
+from models import global_batch, per_document_loss, shift, tiny_model
 from oracle import assert_grads_close, assert_step_close
 from torch.distributed.tensor import DTensor
 
@@ -39,17 +38,6 @@ def _packed(seed):
     return ids, pos, labels
 
 
-def _reference_loss(ref, ids):
-    """Token-mean loss of every document run on its own (no SP, the model's own windowed mask)."""
-    total, count, start = 0.0, 0, 0
-    for n in DOCS:
-        doc = ids[:, start : start + n]
-        logits = ref(input_ids=doc).logits
-        total = total + F.cross_entropy(logits[0, :-1], doc[0, 1:], reduction="sum")
-        count, start = count + n - 1, start + n
-    return total / count
-
-
 def _packed_window_chunked(sp, heads, kv, chunk, offload):
     mesh = init_mesh((1, sp))
     ref = _model(heads, kv)
@@ -58,7 +46,7 @@ def _packed_window_chunked(sp, heads, kv, chunk, offload):
         model, "sdpa", sp, 1, mesh=mesh, attn_chunk=chunk, offload_attention=offload
     )
     ids, pos, labels = _packed(3)
-    ref_loss = _reference_loss(ref, ids)
+    ref_loss = per_document_loss(ref, ids, DOCS)
     ref_loss.backward()
     ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
     s_l = ids.shape[1] // sp
@@ -112,7 +100,7 @@ def _engine_packed(dp, sp, stage, offload):
     }
     engine, *_ = initialize(model=model, config=config, mpu=reg)
     samples = [_packed(20 + d) for d in range(dp)]
-    ref_loss = torch.stack([_reference_loss(ref, ids) for ids, _, _ in samples]).mean()
+    ref_loss = torch.stack([per_document_loss(ref, ids, DOCS) for ids, _, _ in samples]).mean()
     ref_loss.backward()
     ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
     ids, pos, labels = samples[mesh.dp_rank]

@@ -9,7 +9,8 @@ import torch
 
 from ulysses_sp.blockwise import AttnStructure, BlockCounts, blockwise_attention
 from ulysses_sp.masks import SeqLayout
-from ulysses_sp.ring import RingStats, contiguous_spans, ring_attention, zigzag_spans
+from ulysses_sp.mesh_shape import contiguous_spans, zigzag_spans
+from ulysses_sp.ring import RingStats, ring_attention
 
 
 def test_zigzag_spans_hold_chunk_i_then_chunk_2r_minus_1_minus_i():

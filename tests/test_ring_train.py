@@ -14,8 +14,7 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
-from models import global_batch, tiny_model
+from models import global_batch, per_document_loss, tiny_model
 from oracle import assert_grads_close
 from torch.distributed.tensor import DTensor
 
@@ -36,17 +35,6 @@ def _packed(seed):
     ids = global_batch(seed, 1, sum(DOCS))
     pos = torch.cat([torch.arange(n) for n in DOCS])[None]
     return {"input_ids": ids, "position_ids": pos}
-
-
-def _reference_loss(ref, ids):
-    """Token-mean loss of every document run on its own (no SP)."""
-    total, count, start = 0.0, 0, 0
-    for n in DOCS:
-        doc = ids[:, start : start + n]
-        logits = ref(input_ids=doc).logits
-        total = total + F.cross_entropy(logits[0, :-1], doc[0, 1:], reduction="sum")
-        count, start = count + n - 1, start + n
-    return total / count
 
 
 def _model(arch, core, window=None):
@@ -72,7 +60,7 @@ def _ring_engine(dp, ulysses, ring, stage, cases, window=None):
                   "optimizer": {"type": "SGD", "params": {"lr": 0.5}}}  # fmt: skip
         engine, *_ = initialize(model=model, config=config, mpu=reg)
         samples = [_packed(30 + d) for d in range(dp)]
-        ref_loss = torch.stack([_reference_loss(ref, s["input_ids"]) for s in samples]).mean()
+        ref_loss = torch.stack([per_document_loss(ref, s["input_ids"], DOCS) for s in samples]).mean()
         ref_loss.backward()
         ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
         prepared = prepare_batch(samples[mesh.dp_rank], sp, strict=True, ring_size=ring)

@@ -164,6 +164,47 @@ def seq_multiple(sp_size: int, ring_size: int = 1) -> int:
     return sp_size * (2 if ring_size > 1 else 1)
 
 
+def _check_ring(seq_len: int, ring_size: int, ring_rank: int) -> None:
+    if ring_size < 1 or not 0 <= ring_rank < ring_size:
+        raise ValueError(
+            f"ring_rank must be in [0, ring_size); got ring_rank {ring_rank}, ring_size {ring_size}"
+        )
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be positive, got {seq_len}")
+
+
+def zigzag_spans(seq_len: int, ring_size: int, ring_rank: int) -> list[tuple[int, int]]:
+    """The global ``[start, stop)`` pieces ring rank ``i`` holds, in local order: chunk ``i`` and
+    chunk ``2R-1-i`` of ``c = S/(2R)`` tokens (``[i c, (i+1) c)``, then ``[(2R-1-i) c, (2R-i) c)``).
+
+    Raises ``ValueError`` unless ``seq_len`` is a multiple of ``2 * ring_size``, naming the length
+    to pad to.
+    """
+    _check_ring(seq_len, ring_size, ring_rank)
+    if seq_len % (2 * ring_size):
+        padded = -(-seq_len // (2 * ring_size)) * 2 * ring_size
+        raise ValueError(
+            f"zigzag ring attention needs the sequence length divisible by 2 * ring_size = "
+            f"{2 * ring_size}; got {seq_len}: pad the sequence to {padded} tokens"
+        )
+    c = seq_len // (2 * ring_size)
+    far = 2 * ring_size - 1 - ring_rank
+    return [(ring_rank * c, (ring_rank + 1) * c), (far * c, (far + 1) * c)]
+
+
+def contiguous_spans(seq_len: int, ring_size: int, ring_rank: int) -> list[tuple[int, int]]:
+    """The one global piece ``[i S/R, (i+1) S/R)`` of ring rank ``i`` (no load balance)."""
+    _check_ring(seq_len, ring_size, ring_rank)
+    if seq_len % ring_size:
+        padded = -(-seq_len // ring_size) * ring_size
+        raise ValueError(
+            f"ring attention needs the sequence length divisible by ring_size = {ring_size}; "
+            f"got {seq_len}: pad the sequence to {padded} tokens"
+        )
+    n = seq_len // ring_size
+    return [(ring_rank * n, (ring_rank + 1) * n)]
+
+
 def shard_spans(seq_len: int, sp_rank: int, sp_size: int, ring_size: int = 1) -> list[tuple[int, int]]:
     """The global ``[start, stop)`` pieces of a sequence that SP rank ``sp_rank`` holds, in local order.
 
@@ -184,7 +225,7 @@ def shard_spans(seq_len: int, sp_rank: int, sp_size: int, ring_size: int = 1) ->
     ulysses = sp_size // ring_size
     ring_rank, u = divmod(sp_rank, ulysses)
     c = seq_len // (2 * ring_size)
-    chunks = [(ring_rank * c, (ring_rank + 1) * c), ((2 * ring_size - 1 - ring_rank) * c, (2 * ring_size - ring_rank) * c)]
+    chunks = zigzag_spans(seq_len, ring_size, ring_rank)
     lo, hi = u * local, (u + 1) * local  # in the ring rank's 2c local tokens
     out = []
     for j, (a, _) in enumerate(chunks):
