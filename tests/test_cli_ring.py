@@ -1,5 +1,5 @@
-"""``ulysses-sp train`` beyond the head count: a 2-head model at ``--sp 4`` (auto: ring 2 x ulysses 2)
-equals its ``--sp 1`` run step by step; a ring size that cannot work is refused before any process starts."""
+"""``ulysses-sp train`` beyond the head count: a 2-head model at ``--sp 4`` (auto: ring 2 x ulysses 2,
+with tiled MLP, tiled loss and activation checkpointing) equals its plain ``--sp 1`` run step by step; a ring size that cannot work is refused before any process starts."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ def two_heads(tmp_path_factory):
 def test_two_head_model_at_sp4_equals_sp1_step_by_step(two_heads, tmp_path):
     common = ("--model", str(two_heads), "--steps", "4", "--zero-stage", "3")
     train(tmp_path / "sp1", *common, "--sp", "1", "--nproc", "1")
-    proc = train(tmp_path / "sp4", *common, "--sp", "4", "--nproc", "4")
+    alst = ("--tiled-mlp", "--tiled-loss", "--activation-checkpointing")  # exact: the sp 1 run has none
+    proc = train(tmp_path / "sp4", *common, "--sp", "4", "--nproc", "4", *alst)
     assert "sp 4 (ring 2 x ulysses 2: ring attention)" in proc.stderr
     ref, ring = metrics(tmp_path / "sp1"), metrics(tmp_path / "sp4")
     assert len({m["loss"] for m in ring}) == 4  # it trains
