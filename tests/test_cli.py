@@ -293,3 +293,12 @@ def test_attention_chunk_options_parse_and_bad_ones_are_rejected(capsys, tmp_pat
     assert "configure the blockwise core" in _fails(
         capsys, "train", "--offload-attention", "--attn", "eager", *out
     )
+
+
+@pytest.mark.parametrize("value, want", [("none", None), ("", None), ("curves.png", "curves.png")])
+def test_eval_plot_none_or_empty_means_no_plot(value, want):
+    from ulysses_sp.cli.args import build_parser
+    from ulysses_sp.cli.evaluate import eval_options
+
+    ns = build_parser().parse_args(["eval", "--model", "tiny-llama", "--plot", value])
+    assert eval_options(ns)[0].plot == want

@@ -97,7 +97,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="default: the training run's (manifest), else 0")
     p.add_argument("--attn", default=d.attn)
     p.add_argument("--output-json", default=d.output_json)
-    p.add_argument("--plot", default=d.plot, help="PNG path ('' = no plot)")
+    p.add_argument("--plot", default=d.plot, help="PNG path ('' or 'none' = no plot)")
     add_data_args(p, None)
 
 
@@ -105,7 +105,7 @@ def eval_options(ns: argparse.Namespace) -> tuple[EvalConfig, dict[str, Any]]:
     values = {k: v for k, v in vars(ns).items() if k != "command"}
     launch = {k: values.pop(k) for k in ("nproc", "timeout") if k in values}
     values["models"] = tuple(_resolve_model(m) for m in values["models"])
-    values["plot"] = values["plot"] or None
+    values["plot"] = None if values["plot"] in ("", "none") else values["plot"]
     manifests = [
         ckpt.read_manifest(m) for m in values["models"] if os.path.isfile(os.path.join(m, ckpt.MANIFEST))
     ]
