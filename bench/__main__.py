@@ -8,7 +8,8 @@
 Sections: comm, flops, memory, throughput (bench/workers.py, one launch per world size),
 alst_memory (bench/alst_worker.py; ~8 min, not in the default set), deepspeed and findings
 (bench/ours_worker.py vs bench/ds_worker.py; need ``bash bench/setup_deepspeed.sh``), projection
-(bench/projection.py from this run's counts). Every worker is launched by bench/launch.py.
+(bench/projection.py from this run's counts), longest_fit (bench/longest_fit.py: the longest sequence
+in one budget, ulysses-sp vs DeepSpeed; ~10 min, needs DeepSpeed, not in the default set). Every worker is launched by bench/launch.py.
 
 A run into bench/results carries every section it did not run from the previous bench.json, still
 labelled with the run that produced it, and refreshes the targets block of docs/readme/performance.md
@@ -33,8 +34,8 @@ from bench import spec as S
 from bench.launch import DS_PYTHON, ROOT, WorkerFailed, deepspeed_available, run_worker
 
 LIBRARY = ("comm", "flops", "memory", "throughput")
-SECTIONS = (*LIBRARY, "alst_memory", "deepspeed", "findings", "projection")
-DEFAULT_SECTIONS = tuple(x for x in SECTIONS if x != "alst_memory")
+SECTIONS = (*LIBRARY, "alst_memory", "deepspeed", "findings", "projection", "longest_fit")
+DEFAULT_SECTIONS = tuple(x for x in SECTIONS if x not in ("alst_memory", "longest_fit"))
 SMOKE_SECTIONS = (*LIBRARY, "projection")
 DS_POINTS = [{"dp": 1, "sp": 2, "zero": 1}, {"dp": 1, "sp": 2, "zero": 2}, {"dp": 2, "sp": 2, "zero": 1}]
 
@@ -145,6 +146,24 @@ def run_findings(pairs: list[dict], run: dict) -> dict:
     return {"runs": runs, "pairs": pairs}
 
 
+def run_longest_fit(run: dict) -> dict:
+    """bench/longest_fit.py per (data, system): the budget search, then a profile at 3b's vocabulary
+    (plain causal, every power of two to 8K, no budget: where the peak sits when the logits are big)."""
+    from bench.longest_fit_report import SYSTEMS
+
+    out: dict = {"search": [], "profile": []}
+    plan = [("search", data, ["--budget-mib", "24", "--max-seq", "12288"]) for data in ("causal", "packed")]
+    plan.append(("profile", "causal", ["--vocab", "16384", "--budget-mib", "1e6", "--max-seq", "8192",
+                                       "--time-steps", "0"]))  # fmt: skip
+    for part, data, extra in plan:
+        for impl, tech in SYSTEMS:
+            args = ["--impl", impl, *(["--tech", tech] if tech else []), "--data", data, *extra]
+            py = DS_PYTHON if impl == "deepspeed" else None
+            res, cmd = launch(run, "bench.longest_fit", 2, args, python=py, timeout=1800)
+            out[part].append({**res, "command": cmd})
+    return out
+
+
 def run_sections(sections: list[str], smoke: bool, run: dict) -> dict:
     """``{section: data}`` for the sections of this run."""
     out: dict = run_library([s for s in LIBRARY if s in sections], smoke, run)
@@ -160,6 +179,8 @@ def run_sections(sections: list[str], smoke: bool, run: dict) -> dict:
         out["deepspeed"] = pairs
         if "findings" in sections:
             out["findings"] = run_findings(pairs, run)
+    if "longest_fit" in sections:
+        out["longest_fit"] = run_longest_fit(run)
     if "projection" in sections:
         pj = report.projection_inputs(out.get("comm", []), out.get("memory", []))
         out["projection"] = {
@@ -198,7 +219,7 @@ def main(argv=None) -> int:
                         else SMOKE_SECTIONS if args.smoke else DEFAULT_SECTIONS)  # fmt: skip
         if unknown := set(sections) - set(SECTIONS):
             ap.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
-        if (needs := {"deepspeed", "findings"} & set(sections)) and not deepspeed_available():
+        if (needs := {"deepspeed", "findings", "longest_fit"} & set(sections)) and not deepspeed_available():
             log(
                 f"bench: sections {sorted(needs)} need DeepSpeed: run `bash bench/setup_deepspeed.sh` first; skipping"
             )

@@ -14,6 +14,8 @@ import math
 import os
 from collections import defaultdict
 
+from bench import longest_fit_report
+
 MIB = 2**20
 BUDGET_MIB = 64
 """Per-rank budget for the 'max S' column of section 3 (fitted; tiny model, fp32)."""
@@ -152,6 +154,8 @@ def targets(result: dict) -> list[list]:
                          for r in pj["rows"])  # fmt: skip
         out.append(["6. projected max sequence, Llama-8B, 80 GB", "vs 0.5M (1 GPU), 3.7M (8 GPUs)", desc, None,
                     "projection"])  # fmt: skip
+    if lf := data(result, "longest_fit"):
+        out.append(longest_fit_report.target(lf))
     return out
 
 
@@ -296,7 +300,8 @@ def _sec_projection(pj: dict) -> tuple[str, str]:
 
 
 SECTIONS_MD = {"comm": _sec_comm, "flops": _sec_flops, "memory": _sec_memory, "alst_memory": _sec_alst,
-               "throughput": _sec_throughput, "deepspeed": _sec_deepspeed, "projection": _sec_projection}  # fmt: skip
+               "throughput": _sec_throughput, "deepspeed": _sec_deepspeed, "projection": _sec_projection,
+               "longest_fit": longest_fit_report.render}  # fmt: skip
 
 
 def render(result: dict) -> str:
@@ -326,6 +331,10 @@ def write(result: dict, out_dir: str, *, name: str) -> str:
 
         with open(os.path.join(out_dir, "deepspeed_findings.md"), "w") as f:
             f.write(render_findings(result))
+    if lf := data(result, "longest_fit"):  # also on its own page, as the findings are
+        head, body = longest_fit_report.render(lf)
+        with open(os.path.join(out_dir, "longest_fit.md"), "w") as f:
+            f.write(f"# {head}\n\n{produced_by(result, 'longest_fit')}\n\n{body}\n")
     return "\n".join(f"{t[0]}: target {t[1]}; measured {t[2]} [{_status(t[3])}]" for t in targets(result))
 
 

@@ -1,0 +1,308 @@
+"""Task: the longest sequence one system fits in a per-rank memory budget (ulysses-sp or DeepSpeed).
+
+    python -m torch.distributed.run --nproc-per-node 2 -m bench.longest_fit --impl ours --tech all \\
+        --data packed --out /tmp/ours.json
+    bench/.venv-deepspeed/bin/python -m torch.distributed.run --nproc-per-node 2 -m bench.longest_fit \\
+        --impl deepspeed --data packed --out /tmp/ds.json
+
+Run in either venv (one process per rank, gloo, sp = 2). Both sides build the same model (3b's:
+bench/alst_worker.py ``FULL``, same seed, sdpa) and get the same tensors: random tokens, either one
+causal sequence (``causal``) or three packed documents of S/2, S/4, S/4 tokens whose position ids
+restart (``packed``), labels shifted before sharding with ``-100`` at each document's last token,
+rank k holding tokens ``[k S/2, (k+1) S/2)``. One forward + backward per length (no optimizer: its
+states are the same on both sides and independent of S), each side with all of its memory
+techniques that run on CPU:
+
+* ``deepspeed``: DeepSpeed's ``UlyssesSPAttentionHF.register_with_transformers`` (sdpa), its
+  ``TiledMLP`` patched into ``LlamaMLP.forward`` as its docstring shows (``ceil(S_l / h)`` shards,
+  agreed by an all-reduce), its ``TiledFusedLogitsLoss`` (same tile count as ours) with the
+  documented all-gather combine over SP, HF activation checkpointing (non-reentrant), and its
+  checkpoint offload context (``get_checkpoint_hidden_states_offloading_ctx_manager``), whose engine
+  skips every tensor on a CPU-only machine; its counters are recorded.
+* ``ours --tech ckpt``: ``register_with_transformers`` (sdpa), ``apply_tiled_mlp``,
+  ``TiledCausalLMLoss``, ``enable_activation_checkpointing``: the same set DeepSpeed runs on CPU.
+* ``ours --tech all``: that, plus ``enable_activation_offload`` (checkpointed layer inputs to host)
+  and ``offload_attention`` (Ulysses-Offload: the blockwise core, full-sequence K/V on the host).
+
+Meter, the same on both sides: ``ulysses_sp.memory.track_peak_memory("cpu", include=params)``, max
+over ranks. ``device`` excludes storages made under ``host_allocations()`` (what our offload stages on
+the host, i.e. what would leave an accelerator); ``total`` counts every tensor byte. Search: double
+from ``--start-seq`` while the peak fits, then bisect to ``--granularity`` tokens, once per criterion
+(device, total) over the same cached probes. Then step time (no meter) at ``--time-seq``.
+Rank 0 writes ``{"probes": [...], "fit": {criterion: S}, ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib.util
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+IGNORE = -100
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def make_data(seq: int, vocab: int, packed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids, position_ids, shift_labels)``, each ``[1, S]``: the same tensors on both sides."""
+    ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(seq))
+    docs = (seq // 2, seq // 4, seq - seq // 2 - seq // 4) if packed else (seq,)
+    pos = torch.cat([torch.arange(n) for n in docs])[None]
+    shift = torch.cat([ids[:, 1:], torch.full((1, 1), IGNORE)], 1)
+    ends = torch.tensor(docs).cumsum(0) - 1  # each document's last token predicts nothing
+    shift[0, ends] = IGNORE
+    return ids, pos, shift
+
+
+def build_model(setup, max_seq: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=setup.hidden, intermediate_size=setup.intermediate, num_hidden_layers=setup.layers,
+        num_attention_heads=setup.heads, num_key_value_heads=setup.heads, vocab_size=setup.vocab,
+        max_position_embeddings=max_seq, tie_word_embeddings=False, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).float().train()
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+def ours(model, world: int, tech: str):
+    """ulysses-sp with its memory techniques; returns ``step(ids, pos, shift) -> (loss, notes)``."""
+    from ulysses_sp.attention import UlyssesSPAttentionHF
+    from ulysses_sp.offload import enable_activation_checkpointing, enable_activation_offload
+    from ulysses_sp.tiling import TiledCausalLMLoss, apply_tiled_mlp
+
+    reg = UlyssesSPAttentionHF.register_with_transformers(
+        model, "sdpa", world, 1, offload_attention=tech == "all"
+    )
+    group = reg.get_sequence_parallel_group()
+    enable_activation_checkpointing(model)
+    offload = enable_activation_offload(model) if tech == "all" else None
+    apply_tiled_mlp(model)
+    loss_fn = TiledCausalLMLoss()
+
+    def step(ids, pos, shift):
+        batch = {"input_ids": ids, "position_ids": pos, "use_cache": False}
+        loss = loss_fn(model, batch, shift, group).loss
+        loss.backward()
+        notes = {"attention_path": reg.attention.last_path}
+        if offload is not None:
+            notes["offloaded_bytes"] = offload.stats.offloaded_bytes
+        return loss, notes
+
+    return step
+
+
+def deepspeed(model, world: int):
+    """DeepSpeed's ALST pieces on the same model; returns ``step(ids, pos, shift) -> (loss, notes)``."""
+    import deepspeed as ds
+    from deepspeed.runtime.activation_checkpointing.offload_activations import (
+        get_checkpoint_hidden_states_offloading_ctx_manager,
+    )
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import (
+        TiledFusedLogitsLoss,
+        TiledMLP,
+        UlyssesSPAttentionHF,
+    )
+    from transformers.models.llama import modeling_llama
+
+    mpu = UlyssesSPAttentionHF.register_with_transformers(
+        model, "sdpa", world, 1, seq_length_is_variable=True
+    )
+    group = mpu.get_sequence_parallel_group()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def tiled_mlp_forward(self, x):  # TiledMLP's docstring recipe
+        shards = torch.tensor(math.ceil(x.shape[1] / x.shape[2]))
+        dist.all_reduce(shards, op=dist.ReduceOp.MAX)  # every rank the same count (no deadlock)
+
+        def mlp_forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+        params = [self.down_proj.weight, self.gate_proj.weight, self.up_proj.weight]
+        return TiledMLP.apply(mlp_forward, self, x, int(shards), params)
+
+    modeling_llama.LlamaMLP.forward = tiled_mlp_forward
+    vocab = model.config.vocab_size
+
+    def loss_fn(self, x, y):  # one tile: logits and the sum of its token losses
+        logits = self.lm_head(x)
+        return torch.nn.functional.cross_entropy(
+            logits.view(-1, vocab).float(), y.view(-1), ignore_index=IGNORE, reduction="sum"
+        )
+
+    def step(ids, pos, shift):
+        off = get_checkpoint_hidden_states_offloading_ctx_manager()
+        with off:  # its __enter__ returns None
+            hidden = model.model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+            shards = max(1, math.ceil(hidden.shape[1] / hidden.shape[2]))  # ours: ceil(S_l / h)
+            loss_sum = TiledFusedLogitsLoss.apply(
+                loss_fn, model, hidden, shift, None, shards, [model.lm_head.weight], "sum"
+            )
+            good = (shift != IGNORE).sum()
+            # DeepSpeed's documented combine: a differentiable all-gather of per-rank sums and counts
+            sums = torch.distributed.nn.functional.all_gather(loss_sum, group=group)
+            goods = torch.distributed.nn.functional.all_gather(good, group=group)
+            loss = sum(sums) / max(int(sum(goods)), 1)
+            loss.backward()
+        stats = off.stats
+        return loss, {"deepspeed_version": ds.__version__, "ckpt_offload_marked": stats.marked_tensors,
+                      "ckpt_offload_offloaded": stats.offloaded_tensors,
+                      "ckpt_offload_skipped": stats.skipped_marked_tensors}  # fmt: skip
+
+    return step
+
+
+class _Total:
+    """Device + host peak of one ``track_peak_memory`` region (the library reports the two apart): wraps
+    that region's bookkeeping, which its storages' finalisers also call, so every add and free is seen."""
+
+    def __init__(self, mem) -> None:
+        self.current = self.peak = mem.current_bytes
+        add, free = mem._add, mem._free
+
+        def _add(key, nbytes, host):
+            add(key, nbytes, host)
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
+
+        def _free(key):
+            self.current -= mem._live.get(key, (0, False))[0]
+            free(key)
+
+        mem._add, mem._free = _add, _free
+
+
+def _max(x: float) -> float:
+    t = torch.tensor([float(x)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def probe(step, model, seq: int, vocab: int, packed: bool) -> dict:
+    """One metered forward + backward at ``seq``: peaks (max over ranks), loss, time."""
+    from ulysses_sp.memory import track_peak_memory
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ids, pos, shift = make_data(seq, vocab, packed)
+    cols = slice(rank * seq // world, (rank + 1) * seq // world)
+    t0 = time.perf_counter()
+    with track_peak_memory("cpu", include=model.parameters()) as mem:
+        total = _Total(mem)
+        loss, notes = step(ids[:, cols], pos[:, cols], shift[:, cols])
+    model.zero_grad(set_to_none=True)
+    return {"seq": seq, "device": int(_max(mem.peak_bytes)), "host": int(_max(mem.host_peak_bytes)),
+            "total": int(_max(total.peak)), "loss": float(loss), "seconds": _max(time.perf_counter() - t0),
+            **notes}  # fmt: skip
+
+
+def search(measure, criterion: str, budget: float, start: int, gran: int, max_seq: int) -> dict:
+    """Longest S (a multiple of ``gran``) with ``measure(S)[criterion] <= budget``: doubling, then bisection."""
+    lo = hi = None
+    s = start
+    while lo != max_seq:
+        if measure(s)[criterion] > budget:
+            hi = s
+            break
+        lo, s = s, min(2 * s, max_seq)
+    if lo is None or hi is None:  # nothing fits, or everything up to max_seq fits
+        return {"fit": lo, "first_over": hi, "capped": hi is None and lo is not None}
+    while hi - lo > gran:
+        mid = (lo + hi) // 2 // gran * gran
+        if measure(mid)[criterion] <= budget:
+            lo = mid
+        else:
+            hi = mid
+    return {"fit": lo, "first_over": hi, "capped": False}
+
+
+def timed(step, model, seq: int, vocab: int, packed: bool, steps: int) -> float | None:
+    """Best of ``steps`` unmetered forward + backward steps at ``seq`` (after one warm-up), max over ranks."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ids, pos, shift = make_data(seq, vocab, packed)
+    cols = slice(rank * seq // world, (rank + 1) * seq // world)
+    times = []
+    for i in range(steps + 1 if steps else 0):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step(ids[:, cols], pos[:, cols], shift[:, cols])
+        model.zero_grad(set_to_none=True)
+        if i:
+            times.append(_max(time.perf_counter() - t0))
+    return min(times) if times else None
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--impl", choices=("ours", "deepspeed"), required=True)
+    ap.add_argument(
+        "--tech", choices=("ckpt", "all"), default="all", help="ours: without / with the offloads"
+    )
+    ap.add_argument("--data", choices=("causal", "packed"), required=True)
+    ap.add_argument(
+        "--vocab", type=int, default=2048, help="3b's model (alst_worker.FULL) with this vocabulary"
+    )
+    ap.add_argument(
+        "--budget-mib", type=float, default=24.0, help="per-rank budget (huge: a profile to --max-seq)"
+    )
+    ap.add_argument("--start-seq", type=int, default=1024)
+    ap.add_argument("--granularity", type=int, default=512)
+    ap.add_argument("--max-seq", type=int, default=32768)
+    ap.add_argument("--time-seq", type=int, default=4096, help="length of the timed (unmetered) steps")
+    ap.add_argument("--time-steps", type=int, default=2, help="0: no timing")
+    ap.add_argument("--out", required=True)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if importlib.util.find_spec("ulysses_sp") is None:  # the DeepSpeed venv: the meter from this checkout
+        sys.path.append(str(ROOT / "src"))
+    from bench.alst_worker import FULL
+
+    setup = dataclasses.replace(FULL, vocab=args.vocab)
+    timeout = datetime.timedelta(seconds=1200)
+    if args.impl == "deepspeed":
+        import deepspeed as ds
+
+        ds.init_distributed(dist_backend="gloo", timeout=timeout)
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
+    model = build_model(setup, args.max_seq)
+    step = ours(model, world, args.tech) if args.impl == "ours" else deepspeed(model, world)
+    packed, budget = args.data == "packed", args.budget_mib * 2**20
+    probes: dict[int, dict] = {}
+
+    def measure(seq: int) -> dict:
+        if seq not in probes:
+            probes[seq] = probe(step, model, seq, setup.vocab, packed)
+        return probes[seq]
+
+    fit = {
+        c: search(measure, c, budget, args.start_seq, args.granularity, args.max_seq)
+        for c in ("device", "total")
+    }
+    step_s = timed(step, model, args.time_seq, setup.vocab, packed, args.time_steps)
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "world": world, "torch": torch.__version__,
+                       "model": dataclasses.asdict(setup), "budget_bytes": budget, "fit": fit,
+                       "probes": [probes[s] for s in sorted(probes)], "step_seconds": step_s}, f, indent=1)  # fmt: skip
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
