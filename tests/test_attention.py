@@ -129,7 +129,7 @@ def test_unregister_restores_exact_outputs(pool):
 def test_heads_not_divisible_error_names_numbers_and_valid_sizes():
     with pytest.raises(
         ValueError,
-        match=r"num_attention_heads \(6\) is not divisible by sequence_parallel_size \(4\); valid sequence_parallel_size values: \[1, 2, 3, 6\]",
+        match=r"num_attention_heads \(6\) is not divisible by sequence_parallel_size \(4\); valid sequence_parallel_size values for Ulysses alone: \[1, 2, 3, 6\] \(a ring",
     ):
         check_heads(6, 6, 4)
     with pytest.raises(
@@ -165,7 +165,7 @@ def _bad_input(kind):
 @pytest.mark.parametrize(
     "kind, match",
     [
-        ("heads", r"num_attention_heads \(6\) is not divisible by sequence_parallel_size \(4\)"),
+        ("heads", r"ulysses size sp/ring = 4 cannot split 6 attention heads.*\[2, 4\].*init_mesh\(\.\.\., ring_size=R\)"),
         ("core", r"unknown core_attn_implementation 'flashy'"),
         ("lengths", r"local sequence lengths differ between SP ranks: \[8, 4, 4, 4\]"),
         ("max_length", r"S_l \(8\) \* sp_size \(4\) = 32 != max_length \(64\)"),

@@ -39,9 +39,9 @@ from .attn_offload import KVOffload
 from .blockwise import BlockCounts
 from .comm import heads_to_seq, qkv_seq_to_heads
 from .core_attention import (
-    CORE_ATTENTIONS,
     attention_path,
     check_blockwise_options,
+    check_core,
     check_ring_options,
     core_function,
     run_blockwise,
@@ -100,11 +100,7 @@ class UlyssesSPAttentionHF:
         ulysses_group: dist.ProcessGroup | None = None,
         ring_group: dist.ProcessGroup | None = None,
     ) -> None:
-        if core_attn_implementation not in CORE_ATTENTIONS:
-            raise ValueError(
-                f"unknown core_attn_implementation {core_attn_implementation!r}; "
-                f"choose one of {list(CORE_ATTENTIONS)}"
-            )
+        check_core(core_attn_implementation)
         check_blockwise_options(core_attn_implementation, attn_chunk, offload_attention)
         self.attn_chunk = attn_chunk
         """Tokens per block of the blockwise core; ``None`` = auto."""
@@ -321,11 +317,7 @@ class UlyssesSPAttentionHF:
             ``initialize(mpu=...)`` accepts, with ``remove()`` to undo the registration.
         """
         require_process_group("register_with_transformers")
-        if core_attn_implementation not in CORE_ATTENTIONS:
-            raise ValueError(
-                f"unknown core_attn_implementation {core_attn_implementation!r}; "
-                f"choose one of {list(CORE_ATTENTIONS)}"
-            )
+        check_core(core_attn_implementation)
         model, config = model_and_config(model_name_or_path)
         num_heads = config.num_attention_heads
         num_kv = getattr(config, "num_key_value_heads", None) or num_heads
@@ -343,7 +335,10 @@ class UlyssesSPAttentionHF:
                 )
             if ring_size not in (None, "auto") and ring != mesh.ring_size:
                 raise ValueError(f"ring_size ({ring}) disagrees with the mesh's ring_size ({mesh.ring_size})")
-            resolve_ring_size(sequence_parallel_size, num_heads, num_kv, mesh.ring_size)
+            try:
+                resolve_ring_size(sequence_parallel_size, num_heads, num_kv, mesh.ring_size)
+            except ValueError as e:
+                raise ValueError(f"{e}; the mesh given has ring_size {mesh.ring_size}: init_mesh(..., ring_size=R)") from None
             check_ring_options(core_attn_implementation, mesh.ring_size, offload_attention)
         attn = cls(
             sp_group=mesh.sp_group,

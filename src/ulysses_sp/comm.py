@@ -48,6 +48,7 @@ def _all_to_all(
     recv = torch.empty_like(send)
     with _timed("sp", times):
         dist.all_to_all_single(recv, send, group=group)
+    del send  # freed before the unpacking copy: the send buffer, recv and the output never coexist
     # [P(src), ..., g, ...] -> [..., P*g, ...]: the source rank's block goes before its elements.
     recv = recv.movedim(0, gather_dim)
     return recv.flatten(gather_dim, gather_dim + 1)
@@ -90,7 +91,11 @@ def heads_to_seq(
 
 
 def _all_to_all_packed(
-    xs: tuple[torch.Tensor, ...], scatter_dim: int, gather_dim: int, group: dist.ProcessGroup
+    xs: tuple[torch.Tensor, ...],
+    scatter_dim: int,
+    gather_dim: int,
+    group: dist.ProcessGroup,
+    times: CommTimes | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """``_all_to_all`` of several same-dtype tensors in **one** collective: each tensor's chunk for
     rank ``j`` is packed into row ``j`` of one buffer (one copy in, one view out per tensor)."""
@@ -114,7 +119,9 @@ def _all_to_all_packed(
         send[:, offset : offset + n].view(part.shape).copy_(part)
         offset += n
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    with _timed("sp", times):
+        dist.all_to_all_single(recv, send, group=group)
+    del send  # freed before the unpacking copies: peak = inputs + recv + outputs, not + send
     outs, offset = [], 0
     for x, part, n in zip(xs, parts, sizes):
         g = gather_dim % x.dim()
@@ -133,7 +140,8 @@ class _AllToAllPacked(torch.autograd.Function):
     def forward(ctx: Any, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup, *xs: torch.Tensor):
         ctx.dims, ctx.group = (scatter_dim, gather_dim), group
         ctx.meta = [(x.shape, x.dtype, x.device) for x in xs]
-        outs = _all_to_all_packed(xs, scatter_dim, gather_dim, group)
+        ctx.times = active_comm_times()  # as _AllToAll: backward may run on another thread
+        outs = _all_to_all_packed(xs, scatter_dim, gather_dim, group, ctx.times)
         return tuple(o if o is not x else o.view_as(o) for o, x in zip(outs, xs))
 
     @staticmethod
@@ -148,7 +156,7 @@ class _AllToAllPacked(torch.autograd.Function):
                 out_shape[gather_dim] *= p
                 g = torch.zeros(out_shape, dtype=dtype, device=device)
             full.append(g)
-        return None, None, None, *_all_to_all_packed(tuple(full), gather_dim, scatter_dim, ctx.group)
+        return None, None, None, *_all_to_all_packed(tuple(full), gather_dim, scatter_dim, ctx.group, ctx.times)
 
 
 def qkv_seq_to_heads(

@@ -47,6 +47,12 @@ DENSE_WARN_TOKENS = 16384
 """``eager`` at or above this many tokens logs a warning: its ``[B, H_l, S, S]`` scores grow as S^2."""
 
 
+def check_core(core: str) -> None:
+    """Raise ``ValueError`` naming the choices unless ``core`` is a core attention this library runs."""
+    if core not in CORE_ATTENTIONS:
+        raise ValueError(f"unknown core_attn_implementation {core!r}; choose one of {list(CORE_ATTENTIONS)}")
+
+
 def check_blockwise_options(core: str, attn_chunk: int | None, offload_attention: bool) -> None:
     """Raise ``ValueError`` for blockwise options the core cannot use (same check on every rank)."""
     if attn_chunk is not None and (
