@@ -1,5 +1,5 @@
-"""Packed chat data through sequence parallelism: sp = 2 trains exactly like sp = 1, and only the
-assistant's turns are learnable (assistant-only loss reaches ~0 where scoring everything cannot)."""
+"""Packed chat data through sequence parallelism: sp = 2 trains exactly like sp = 1 (that only the
+assistant's turns are learned with ``--loss-on assistant``: ``test_data_chat_learn.py``)."""
 
 from __future__ import annotations
 

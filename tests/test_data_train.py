@@ -196,3 +196,28 @@ def test_three_training_steps_through_the_adapter_equal_training_without_sp(pool
             torch.testing.assert_close(
                 p, ref_params[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
             )
+
+
+def _packed_documents_sp1():
+    """The engine at sp = 1 (transformers' own attention, no SP registered) on one packed row."""
+    from ulysses_sp.data import prepare_batch
+    from ulysses_sp.engine import initialize
+
+    mesh = init_mesh((1, 1))
+    ref = tiny_model("llama", attn="sdpa", vocab=VOCAB)
+    model = copy.deepcopy(ref)
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0},
+           "optimizer": {"type": "SGD", "params": SGD}}  # fmt: skip
+    engine, _, _, _ = initialize(model, cfg, mpu=mesh.mpu)
+    docs = _docs(1)
+    batch = prepare_batch(PackingCollator()(docs), 1)
+    engine.backward(loss := engine(**batch).loss)
+    grads = {n.removeprefix("module."): p.grad for n, p in engine.module.named_parameters()}
+    assert_step_close(loss.detach(), grads, *_reference(ref, docs))
+    return True
+
+
+def test_packed_documents_with_sp1_engine_equal_documents_run_separately(pool):
+    """Without SP the model's own attention must keep packed documents apart too: transformers does
+    so from the restarting position ids only when no KV cache is made (the engine turns it off)."""
+    assert pool.run(_packed_documents_sp1, 1) == [True]

@@ -187,7 +187,8 @@ def _evaluate_model(cfg: EvalConfig, model_name: str) -> dict[str, Any]:
     try:
         with torch.no_grad():
             for batch in adapter:
-                logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+                ids, pos = batch["input_ids"], batch["position_ids"]  # no cache: packed documents stay apart
+                logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
                 labels = batch["shift_labels"]  # [B, S_l]
                 valid = labels != IGNORE_INDEX
                 token_loss = F.cross_entropy(  # [B*S_l, V] -> [B, S_l]

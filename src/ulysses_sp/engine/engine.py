@@ -182,6 +182,10 @@ class Engine:
             self._attention_checked = True
         if args:
             raise ValueError("with shift_labels, pass the whole batch as keyword arguments")
+        if getattr(getattr(self.module, "config", None), "use_cache", None) is not None:
+            # no KV cache in training; with one, transformers ignores packed position ids and lets
+            # packed documents attend to each other (at sp = 1, where its own attention runs)
+            batch.setdefault("use_cache", False)
         if self.loss_fn is not None:
             return self.loss_fn(self.wrapper, batch, shift_labels, self.sp_group)
         outputs = self.wrapper(**batch)
