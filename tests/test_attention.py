@@ -341,3 +341,29 @@ def _fresh_positions_every_forward():
 
 def test_each_forward_uses_its_own_position_ids(pool):
     pool.run(_fresh_positions_every_forward, 2)
+
+
+def _mixed_dtype_exchange():
+    from ulysses_sp.comm import qkv_seq_to_heads, seq_to_heads
+
+    mesh = init_mesh((1, dist.get_world_size()))
+    g = torch.Generator().manual_seed(dist.get_rank())
+    # under autocast, rotary leaves q and k in fp32 while v comes out of its projection in bf16
+    q, k = (torch.randn(2, 4, 3, 5, generator=g, requires_grad=True) for _ in range(2))
+    v = torch.randn(2, 2, 3, 5, generator=g).to(torch.bfloat16).requires_grad_()
+    packed = qkv_seq_to_heads(q, k, v, mesh.sp_group)
+    alone = [seq_to_heads(t, mesh.sp_group) for t in (q, k, v)]
+    assert [t.dtype for t in packed] == [torch.float32, torch.float32, torch.bfloat16]
+    grads = []
+    for outs in (packed, alone):
+        torch.autograd.backward(list(outs), [torch.ones_like(o) * (i + 1) for i, o in enumerate(outs)])
+        grads.append([t.grad.clone() for t in (q, k, v)])
+        for t in (q, k, v):
+            t.grad = None
+    return all(torch.equal(a, b) for a, b in zip(packed, alone)) and all(
+        torch.equal(a, b) for a, b in zip(*grads)
+    )
+
+
+def test_packed_qkv_exchange_keeps_mixed_dtypes_and_equals_separate_exchanges(pool):
+    assert pool.run(_mixed_dtype_exchange, 2) == [True, True]

@@ -38,13 +38,34 @@ def track_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 
 def release_groups() -> None:
-    """Drop the groups that tracked meshes hold, then collect: their destructors join the workers."""
+    """Drop the groups that tracked meshes hold, then collect: their destructors join the workers.
+    Also forget DTensor's cached sharding decisions (``_clear_dtensor_caches``)."""
     for mesh in list(_tracked.values()):
         registry = getattr(mesh, "_pg_registry", None)  # torch >= 2.13: the mesh holds its groups
         if isinstance(registry, dict):
             registry.clear()
     _tracked.clear()
+    _clear_dtensor_caches()
     gc.collect()
+
+
+def _clear_dtensor_caches() -> None:
+    """DTensor caches sharding propagation and redistribution plans keyed by specs whose mesh compares
+    equal by layout alone (``DeviceMesh.__eq__`` ignores the process groups). After the groups are
+    destroyed and a new run in the same process builds an equal mesh, a cache hit hands back the old
+    mesh, whose group names no longer resolve ("Could not resolve the process group registered under
+    the name N"). Private torch internals, looked up defensively: a rename makes this a no-op."""
+    try:
+        from torch.distributed.tensor import DTensor, _redistribute
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return
+    prop = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
+    for cached in (getattr(prop, "propagate_op_sharding", None), getattr(_redistribute, "_gen_transform_infos", None)):
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+    clear_plans = getattr(_redistribute, "clear_redistribute_planner_cache", None)
+    if callable(clear_plans):
+        clear_plans()
 
 
 def _release_at_exit() -> None:

@@ -97,13 +97,12 @@ def _all_to_all_packed(
     group: dist.ProcessGroup,
     times: CommTimes | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """``_all_to_all`` of several same-dtype tensors in **one** collective: each tensor's chunk for
-    rank ``j`` is packed into row ``j`` of one buffer (one copy in, one view out per tensor)."""
+    """``_all_to_all`` of several tensors in **one** collective: each tensor's chunk for rank ``j`` is
+    packed into row ``j`` of one byte buffer (one copy in, one copy out per tensor). Dtypes may differ
+    (under autocast, rotary leaves q/k in fp32 while v is bf16): each keeps its own, and its bytes."""
     p = dist.get_world_size(group)
     if p == 1:
         return xs
-    if len({x.dtype for x in xs}) != 1:
-        raise ValueError(f"packed all-to-all needs one dtype, got {[x.dtype for x in xs]}")
     for x in xs:
         if x.shape[scatter_dim] % p:
             raise ValueError(f"dim {scatter_dim} of shape {tuple(x.shape)} is not divisible by sp_size {p}")
@@ -112,11 +111,14 @@ def _all_to_all_packed(
         x.unflatten(scatter_dim % x.dim(), (p, x.shape[scatter_dim] // p)).movedim(scatter_dim % x.dim(), 0)
         for x in xs
     ]
-    sizes = [part[0].numel() for part in parts]
-    send = xs[0].new_empty((p, sum(sizes)))  # [P, sum of per-rank chunk sizes]
+    # per tensor, bytes of one rank's chunk, rounded up to the largest element size so that every
+    # segment stays aligned for its dtype (no padding at all when the dtypes agree)
+    align = max(part.element_size() for part in parts)
+    sizes = [-(-part[0].numel() * part.element_size() // align) * align for part in parts]
+    send = torch.empty((p, sum(sizes)), dtype=torch.uint8, device=xs[0].device)  # [P, bytes per rank]
     offset = 0
     for part, n in zip(parts, sizes):
-        send[:, offset : offset + n].view(part.shape).copy_(part)
+        _segment(send, offset, part).copy_(part)
         offset += n
     recv = torch.empty_like(send)
     with _timed("sp", times):
@@ -126,10 +128,17 @@ def _all_to_all_packed(
     for x, part, n in zip(xs, parts, sizes):
         g = gather_dim % x.dim()
         # [P(src), ..., g, ...] -> [..., P*g, ...]: the source rank's block goes before its elements.
-        piece = recv[:, offset : offset + n].reshape(part.shape).movedim(0, g)
+        piece = _segment(recv, offset, part).movedim(0, g)
         outs.append(piece.flatten(g, g + 1))
         offset += n
     return tuple(outs)
+
+
+def _segment(buf: torch.Tensor, offset: int, part: torch.Tensor) -> torch.Tensor:
+    """The bytes ``[offset, offset + size)`` of every row of ``buf [P, bytes]`` as ``part``'s dtype and
+    shape ``[P, ...]`` (a view)."""
+    nbytes = part[0].numel() * part.element_size()
+    return buf[:, offset : offset + nbytes].view(part.dtype).view(part.shape)
 
 
 class _AllToAllPacked(torch.autograd.Function):
