@@ -185,13 +185,14 @@ def _two_runs_in_one_process(store_path):
     from ulysses_sp.mesh import shutdown
 
     caches = (DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding, _redistribute._gen_transform_infos)
+    native = torch._C._get_DTensor_sharding_propagator_cache_stats  # the C++ dispatch fast path's cache
     rank, world = dist.get_rank(), dist.get_world_size()
     losses, cached = [], []
     for ring in (2, 1):
         if ring == 1:  # a new run: new process group, fewer groups than the ring run had
-            cached.append([c.cache_info().currsize for c in caches])
+            cached.append([c.cache_info().currsize for c in caches] + [native()[1]])
             shutdown()
-            cached.append([c.cache_info().currsize for c in caches])
+            cached.append([c.cache_info().currsize for c in caches] + [native()[1]])
             dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
         mesh = init_mesh((2, 2), ring_size=ring)
         model = _model("llama", "sdpa")

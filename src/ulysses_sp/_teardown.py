@@ -50,7 +50,8 @@ def release_groups() -> None:
 
 
 def _clear_dtensor_caches() -> None:
-    """DTensor caches sharding propagation and redistribution plans keyed by specs whose mesh compares
+    """DTensor caches sharding propagation (in Python and in its C++ dispatch fast path) and
+    redistribution plans keyed by specs whose mesh compares
     equal by layout alone (``DeviceMesh.__eq__`` ignores the process groups). After the groups are
     destroyed and a new run in the same process builds an equal mesh, a cache hit hands back the old
     mesh, whose group names no longer resolve ("Could not resolve the process group registered under
@@ -66,6 +67,11 @@ def _clear_dtensor_caches() -> None:
     clear_plans = getattr(_redistribute, "clear_redistribute_planner_cache", None)
     if callable(clear_plans):
         clear_plans()
+    import torch
+
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's
+    if callable(clear_native):
+        clear_native()
 
 
 def _release_at_exit() -> None:
