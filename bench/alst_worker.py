@@ -7,7 +7,7 @@ per measurement (no optimizer state), two single-thread ranks. Each configuratio
 to the previous one (``CONFIGS``): SP over the 2 ranks, tiled loss, tiled MLP, activation
 checkpointing, checkpoint offload, blockwise/offloaded attention (the blockwise core with the
 full-sequence K/V on the host between forward and backward: Ulysses-Offload). For each, the sequence grows along ``Setup.seqs`` until the peak
-(``ulysses_sp.memory.track_peak_memory``, max over ranks, parameters included) exceeds the budget.
+(``ulysses_sp.memory.meter.track_peak_memory``, max over ranks, parameters included) exceeds the budget.
 Time: one step at ``time_seq`` without the tracker, the configurations interleaved round after round
 (the baseline runs the whole sequence on each rank); the best round of each. Rank 0 writes
 ``{"setup": ..., "configs": {name: {"rows": [...], "step_seconds": s}}}``; bench/report.py derives
@@ -65,9 +65,9 @@ def build(setup: Setup, config: str, reg):
     """A fresh model with ``config``'s techniques (SP through the one registration ``reg``)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ulysses_sp.offload import enable_activation_checkpointing, enable_activation_offload
-    from ulysses_sp.registration import ATTN_NAME
-    from ulysses_sp.tiling import TiledCausalLMLoss, apply_tiled_mlp
+    from ulysses_sp.attention.registration import ATTN_NAME
+    from ulysses_sp.memory.offload import enable_activation_checkpointing, enable_activation_offload
+    from ulysses_sp.memory.tiling import TiledCausalLMLoss, apply_tiled_mlp
 
     cfg = LlamaConfig(
         hidden_size=setup.hidden, intermediate_size=setup.intermediate, num_hidden_layers=setup.layers,
@@ -95,7 +95,7 @@ def build(setup: Setup, config: str, reg):
 def _attention_offload(reg, on: bool):
     """The shared attention through the blockwise core with K/V offloaded while the body runs
     (forward and backward: a checkpoint's recompute must take the same path)."""
-    from ulysses_sp.attn_offload import KVOffload
+    from ulysses_sp.attention.kv_offload import KVOffload
 
     attn = reg.attention
     prev = attn.offload_attention, attn.kv_offload
@@ -108,7 +108,7 @@ def _attention_offload(reg, on: bool):
 
 def step(model, reg, loss_fn, seq: int, vocab: int) -> None:
     from ulysses_sp.data.shard import prepare_batch, shard_batch
-    from ulysses_sp.loss import sp_causal_lm_loss
+    from ulysses_sp.parallel.loss import sp_causal_lm_loss
 
     sp = 1 if reg is None else reg.get_sequence_parallel_world_size()
     rank = 0 if reg is None else reg.get_sequence_parallel_rank()
@@ -133,7 +133,7 @@ def max_over_ranks(x: float) -> float:
 
 
 def sweep(setup: Setup, model, reg, loss_fn) -> list[dict]:
-    from ulysses_sp.memory import track_peak_memory
+    from ulysses_sp.memory.meter import track_peak_memory
 
     rows = []
     for seq in setup.seqs:
@@ -149,8 +149,8 @@ def sweep(setup: Setup, model, reg, loss_fn) -> list[dict]:
 
 
 def main(argv=None) -> None:
-    from ulysses_sp.attention import UlyssesSPAttentionHF
-    from ulysses_sp.mesh import shutdown
+    from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
+    from ulysses_sp.parallel.mesh import shutdown
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CI)")

@@ -5,7 +5,7 @@
 
 A tiny Llama (2 layers, 4 heads, hidden 64), one packed sequence of three documents (S/2, S/4, S/4
 tokens: position ids restart), Ulysses SP over the 2 ranks, core attention ``sdpa``. One forward +
-backward per measurement, peak tensor memory by ``ulysses_sp.memory.track_peak_memory`` (CPU
+backward per measurement, peak tensor memory by ``ulysses_sp.memory.meter.track_peak_memory`` (CPU
 storage tracking, parameters included, max over ranks). Paths:
 
 * ``dense sdpa (before)``: the code before the blockwise core: a boolean ``[1, 1, S, S]`` document
@@ -40,9 +40,9 @@ SMOKE_SEQS = {"dense": (128, 256, 512), "blockwise": (128, 256, 512, 1024)}
 
 
 def _dense_attention_class():
-    from ulysses_sp.attention import UlyssesSPAttentionHF
-    from ulysses_sp.core_attention import core_function
-    from ulysses_sp.masks import mask_for
+    from ulysses_sp.attention.core import core_function
+    from ulysses_sp.attention.masks import mask_for
+    from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
 
     class DenseSdpa(UlyssesSPAttentionHF):
         """The previous sdpa path: the full boolean document mask into sdpa (comparison only)."""
@@ -71,8 +71,8 @@ PATHS = {  # name -> (core, attention class or None, register kwargs)
 def build(path: str, max_seq: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ulysses_sp.attention import UlyssesSPAttentionHF
-    from ulysses_sp.mesh import init_mesh
+    from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
+    from ulysses_sp.parallel.mesh import init_mesh
 
     core, cls, kw = PATHS[path]
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -82,7 +82,7 @@ def build(path: str, max_seq: int):
     model = LlamaForCausalLM(cfg).train()
     mesh = init_mesh((1, dist.get_world_size()))
     if cls == "dense":
-        from ulysses_sp.registration import SPRegistration
+        from ulysses_sp.attention.registration import SPRegistration
 
         attn = _dense_attention_class()(sp_group=mesh.sp_group, core_attn_implementation=core)
         return model, SPRegistration(mesh, attn, model)
@@ -92,7 +92,7 @@ def build(path: str, max_seq: int):
 
 
 def step(model, reg, seq: int) -> None:
-    from ulysses_sp.loss import sp_causal_lm_loss
+    from ulysses_sp.parallel.loss import sp_causal_lm_loss
 
     p, r = reg.get_sequence_parallel_world_size(), reg.get_sequence_parallel_rank()
     ids = torch.randint(0, 256, (1, seq), generator=torch.Generator().manual_seed(seq))
@@ -111,7 +111,7 @@ def _max(x: float) -> float:
 
 
 def measure(path: str, seqs: tuple[int, ...]) -> list[dict]:
-    from ulysses_sp.memory import track_peak_memory
+    from ulysses_sp.memory.meter import track_peak_memory
 
     model, reg = build(path, max(seqs))
     rows = []

@@ -1,7 +1,7 @@
 """Instruments: bytes through collectives (deterministic), and wall time per phase or per function.
 
 Pure torch (imported in both virtual environments). ``CollectiveCounter`` wraps the functions of
-``torch.distributed`` that ulysses-sp's comm.py and DeepSpeed's comm layer both end up calling, looked
+``torch.distributed`` that ulysses-sp's parallel/comm.py and DeepSpeed's comm layer both end up calling, looked
 up at call time, and records for each call the bytes this rank sends to *other* ranks (its own slice of
 an all-to-all never leaves the process, so it is not counted) under the current phase label.
 ``PhaseTimer`` times named phases of a step; ``CallTimer`` sums the time spent inside one function.

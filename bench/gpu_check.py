@@ -40,8 +40,8 @@ def run_case(seq: int, offload: bool) -> dict:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from ulysses_sp.engine import initialize
-    from ulysses_sp.offload import enable_activation_checkpointing
-    from ulysses_sp.tiling import TiledCausalLMLoss, apply_tiled_mlp
+    from ulysses_sp.memory.offload import enable_activation_checkpointing
+    from ulysses_sp.memory.tiling import TiledCausalLMLoss, apply_tiled_mlp
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**MODEL), attn_implementation="sdpa")

@@ -6,7 +6,7 @@
 Both runs train the same tiny Llama on the same fixed-length batches on 2 processes: without SP
 (DDP, each rank a whole sequence) and with ``prepare(trainer, sp_size=2)`` (each rank half of every
 sequence, gradient accumulation doubled so the global batch is the same). Reported per run: the
-busiest rank's peak tensor bytes during ``trainer.train()`` (``ulysses_sp.memory.track_peak_memory``,
+busiest rank's peak tensor bytes during ``trainer.train()`` (``ulysses_sp.memory.meter.track_peak_memory``,
 model parameters counted), the median optimizer-step time after the first step, and the last logged
 loss (equal between the runs: a sanity check, the tests assert it). Writes
 ``bench/results/hf_trainer.md``, headed by the run that produced it.
@@ -35,10 +35,10 @@ def _worker(seq: int, steps: int) -> None:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainerCallback, TrainingArguments
 
-    from ulysses_sp.comm import all_reduce_max
     from ulysses_sp.integrations.transformers import prepare
-    from ulysses_sp.memory import track_peak_memory
-    from ulysses_sp.mesh import shutdown
+    from ulysses_sp.memory.meter import track_peak_memory
+    from ulysses_sp.parallel.comm import all_reduce_max
+    from ulysses_sp.parallel.mesh import shutdown
 
     class StepTimer(TrainerCallback):
         def __init__(self) -> None:

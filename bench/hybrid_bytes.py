@@ -51,10 +51,10 @@ def measure(ulysses: int, ring: int, shape: dict = SHAPE) -> dict[str, int]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from bench.counters import CollectiveCounter
-    from ulysses_sp.attention import UlyssesSPAttentionHF
+    from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
     from ulysses_sp.data import prepare_batch, shard_batch
-    from ulysses_sp.loss import sp_causal_lm_loss
-    from ulysses_sp.mesh import init_mesh
+    from ulysses_sp.parallel.loss import sp_causal_lm_loss
+    from ulysses_sp.parallel.mesh import init_mesh
 
     sp = ulysses * ring
     mesh = init_mesh((1, sp), ring_size=ring)
@@ -91,7 +91,7 @@ def worker(out: str) -> None:
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(rows, f)
-    from ulysses_sp.mesh import shutdown
+    from ulysses_sp.parallel.mesh import shutdown
 
     shutdown()
 

@@ -24,7 +24,7 @@ techniques that run on CPU:
 * ``ours --tech all``: that, plus ``enable_activation_offload`` (checkpointed layer inputs to host)
   and ``offload_attention`` (Ulysses-Offload: the blockwise core, full-sequence K/V on the host).
 
-Meter, the same on both sides: ``ulysses_sp.memory.track_peak_memory("cpu", include=params)``, max
+Meter, the same on both sides: ``ulysses_sp.memory.meter.track_peak_memory("cpu", include=params)``, max
 over ranks. ``device`` excludes storages made under ``host_allocations()`` (what our offload stages on
 the host, i.e. what would leave an accelerator); ``total`` counts every tensor byte. Search: double
 from ``--start-seq`` while the peak fits, then bisect to ``--granularity`` tokens, once per criterion
@@ -78,9 +78,9 @@ def build_model(setup, max_seq: int):
 
 def ours(model, world: int, tech: str):
     """ulysses-sp with its memory techniques; returns ``step(ids, pos, shift) -> (loss, notes)``."""
-    from ulysses_sp.attention import UlyssesSPAttentionHF
-    from ulysses_sp.offload import enable_activation_checkpointing, enable_activation_offload
-    from ulysses_sp.tiling import TiledCausalLMLoss, apply_tiled_mlp
+    from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
+    from ulysses_sp.memory.offload import enable_activation_checkpointing, enable_activation_offload
+    from ulysses_sp.memory.tiling import TiledCausalLMLoss, apply_tiled_mlp
 
     reg = UlyssesSPAttentionHF.register_with_transformers(
         model, "sdpa", world, 1, offload_attention=tech == "all"
@@ -191,7 +191,7 @@ def _max(x: float) -> float:
 
 def probe(step, model, seq: int, vocab: int, packed: bool) -> dict:
     """One metered forward + backward at ``seq``: peaks (max over ranks), loss, time."""
-    from ulysses_sp.memory import track_peak_memory
+    from ulysses_sp.memory.meter import track_peak_memory
 
     rank, world = dist.get_rank(), dist.get_world_size()
     ids, pos, shift = make_data(seq, vocab, packed)

@@ -105,7 +105,7 @@ def render(d: dict) -> tuple[str, str]:
     head = (f"7. Longest sequence in {a['budget_mib']:g} MiB per rank, side by side with DeepSpeed Ulysses/ALST "
             f"(sp=2, h={m['hidden']}, I={m['intermediate']}, L={m['layers']}, H={m['heads']}, V={m['vocab']})")  # fmt: skip
     parts = [
-        "Meter (both sides): `ulysses_sp.memory.track_peak_memory` (live tensor storages, parameters and "
+        "Meter (both sides): `ulysses_sp.memory.meter.track_peak_memory` (live tensor storages, parameters and "
         "gradients included, max over ranks). *Device bytes* leave out what ulysses-sp's offloads stage on "
         "the host (what would leave an accelerator); *all bytes* count every tensor.",
         "",

@@ -84,7 +84,7 @@ def param_spread(module: torch.nn.Module, group) -> float:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from ulysses_sp.attention import UlyssesSPAttentionHF
+    from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
     from ulysses_sp.data import UlyssesSPDataLoaderAdapter
     from ulysses_sp.engine import initialize
 
@@ -174,7 +174,7 @@ def main(argv=None) -> None:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
     dist.barrier()
-    from ulysses_sp.mesh import shutdown
+    from ulysses_sp.parallel.mesh import shutdown
 
     shutdown()  # joins the gloo workers now, not during interpreter exit
 

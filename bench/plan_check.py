@@ -3,7 +3,7 @@
 Each case builds the run's model with its techniques and engine exactly as ``ulysses-sp train``
 does (``train._techniques``, ``register_with_transformers``, ``initialize``), takes one warm-up
 optimizer step (the AdamW state then exists, as in every later step), and measures the second step
-with ``ulysses_sp.memory.track_peak_memory`` (parameters and optimizer state counted in the
+with ``ulysses_sp.memory.meter.track_peak_memory`` (parameters and optimizer state counted in the
 baseline) and ``comm_timing.record_comm_times``. The prediction is ``plan.predict`` for the same settings,
 less what the CPU tracker cannot see: DDP's gradient buckets (allocated at construction, outside any
 aten op) and the reserve. FSDP2 (ZeRO 2-3) is left out on CPU: its unsharded parameters are
@@ -60,14 +60,14 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from ulysses_sp import tasks
-    from ulysses_sp.attention import UlyssesSPAttentionHF
-    from ulysses_sp.comm import all_reduce_max
-    from ulysses_sp.comm_timing import record_comm_times
+    from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
     from ulysses_sp.engine import initialize
-    from ulysses_sp.memory import track_peak_memory
-    from ulysses_sp.mesh import init_mesh
-    from ulysses_sp.train import _techniques
-    from ulysses_sp.train_setup import TrainConfig
+    from ulysses_sp.memory.meter import track_peak_memory
+    from ulysses_sp.parallel.comm import all_reduce_max
+    from ulysses_sp.parallel.comm_timing import record_comm_times
+    from ulysses_sp.parallel.mesh import init_mesh
+    from ulysses_sp.run.config import TrainConfig
+    from ulysses_sp.run.loop import _techniques
 
     cfg = TrainConfig(micro_batch_size=1, **case)
     s, sp = cfg.seq_len, cfg.sp
@@ -114,10 +114,10 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
 def predict_case(case: dict[str, Any], world: int = 2) -> dict[str, Any]:
     """The planner's numbers for ``case``, and the part the CPU tracker can see."""
     from ulysses_sp import tasks
-    from ulysses_sp.plan import predict
-    from ulysses_sp.plan_hw import DEVICES
-    from ulysses_sp.plan_inputs import ModelShape, Settings
-    from ulysses_sp.train_checks import model_config
+    from ulysses_sp.plan.hardware import DEVICES
+    from ulysses_sp.plan.inputs import ModelShape, Settings
+    from ulysses_sp.plan.model import predict
+    from ulysses_sp.run.checks import model_config
 
     shape = ModelShape.from_hf_config(
         model_config(case["model"], len(tasks.load_tokenizer(None, case["model"])))

@@ -1,4 +1,4 @@
-"""Scaling projection: Llama-8B on 80 GB GPUs, by the library's planner (``ulysses_sp.plan``).
+"""Scaling projection: Llama-8B on 80 GB GPUs, by the library's planner (``ulysses_sp.plan.model``).
 
 A thin caller: the memory and time model, its constants (``plan_hw.DEVICES["h100"]``: 989 TFLOP/s
 bf16 at 40 % MFU, 360 GB/s achieved NVLink all-to-all, 6 GB reserve) and its assumptions are the
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ulysses_sp.plan import max_seq_len, predict
-from ulysses_sp.plan_hw import DEVICES
-from ulysses_sp.plan_inputs import LLAMA_8B, Settings
+from ulysses_sp.plan.hardware import DEVICES
+from ulysses_sp.plan.inputs import LLAMA_8B, Settings
+from ulysses_sp.plan.model import max_seq_len, predict
 
 GB = 1e9
 PUBLISHED = {1: 500_000, 8: 3_700_000, 32: 15_000_000}

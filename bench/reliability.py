@@ -34,7 +34,7 @@ BASELINE = "4553dbd"
 
 
 def fingerprint_rows(root: str) -> list[str]:
-    from ulysses_sp.rundir import data_fingerprint
+    from ulysses_sp.run.rundir import data_fingerprint
 
     rows = []
     for mib in SIZES_MIB:
@@ -61,9 +61,9 @@ def _save_times(root: str) -> tuple[float, float, int, int]:
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ulysses_sp import checkpoint as ckpt
     from ulysses_sp import initialize
-    from ulysses_sp.rundir import checked_save, checkpoint_bytes
+    from ulysses_sp.run.rundir import checked_save, checkpoint_bytes
+    from ulysses_sp.state import checkpoint as ckpt
     from ulysses_sp.tasks import byte_tokenizer
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -219,7 +219,7 @@ def _sec_flops(fl: list[dict]) -> tuple[str, str]:
 
 
 def _sec_memory(mem: list[dict]) -> tuple[str, str]:
-    return "3. Peak tensor memory per rank vs sequence length (fp32, `ulysses_sp.memory`)", table(
+    return "3. Peak tensor memory per rank vs sequence length (fp32, `ulysses_sp.memory.meter`)", table(
         ["world", "sp", "tiled", "S", "peak MiB", "slope B/token", "ratio to sp=1", "target",
          f"max S in {BUDGET_MIB} MiB", "command"],
         [[f["world"], f["sp"], "yes" if f["tiled"] else "no", "/".join(map(str, f["seqs"])),

@@ -52,7 +52,7 @@ def _tensors(shape: dict, r: int, dtype: torch.dtype, seed: int) -> list[torch.T
 
 def _call(qkv: list[torch.Tensor], group, **kw) -> None:
     """One layer call: ring attention forward and backward."""
-    from ulysses_sp.ring import ring_attention
+    from ulysses_sp.attention.ring import ring_attention
 
     q, k, v = (x.clone().requires_grad_() for x in qkv)
     out = ring_attention(q, k, v, group=group, **kw)
@@ -67,8 +67,8 @@ def analytic_bytes(shape: dict, r: int, dtype: torch.dtype) -> int:
 
 
 def task_counts(group, smoke: bool) -> dict:
-    from ulysses_sp.blockwise import BlockCounts
-    from ulysses_sp.ring import RingStats
+    from ulysses_sp.attention.blockwise import BlockCounts
+    from ulysses_sp.attention.ring import RingStats
 
     r, rank = dist.get_world_size(group), dist.get_rank(group)
     rec: dict = {"rank": rank}
@@ -98,7 +98,7 @@ def _mean(x: float, group) -> float:
 
 def _hops_alone(qkv: list[torch.Tensor], group) -> float:
     """The layer call's hops with no compute: ``R-1`` K/V, then ``R-1`` K/V and ``R`` fp32 dK/dV."""
-    from ulysses_sp.comm import ring_exchange
+    from ulysses_sp.parallel.comm import ring_exchange
 
     r = dist.get_world_size(group)
     kv = torch.stack(qkv[1:])  # [2, B, Hkv, S_r, D]
@@ -113,7 +113,7 @@ def _hops_alone(qkv: list[torch.Tensor], group) -> float:
 
 
 def task_timing(group, smoke: bool, repeats: int) -> dict:
-    from ulysses_sp.ring import RingStats
+    from ulysses_sp.attention.ring import RingStats
 
     out = {}
     for name, shape in ({"smoke": SMOKE} if smoke else TIME_SHAPES).items():
@@ -156,7 +156,7 @@ def worker(argv: list[str]) -> None:
         with open(args.out, "w") as f:
             json.dump(res, f, default=str)
     dist.barrier()
-    from ulysses_sp.mesh import shutdown
+    from ulysses_sp.parallel.mesh import shutdown
 
     shutdown()
 

@@ -12,7 +12,7 @@ Run (a few minutes on 2 CPU cores)::
    ``initialize``), against the model's fp32 bytes. Goal: growth <= 0.6x the model.
 2. **bf16 vs fp32 step time and peak tensor memory** of one process (ZeRO 0: autocast; ZeRO 3:
    FSDP2 ``MixedPrecisionPolicy``) on a small Llama at 2048 tokens: median of 4 timed steps after
-   2 warm-up steps; peak via ``ulysses_sp.memory.track_peak_memory`` (model states included).
+   2 warm-up steps; peak via ``ulysses_sp.memory.meter.track_peak_memory`` (model states included).
    CPU bf16 speed depends on the CPU's bf16 support (AVX512-BF16 / AMX); this is not a GPU number.
 """
 
@@ -91,7 +91,7 @@ def _load_worker(rank: int, world: int, store_path: str, path: str, mode: str, o
     from transformers import AutoModelForCausalLM
 
     from ulysses_sp.engine import initialize
-    from ulysses_sp.loading import init_empty_model, load_pretrained_weights
+    from ulysses_sp.state.loading import init_empty_model, load_pretrained_weights
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
@@ -126,7 +126,7 @@ def _step_worker(rank: int, out: dict) -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from ulysses_sp.engine import initialize
-    from ulysses_sp.memory import track_peak_memory
+    from ulysses_sp.memory.meter import track_peak_memory
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

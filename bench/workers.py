@@ -12,7 +12,7 @@ records (plain dicts) with the per-rank values reduced (max over ranks); rank 0 
   collectives beside), MHA and GQA with ``Hkv`` above, equal to and below ``P``.
 * ``flops``: ``FlopCounterMode`` FLOPs of the local shard's forward+backward and of the model without
   SP on the full sequence. Core attention ``eager``: the counter has no formula for CPU sdpa.
-* ``memory``: peak tensor bytes (``ulysses_sp.memory.track_peak_memory``, parameters included) of
+* ``memory``: peak tensor bytes (``ulysses_sp.memory.meter.track_peak_memory``, parameters included) of
   forward+backward vs sequence length, with and without tiling (tiled MLP + tiled loss).
 * ``throughput``: seconds per forward+backward at equal tokens per rank, and the share of it spent
   inside ``all_to_all_single``.
@@ -43,7 +43,7 @@ def sp_setup(spec: S.ModelSpec, sp: int, *, core: str, mb: int, seed: int = 0):
     model = S.build_model(spec, seed=seed, attn_implementation=core)
     if sp == 1:
         return model, None
-    from ulysses_sp.attention import UlyssesSPAttentionHF
+    from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
 
     return model, UlyssesSPAttentionHF.register_with_transformers(model, core, sp, mb)
 
@@ -58,8 +58,8 @@ def local_batch(batch: dict[str, torch.Tensor], reg) -> dict[str, torch.Tensor]:
 
 
 def loss_of(model, local: dict, reg, *, tiled: bool = False) -> torch.Tensor:
-    from ulysses_sp.loss import sp_causal_lm_loss
-    from ulysses_sp.tiling import TiledCausalLMLoss
+    from ulysses_sp.memory.tiling import TiledCausalLMLoss
+    from ulysses_sp.parallel.loss import sp_causal_lm_loss
 
     group = None if reg is None else reg.get_sequence_parallel_group()
     inputs = {"input_ids": local["input_ids"], "position_ids": local["position_ids"]}
@@ -144,8 +144,8 @@ def task_flops(smoke: bool) -> list[dict]:
 
 def task_memory(smoke: bool) -> list[dict]:
     """Peak tensor bytes of forward+backward vs S for each sp, with and without tiling."""
-    from ulysses_sp.memory import track_peak_memory
-    from ulysses_sp.tiling import apply_tiled_mlp
+    from ulysses_sp.memory.meter import track_peak_memory
+    from ulysses_sp.memory.tiling import apply_tiled_mlp
 
     world = dist.get_world_size()
     spec = S.ModelSpec(
@@ -223,7 +223,7 @@ def main(argv=None) -> None:
         with open(args.out, "w") as f:
             json.dump(records, f, indent=1)
     dist.barrier()
-    from ulysses_sp.mesh import shutdown
+    from ulysses_sp.parallel.mesh import shutdown
 
     shutdown()  # joins the gloo workers now, not during interpreter exit
 

@@ -76,7 +76,7 @@ def _worker_main(inbox: mp.Queue, outbox: mp.Queue) -> None:
                     pass
                 # Destroy, and release the groups meshes still hold, so their threads do not pile
                 # up in this long-lived worker.
-                from ulysses_sp.mesh import shutdown
+                from ulysses_sp.parallel.mesh import shutdown
 
                 shutdown()
 

@@ -1,5 +1,6 @@
-"""The layer boundaries of ``src/ulysses_sp`` (README, Architecture): imports run one way with no
-cycle, every collective lives in ``comm.py``, no bare ``WORLD`` group, no oversized module."""
+"""The layer boundaries of ``src/ulysses_sp`` (README, Architecture): packages import one way with no
+cycle, every package says what it owns and may import, every collective lives in ``parallel/comm.py``,
+no bare ``WORLD`` group, no oversized module, no flat module beside the packages but the ``checks`` leaf."""
 
 from __future__ import annotations
 
@@ -11,42 +12,16 @@ import pytest
 
 SRC = pathlib.Path(__file__).resolve().parent.parent / "src" / "ulysses_sp"
 
-# Bottom to top; a module may import its own layer (without a cycle) and the ones below.
+# Bottom to top, by package (the first component of a module's name); a module may import its own
+# layer (without a cycle) and the ones below. The folder list is the architecture (README, Architecture).
 LAYERS = [
-    {"checks", "_teardown", "mesh_shape"},
-    {"mesh", "comm_timing"},
-    {"comm"},
-    {
-        "masks",
-        "blockwise",
-        "attn_offload",
-        "core_attention",
-        "ring",
-        "registration",
-        "attention",
-        "loss",
-        "data",
-        "_tiled",
-        "tiling",
-        "offload",
-        "memory",
-    },  # fmt: skip
-    {"config", "precision", "engine", "loading", "guard", "plan", "plan_hw", "plan_inputs"},
-    {
-        "checkpoint",
-        "dcp_state",
-        "hf_export",
-        "rundir",
-        "runlock",
-        "tasks",
-        "train_setup",
-        "train_checks",
-        "train",
-        "integrations",
-        "preflight",
-        "prelaunch",
-    },
-    {"cli"},
+    {"checks"},  # the validation vocabulary: a leaf
+    {"parallel"},  # mesh, mesh shape, every collective, the SP loss reduction
+    {"attention", "memory", "data", "config", "plan"},  # what runs inside a step; the planner's arithmetic
+    {"state", "tasks"},  # precision, loading, checkpoints; the embedded defaults
+    {"engine"},  # initialize(), Engine: wrapping, optimizer, divergence guard
+    {"run", "integrations"},  # the train loop and its checks; HF Trainer / TRL
+    {"cli"},  # argv and the launcher
 ]
 MAX_LINES = 360
 COLLECTIVE = re.compile(
@@ -151,7 +126,7 @@ def test_module_is_small(name):
 def test_every_collective_lives_in_comm():
     found = []
     for name, path in _modules().items():
-        if name == "comm":
+        if name == "parallel.comm":
             continue
         for i, line in enumerate(path.read_text().splitlines(), 1):
             if COLLECTIVE.search(line):
@@ -164,6 +139,23 @@ def test_no_bare_world_group():
     for name, path in _modules().items():
         for i, line in enumerate(path.read_text().splitlines(), 1):
             # mesh.py names the default group once, as the layout's reduce_group
-            if "group.WORLD" in line and not (name == "mesh" and "self._world" in line):
+            if "group.WORLD" in line and not (name == "parallel.mesh" and "self._world" in line):
                 found.append(f"{name}.py:{i}: {line.strip()}")
     assert not found, "bare WORLD groups (use SPMesh.reduce_group):\n" + "\n".join(found)
+
+
+def test_every_package_says_what_it_owns_and_may_import():
+    missing = []
+    for init in sorted(SRC.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        if "May import:" not in doc:
+            missing.append(init.parent.name)
+    assert not missing, "package docstrings without a 'May import:' line: " + ", ".join(missing)
+
+
+def test_the_folder_list_is_the_architecture():
+    flat = sorted(p.stem for p in SRC.glob("*.py") if p.stem not in {"__init__", "checks"})
+    assert not flat, f"flat top-level modules {flat}: put each in the package of its concern"
+    packages = {p.parent.name for p in SRC.glob("*/__init__.py")}
+    placed = set().union(*LAYERS)
+    assert packages - {"checks"} <= placed, f"packages in no layer: {sorted(packages - placed)}"

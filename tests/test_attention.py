@@ -18,11 +18,11 @@ from harness import WorkerError
 from models import global_batch, reference_loss, shift, tiny_model
 from oracle import assert_step_close
 
-from ulysses_sp.attention import UlyssesSPAttentionHF
-from ulysses_sp.loss import sp_causal_lm_loss
-from ulysses_sp.mesh import init_mesh
-from ulysses_sp.mesh_shape import check_heads, valid_sp_sizes
-from ulysses_sp.offload import enable_activation_checkpointing
+from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
+from ulysses_sp.memory.offload import enable_activation_checkpointing
+from ulysses_sp.parallel.loss import sp_causal_lm_loss
+from ulysses_sp.parallel.mesh import init_mesh
+from ulysses_sp.parallel.mesh_shape import check_heads, valid_sp_sizes
 
 B, S = 2, 16
 ARCHS = ("llama", "qwen2", "mistral")
@@ -344,7 +344,7 @@ def test_each_forward_uses_its_own_position_ids(pool):
 
 
 def _mixed_dtype_exchange():
-    from ulysses_sp.comm import qkv_seq_to_heads, seq_to_heads
+    from ulysses_sp.parallel.comm import qkv_seq_to_heads, seq_to_heads
 
     mesh = init_mesh((1, dist.get_world_size()))
     g = torch.Generator().manual_seed(dist.get_rank())

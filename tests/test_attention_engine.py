@@ -16,9 +16,9 @@ from models import global_batch, reference_loss, shift, tiny_model
 from oracle import assert_grads_close
 from torch.distributed.tensor import DTensor
 
-from ulysses_sp.attention import UlyssesSPAttentionHF
+from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
 from ulysses_sp.engine import initialize
-from ulysses_sp.mesh import init_mesh
+from ulysses_sp.parallel.mesh import init_mesh
 
 B, S, LR, STEPS = 2, 16, 0.5, 2
 ARCHS = ("llama", "qwen2", "mistral")

@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ulysses_sp.attn_offload import KVOffload
-from ulysses_sp.blockwise import AttnStructure, BlockCounts, blockwise_attention
-from ulysses_sp.core_attention import check_blockwise_options
-from ulysses_sp.masks import SeqLayout, mask_for
-from ulysses_sp.memory import track_peak_memory
+from ulysses_sp.attention.blockwise import AttnStructure, BlockCounts, blockwise_attention
+from ulysses_sp.attention.core import check_blockwise_options
+from ulysses_sp.attention.kv_offload import KVOffload
+from ulysses_sp.attention.masks import SeqLayout, mask_for
+from ulysses_sp.memory.meter import track_peak_memory
 
 
 def _qkv(b, h, hkv, s, d, dtype=torch.float64, seed=0):

@@ -13,10 +13,10 @@ from models import global_batch, per_document_loss, shift, tiny_model
 from oracle import assert_grads_close, assert_step_close
 from torch.distributed.tensor import DTensor
 
-from ulysses_sp.attention import UlyssesSPAttentionHF
+from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
 from ulysses_sp.engine import initialize
-from ulysses_sp.loss import sp_causal_lm_loss
-from ulysses_sp.mesh import init_mesh
+from ulysses_sp.parallel.loss import sp_causal_lm_loss
+from ulysses_sp.parallel.mesh import init_mesh
 
 DOCS = (5, 7, 4)  # 16 tokens: boundaries fall inside shards at sp 2 and 4
 WINDOW = 3  # shorter than every document but the last: the window matters inside documents

@@ -10,8 +10,8 @@ import torch.distributed as dist
 from harness import WorkerError
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from ulysses_sp import checkpoint as ckpt
 from ulysses_sp import tasks
+from ulysses_sp.state import checkpoint as ckpt
 
 SEQ = 32
 

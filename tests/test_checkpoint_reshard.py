@@ -18,11 +18,11 @@ import torch.distributed as dist
 from models import global_batch, shift, tiny_model
 from torch.distributed.tensor import DTensor
 
-from ulysses_sp import checkpoint as ckpt
 from ulysses_sp import tasks
-from ulysses_sp.attention import UlyssesSPAttentionHF
+from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
 from ulysses_sp.engine import initialize
-from ulysses_sp.mesh import init_mesh
+from ulysses_sp.parallel.mesh import init_mesh
+from ulysses_sp.state import checkpoint as ckpt
 
 G, S = 4, 16  # global batch, sequence length
 MANIFEST = {"world": {}, "run": {}, "model_config": {}}
@@ -120,7 +120,7 @@ def test_old_format_checkpoint_is_refused_with_a_message(tmp_path):
 def _export_tied(directory: str) -> dict[str, torch.Tensor]:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from ulysses_sp.hf_export import export_hf
+    from ulysses_sp.state.hf_export import export_hf
 
     cfg = LlamaConfig(vocab_size=67, hidden_size=32, intermediate_size=72, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip

@@ -17,7 +17,7 @@ from ulysses_sp.data import cache as cache_mod
 from ulysses_sp.data import packed_dataset, plan_blocks, tokenized_corpus
 from ulysses_sp.data.chat import tokenize_record
 from ulysses_sp.data.packed import split_samples
-from ulysses_sp.loss import IGNORE_INDEX
+from ulysses_sp.parallel.loss import IGNORE_INDEX
 from ulysses_sp.tasks import DataSettings, build_local_dataset
 from ulysses_sp.tasks.tokenizer import BOS_ID, EOS_ID
 

@@ -12,10 +12,10 @@ from chatdata import chat_tokenizer, conversation, write_jsonl
 from models import tiny_model
 from oracle import assert_step_close
 
-from ulysses_sp.attention import UlyssesSPAttentionHF
+from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
 from ulysses_sp.data import UlyssesSPDataLoaderAdapter, prepare_batch, sp_dataloader
-from ulysses_sp.loss import sp_causal_lm_loss
-from ulysses_sp.mesh import init_mesh
+from ulysses_sp.parallel.loss import sp_causal_lm_loss
+from ulysses_sp.parallel.mesh import init_mesh
 from ulysses_sp.tasks import DataSettings, build_local_dataset
 
 VOCAB = 264  # the byte tokenizer's 259, padded

@@ -17,7 +17,7 @@ from ulysses_sp.data import (
     shard_batch,
     sp_data_sampler,
 )
-from ulysses_sp.mesh import init_mesh
+from ulysses_sp.parallel.mesh import init_mesh
 
 IGN = -100
 B = 2

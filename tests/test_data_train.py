@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from models import tiny_model
 from oracle import assert_step_close
 
-from ulysses_sp.attention import UlyssesSPAttentionHF
+from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
 from ulysses_sp.data import PackingCollator, UlyssesSPDataLoaderAdapter
-from ulysses_sp.loss import sp_causal_lm_loss
-from ulysses_sp.mesh import init_mesh
+from ulysses_sp.parallel.loss import sp_causal_lm_loss
+from ulysses_sp.parallel.mesh import init_mesh
 
 VOCAB = 64
 # Per SP rank: 3 documents packed into one sequence; rank 0's is 17 tokens (padded to 18 for sp=2),

@@ -22,8 +22,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ulysses_sp.engine import WarmupLR, initialize
-from ulysses_sp.loss import IGNORE_INDEX
-from ulysses_sp.mesh import Mpu
+from ulysses_sp.parallel.loss import IGNORE_INDEX
+from ulysses_sp.parallel.mesh import Mpu
 
 DP, SP = 2, 2
 WORLD = DP * SP
@@ -347,7 +347,7 @@ def _llama_worker(stages):
 
 
 def _mesh():
-    from ulysses_sp.mesh import init_mesh
+    from ulysses_sp.parallel.mesh import init_mesh
 
     return init_mesh((DP, SP))
 

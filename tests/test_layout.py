@@ -13,9 +13,9 @@ from harness import WorkerError
 from models import global_batch, tiny_model
 
 from ulysses_sp import initialize
-from ulysses_sp.attention import UlyssesSPAttentionHF
-from ulysses_sp.mesh import init_mesh
-from ulysses_sp.registration import ATTN_NAME
+from ulysses_sp.attention.registration import ATTN_NAME
+from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
+from ulysses_sp.parallel.mesh import init_mesh
 
 ENGINE_CONFIG = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
 

@@ -16,8 +16,8 @@ from harness import WorkerError
 from torch.distributed.tensor import DTensor
 
 from ulysses_sp.engine import initialize
-from ulysses_sp.loading import init_empty_model, load_pretrained_weights, weight_files
-from ulysses_sp.mesh import init_mesh
+from ulysses_sp.parallel.mesh import init_mesh
+from ulysses_sp.state.loading import init_empty_model, load_pretrained_weights, weight_files
 
 LAYOUTS = [(2, 1, "data_parallel"), (1, 2, "data_parallel"), (1, 2, "all")]
 

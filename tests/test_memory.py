@@ -11,7 +11,7 @@ import gc
 import pytest
 import torch
 
-from ulysses_sp.memory import host_allocations, track_peak_memory
+from ulysses_sp.memory.meter import host_allocations, track_peak_memory
 
 KB = 1024
 

@@ -8,8 +8,8 @@ import pytest
 import torch.distributed as dist
 from harness import WorkerError
 
-from ulysses_sp.mesh import MESH_AXES, Mpu, init_mesh
-from ulysses_sp.mesh_shape import check_mesh_param, data_parallel_world_size, resolve_mesh_shape
+from ulysses_sp.parallel.mesh import MESH_AXES, Mpu, init_mesh
+from ulysses_sp.parallel.mesh_shape import check_mesh_param, data_parallel_world_size, resolve_mesh_shape
 
 
 def _groups(mesh_param):

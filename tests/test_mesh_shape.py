@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ulysses_sp.data import prepare_batch, shard_batch
-from ulysses_sp.mesh_shape import (
+from ulysses_sp.parallel.mesh_shape import (
     resolve_ring_size,
     seq_multiple,
     shard_spans,

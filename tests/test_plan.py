@@ -13,9 +13,9 @@ import pytest
 from bench.plan_check import grid, measure_all, predict_case
 from ulysses_sp.cli.args import build_parser
 from ulysses_sp.cli.main import main
-from ulysses_sp.plan import max_seq_len, predict
-from ulysses_sp.plan_hw import DEVICES, parse_bytes
-from ulysses_sp.plan_inputs import LLAMA_8B, ModelShape, Settings
+from ulysses_sp.plan.hardware import DEVICES, parse_bytes
+from ulysses_sp.plan.inputs import LLAMA_8B, ModelShape, Settings
+from ulysses_sp.plan.model import max_seq_len, predict
 
 CANDIDATE_KEYS = {"settings", "train_args", "peak_bytes_per_rank", "breakdown", "host_bytes_per_rank", "fits",
                   "max_seq_len", "tokens_per_s", "comm_share"}  # fmt: skip
@@ -157,9 +157,9 @@ def test_train_refuses_before_launch_when_the_prediction_exceeds_memory(capsys, 
 def test_force_turns_the_refusal_into_a_warning(caplog):
     import torch
 
-    from ulysses_sp.preflight import check_fits, prediction
-    from ulysses_sp.train_checks import model_config
-    from ulysses_sp.train_setup import TrainConfig
+    from ulysses_sp.run.checks import model_config
+    from ulysses_sp.run.config import TrainConfig
+    from ulysses_sp.run.preflight import check_fits, prediction
 
     cfg = TrainConfig(memory="1MB", force=True, seq_len=64)
     pred = prediction(cfg, 2, model_config("tiny-llama", 259), torch.device("cpu"))

@@ -17,11 +17,11 @@ import torch
 from models import global_batch, shift, tiny_model
 from torch.distributed.tensor import DTensor
 
-from ulysses_sp.attention import UlyssesSPAttentionHF
+from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
 from ulysses_sp.config import load_config
 from ulysses_sp.engine import initialize
-from ulysses_sp.mesh import init_mesh
-from ulysses_sp.precision import DynamicLossScaler, policy_for
+from ulysses_sp.parallel.mesh import init_mesh
+from ulysses_sp.state.precision import DynamicLossScaler, policy_for
 
 B, S, STAGES = 2, 16, (0, 1, 2, 3)
 BF16_RTOL = 3e-2

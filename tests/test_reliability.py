@@ -21,12 +21,12 @@ import pytest
 import torch
 from harness import WorkerError
 
-from ulysses_sp.checkpoint import FORMAT_VERSION
-from ulysses_sp.guard import DivergenceError, DivergenceGuard
-from ulysses_sp.rundir import prepare_output_dir, read_metrics_lines
-from ulysses_sp.runlock import RunLock, RunLockedError, check_unlocked
-from ulysses_sp.train_checks import validate
-from ulysses_sp.train_setup import TrainConfig, config_from_dict
+from ulysses_sp.engine.divergence import DivergenceError, DivergenceGuard
+from ulysses_sp.run.checks import validate
+from ulysses_sp.run.config import TrainConfig, config_from_dict
+from ulysses_sp.run.lock import RunLock, RunLockedError, check_unlocked
+from ulysses_sp.run.rundir import prepare_output_dir, read_metrics_lines
+from ulysses_sp.state.checkpoint import FORMAT_VERSION
 
 
 # ---------------------------------------------------------------- divergence guard
@@ -150,7 +150,7 @@ def test_different_batch_sizes_in_one_sp_group_fail_clearly_on_every_rank(pool):
 
 
 # ---------------------------------------------------------------- run lock
-HOLD = "import sys, time; from ulysses_sp.runlock import RunLock; RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(120)"
+HOLD = "import sys, time; from ulysses_sp.run.lock import RunLock; RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(120)"
 
 
 def _holder(path) -> subprocess.Popen:
@@ -235,7 +235,7 @@ def _save(tmp: str, case: str, simulate_full: bool = False):
     from models import tiny_model
 
     from ulysses_sp import initialize
-    from ulysses_sp import rundir as rd
+    from ulysses_sp.run import rundir as rd
     from ulysses_sp.tasks import byte_tokenizer
 
     model = tiny_model("llama", hidden=64, layers=2)
@@ -335,7 +335,7 @@ def test_unwritable_output_dir_missing_attention_backend_and_too_long_seq_len_re
 def test_rope_scaling_extends_the_allowed_seq_len():
     from transformers import LlamaConfig
 
-    from ulysses_sp.prelaunch import check_seq_len_fits
+    from ulysses_sp.run.prelaunch import check_seq_len_fits
 
     plain = LlamaConfig(max_position_embeddings=1024)
     with pytest.raises(ValueError, match="--seq-len 4096 is longer"):
@@ -358,7 +358,7 @@ def test_bad_timeout_is_refused_before_launch(capsys, tmp_path):
 
 
 def test_blame_names_the_rank_that_stopped_not_the_ones_that_waited():
-    from ulysses_sp.cli.stops import EXIT_PEER_LOST, EXIT_TIMEOUT, blame
+    from ulysses_sp.run.stops import EXIT_PEER_LOST, EXIT_TIMEOUT, blame
 
     waited = {0: EXIT_TIMEOUT, 2: EXIT_TIMEOUT, 3: EXIT_TIMEOUT}
     assert blame(waited, 4, 60).startswith("rank(s) 1 stopped answering: rank(s) 0, 2, 3 waited 60 s")
@@ -370,7 +370,7 @@ def test_a_signal_during_a_weakref_callback_still_stops_the_rank_without_a_trace
     import signal
     import weakref
 
-    from ulysses_sp.cli.stops import Stopped, signal_handlers
+    from ulysses_sp.run.stops import Stopped, signal_handlers
 
     class Held:
         pass

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ulysses_sp.blockwise import AttnStructure, BlockCounts, blockwise_attention
-from ulysses_sp.masks import SeqLayout
-from ulysses_sp.mesh_shape import contiguous_spans, zigzag_spans
-from ulysses_sp.ring import RingStats, ring_attention
+from ulysses_sp.attention.blockwise import AttnStructure, BlockCounts, blockwise_attention
+from ulysses_sp.attention.masks import SeqLayout
+from ulysses_sp.attention.ring import RingStats, ring_attention
+from ulysses_sp.parallel.mesh_shape import contiguous_spans, zigzag_spans
 
 
 def test_zigzag_spans_hold_chunk_i_then_chunk_2r_minus_1_minus_i():

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ulysses_sp.blockwise import AttnStructure, BlockCounts
-from ulysses_sp.masks import SeqLayout, mask_for
-from ulysses_sp.mesh_shape import contiguous_spans, zigzag_spans
-from ulysses_sp.ring import RingStats, ring_attention
+from ulysses_sp.attention.blockwise import AttnStructure, BlockCounts
+from ulysses_sp.attention.masks import SeqLayout, mask_for
+from ulysses_sp.attention.ring import RingStats, ring_attention
+from ulysses_sp.parallel.mesh_shape import contiguous_spans, zigzag_spans
 
 S = 40  # zigzag chunks of 10 (R = 2) and 5 (R = 4): blocks of 3 and 4 do not divide them
 STRUCTURES = {

@@ -18,10 +18,10 @@ from models import global_batch, per_document_loss, tiny_model
 from oracle import assert_grads_close
 from torch.distributed.tensor import DTensor
 
-from ulysses_sp.attention import UlyssesSPAttentionHF
+from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
 from ulysses_sp.data import UlyssesSPDataLoaderAdapter, prepare_batch, shard_batch
 from ulysses_sp.engine import initialize
-from ulysses_sp.mesh import init_mesh
+from ulysses_sp.parallel.mesh import init_mesh
 
 DOCS = (5, 7, 4)  # 16 tokens: divisible by 2 * sp up to sp 8; at sp 4 ring 4 the zigzag chunks hold 2 tokens
 CASES = (("llama", "sdpa"), ("qwen2", "eager"), ("llama", "eager"), ("qwen2", "sdpa"))
@@ -125,7 +125,7 @@ def _doc_spans():
 
 
 def _spans(sp, ring, rank):
-    from ulysses_sp.mesh_shape import shard_spans
+    from ulysses_sp.parallel.mesh_shape import shard_spans
 
     return shard_spans(sum(DOCS), rank, sp, ring)
 
@@ -182,7 +182,7 @@ def _two_runs_in_one_process(store_path):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, _redistribute
 
-    from ulysses_sp.mesh import shutdown
+    from ulysses_sp.parallel.mesh import shutdown
 
     caches = (DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding, _redistribute._gen_transform_infos)
     native = torch._C._get_DTensor_sharding_propagator_cache_stats  # the C++ dispatch fast path's cache

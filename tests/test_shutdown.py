@@ -23,7 +23,7 @@ import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter, initialize, init_mesh, shutdown
-from ulysses_sp.mesh import default_backend
+from ulysses_sp.parallel.mesh import default_backend
 
 
 def gloo_threads():

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ulysses_sp import tasks
-from ulysses_sp.mesh_shape import valid_sp_sizes
+from ulysses_sp.parallel.mesh_shape import valid_sp_sizes
 from ulysses_sp.tasks.recall import ALPHABET, SEPARATOR
 from ulysses_sp.tasks.text import TextBlockDataset
 from ulysses_sp.tasks.tokenizer import BOS_ID, EOS_ID, PAD_ID

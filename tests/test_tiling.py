@@ -2,7 +2,7 @@
 
 Equivalence: the same model and batch run with and without tiling must give the same loss and
 every parameter gradient (``assert_close`` at fp32 tolerances; the gradients are O(1), so a
-missing tile or a doubled one cannot pass). Memory: measured with ``ulysses_sp.memory`` on CPU at
+missing tile or a doubled one cannot pass). Memory: measured with ``ulysses_sp.memory.meter`` on CPU at
 shapes where the tiled tensors dominate; each test states its prediction from the shapes.
 """
 
@@ -19,17 +19,17 @@ from oracle import assert_step_close
 from torch import nn
 from transformers.utils import ModelOutput
 
-from ulysses_sp._tiled import auto_num_shards
-from ulysses_sp.loss import sp_causal_lm_loss
-from ulysses_sp.memory import track_peak_memory
-from ulysses_sp.offload import enable_activation_checkpointing
-from ulysses_sp.tiling import (
+from ulysses_sp.memory._tiled import auto_num_shards
+from ulysses_sp.memory.meter import track_peak_memory
+from ulysses_sp.memory.offload import enable_activation_checkpointing
+from ulysses_sp.memory.tiling import (
     TiledCausalLMLoss,
     TiledMLP,
     apply_tiled_mlp,
     sequence_tiled_compute,
     tiled_causal_lm_loss,
 )
+from ulysses_sp.parallel.loss import sp_causal_lm_loss
 
 VOCAB, B, S = 256, 2, 24
 ARCHS = ("llama", "qwen2")

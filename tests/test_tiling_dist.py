@@ -15,9 +15,9 @@ import torch.distributed as dist
 from models import global_batch, shift, tiny_model
 from oracle import assert_step_close
 
-from ulysses_sp.loss import sp_causal_lm_loss
-from ulysses_sp.offload import enable_activation_checkpointing, enable_activation_offload
-from ulysses_sp.tiling import TiledCausalLMLoss, apply_tiled_mlp
+from ulysses_sp.memory.offload import enable_activation_checkpointing, enable_activation_offload
+from ulysses_sp.memory.tiling import TiledCausalLMLoss, apply_tiled_mlp
+from ulysses_sp.parallel.loss import sp_causal_lm_loss
 
 VOCAB, B, S = 256, 2, 16
 E = 4
@@ -117,8 +117,8 @@ def test_fsdp2_tiled_gathers_once_per_unit_and_matches(pool, techniques, mlp_uni
 
 
 def _sp_run(arch, techniques):
-    from ulysses_sp.attention import UlyssesSPAttentionHF
-    from ulysses_sp.mesh import init_mesh
+    from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
+    from ulysses_sp.parallel.mesh import init_mesh
 
     mesh = init_mesh((1, 2))
     model = tiny_model(arch, vocab=VOCAB)
@@ -155,9 +155,9 @@ def test_sp2_each_technique_matches_no_sp(pool, arch, techniques):
 
 
 def _engine_run(stage, techniques, arch="llama"):
-    from ulysses_sp.attention import UlyssesSPAttentionHF
+    from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
     from ulysses_sp.engine import initialize
-    from ulysses_sp.mesh import init_mesh
+    from ulysses_sp.parallel.mesh import init_mesh
 
     model = tiny_model(arch, vocab=VOCAB)
     reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, B, mesh=init_mesh((1, 2)))

@@ -15,10 +15,10 @@ import torch
 from models import global_batch, shift, tiny_model
 from oracle import assert_step_close
 
-from ulysses_sp.loss import sp_causal_lm_loss
-from ulysses_sp.memory import track_peak_memory
-from ulysses_sp.offload import enable_activation_checkpointing, enable_activation_offload
-from ulysses_sp.tiling import TiledCausalLMLoss, apply_tiled_mlp
+from ulysses_sp.memory.meter import track_peak_memory
+from ulysses_sp.memory.offload import enable_activation_checkpointing, enable_activation_offload
+from ulysses_sp.memory.tiling import TiledCausalLMLoss, apply_tiled_mlp
+from ulysses_sp.parallel.loss import sp_causal_lm_loss
 
 VOCAB, E = 256, 4
 

@@ -13,8 +13,8 @@ from ulysses_sp.cli.evaluate import EvalConfig, validate_eval
 from ulysses_sp.cli.main import main
 from ulysses_sp.config import TrainingConfig
 from ulysses_sp.data import sp_data_sampler, sp_dataloader
-from ulysses_sp.train_checks import check_recipe, validate
-from ulysses_sp.train_setup import TrainConfig, config_from_dict
+from ulysses_sp.run.checks import check_recipe, validate
+from ulysses_sp.run.config import TrainConfig, config_from_dict
 
 
 def _previous_recipe(steps: int, lr: float = 1e-2, warmup: int | None = None) -> dict:

@@ -2,6 +2,10 @@
 
 Importing the package has no side effects: no process groups, no registration, no env writes.
 The names below are loaded on first use, so ``import ulysses_sp`` stays cheap.
+
+Packages, bottom to top (imports run one way; ``tests/test_architecture.py`` enforces it):
+``checks`` → ``parallel`` → {``attention``, ``memory``, ``data``} → {``config``, ``state``,
+``engine``, ``plan``, ``tasks``} → {``run``, ``integrations``} → ``cli``.
 """
 
 from __future__ import annotations
@@ -12,12 +16,12 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Mpu": "mesh",
-    "init_mesh": "mesh",
-    "shutdown": "mesh",
-    "data_parallel_world_size": "mesh_shape",
-    "UlyssesSPAttentionHF": "attention",
-    "sp_causal_lm_loss": "loss",
+    "Mpu": "parallel.mesh",
+    "init_mesh": "parallel.mesh",
+    "shutdown": "parallel.mesh",
+    "data_parallel_world_size": "parallel.mesh_shape",
+    "UlyssesSPAttentionHF": "attention.ulysses",
+    "sp_causal_lm_loss": "parallel.loss",
     "UlyssesSPDataLoaderAdapter": "data",
     "PackingCollator": "data",
     "sp_data_sampler": "data",
@@ -25,13 +29,13 @@ _EXPORTS = {
     "Engine": "engine",
     "TrainingConfig": "config",
     "load_config": "config",
-    "TiledMLP": "tiling",
-    "apply_tiled_mlp": "tiling",
-    "sequence_tiled_compute": "tiling",
-    "tiled_causal_lm_loss": "tiling",
-    "TiledCausalLMLoss": "tiling",
-    "enable_activation_offload": "offload",
-    "track_peak_memory": "memory",
+    "TiledMLP": "memory.tiling",
+    "apply_tiled_mlp": "memory.tiling",
+    "sequence_tiled_compute": "memory.tiling",
+    "tiled_causal_lm_loss": "memory.tiling",
+    "TiledCausalLMLoss": "memory.tiling",
+    "enable_activation_offload": "memory.offload",
+    "track_peak_memory": "memory.meter",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])

@@ -8,7 +8,7 @@ import argparse
 import json
 from typing import Any
 
-from ..checks import positive_int
+from ulysses_sp.checks import positive_int
 
 DEFAULT_TIMEOUT_S = 300.0
 LAUNCH_KEYS = ("nproc", "timeout")
@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time collectives (device syncs): comm_s, dp_comm_s, compute_s per metrics line")  # fmt: skip
     t.add_argument("--zero-partition", choices=("data_parallel", "all"), default=s,
                    help="ZeRO partitions over the DP axis or all dp*sp ranks (default data_parallel)")  # fmt: skip
-    from .evaluate import add_data_args
+    from ulysses_sp.cli.evaluate import add_data_args
 
     add_data_args(t, s)
     t.add_argument("--max-nonfinite-steps", type=int, default=s,
@@ -156,14 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--allow-data-change", action="store_true", default=s,
                    help="--resume although the data's fingerprint differs from the checkpoint's")  # fmt: skip
 
-    from .evaluate import add_eval_args
+    from ulysses_sp.cli.evaluate import add_eval_args
 
     e = sub.add_parser("eval", help="evaluate checkpoints: loss, accuracy, per-position loss (JSON + PNG)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     add_eval_args(e)
     _add_launch_args(e)
 
-    from .plan import add_plan_args
+    from ulysses_sp.cli.plan import add_plan_args
 
     pl = sub.add_parser("plan", help="predict memory and speed per setting; recommend a train command line",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
@@ -184,7 +184,7 @@ def _load_json_config(path: str) -> dict[str, Any]:
 
 def train_options(ns: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """``(TrainConfig, launch options)`` from defaults <- ``--config`` JSON <- given flags."""
-    from ..train_setup import config_from_dict
+    from ulysses_sp.run.config import config_from_dict
 
     given = {k: v for k, v in vars(ns).items() if k != "command"}
     values = _load_json_config(given.pop("config")) if "config" in given else {}

@@ -19,8 +19,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .. import checkpoint as ckpt
-from ..tasks import DataFlags
+from ulysses_sp.state import checkpoint as ckpt
+from ulysses_sp.tasks import DataFlags
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def _resolve_model(path: str) -> str:
 def validate_eval(cfg: EvalConfig, world_size: int) -> None:
     """Check sizes, models and data before any process starts (``ValueError``); the checks shared
     with ``train`` are ``train_checks.check_run``'s."""
-    from ..train_checks import check_run
+    from ulysses_sp.run.checks import check_run
 
     sizes = {"num_samples": cfg.num_samples, "micro_batch_size": cfg.micro_batch_size, "bins": cfg.bins}
     check_run(
@@ -145,12 +145,12 @@ def _evaluate_model(cfg: EvalConfig, model_name: str) -> dict[str, Any]:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from .. import tasks
-    from ..attention import UlyssesSPAttentionHF
-    from ..comm import all_reduce_sum
-    from ..data import UlyssesSPDataLoaderAdapter, sp_dataloader
-    from ..loss import IGNORE_INDEX
-    from ..mesh import init_mesh
+    from ulysses_sp import tasks
+    from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
+    from ulysses_sp.data import UlyssesSPDataLoaderAdapter, sp_dataloader
+    from ulysses_sp.parallel.comm import all_reduce_sum
+    from ulysses_sp.parallel.loss import IGNORE_INDEX
+    from ulysses_sp.parallel.mesh import init_mesh
 
     world = dist.get_world_size()
     dp = world // cfg.sp
@@ -166,7 +166,7 @@ def _evaluate_model(cfg: EvalConfig, model_name: str) -> dict[str, Any]:
     model = tasks.build_model(
         model_name, vocab_size=len(tokenizer), seed=cfg.seed, attn_implementation=cfg.attn
     )
-    from ..guard import check_finite_model
+    from ulysses_sp.engine.divergence import check_finite_model
 
     check_finite_model(model.state_dict(), model_name)  # the same full weights on every rank
     mpu = None
@@ -210,7 +210,7 @@ def _evaluate_model(cfg: EvalConfig, model_name: str) -> dict[str, Any]:
 
 
 def _report(cfg: EvalConfig, model_name: str, stats) -> dict[str, Any]:
-    from .. import tasks
+    from ulysses_sp import tasks
 
     def mean(rows, col: int):
         count = float(rows[:, 1].sum())
@@ -263,7 +263,7 @@ def run_eval(cfg: EvalConfig) -> list[dict[str, Any]]:
 
 
 def _label(name: str) -> str:
-    from .. import tasks
+    from ulysses_sp import tasks
 
     if tasks.is_preset(name):
         return f"{name} (untrained)"

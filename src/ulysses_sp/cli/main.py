@@ -25,8 +25,8 @@ import uuid
 from datetime import timedelta
 from typing import Any
 
-from ..checks import positive_int
-from .args import DEFAULT_TIMEOUT_S, build_parser, train_options
+from ulysses_sp.checks import positive_int
+from ulysses_sp.cli.args import DEFAULT_TIMEOUT_S, build_parser, train_options
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -57,7 +57,7 @@ def _init_process_group(timeout_s: float, *, single: bool) -> None:
     import torch
     import torch.distributed as dist
 
-    from ..mesh import default_backend, default_device_type
+    from ulysses_sp.parallel.mesh import default_backend, default_device_type
 
     if (kind := default_device_type()) != "cpu":  # one accelerator per local rank
         torch.get_device_module(kind).set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -81,7 +81,7 @@ def _run_rank(
     ``launched``: started by ``_launch`` (its ``FailureWatch`` directory), whose process reports a
     stop; otherwise (one process, torchrun) rank 0 prints the stop line itself.
     """
-    from .stops import run_reporting, signal_handlers, stop_line
+    from ulysses_sp.run.stops import run_reporting, signal_handlers, stop_line
 
     rank = int(os.environ.get("RANK", "0"))
     _configure_logging(rank)
@@ -100,14 +100,14 @@ def _run_command(command: str, options: Any, timeout_s: float, single: bool, sto
     _init_process_group(timeout_s, single=single)
     try:
         if command == "train":
-            from ..train import run
+            from ulysses_sp.run.loop import run
 
             return run(options, stop=stop)
-        from .evaluate import run_eval
+        from ulysses_sp.cli.evaluate import run_eval
 
         return run_eval(options)
     finally:
-        from ..mesh import shutdown
+        from ulysses_sp.parallel.mesh import shutdown
 
         shutdown()
 
@@ -117,7 +117,14 @@ def _launch(command: str, options: Any, nproc: int, timeout_s: float) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from .stops import SHUTDOWN_GRACE_S, FailureWatch, blame, exit_code_of, quiet_launcher_logs, stop_line
+    from ulysses_sp.run.stops import (
+        SHUTDOWN_GRACE_S,
+        FailureWatch,
+        blame,
+        exit_code_of,
+        quiet_launcher_logs,
+        stop_line,
+    )
 
     quiet_launcher_logs()
     grace = max(SHUTDOWN_GRACE_S, math.ceil(getattr(options, "save_on_signal", 0.0)))
@@ -147,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     """Console entry point ``ulysses-sp``."""
     args = build_parser().parse_args(argv)
     if args.command == "plan":
-        from .plan import run_plan
+        from ulysses_sp.cli.plan import run_plan
 
         try:
             print(run_plan(args))
@@ -159,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.command == "train":
             options, launch = train_options(args)
         else:
-            from .evaluate import eval_options
+            from ulysses_sp.cli.evaluate import eval_options
 
             options, launch = eval_options(args)
         timeout_s = launch.get("timeout", DEFAULT_TIMEOUT_S)
@@ -186,15 +193,15 @@ def main(argv: list[str] | None = None) -> None:
 
 def _check_before_launch(command: str, options: Any, nproc: int) -> None:
     if command == "train":
-        from ..preflight import check_before_launch
-        from ..runlock import check_unlocked
-        from ..train_checks import validate
+        from ulysses_sp.run.checks import validate
+        from ulysses_sp.run.lock import check_unlocked
+        from ulysses_sp.run.preflight import check_before_launch
 
         validate(options, nproc)
         check_unlocked(options.output_dir)
         check_before_launch(options, nproc)
     else:
-        from .evaluate import validate_eval
+        from ulysses_sp.cli.evaluate import validate_eval
 
         validate_eval(options, nproc)
 

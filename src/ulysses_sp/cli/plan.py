@@ -1,6 +1,6 @@
 """``ulysses-sp plan``: which settings fit, how long a sequence, at what speed — before any run.
 
-A thin layer over ``ulysses_sp.plan``: it reads the model's config (a preset, a local HF model
+A thin layer over ``ulysses_sp.plan.model``: it reads the model's config (a preset, a local HF model
 directory, a ``config.json`` file, or a named shape such as ``llama-8b``), enumerates the candidate
 settings (every ``sp`` that divides the GPUs and that the heads allow, ZeRO stages 0-3, a ladder of
 memory techniques, optionally model-state offload), predicts each one's peak memory per rank and
@@ -60,7 +60,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
 
 def load_shape(model: str):
     """``ModelShape`` of a preset, named shape, model directory or ``config.json`` (``ValueError``)."""
-    from ..plan_inputs import SHAPES, ModelShape
+    from ulysses_sp.plan.inputs import SHAPES, ModelShape
 
     if model in SHAPES:
         return SHAPES[model]
@@ -73,14 +73,14 @@ def load_shape(model: str):
             return ModelShape.from_hf_config(AutoConfig.for_model(values.pop("model_type"), **values))
         except (OSError, ValueError, KeyError) as e:
             raise ValueError(f"--model {model!r}: not a transformers config.json ({e})") from e
-    from ..tasks import load_tokenizer
-    from ..train_checks import model_config
+    from ulysses_sp.run.checks import model_config
+    from ulysses_sp.tasks import load_tokenizer
 
     return ModelShape.from_hf_config(model_config(model, len(load_tokenizer(None, model))))
 
 
 def hardware(ns: argparse.Namespace):
-    from ..plan_hw import device, parse_bytes
+    from ulysses_sp.plan.hardware import device, parse_bytes
 
     hw = device(ns.device or ("cpu" if ns.memory and not ns.gpu_memory else "h100"))
     if ns.memory and ns.gpu_memory:
@@ -145,10 +145,10 @@ def _layouts(sps: list[int], world: int):
 
 def candidates(ns: argparse.Namespace) -> dict[str, Any]:
     """The ``--json`` document: every candidate and the recommended one."""
-    from ..checks import positive_int
-    from ..mesh_shape import resolve_ring_size
-    from ..plan import max_seq_len, predict
-    from ..plan_inputs import Settings
+    from ulysses_sp.checks import positive_int
+    from ulysses_sp.parallel.mesh_shape import resolve_ring_size
+    from ulysses_sp.plan.inputs import Settings
+    from ulysses_sp.plan.model import max_seq_len, predict
 
     for flag in ("gpus", "nodes", "micro_batch_size"):
         positive_int(f"--{flag.replace('_', '-')}", getattr(ns, flag))

@@ -24,6 +24,8 @@ Accepted keys::
       "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
       "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 100, "total_num_steps": 1000}}
     }
+
+May import: ``checks``, ``parallel`` (the DP world-size rule).
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from ..checks import optional_positive_int, positive_int
-from .batch import BatchSizes, resolve_batch_sizes
-from .sections import (
+from ulysses_sp.checks import optional_positive_int, positive_int
+from ulysses_sp.config.batch import BatchSizes, resolve_batch_sizes
+from ulysses_sp.config.sections import (
     BF16Config,
     FP16Config,
     OptimizerConfig,
@@ -78,12 +80,12 @@ class TrainingConfig:
     scheduler: SchedulerConfig | None = None
     """LR scheduler section; ``None``: no scheduler unless one is passed to ``initialize``."""
     bf16: BF16Config = field(default_factory=BF16Config)
-    """bf16 mixed precision (``precision.py``); off by default (fp32)."""
+    """bf16 mixed precision (``state/precision.py``); off by default (fp32)."""
     fp16: FP16Config = field(default_factory=FP16Config)
     """fp16 mixed precision with dynamic loss scaling; off by default."""
     max_nonfinite_steps: int = 3
     """Optimizer steps in a row with a non-finite loss or gradient norm that are skipped; the next
-    one raises ``DivergenceError`` (the divergence guard, ``guard.py``)."""
+    one raises ``DivergenceError`` (the divergence guard, ``engine/divergence.py``)."""
 
     def __post_init__(self) -> None:
         if self.bf16.enabled and self.fp16.enabled:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..checks import optional_positive_int, positive_int
+from ulysses_sp.checks import optional_positive_int, positive_int
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..checks import positive_int
+from ulysses_sp.checks import positive_int
 
 ZERO_STAGES = (0, 1, 2, 3)
 PARTITIONS = ("data_parallel", "all")

@@ -30,18 +30,20 @@ Fine-tuning data (local files, tokenized once, packed):
 
 Shape legend: ``B`` batch, ``S`` global (padded) sequence, ``S_l = S/P`` local sequence,
 ``P`` sp size, ``D`` dp size.
+
+May import: ``checks``, ``parallel``.
 """
 
 from __future__ import annotations
 
-from .adapter import UlyssesSPDataLoaderAdapter
-from .bestfit import PackingPlan, plan_blocks
-from .cache import TokenizedCorpus, tokenized_corpus
-from .loader import sp_dataloader
-from .packed import PackedDataset, packed_dataset
-from .packing import PackingCollator
-from .sampler import SPDistributedSampler, sp_data_sampler
-from .shard import make_shift_labels, prepare_batch, shard_batch
+from ulysses_sp.data.adapter import UlyssesSPDataLoaderAdapter
+from ulysses_sp.data.bestfit import PackingPlan, plan_blocks
+from ulysses_sp.data.cache import TokenizedCorpus, tokenized_corpus
+from ulysses_sp.data.loader import sp_dataloader
+from ulysses_sp.data.packed import PackedDataset, packed_dataset
+from ulysses_sp.data.packing import PackingCollator
+from ulysses_sp.data.sampler import SPDistributedSampler, sp_data_sampler
+from ulysses_sp.data.shard import make_shift_labels, prepare_batch, shard_batch
 
 __all__ = [
     "PackedDataset",

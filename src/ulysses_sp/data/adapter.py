@@ -19,10 +19,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checks import positive_int
-from ..comm import all_gather_object, exchange_bytes, raise_if_any_rank_failed
-from ..mesh import ring_size_of
-from .shard import _is_seq, prepare_batch, shard_batch
+from ulysses_sp.checks import positive_int
+from ulysses_sp.data.shard import _is_seq, prepare_batch, shard_batch
+from ulysses_sp.parallel.comm import all_gather_object, exchange_bytes, raise_if_any_rank_failed
+from ulysses_sp.parallel.mesh import ring_size_of
 
 logger = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import formats
-from .chat import chat_template_of, resolve_loss_on, tokenize_record
+from ulysses_sp.data import formats
+from ulysses_sp.data.chat import chat_template_of, resolve_loss_on, tokenize_record
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..checks import read_text_file
+from ulysses_sp.checks import read_text_file
 
 LOSS_ON = ("all", "assistant", "completion")
 _DEFAULT_LOSS_ON = {"text": "all", "chat": "assistant", "prompt-completion": "completion"}

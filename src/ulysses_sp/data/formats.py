@@ -24,7 +24,7 @@ import os
 import re
 from typing import Any
 
-from ..checks import read_text_file
+from ulysses_sp.checks import read_text_file
 
 FORMATS = ("auto", "text", "chat", "prompt-completion")
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".txt": "txt"}

@@ -17,8 +17,8 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Dataset
 
-from ..checks import positive_int
-from .sampler import sp_data_sampler
+from ulysses_sp.checks import positive_int
+from ulysses_sp.data.sampler import sp_data_sampler
 
 
 def sp_dataloader(

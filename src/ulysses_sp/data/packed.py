@@ -20,10 +20,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ..loss import IGNORE_INDEX
-from .bestfit import PackingPlan, plan_blocks
-from .cache import TokenizedCorpus
-from .packing import PackingCollator
+from ulysses_sp.data.bestfit import PackingPlan, plan_blocks
+from ulysses_sp.data.cache import TokenizedCorpus
+from ulysses_sp.data.packing import PackingCollator
+from ulysses_sp.parallel.loss import IGNORE_INDEX
 
 
 def split_samples(n: int, eval_split: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..loss import IGNORE_INDEX
+from ulysses_sp.parallel.loss import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
-from ..checks import positive_int
-from ..mesh import as_sp_mesh
+from ulysses_sp.checks import positive_int
+from ulysses_sp.parallel.mesh import as_sp_mesh
 
 
 class SPDistributedSampler(DistributedSampler):

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..loss import IGNORE_INDEX
-from ..mesh_shape import seq_multiple, shard_spans
+from ulysses_sp.parallel.loss import IGNORE_INDEX
+from ulysses_sp.parallel.mesh_shape import seq_multiple, shard_spans
 
 _CONSUMED = ("input_ids", "labels", "position_ids", "attention_mask")
 _SAME_SHAPE_AS_INPUT = ("labels", "position_ids", "attention_mask")

@@ -7,12 +7,14 @@ group and averaged over the DP axis, and builds the optimizer, scheduler and Dat
 Modules, one concern each: ``build`` (``initialize``), ``engine`` (``Engine``: forward/backward/
 step), ``sharding`` (DDP / FSDP2 over the mesh), ``optim`` (optimizer and scheduler construction),
 ``schedulers`` (DeepSpeed's warmup schedules), ``data`` (the DataLoader over ``training_data``).
+
+May import: ``checks``, ``parallel``, ``attention``, ``memory``, ``data``, ``config``, ``state``.
 """
 
 from __future__ import annotations
 
-from .build import initialize
-from .engine import Engine
-from .schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR
+from ulysses_sp.engine.build import initialize
+from ulysses_sp.engine.engine import Engine
+from ulysses_sp.engine.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 __all__ = ["Engine", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "initialize"]

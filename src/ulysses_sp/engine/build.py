@@ -22,15 +22,11 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, Dataset
 
-from ..comm import raise_if_any_rank_failed
-from ..config import TrainingConfig, load_config
-from ..mesh import LAUNCH_HINT, SPMesh, init_mesh
-from ..mesh_shape import check_mesh_param, data_parallel_world_size, resolve_mesh_shape
-from ..precision import policy_for
-from ..registration import registered_layout
-from .data import build_dataloader, check_dataset
-from .engine import Engine, LossFn
-from .optim import (
+from ulysses_sp.attention.registration import registered_layout
+from ulysses_sp.config import TrainingConfig, load_config
+from ulysses_sp.engine.data import build_dataloader, check_dataset
+from ulysses_sp.engine.engine import Engine, LossFn
+from ulysses_sp.engine.optim import (
     OptimizerArg,
     SchedulerArg,
     build_optimizer,
@@ -38,7 +34,11 @@ from .optim import (
     check_optimizer_args,
     remap_parameters,
 )
-from .sharding import apply_ddp, apply_fsdp, on_meta
+from ulysses_sp.engine.sharding import apply_ddp, apply_fsdp, on_meta
+from ulysses_sp.parallel.comm import raise_if_any_rank_failed
+from ulysses_sp.parallel.mesh import LAUNCH_HINT, SPMesh, init_mesh
+from ulysses_sp.parallel.mesh_shape import check_mesh_param, data_parallel_world_size, resolve_mesh_shape
+from ulysses_sp.state.precision import policy_for
 
 logger = logging.getLogger(__name__)
 

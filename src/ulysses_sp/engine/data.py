@@ -13,7 +13,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Dataset
 
-from ..data import sp_dataloader
+from ulysses_sp.data import sp_dataloader
 
 
 def check_dataset(dataset: Any) -> None:

@@ -23,13 +23,13 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from ..comm import all_reduce_sum
-from ..config import TrainingConfig
-from ..config.batch import BatchSizes
-from ..guard import DivergenceGuard, check_sp_attention
-from ..loss import sp_causal_lm_loss
-from ..mesh import SPMesh
-from ..precision import policy_for, scaler_for, unscale_grads_
+from ulysses_sp.config import TrainingConfig
+from ulysses_sp.config.batch import BatchSizes
+from ulysses_sp.engine.divergence import DivergenceGuard, check_sp_attention
+from ulysses_sp.parallel.comm import all_reduce_sum
+from ulysses_sp.parallel.loss import sp_causal_lm_loss
+from ulysses_sp.parallel.mesh import SPMesh
+from ulysses_sp.state.precision import policy_for, scaler_for, unscale_grads_
 
 LossFn = Callable[[nn.Module, dict[str, Any], torch.Tensor, Any], Any]
 """``loss_fn(model, batch, shift_labels, sp_group) -> outputs`` with ``outputs.loss`` set."""
@@ -82,7 +82,7 @@ class Engine:
         self._loss_sum: torch.Tensor | None = None
         self._loss_count = 0
         self.precision = policy_for(config)
-        """The dtype policy (``precision.py``): compute dtype, CPU offload."""
+        """The dtype policy (``state/precision.py``): compute dtype, CPU offload."""
         self.loss_scaler = scaler_for(config)
         """fp16's ``DynamicLossScaler``; ``None`` in fp32 and bf16."""
         self._overflow_skips = 0  # fp16 steps whose gradient overflowed (the scaler's skips)

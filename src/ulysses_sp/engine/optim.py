@@ -19,8 +19,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from ..config.sections import OptimizerConfig, SchedulerConfig
-from .schedulers import SCHEDULER_CLASSES
+from ulysses_sp.config.sections import OptimizerConfig, SchedulerConfig
+from ulysses_sp.engine.schedulers import SCHEDULER_CLASSES
 
 OptimizerArg = Optimizer | Callable[..., Optimizer] | None
 SchedulerArg = LRScheduler | Callable[[Optimizer], Any] | None

@@ -15,7 +15,7 @@ import math
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from ..config.sections import SCHEDULERS
+from ulysses_sp.config.sections import SCHEDULERS
 
 _LR, _DECAY, _COS = SCHEDULERS["WarmupLR"], SCHEDULERS["WarmupDecayLR"], SCHEDULERS["WarmupCosineLR"]
 

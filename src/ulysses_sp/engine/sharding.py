@@ -40,9 +40,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from ..comm import broadcast_from_first_, sum_over_sp_mean_over_dp_
-from ..mesh import SPMesh
-from ..precision import PrecisionPolicy
+from ulysses_sp.parallel.comm import broadcast_from_first_, sum_over_sp_mean_over_dp_
+from ulysses_sp.parallel.mesh import SPMesh
+from ulysses_sp.state.precision import PrecisionPolicy
 
 
 @dataclass
@@ -115,7 +115,7 @@ def apply_fsdp(
     FSDP2 divides by the size of the mesh it shards over by default; we replace that with
     ``dp_size`` and force plain SUM collectives (gloo has no AVG / PREMUL_SUM; on NCCL the cost
     is one division of the already-reduced shard). ``policy`` adds the mixed-precision and CPU
-    offload policies (``precision.py``). A model whose parameters are on the meta device is
+    offload policies (``state/precision.py``). A model whose parameters are on the meta device is
     sharded as it is, then each rank allocates only its own shards (``to_empty``) with the real
     buffers put back; ``loading.load_pretrained_weights`` fills the shards.
     """

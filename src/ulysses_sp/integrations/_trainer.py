@@ -44,10 +44,10 @@ from typing import Any
 
 import torch
 
-from ..comm import all_reduce_sum
-from ..data import UlyssesSPDataLoaderAdapter
-from ..loss import IGNORE_INDEX, causal_lm_loss_parts, sp_mean_loss
-from ..mesh import SPMesh
+from ulysses_sp.data import UlyssesSPDataLoaderAdapter
+from ulysses_sp.parallel.comm import all_reduce_sum
+from ulysses_sp.parallel.loss import IGNORE_INDEX, causal_lm_loss_parts, sp_mean_loss
+from ulysses_sp.parallel.mesh import SPMesh
 
 VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 """Padding-free collator outputs (TRL's) that describe the *unsharded* sequence for varlen kernels.
@@ -178,7 +178,7 @@ class SPTrainerMixin:
         local = torch.zeros((), dtype=torch.int64, device=device)
         for batch in batches:
             local += (batch["shift_labels"] != IGNORE_INDEX).sum().to(device)
-        mesh = self._ulysses_sp.mesh
+        mesh = self._ulysses_sp.parallel.mesh
         group = mesh.reduce_group if self.args.average_tokens_across_devices else mesh.sp_group  # type: ignore[attr-defined]
         return batches, all_reduce_sum(local, group)
 
@@ -201,7 +201,7 @@ class SPTrainerMixin:
         inputs.setdefault("use_cache", False)
         outputs = model(**inputs)
         total, count = causal_lm_loss_parts(outputs.logits, shift_labels)  # logits [B, S_l, V]
-        mesh = self._ulysses_sp.mesh
+        mesh = self._ulysses_sp.parallel.mesh
         if num_items_in_batch is None:
             loss = group_mean_loss(total, count, mesh)
         else:

@@ -32,13 +32,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..attention import UlyssesSPAttentionHF
-from ..checks import positive_int
-from ..core_attention import CORE_ATTENTIONS
-from ..mesh import SPMesh, init_mesh, require_process_group
-from ..mesh_shape import resolve_ring_size
-from ..registration import ATTN_NAME, SPRegistration
-from ._trainer import SPTrainerDataLoader, SPTrainerMixin
+from ulysses_sp.attention.core import CORE_ATTENTIONS
+from ulysses_sp.attention.registration import ATTN_NAME, SPRegistration
+from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
+from ulysses_sp.checks import positive_int
+from ulysses_sp.integrations._trainer import SPTrainerDataLoader, SPTrainerMixin
+from ulysses_sp.parallel.mesh import SPMesh, init_mesh, require_process_group
+from ulysses_sp.parallel.mesh_shape import resolve_ring_size
 
 logger = logging.getLogger(__name__)
 

@@ -9,6 +9,8 @@
 
 :func:`build_dataset` and :func:`load_tokenizer` turn the CLI's ``--data`` / ``--tokenizer`` /
 ``--model`` strings into these objects.
+
+May import: ``checks``, ``parallel``, ``data``.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ import os
 
 from torch.utils.data import Dataset
 
-from .presets import PRESETS, build_model, check_model_dir, is_preset, preset_config
-from .recall import CHANCE_LOSS, RecallDataset, recall_sample, recall_start
-from .text import DataFlags, DataSettings, TextBlockDataset, build_local_dataset, data_summary
-from .tokenizer import VOCAB_SIZE, byte_tokenizer
+from ulysses_sp.tasks.presets import PRESETS, build_model, check_model_dir, is_preset, preset_config
+from ulysses_sp.tasks.recall import CHANCE_LOSS, RecallDataset, recall_sample, recall_start
+from ulysses_sp.tasks.text import DataFlags, DataSettings, TextBlockDataset, build_local_dataset, data_summary
+from ulysses_sp.tasks.tokenizer import VOCAB_SIZE, byte_tokenizer
 
 RECALL = "recall"
 EVAL_SEED_OFFSET = 1_000_000_007

@@ -30,8 +30,8 @@ import math
 import torch
 from torch.utils.data import Dataset
 
-from ..loss import IGNORE_INDEX
-from .tokenizer import BOS_ID
+from ulysses_sp.parallel.loss import IGNORE_INDEX
+from ulysses_sp.tasks.tokenizer import BOS_ID
 
 SEPARATOR = ord("|")
 ALPHABET = tuple(b for b in range(33, 256) if b not in (SEPARATOR, 127))

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Dataset, Subset
 
-from ..checks import positive_int, read_text_file
-from ..data import formats
-from ..data.cache import default_cache_dir, tokenized_corpus
-from ..data.chat import chat_template_of, read_chat_template, resolve_loss_on, tokenize_record
-from ..data.packed import PackedDataset, describe, packed_dataset, split_samples
+from ulysses_sp.checks import positive_int, read_text_file
+from ulysses_sp.data import formats
+from ulysses_sp.data.cache import default_cache_dir, tokenized_corpus
+from ulysses_sp.data.chat import chat_template_of, read_chat_template, resolve_loss_on, tokenize_record
+from ulysses_sp.data.packed import PackedDataset, describe, packed_dataset, split_samples
 
 SUFFIXES = (".txt", ".jsonl")
 
@@ -173,8 +173,8 @@ def _legacy_text(path: str, settings: DataSettings) -> bool:
 
 
 def _check_settings(settings: DataSettings) -> None:
-    from ..data.bestfit import LONG_SAMPLES, PACKINGS
-    from ..data.packed import split_samples
+    from ulysses_sp.data.bestfit import LONG_SAMPLES, PACKINGS
+    from ulysses_sp.data.packed import split_samples
 
     if settings.packing is not None and settings.packing not in PACKINGS:
         raise ValueError(f"--packing must be one of {PACKINGS}, got {settings.packing!r}")

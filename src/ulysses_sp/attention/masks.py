@@ -1,0 +1,137 @@
+"""Full-sequence attention masks for sequence-parallel attention, built from position ids.
+
+Transformers builds its mask for the *local* shard; under Ulysses the core attention runs over the
+*full* sequence, so its mask must come from the full sequence's ``position_ids`` (gathered over
+the SP group once per forward, ``gather_positions``). Position ids that restart at 0 mark packed documents: attention
+stays within a document. A model's sliding window is applied on top. The form depends on the core
+attention: ``None`` where the kernel's own ``is_causal`` path suffices (sdpa/flash, plain causal),
+an additive float mask for eager, a ``BlockMask`` for flex attention. For sdpa with documents or a
+window the blockwise core runs instead (``attention/core.py``): it takes the ``O(S)`` document ids,
+not an ``S x S`` mask; ``mask_for`` still builds the dense boolean form on request (tests, eager).
+
+Shape legend: ``B`` batch, ``S`` full sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ulysses_sp.parallel.comm import all_gather_seq
+
+
+@dataclass(frozen=True)
+class SeqLayout:
+    """What one forward's full-sequence position ids imply (computed once per forward)."""
+
+    seq_len: int
+    """``S``: the full sequence length (``S_l * P``)."""
+    positions: torch.Tensor
+    """``[B or 1, S]`` full-sequence position ids."""
+    doc_ids: torch.Tensor | None
+    """``[B or 1, S]`` document index per token when documents are packed, else ``None``."""
+
+    @classmethod
+    def from_positions(cls, positions: torch.Tensor) -> SeqLayout:
+        """Layout of ``[B|1, S]`` full-sequence position ids; a restart at 0 starts a document."""
+        restarts = positions[:, 1:] == 0
+        doc_ids = None
+        if bool(restarts.any()):
+            # [B|1, S]: the document index of every token.
+            doc_ids = torch.cat([torch.zeros_like(positions[:, :1]), restarts.long().cumsum(-1)], dim=-1)
+        return cls(positions.shape[-1], positions, doc_ids)
+
+
+def gather_positions(
+    position_ids: torch.Tensor, sp_group: dist.ProcessGroup, *, batch: int, expected_len: int | None
+) -> torch.Tensor:
+    """``[B|1, S_l] -> [B|1, S]``: every rank's position ids of one sequence, checked.
+
+    Every shape the exchanges need (``S_l``, the batch ``B`` of q/k/v, the position ids' batch) is
+    agreed first in one small gather: the position-id gather and the all-to-alls would abort inside
+    the backend on a mismatch. Raises ``ValueError`` on every rank when the SP ranks' local lengths
+    or batch sizes differ, when ``S`` is not ``expected_len`` (fixed-length runs), or when the ids
+    are local (``0..S_l-1`` on every rank).
+    """
+    s_local, sp_size = position_ids.shape[-1], dist.get_world_size(sp_group)
+    # [1, 3] per rank -> [P, 3]: (S_l, B, position_ids batch)
+    mine = torch.tensor([[s_local, batch, position_ids.shape[0]]], device=position_ids.device)
+    shapes = all_gather_seq(mine, sp_group, dim=0)
+    lengths = shapes[:, 0]
+    if bool((lengths != s_local).any()):
+        raise ValueError(
+            f"local sequence lengths differ between SP ranks: {lengths.tolist()}; every rank of an SP "
+            "group must hold S/P tokens of the same sequence (use UlyssesSPDataLoaderAdapter)"
+        )
+    if bool((shapes[:, 1:] != shapes[0, 1:]).any()):
+        raise ValueError(
+            f"batch sizes differ between SP ranks: {shapes[:, 1].tolist()} (position_ids batch "
+            f"{shapes[:, 2].tolist()}); every rank of an SP group must hold the same samples' shards "
+            "(use UlyssesSPDataLoaderAdapter, or give every rank of the group the same batch size)"
+        )
+    total = s_local * sp_size
+    if expected_len is not None and total != expected_len:
+        raise ValueError(
+            f"S_l ({s_local}) * sp_size ({sp_size}) = {total} != max_length ({expected_len}) "
+            "with seq_length_is_variable=False; pad batches to that length or pass seq_length_is_variable=True"
+        )
+    positions = all_gather_seq(position_ids, sp_group, dim=-1)  # [B|1, S_l] -> [B|1, S]
+    if (
+        sp_size > 1
+        and torch.equal(positions[:, :s_local].repeat(1, sp_size), positions)
+        and (positions[:, :s_local] == torch.arange(s_local, device=positions.device)).all()
+    ):
+        raise ValueError(
+            "position_ids are local (0..S_l-1 on every SP rank): pass the full-sequence positions of "
+            "the local tokens (UlyssesSPDataLoaderAdapter does), not let the model make them"
+        )
+    return positions
+
+
+def mask_for(layout: SeqLayout, core: str, dtype: torch.dtype, sliding_window: int | None):
+    """The attention mask the full sequence needs, in the form ``core`` expects.
+
+    Returns ``None`` for plain causal attention where the kernel has an ``is_causal`` path (sdpa,
+    flash), a boolean ``[B|1, 1, S, S]`` (True = attend) for sdpa, an additive float mask for eager.
+    """
+    s = layout.seq_len
+    device = layout.positions.device
+    windowed = sliding_window is not None and s > sliding_window
+    if core == "flex_attention":
+        return flex_block_mask(layout, sliding_window if windowed else None)
+    if layout.doc_ids is None and not windowed and core != "eager":
+        return None
+    idx = torch.arange(s, device=device)
+    allowed = idx[None, :] <= idx[:, None]  # [S, S] causal: key <= query
+    if windowed:
+        allowed = allowed & (idx[:, None] - idx[None, :] < sliding_window)
+    allowed = allowed[None, None]  # [1, 1, S, S]
+    if layout.doc_ids is not None:
+        # [B|1, S] -> [B|1, 1, S, S]: attend only within the same document.
+        allowed = allowed & (layout.doc_ids[:, None, :, None] == layout.doc_ids[:, None, None, :])
+    if core == "eager":
+        zero = torch.zeros((), dtype=dtype, device=device)
+        return torch.where(allowed, zero, torch.finfo(dtype).min)
+    return allowed
+
+
+def flex_block_mask(layout: SeqLayout, window: int | None):
+    """A flex-attention ``BlockMask`` for the full sequence: causal, within documents, windowed."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    doc = layout.doc_ids
+
+    def mask_mod(b, h, q, k):
+        keep = k <= q
+        if window is not None:
+            keep = keep & (q - k < window)
+        if doc is not None:
+            d = doc[b if doc.shape[0] > 1 else 0]
+            keep = keep & (d[q] == d[k])
+        return keep
+
+    batch = doc.shape[0] if doc is not None and doc.shape[0] > 1 else None
+    s = layout.seq_len
+    return create_block_mask(mask_mod, batch, None, s, s, device=layout.positions.device)

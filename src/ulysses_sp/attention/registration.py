@@ -1,0 +1,181 @@
+"""Registering Ulysses attention with transformers, and the handle that undoes it.
+
+``SPRegistration`` is what ``UlyssesSPAttentionHF.register_with_transformers`` returns: the
+``mpu`` of the layout (an ``Mpu`` over the ``SPMesh``), the owner of one ``"ulysses_sp"`` entry in
+transformers' ``AttentionInterface`` registry, and the guardrail that checks after every
+sequence-parallel forward that the SP attention ran in every attention layer (a model that bypasses
+it would silently attend within its local shard only).
+
+The attention is reached through the small ``GuardedAttention`` protocol (its call counter), so
+this module does not import ``attention`` (which imports this one).
+
+Registrations stack: a second one under the same name shadows the first, and removing them in any
+order leaves the registry holding the most recent registration still active (or nothing).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Protocol
+
+import torch
+
+from ulysses_sp.parallel.mesh import Mpu, SPMesh
+
+ATTN_NAME = "ulysses_sp"
+"""The name the SP attention is registered under (``attn_implementation="ulysses_sp"``)."""
+
+
+def model_and_config(model_name_or_path: Any) -> tuple[Any | None, Any]:
+    """``(model or None, its transformers config)`` from a model or a local model directory."""
+    if isinstance(model_name_or_path, (str, os.PathLike)):
+        path = os.fspath(model_name_or_path)
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(
+                f"{path!r} is not a local model directory with a config.json (nothing is downloaded)"
+            )
+        from transformers import AutoConfig
+
+        return None, AutoConfig.from_pretrained(path, local_files_only=True)
+    config = getattr(model_name_or_path, "config", None)
+    if config is None or not hasattr(config, "num_attention_heads"):
+        raise TypeError(
+            f"expected a transformers model or a local model directory, got {type(model_name_or_path).__name__}"
+        )
+    return model_name_or_path, config
+
+
+def num_attention_layers(config: Any) -> int:
+    """Layers that run attention: all of them, unless ``layer_types`` marks some as non-attention."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return sum(1 for t in types if "attention" in str(t))
+    return int(config.num_hidden_layers)
+
+
+def registered_layout(model: Any) -> SPMesh | None:
+    """The layout of the SP attention ``model`` dispatches to, or ``None`` when it uses another one."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) != ATTN_NAME:
+        return None
+    registration = getattr(ALL_ATTENTION_FUNCTIONS.get(ATTN_NAME), "registration", None)
+    return registration.mesh if isinstance(registration, SPRegistration) else None
+
+
+class GuardedAttention(Protocol):
+    """What the guardrail needs of a registered attention function."""
+
+    calls: int
+    """Attention calls since the last ``reset_calls()``."""
+    sp_size: int
+    disable_in_eval: bool
+    core: str
+    registration: SPRegistration | None
+    """The registration whose registry entry this is (set by it; links the stack of entries)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def reset_calls(self) -> None: ...
+
+
+class SPRegistration(Mpu):
+    """The ``mpu`` returned by ``register_with_transformers``, and the handle that undoes it.
+
+    While registered, ``ALL_ATTENTION_FUNCTIONS["ulysses_sp"]`` is the SP attention and the model
+    (when one was given) uses it. ``remove()`` restores the model's previous attention
+    implementation and removes the registry entry (restoring any entry it replaced).
+    """
+
+    def __init__(self, mesh: SPMesh, attention: GuardedAttention, model: Any | None) -> None:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        super().__init__(mesh)
+        self.attention = attention
+        self.model: Any | None = None
+        """The model attached last (``attach`` may be called for several)."""
+        self._registry = ALL_ATTENTION_FUNCTIONS
+        # Item assignment on the global instance (the public MutableMapping API) rather than the
+        # class-level register(): unlike register(), it can be deleted again. What this entry
+        # shadows is kept on the registration, so out-of-order removals can relink the stack.
+        if attention.registration is not None:
+            raise ValueError("this attention instance is registered already; build a new one")
+        self._below = ALL_ATTENTION_FUNCTIONS.get(ATTN_NAME)
+        attention.registration = self
+        ALL_ATTENTION_FUNCTIONS[ATTN_NAME] = attention
+        self._attached: list[tuple[Any, str | None, list[Any]]] = []
+        self._active = True
+        if model is not None:
+            self.attach(model)
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Point ``model`` at the SP attention and install the guardrail: after every
+        sequence-parallel forward, check that the SP attention ran in every attention layer (raises
+        with what to change otherwise). Several models may be attached; ``remove()`` restores all."""
+        prev_impl = model.config._attn_implementation
+        if prev_impl != ATTN_NAME:
+            model.set_attn_implementation(ATTN_NAME)
+        num_layers = num_attention_layers(model.config)
+        hooks = [
+            model.register_forward_pre_hook(lambda *_: self.attention.reset_calls()),
+            model.register_forward_hook(lambda module, *_: self._after_forward(module, num_layers)),
+        ]
+        self._attached.append((model, prev_impl, hooks))
+        self.model = model
+
+    def _after_forward(self, module: torch.nn.Module, num_layers: int) -> None:
+        attn = self.attention
+        if attn.sp_size > 1 and not (attn.disable_in_eval and not module.training):
+            self.check_ran(num_layers, module)
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        return self.get_sequence_parallel_world_size()
+
+    def remove(self) -> None:
+        """Undo the registration: every attached model computes exactly what it did before, and the
+        registry holds what it would hold had this registration never been made."""
+        if not self._active:
+            return
+        for model, prev_impl, hooks in reversed(self._attached):
+            for h in hooks:
+                h.remove()
+            if prev_impl is not None and prev_impl != ATTN_NAME:
+                model.set_attn_implementation(prev_impl)
+        self._attached = []
+        self._unlink()
+        self._active = False
+
+    def _unlink(self) -> None:
+        """Take this registration's entry out of the registry's stack of ``ATTN_NAME`` entries."""
+        top = self._registry.get(ATTN_NAME)
+        if top is self.attention:
+            if self._below is None:
+                del self._registry[ATTN_NAME]
+            else:
+                self._registry[ATTN_NAME] = self._below
+            return
+        # Shadowed by later registrations: walk down from the top to the one right above this
+        # one, which from now on shadows what this one shadowed.
+        above = getattr(top, "registration", None)
+        while isinstance(above, SPRegistration) and above._below is not self.attention:
+            above = getattr(above._below, "registration", None)
+        if isinstance(above, SPRegistration):
+            above._below = self._below
+
+    def check_ran(self, num_layers: int, model: Any | None = None) -> None:
+        """Guardrail: raise unless the SP attention ran in ``num_layers`` layers since the last reset."""
+        calls = self.attention.calls
+        if calls < num_layers:
+            impl = getattr(getattr(model or self.model, "config", None), "_attn_implementation", "?")
+            raise RuntimeError(
+                f"sequence-parallel attention ran in {calls} of {num_layers} attention layers: the model's "
+                f"attention bypassed it (attn_implementation={impl!r}). Set "
+                f"model.set_attn_implementation({ATTN_NAME!r}) or load the model with "
+                f"attn_implementation={ATTN_NAME!r}; models that do not dispatch attention through "
+                "transformers' AttentionInterface cannot use Ulysses SP"
+            )
+
+    def __repr__(self) -> str:
+        return f"SPRegistration(dp_size={self.get_data_parallel_world_size()}, sp_size={self.sequence_parallel_size}, core={self.attention.core!r})"

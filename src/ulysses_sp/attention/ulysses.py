@@ -1,0 +1,355 @@
+"""Ulysses sequence-parallel attention for HuggingFace transformers models.
+
+``UlyssesSPAttentionHF`` is the core-attention function transformers calls (through its public
+``AttentionInterface`` registry, under the name ``"ulysses_sp"``). Each rank's model runs on its
+local shard of ``S_l = S/P`` tokens; the attention layer hands us q/k/v after the rotary embedding
+as ``[B, H, S_l, D]``. We all-to-all them into ``[B, H_l, S, D]`` (the full sequence for a slice of
+the heads), run the **unmodified** core attention (``sdpa``, ``eager``, flash/flex when installed)
+causally over the full sequence, and all-to-all the output back to ``[B, S_l, H, D]``. Everything
+else in the model (embeddings, norms, MLPs, projections) is token-local and needs no change.
+
+Masks: transformers builds its causal mask for the *local* shard, which is wrong for the full
+sequence, so we never use it. We gather the full sequence's ``position_ids`` over the SP group (once
+per forward) and run the path ``attention/core.py`` picks: plain causal through the kernel's own
+causal mode; packed documents (position ids restart at 0) and sliding windows through the blockwise
+core for sdpa (no ``S x S`` tensor), varlen for flash, a ``BlockMask`` for flex, a dense mask for eager.
+q, k and v cross the SP group in one packed all-to-all.
+
+GQA/MQA: kv heads split over ranks like query heads when ``Hkv % P == 0``; when ``Hkv < P`` each kv
+head is replicated locally ``P/Hkv`` times *before* the all-to-all, so every rank receives exactly
+the one kv head its query heads use — the minimum number of bytes.
+
+Shape legend: ``B`` batch, ``S`` global sequence, ``S_l = S/P``, ``H`` query heads, ``H_l = H/P``,
+``Hkv`` kv heads, ``Hkv_l`` kv heads per rank, ``D`` head dim, ``P`` sp size.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from ulysses_sp.attention.blockwise import BlockCounts
+from ulysses_sp.attention.core import (
+    attention_path,
+    check_blockwise_options,
+    check_core,
+    check_ring_options,
+    core_function,
+    run_blockwise,
+    run_ring,
+    structure_for,
+    warn_dense,
+)
+from ulysses_sp.attention.kv_offload import KVOffload
+from ulysses_sp.attention.masks import SeqLayout, gather_positions, mask_for
+from ulysses_sp.attention.registration import SPRegistration, model_and_config
+from ulysses_sp.attention.ring import RingStats
+from ulysses_sp.parallel.comm import heads_to_seq, qkv_seq_to_heads
+from ulysses_sp.parallel.mesh import SPMesh, as_sp_mesh, init_mesh, require_process_group
+from ulysses_sp.parallel.mesh_shape import check_heads, resolve_ring_size, sp_token_order
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _ForwardState:
+    """What one forward derives from its ``position_ids``: the layout and its masks.
+
+    Held only while that ``position_ids`` tensor lives (a weak reference, released by its
+    callback): for the step's forward and, under activation checkpointing, its recompute in
+    backward; then freed, so a dense mask never outlives its step. The tensor's version counter
+    is in ``key`` so in-place edits invalidate. Hits depend only on the program, identically on
+    every rank.
+    """
+
+    source: weakref.ref
+    key: tuple[int, int, bool]
+    layout: SeqLayout
+    masks: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+
+
+class UlyssesSPAttentionHF:
+    """The sequence-parallel core-attention function registered with transformers.
+
+    Instances are callables with the signature transformers gives attention functions:
+    ``fn(module, query, key, value, attention_mask, *, dropout, scaling, **kwargs)`` with q/k/v of
+    shape ``[B, H, S_l, D]``, returning ``(output [B, S_l, H, D], None)``.
+
+    Use ``UlyssesSPAttentionHF.register_with_transformers(...)``; it builds the mesh, registers an
+    instance, points the model at it, and returns an ``mpu``.
+    """
+
+    def __init__(
+        self,
+        *,
+        sp_group: dist.ProcessGroup,
+        core_attn_implementation: str = "sdpa",
+        seq_length: int | None = None,
+        seq_length_is_variable: bool = True,
+        max_length: int | None = None,
+        disable_in_eval: bool = False,
+        attn_chunk: int | None = None,
+        offload_attention: bool = False,
+        ulysses_group: dist.ProcessGroup | None = None,
+        ring_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        check_core(core_attn_implementation)
+        check_blockwise_options(core_attn_implementation, attn_chunk, offload_attention)
+        self.attn_chunk = attn_chunk
+        """Tokens per block of the blockwise core; ``None`` = auto."""
+        self.offload_attention = offload_attention
+        """Every sequence through the blockwise core, K/V on the host between forward and backward."""
+        self.kv_offload = KVOffload() if offload_attention else None
+        """The host K/V store and its streams (``offload_attention``), with byte counters."""
+        self.block_counts = BlockCounts()
+        """Blocks computed / skipped and their FLOPs in the blockwise core and the ring (cumulative)."""
+        self.ring_stats = RingStats()
+        """Bytes and hops ring attention sent from this rank (cumulative; hybrid layout only)."""
+        self.last_path: str | None = None
+        """The path the most recent call ran (``core_attention.attention_path``)."""
+        self.sp_group = sp_group
+        self.sp_size = dist.get_world_size(sp_group)
+        self.ulysses_group = sp_group if ulysses_group is None else ulysses_group
+        """The all-to-all group: the SP group, or its Ulysses sub-group in the hybrid layout."""
+        self.ring_group = ring_group
+        """The hybrid layout's ring sub-group (K/V passing), or ``None``."""
+        self.ring_size = 1 if ring_group is None else dist.get_world_size(ring_group)
+        self.ulysses_size = dist.get_world_size(self.ulysses_group)
+        check_ring_options(core_attn_implementation, self.ring_size, offload_attention)
+        if self.ring_size * self.ulysses_size != self.sp_size:
+            raise ValueError(
+                f"ring group size ({self.ring_size}) x ulysses group size ({self.ulysses_size}) != "
+                f"sp group size ({self.sp_size}); pass the groups of one SPMesh (init_mesh(ring_size=...))"
+            )
+        self.core = core_attn_implementation
+        self.seq_length = seq_length
+        self.seq_length_is_variable = seq_length_is_variable
+        self.max_length = max_length
+        self.disable_in_eval = disable_in_eval
+        self.calls = 0
+        """Attention calls since the last ``reset_calls()`` (the guardrail counts them)."""
+        self.last_seq_len: int | None = None
+        """``S`` seen by the most recent call."""
+        self.registration: SPRegistration | None = None
+        """The registration whose registry entry this is (``register_with_transformers`` sets it)."""
+        self._forward: _ForwardState | None = None
+
+    # ------------------------------------------------------------------ per-forward layout
+    def _seq_layout(self, position_ids: torch.Tensor | None, s_local: int, batch: int, device, sp: bool):
+        """Gather the full position ids once per forward: every layer of one forward (and its
+        checkpoint recompute) receives the same ``position_ids`` object."""
+        if position_ids is None:
+            position_ids = torch.arange(s_local, device=device)[None]
+        key = (position_ids._version, s_local, sp)
+        state = self._forward
+        if state is not None and state.source() is position_ids and state.key == key:
+            return state.layout
+        if (
+            position_ids.dim() != 2
+            or position_ids.shape[-1] != s_local
+            or position_ids.shape[0] not in (1, batch)
+        ):
+            raise ValueError(
+                f"position_ids must be [B, S_l] = [{batch}, {s_local}] (or [1, {s_local}]), "
+                f"got {tuple(position_ids.shape)}"
+            )
+        if sp:
+            expected = None if self.seq_length_is_variable else self.max_length or self.seq_length
+            positions = gather_positions(
+                position_ids, self.sp_group, batch=batch, expected_len=expected
+            )  # [B|1, S] in SP-rank order
+            order = sp_token_order(positions.shape[-1], self.sp_size, self.ring_size)
+            if order is not None:  # zigzag shards (ring): back to global order
+                positions = positions.new_empty(positions.shape).index_copy_(-1, order.to(positions.device), positions)
+        else:
+            positions = position_ids
+        layout = SeqLayout.from_positions(positions)
+        self._forward = _ForwardState(weakref.ref(position_ids, self._release), key, layout)
+        return layout
+
+    def _release(self, source: weakref.ref) -> None:
+        """The step's ``position_ids`` are gone: drop the layout and masks built from them."""
+        if self._forward is not None and self._forward.source is source:
+            self._forward = None
+
+    # ------------------------------------------------------------------ the attention call
+    def __call__(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        sp = not (self.disable_in_eval and not module.training) and self.sp_size > 1
+        b, h, s_local, _ = query.shape
+        hkv = key.shape[1]
+        if sp:
+            check_heads(h, hkv, self.ulysses_size)
+        layout = self._seq_layout(kwargs.pop("position_ids", None), s_local, b, query.device, sp)
+        self.calls += 1
+        self.last_seq_len = layout.seq_len
+        kwargs.pop("is_causal", None)
+        a2a = sp and self.ulysses_size > 1
+        if a2a:  # P below is the Ulysses size U (= sp size without a ring); S the ring rank's S/R tokens
+            p = self.ulysses_size
+            if hkv < p:
+                # [B, Hkv, S_l, D] -> [B, P, S_l, D]: rank j will receive the kv head its queries use.
+                key = key.repeat_interleave(p // hkv, dim=1)
+                value = value.repeat_interleave(p // hkv, dim=1)
+            # one all-to-all: [B, H, S_l, D] -> [B, H_l, S, D], [B, Hkv|P, S_l, D] -> [B, Hkv_l, S, D]
+            query, key, value = qkv_seq_to_heads(query, key, value, self.ulysses_group)
+        if sp and self.ring_size > 1:  # K/V around the ring: [B, H_l, S/R, D] -> [B, S/R, H_l, D]
+            structure = self._per_forward(layout, ("ring", kwargs.get("sliding_window")),
+                                          lambda: structure_for(layout, kwargs.get("sliding_window")))  # fmt: skip
+            self.last_path = "ring"
+            out = run_ring(module, query, key, value, structure, kwargs, group=self.ring_group,
+                           chunk=self.attn_chunk, counts=self.block_counts, stats=self.ring_stats)  # fmt: skip
+        else:
+            out = self._core(module, query, key, value, layout, args, kwargs)  # [B, S, H_l, D]
+        if a2a:
+            out = heads_to_seq(out, self.ulysses_group, head_dim=2, seq_dim=1)  # [B, S, H_l, D] -> [B, S_l, H, D]
+        return out, None
+
+    def _core(self, module, q, k, v, layout: SeqLayout, args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
+        """The core attention over the full sequence: ``[B, H_l, S, D] -> [B, S, H_l, D]``."""
+        window = kwargs.get("sliding_window")
+        path = self.last_path = attention_path(self.core, layout, window, self.offload_attention)
+        if path.startswith("blockwise"):
+            structure = self._per_forward(
+                layout, ("blockwise", window), lambda: structure_for(layout, window)
+            )
+            return run_blockwise(module, q, k, v, structure, kwargs, chunk=self.attn_chunk,
+                                 offload=self.kv_offload, counts=self.block_counts)  # fmt: skip
+        mask = self._per_forward(
+            layout, (q.dtype, window), lambda: self._dense_or_sparse(layout, q.dtype, window)
+        )
+        if self.core.startswith("flash"):
+            kwargs["position_ids"] = layout.positions  # varlen boundaries from the full sequence
+        prev = getattr(module, "num_key_value_groups", None)
+        module.num_key_value_groups = q.shape[1] // k.shape[1]  # the local ratio: differs when Hkv < P
+        try:
+            out, _ = core_function(self.core, module)(module, q, k, v, mask, *args, is_causal=True, **kwargs)
+        finally:
+            if prev is None:
+                del module.num_key_value_groups
+            else:
+                module.num_key_value_groups = prev
+        return out
+
+    def _dense_or_sparse(self, layout: SeqLayout, dtype: torch.dtype, window: int | None) -> Any:
+        if self.core == "eager":
+            warn_dense(layout.seq_len)
+        return mask_for(layout, self.core, dtype, window)
+
+    def _per_forward(self, layout: SeqLayout, key: tuple[Any, ...], build: Callable[[], Any]) -> Any:
+        """What ``build`` makes from this forward's layout (a mask, the blockwise structure), built
+        once per forward (every layer shares it) and released with the forward's state."""
+        state = self._forward
+        if state is None or state.layout is not layout:  # not cached (cannot happen via __call__)
+            return build()
+        if key not in state.masks:
+            state.masks[key] = build()
+        return state.masks[key]
+
+    def reset_calls(self) -> None:
+        """Zero the call counter (the guardrail does this before each checked forward)."""
+        self.calls = 0
+
+    # ------------------------------------------------------------------ registration
+    @classmethod
+    def register_with_transformers(
+        cls,
+        model_name_or_path: Any,
+        core_attn_implementation: str,
+        sequence_parallel_size: int,
+        micro_batch_size: int,
+        seq_length: int | None = None,
+        seq_length_is_variable: bool = True,
+        disable_in_eval: bool = False,
+        max_length: int | None = None,
+        *,
+        mesh: SPMesh | DeviceMesh | None = None,
+        attn_chunk: int | None = None,
+        offload_attention: bool = False,
+        ring_size: int | str | None = None,
+    ) -> SPRegistration:
+        """Build the SP groups, register Ulysses attention with transformers, and return an ``mpu``.
+
+        Args:
+            model_name_or_path: a ``PreTrainedModel`` (pointed at the SP attention in place) or a
+                local model directory (its config is read to check the heads; load the model
+                afterwards with ``attn_implementation="ulysses_sp"``). Nothing is downloaded.
+            core_attn_implementation: the attention run over the full sequence: ``sdpa``,
+                ``eager``, ``flash_attention_2``/``_3`` or ``flex_attention``.
+            sequence_parallel_size: ``P``; the data-parallel size is ``world_size / P``.
+            micro_batch_size, seq_length: hints (eval may use other sizes).
+            seq_length_is_variable: when False, every batch must have ``S == max_length``
+                (or ``seq_length``).
+            disable_in_eval: in ``model.eval()`` run plain attention on the whole local sequence
+                (single-rank evaluation of a model trained with SP).
+            mesh: adopt an existing layout (an ``SPMesh`` from ``init_mesh``, or a
+                ``(data_parallel, sequence_parallel)`` ``DeviceMesh``) instead of
+                ``init_mesh(sp_size=sequence_parallel_size)`` (which reuses a live layout of that shape).
+            attn_chunk: tokens per block of the blockwise core (sdpa with packed documents or a
+                window, or ``offload_attention``); ``None`` = auto. Memory per block is
+                ``B * H_l * attn_chunk^2`` fp32 scores.
+            offload_attention: Ulysses-Offload (sdpa only): every sequence through the blockwise
+                core, the full-sequence K/V kept on the host between forward and backward and
+                streamed back chunk by chunk.
+            ring_size: hybrid Ulysses x Ring: the SP axis factors into ``ring_size`` ring groups of
+                ``sequence_parallel_size / ring_size`` Ulysses ranks (K/V passed around the ring,
+                zigzag token layout: the data adapter shards accordingly). ``None``/``"auto"``: 1
+                when the heads allow Ulysses alone, else the smallest ring size that makes them
+                split (with a given ``mesh``: the mesh's ring size). Cores ``sdpa``/``eager``.
+
+        Returns:
+            An ``SPRegistration``: an ``Mpu`` (``get_sequence_parallel_group()`` ...) that
+            ``initialize(mpu=...)`` accepts, with ``remove()`` to undo the registration.
+        """
+        require_process_group("register_with_transformers")
+        check_core(core_attn_implementation)
+        model, config = model_and_config(model_name_or_path)
+        num_heads = config.num_attention_heads
+        num_kv = getattr(config, "num_key_value_heads", None) or num_heads
+        ring = resolve_ring_size(sequence_parallel_size, num_heads, num_kv, ring_size)
+        check_blockwise_options(core_attn_implementation, attn_chunk, offload_attention)
+        check_ring_options(core_attn_implementation, ring, offload_attention)
+        if mesh is None:
+            mesh = init_mesh(sp_size=sequence_parallel_size, ring_size=ring)
+        else:
+            mesh = as_sp_mesh(mesh)
+            if mesh.sp_size != sequence_parallel_size:
+                raise ValueError(
+                    f"sequence_parallel_size ({sequence_parallel_size}) disagrees with the mesh's "
+                    f"sequence_parallel axis ({mesh.sp_size})"
+                )
+            if ring_size not in (None, "auto") and ring != mesh.ring_size:
+                raise ValueError(f"ring_size ({ring}) disagrees with the mesh's ring_size ({mesh.ring_size})")
+            try:
+                resolve_ring_size(sequence_parallel_size, num_heads, num_kv, mesh.ring_size)
+            except ValueError as e:
+                raise ValueError(f"{e}; the mesh given has ring_size {mesh.ring_size}: init_mesh(..., ring_size=R)") from None
+            check_ring_options(core_attn_implementation, mesh.ring_size, offload_attention)
+        attn = cls(
+            sp_group=mesh.sp_group,
+            core_attn_implementation=core_attn_implementation,
+            seq_length=seq_length,
+            seq_length_is_variable=seq_length_is_variable,
+            max_length=max_length,
+            disable_in_eval=disable_in_eval,
+            attn_chunk=attn_chunk,
+            offload_attention=offload_attention,
+            ulysses_group=mesh.ulysses_group,
+            ring_group=mesh.ring_group,
+        )
+        return SPRegistration(mesh, attn, model)

@@ -1,0 +1,280 @@
+"""The memory and time model behind ``ulysses-sp plan``, the startup prediction and the bench projection.
+
+``predict(shape, settings, hw)`` returns one rank's peak bytes, broken down, and the step time.
+Where it sits: before anything is built (nothing here touches a tensor or a process group).
+
+**Memory.** The peak is ``model states + the highest point of a simulated step``. The step is
+walked as the allocator sees it, in units of one element per *local* token (``T = B * S_l``):
+
+* forward keeps, per decoder layer (transformers' Llama/Qwen2/Mistral layer, read off the code):
+  the layer input ``h``; the input norm's normalised input and output ``2h`` (16-bit: its fp32
+  input copy and normalised input too, ``12 h`` bytes); q, k, v as attention
+  receives them ``q + 2 kv`` (``kv = max(Hkv, P) D``: kv heads replicated when fewer than ``P``),
+  and with ``P > 1`` the same again for the tensors handed to the all-to-all (measured: they stay
+  referenced until the layer's backward starts; not located in the code);
+  the attention output ``q`` and the o-projection input ``q``; the residual sum and the post-norm's
+  two tensors ``3h``; the MLP's gate, act, up and product ``4I`` (none with tiled MLP, which keeps
+  only its input). Checkpointing keeps only the layer input (on the host when offloaded).
+* the head: the final norm's input and its two tensors; untiled logits ``V`` (held by the model output), the fp32
+  log-softmax ``V`` and, in the loss backward, two ``V`` gradients; tiled: the same for one tile.
+* backward walks the layers down: the layer's activations (recomputed when checkpointed), then
+  the larger of the MLP backward's ``3I`` workspace (per tile, with the tile's recompute, when
+  tiled) and the attention backward's (grads of q, k, v and the output, + the exchange buffers
+  with ``P > 1``); the gradient flowing and the residual's ``2h`` (+ ``h``: the tiled MLP's own
+  input-gradient buffer), the logits still held by the model output (untiled loss), and the
+  parameter gradients accumulated so far (shards from stage 2).
+* the optimizer step: gradients, optimizer state, and a workspace (AdamW: one temporary per
+  parameter tensor, multi-tensor (``foreach``) on accelerators: the whole shard).
+
+Model states per rank: parameters (sharded over ``shard`` ranks in stage 3, one layer unsharded at
+a time), gradients (sharded from stage 2), AdamW state ``2 x fp32`` (+ fp32 master weights with a
+16-bit dtype; sharded from stage 1), or on the host with ``offload_states``. Communication buffers:
+DDP's gradient buckets (``1 x`` gradients, stages 0-1), FSDP2's unsharded layer (stages 2-3).
+
+**Time.** FLOPs ``6 N T`` (+ ``2 N T`` recompute with checkpointing) plus causal attention
+``6 B S^2 h L / P`` (x 4/3 with recompute), at ``tflops x mfu``; all-to-all bytes (forward, backward,
++ recompute) and gradient-reduction bytes (ring all-reduce ``2 (n-1)/n`` of the gradients) over the
+link bandwidth of ``plan_hw.Hardware``. ``comm_share = comm / (comm + compute)`` (no overlap).
+
+What is not modelled (and so not in the 10 % check): allocator fragmentation and kernel scratch
+(the ``reserve``), the data adapter's shard buffers, and host memory beyond the offloaded bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from ulysses_sp.plan.hardware import Hardware, link_gbps
+from ulysses_sp.plan.inputs import DTYPE_BYTES, ModelShape, Settings
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What ``predict`` returns: bytes per rank and seconds per optimizer step (one micro-step)."""
+
+    breakdown: dict[str, int]
+    """Device bytes at the peak by component (sums to ``peak_bytes``)."""
+    peak_bytes: int
+    host_bytes: int
+    """Host memory the rank stages (offloaded activations and states)."""
+    compute_s: float
+    comm_s: float
+    """Sequence-parallel all-to-alls."""
+    dp_comm_s: float
+    """Gradient reduction (and ZeRO-3 parameter gathers)."""
+    tokens_per_s: float
+    flops: float = field(default=0.0)
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.comm_s + self.dp_comm_s
+
+    @property
+    def comm_share(self) -> float:
+        return (self.comm_s + self.dp_comm_s) / self.step_s if self.step_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "step_s": self.step_s, "comm_share": self.comm_share}
+
+
+def _tile_tokens(tokens: int, hidden: int, shards: int | None) -> int:
+    n = max(1, min(tokens, math.ceil(tokens / max(hidden, 1)))) if shards is None else shards
+    return math.ceil(tokens / n)
+
+
+def _states(m: ModelShape, s: Settings) -> tuple[dict[str, int], int, int]:
+    """(device bytes by component, host bytes, optimizer-step workspace bytes)."""
+    e = DTYPE_BYTES[s.dtype]
+    n, shard = m.params, s.shard
+    mixed = e < 4
+    params = n * e // shard if s.zero_stage == 3 else n * e
+    grads = n * e // shard if s.zero_stage >= 2 else n * e
+    opt = n * (8 + (4 if mixed else 0))  # AdamW exp_avg + exp_avg_sq, + fp32 master weights when mixed
+    opt = opt // shard if s.zero_stage >= 1 else opt
+    host = 0
+    if s.offload_states:  # ZeRO-Offload/Infinity style: all states on the host, one layer in flight
+        host, opt, grads = opt + grads + params, 0, m.layer_params * e
+        params = 2 * m.layer_params * e + m.vocab * m.hidden * e
+    if s.device_type == "cpu":  # single-tensor AdamW: a few temporaries of the largest tensor
+        workspace = 2 * 4 * max(m.vocab * m.hidden, m.hidden * m.intermediate)
+    else:  # foreach AdamW: one fp32 temporary list the size of the local shard
+        workspace = 0 if s.offload_states else 4 * n // (shard if s.zero_stage >= 1 else 1)
+    if s.offload_states:
+        buffers = 2 * m.layer_params * e  # one layer's gradients on their way to the host
+    elif s.zero_stage <= 1:
+        buffers = n * e  # DDP's gradient buckets
+    elif s.zero_stage == 2:
+        buffers = 0  # parameters stay unsharded through the step: counted in params
+        params = n * e
+    else:
+        buffers = 2 * m.layer_params * e  # one layer unsharded + the next prefetched
+    return (
+        {"parameters": params, "gradients": grads, "optimizer_state": opt, "comm_buffers": buffers},
+        host,
+        workspace,
+    )
+
+
+def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
+    """(the step's activation peak by component, host bytes of offloaded activations)."""
+    e = DTYPE_BYTES[s.dtype]
+    tok = s.micro_batch_size * s.seq_len // s.sp
+    h, big_i, v, d = m.hidden, m.intermediate, m.vocab, m.head_dim
+    q, kv = m.heads * d, max(m.kv_heads, s.sp) * d
+    # RMSNorm keeps its normalised input and output; in 16-bit it computes in fp32 and keeps the
+    # fp32 input copy, the fp32 normalised input, its 16-bit cast and the output: 12 bytes per h
+    norm = 2 * h if e == 4 else 12 * h // e
+    attn_saved = norm + (q + 2 * kv) + 2 * q
+    exchange_in = q + 2 * kv if s.sp > 1 else 0  # see the module docstring
+    if s.attention == "blockwise":
+        attn_saved = norm + 2 * q  # q/k/v go to the host with the blocks
+    mlp_saved = 0 if s.tiled_mlp else 4 * big_i
+    layer_full = h + attn_saved + h + norm + mlp_saved  # per local token, the layer input included
+    ckpt = s.activation_checkpointing
+    kept = 0 if s.offload_activations else h
+    per_layer = kept if ckpt else layer_full + exchange_in
+    rope = 2 * d
+    head_saved = h + norm
+    if s.tiled_loss:
+        t = _tile_tokens(tok, h, s.tiled_loss_shards)
+        loss_ws = 4 * v * t * 4 // e + h * tok  # one tile's fp32 logits/lsm/grads + the hidden's grad
+    else:
+        loss_ws = v * tok + 3 * v * tok * 4 // e  # logits (model dtype) + fp32 lsm and two fp32 grads
+    # MLP backward: grad of the product, of act and of up (per tile when tiled, with the recompute)
+    if s.tiled_mlp:
+        t = _tile_tokens(tok, h, s.tiled_mlp_shards)
+        mlp_ws = 7 * big_i * t
+    else:
+        mlp_ws = 3 * big_i * tok
+    # attention backward (the MLP's tensors are gone by then): grads of q, k, v and of the output,
+    # and with P > 1 the exchange's send and receive buffers of the largest of them
+    attn_ws = (2 * q + 2 * kv + (2 * q if s.sp > 1 else 0)) * tok
+    # the gradient flowing down and the residual's; the tiled MLP adds its input gradient, summed
+    # over the tiles in a buffer of its own
+    grad_flow = (3 if s.tiled_mlp else 2) * h * tok
+    if not s.tiled_loss:  # the model output holds the logits until the step is over
+        grad_flow += v * tok
+    # gradients made so far: whole layers (stages 0-1) or their shards after each reduce-scatter
+    layer_grads = m.layer_params * e if s.zero_stage < 2 else m.layer_params * e // s.shard
+    head_grads = (m.vocab * h + h) * e // (s.shard if s.zero_stage >= 2 else 1)
+    grads_end = 0 if s.offload_states else None
+    # forward end / loss backward: every layer's kept activations + the head + the loss workspace
+    saved = (m.layers * per_layer + head_saved + rope) * tok
+    at_loss = saved * e + loss_ws * e
+    # backward of layer l (from the top): layers below keep theirs, layer l holds its full set
+    worst_layer = worst_acts = worst_below = 0
+    for done in range(m.layers):  # layers above l are done: their grads exist
+        below = (m.layers - 1 - done) * per_layer * tok
+        here = (max(layer_full * tok + mlp_ws, (layer_full - h - norm - mlp_saved) * tok + attn_ws) + rope * tok
+                + grad_flow)  # fmt: skip
+        grads = (head_grads + done * layer_grads) if grads_end is None else m.layer_params * e
+        if s.zero_stage >= 2 and grads_end is None:
+            grads += m.layer_params * e  # this layer's unsharded gradients before the reduce-scatter
+        if (below + here) * e + grads > worst_layer:
+            worst_layer, worst_acts, worst_below = (below + here) * e + grads, (below + here) * e, below * e
+    acts = {"activations": at_loss, "backward": worst_layer}
+    phase = max(acts, key=acts.get)
+    host = m.layers * h * tok * e if (ckpt and s.offload_activations) else 0
+    if s.attention == "blockwise":
+        host += m.layers * (q + 2 * kv) * tok * e
+    if phase == "activations":
+        out = {
+            "activations": saved * e,
+            "logits_loss": loss_ws * e,
+            "backward_workspace": 0,
+            "grads_in_flight": 0,
+        }
+    else:
+        acts_here = worst_below + (layer_full + rope) * tok * e
+        ws = worst_acts - acts_here
+        out = {"activations": acts_here, "logits_loss": 0, "backward_workspace": ws,
+               "grads_in_flight": worst_layer - worst_acts}  # fmt: skip
+    return out, host
+
+
+def memory(m: ModelShape, s: Settings, hw: Hardware | None = None) -> tuple[dict[str, int], int]:
+    """``(breakdown, host_bytes)`` of one rank's peak; ``breakdown`` sums to the peak."""
+    states, host_states, step_ws = _states(m, s)
+    acts, host_acts = _activations(m, s)
+    during_step = (
+        acts["activations"] + acts["logits_loss"] + acts["backward_workspace"] + acts["grads_in_flight"]
+    )
+    end = states["gradients"] + step_ws
+    # the activation phases count the gradients made so far themselves; the step holds all of them
+    if end >= during_step:
+        acts = {"activations": 0, "logits_loss": 0, "backward_workspace": 0, "grads_in_flight": 0}
+        breakdown = {**states, **acts, "optimizer_workspace": step_ws}
+    else:
+        breakdown = {**states, "gradients": 0, **acts, "optimizer_workspace": 0}
+    breakdown["reserve"] = hw.reserve_bytes if hw is not None else 0
+    return breakdown, host_states + host_acts
+
+
+def _flops(m: ModelShape, s: Settings) -> float:
+    tokens = s.micro_batch_size * s.seq_len * s.dp  # the global micro-batch
+    dense = 6 * (m.params - m.vocab * m.hidden * (0 if m.tied else 1)) * tokens
+    attn = (
+        6 * s.micro_batch_size * s.dp * s.seq_len**2 * m.heads * m.head_dim * m.layers
+    )  # causal half of 4+8
+    if s.activation_checkpointing:
+        dense, attn = dense * 4 / 3, attn * 4 / 3
+    return float(dense + attn)
+
+
+def predict(m: ModelShape, s: Settings, hw: Hardware) -> Prediction:
+    """One rank's peak memory (breakdown) and one optimizer step's time under ``s`` on ``hw``."""
+    breakdown, host = memory(m, s, hw)
+    e = DTYPE_BYTES[s.dtype]
+    flops = _flops(m, s)
+    compute = flops / s.world / (hw.tflops[s.dtype if s.dtype in hw.tflops else "bf16"] * 1e12 * hw.mfu)
+    tok = s.micro_batch_size * s.seq_len // s.sp
+    u, r = s.sp // s.ring_size, s.ring_size  # Ulysses ranks (the all-to-all) x ring ranks
+    q, kv = m.heads * m.head_dim, max(m.kv_heads, u) * m.head_dim
+    passes = 3 if s.activation_checkpointing else 2
+    a2a = 0.0
+    if u > 1:  # sent per rank per layer per pass: (U-1)/U of q, k, v in and the output back
+        a2a = passes * m.layers * tok * (2 * q + 2 * kv) * e * (u - 1) / u
+    comm = a2a / (link_gbps(hw, u) * 1e9)
+    if r > 1:  # ring: a hop sends the local K/V (S/R tokens, kv/U heads); forward passes R-1 hops each,
+        # backward R-1 K/V hops plus R hops of fp32 dK/dV (counted exactly by bench/ring_bench.py)
+        hop = s.micro_batch_size * s.seq_len // r * 2 * kv // u
+        comm += m.layers * hop * ((passes - 1) * (r - 1) * e + (r - 1) * e + r * 4) / (link_gbps(hw, s.sp) * 1e9)
+    grad_bytes = m.params * e
+    ring = 2 * (s.world - 1) / s.world * grad_bytes if s.world > 1 else 0.0
+    if s.zero_stage == 3 and s.shard > 1:
+        ring += 2 * (s.shard - 1) / s.shard * m.params * e  # parameter all-gathers, forward and backward
+    dp_comm = ring / (link_gbps(hw, s.world) * 1e9)
+    if s.offload_states:
+        dp_comm += 2 * m.params * e / (hw.host_to_device_gbps * 1e9)
+    step = compute + comm + dp_comm
+    tokens = s.micro_batch_size * s.seq_len * s.dp
+    return Prediction(
+        breakdown=breakdown, peak_bytes=sum(breakdown.values()), host_bytes=host, compute_s=compute,
+        comm_s=comm, dp_comm_s=dp_comm, tokens_per_s=tokens / step if step > 0 else math.inf, flops=flops,
+    )  # fmt: skip
+
+
+def max_seq_len(
+    m: ModelShape, s: Settings, hw: Hardware, *, budget: int | None = None, cap: int = 1 << 27
+) -> int:
+    """The longest ``S`` (a multiple of ``sp``) whose predicted peak fits ``budget`` (default: the
+    device's memory); 0 when not even ``S = sp`` fits. Memory grows with ``S``: a bisection."""
+    budget = hw.memory_bytes if budget is None else budget
+    step = s.sp
+
+    def fits(n: int) -> bool:
+        return predict(m, replace(s, seq_len=n * step), hw).peak_bytes <= budget
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi * step <= cap and fits(hi):
+        lo, hi = hi, hi * 2
+    if hi * step > cap:
+        return lo * step
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * step

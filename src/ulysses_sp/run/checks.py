@@ -1,0 +1,194 @@
+"""Everything the ``train`` command checks before any process starts.
+
+``validate(cfg, world_size)`` checks sizes, recipe, precision, model, tokenizer, data, output
+directory and resume compatibility without processes or collectives, so every rank (or the
+launching process) reaches the same verdict, and raises ``ValueError`` naming the numbers;
+``check_run`` is the part the ``eval`` command shares; ``model_config`` reads a model's
+transformers config without building weights.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ulysses_sp import tasks
+from ulysses_sp.attention.core import CORE_ATTENTIONS, check_blockwise_options
+from ulysses_sp.checks import optional_positive_int, positive_int
+from ulysses_sp.parallel.mesh_shape import resolve_ring_size, seq_multiple
+from ulysses_sp.run.config import TrainConfig
+from ulysses_sp.run.prelaunch import check_attention_available, check_seq_len_fits
+from ulysses_sp.run.rundir import check_output_dir, manifest_for
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _is_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _fraction(name: str, value: Any, *, below_one: bool = False) -> None:
+    if not _is_number(value) or not 0 <= value <= 1 or (below_one and value == 1):
+        interval = "[0, 1)" if below_one else "[0, 1]"
+        raise ValueError(f"{_flag(name)} must be a number in {interval}, got {value!r}")
+
+
+def check_recipe(cfg: TrainConfig) -> None:
+    """The optimizer and schedule settings, named by their flags (``ValueError``)."""
+    if isinstance(cfg.lr, float) and not math.isfinite(cfg.lr):
+        raise ValueError(f"--lr must be a finite number (it scales every update), got {cfg.lr}")
+    if not cfg.lr > 0:
+        raise ValueError(f"--lr must be > 0, got {cfg.lr}")
+    betas = cfg.betas
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"--betas must be two numbers B1,B2, got {betas!r}")
+    for b in betas:
+        _fraction("betas", b, below_one=True)
+    if not _is_number(cfg.weight_decay) or cfg.weight_decay < 0:
+        raise ValueError(f"--weight-decay must be a finite number >= 0, got {cfg.weight_decay!r}")
+    optional_positive_int("--warmup-steps", cfg.warmup_steps)
+    if cfg.warmup_ratio is not None:
+        _fraction("warmup_ratio", cfg.warmup_ratio)
+        if cfg.warmup_steps is not None:
+            raise ValueError(
+                f"--warmup-steps ({cfg.warmup_steps}) and --warmup-ratio ({cfg.warmup_ratio}) both set "
+                "the warmup; pass one of them"
+            )
+    _fraction("warmup_min_ratio", cfg.warmup_min_ratio)
+    _fraction("cos_min_ratio", cfg.cos_min_ratio)
+    if cfg.warmup_type not in ("linear", "log"):
+        raise ValueError(f"--warmup-type must be 'linear' or 'log', got {cfg.warmup_type!r}")
+
+
+def check_precision(cfg: TrainConfig) -> None:
+    """``--dtype``, ``--save-dtype`` and ``--cpu-offload`` (``ValueError`` naming the flags)."""
+    names = ("fp32", "bf16", "fp16")
+    if cfg.dtype not in names:
+        raise ValueError(f"--dtype must be one of {names}, got {cfg.dtype!r}")
+    if cfg.save_dtype is not None and cfg.save_dtype not in names:
+        raise ValueError(f"--save-dtype must be one of {names}, got {cfg.save_dtype!r}")
+    if cfg.cpu_offload and cfg.zero_stage != 3:
+        raise ValueError(
+            f"--cpu-offload needs --zero-stage 3 (got {cfg.zero_stage}): FSDP2 offloads sharded parameters, "
+            "gradients and the optimizer step together; pass --zero-stage 3"
+        )
+
+
+def model_config(model: str, vocab_size: int):
+    """The transformers config of ``model`` (preset or directory), without building weights."""
+    if tasks.is_preset(model):
+        return tasks.preset_config(model, vocab_size=vocab_size)
+    tasks.check_model_dir(model)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model, local_files_only=True)
+
+
+def ring_size_for(mcfg: Any, sp: int, ring_size: int | str | None) -> int:
+    """The ring size of a run of this model (a transformers config, or its dict as the manifest's
+    ``model_config``) at ``sp``: ``ring_size``, or for ``None``/``"auto"`` the smallest that works.
+    A layout choice, not a run setting: a resume may change it with ``--sp``."""
+    get = mcfg.get if isinstance(mcfg, dict) else lambda key: getattr(mcfg, key, None)
+    heads = get("num_attention_heads")
+    return resolve_ring_size(sp, heads, get("num_key_value_heads") or heads, ring_size)
+
+
+def check_run(
+    world_size: int,
+    *,
+    sp: int,
+    seq_len: int,
+    sizes: Mapping[str, Any],
+    attn: str,
+    models: Sequence[str],
+    tokenizer: str | None,
+    data: str,
+    seed: int,
+    held_out: bool = False,
+    data_settings: tasks.DataSettings | None = None,
+    ring_size: int | str | None = None,
+) -> list[Any]:
+    """The checks ``train`` and ``eval`` share: sizes (``sizes``: more positive ints, by option
+    name), the ``(dp, sp)`` layout, sequence length, core attention, each model with its tokenizer
+    (vocabulary, heads split over ``sp`` by Ulysses or Ulysses x Ring: ``ring_size``, ``None`` = auto)
+    and the data. Returns each model's transformers config.
+    """
+    positive_int("--nproc", world_size)
+    for name, value in {"seq_len": seq_len, "sp": sp, **sizes}.items():
+        positive_int(_flag(name), value)
+    if world_size % sp:
+        raise ValueError(
+            f"--nproc / world size ({world_size}) is not divisible by --sp ({sp}): "
+            f"dp = world_size / sp must be an integer; use --sp in "
+            f"{[p for p in range(1, world_size + 1) if world_size % p == 0]}"
+        )
+    if attn not in CORE_ATTENTIONS:
+        raise ValueError(f"--attn must be one of {CORE_ATTENTIONS}, got {attn!r}")
+    check_attention_available(attn)
+    if seq_len % sp:
+        raise ValueError(
+            f"--seq-len ({seq_len}) is not divisible by --sp ({sp}); "
+            f"use a multiple of {sp}, e.g. {seq_len + sp - seq_len % sp}"
+        )
+    configs = []
+    for model in models:
+        tok = tasks.load_tokenizer(tokenizer, model)
+        mcfg = model_config(model, len(tok))
+        if len(tok) > mcfg.vocab_size:
+            raise ValueError(
+                f"tokenizer has {len(tok)} tokens but the model's vocab_size is {mcfg.vocab_size}; "
+                "pass the model's own tokenizer with --tokenizer"
+            )
+        ring = ring_size_for(mcfg, sp, ring_size)
+        if seq_len % seq_multiple(sp, ring):
+            m = seq_multiple(sp, ring)
+            raise ValueError(
+                f"--seq-len ({seq_len}) is not divisible by {m} (--sp {sp} x 2 zigzag chunks per ring rank, "
+                f"ring size {ring}); use a multiple of {m}, e.g. {seq_len + m - seq_len % m}"
+            )
+        check_seq_len_fits(seq_len, mcfg, model)
+        configs.append(mcfg)
+    tasks.build_dataset(data, tokenizer=tasks.load_tokenizer(tokenizer, models[0]), seq_len=seq_len,
+                        seed=seed, num_samples=1, held_out=held_out, settings=data_settings, probe=True)  # fmt: skip
+    return configs
+
+
+def validate(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
+    """Check ``cfg`` for a run on ``world_size`` processes; return the run's manifest.
+
+    Deterministic and free of collectives: every rank (or the launching process) can call it and
+    all reach the same verdict. Raises ``ValueError`` naming what is wrong.
+    """
+    for name in ("micro_batch_size", "grad_accum", "steps"):
+        positive_int(_flag(name), getattr(cfg, name))
+    positive_int("--save-every", cfg.save_every, minimum=0)
+    positive_int("--max-nonfinite-steps", cfg.max_nonfinite_steps)
+    if not _is_number(cfg.save_on_signal) or cfg.save_on_signal < 0:
+        raise ValueError(f"--save-on-signal must be a number of seconds >= 0, got {cfg.save_on_signal!r}")
+    if cfg.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"--zero-stage must be 0, 1, 2 or 3, got {cfg.zero_stage}")
+    check_recipe(cfg)
+    if cfg.memory is not None:
+        from ulysses_sp.plan.hardware import parse_bytes
+
+        parse_bytes(cfg.memory)
+    check_precision(cfg)
+    if cfg.offload_activations and not cfg.activation_checkpointing:
+        raise ValueError(
+            "--offload-activations needs --activation-checkpointing: offload moves the one input each "
+            "checkpointed layer keeps for backward to host memory; without checkpointing there is "
+            "nothing it could offload"
+        )
+    check_blockwise_options(cfg.attn, cfg.attn_chunk, cfg.offload_attention)
+    (mcfg,) = check_run(
+        world_size, sp=cfg.sp, seq_len=cfg.seq_len, sizes={}, attn=cfg.attn, models=[cfg.model],
+        tokenizer=cfg.tokenizer, data=cfg.data, seed=cfg.seed, data_settings=cfg.data_settings(),
+        ring_size=cfg.ring_size,
+    )  # fmt: skip
+    cfg.training_config()  # the engine's own checks, before any process starts
+    manifest = manifest_for(cfg, world_size, mcfg)
+    check_output_dir(cfg, manifest)
+    return manifest

@@ -1,0 +1,240 @@
+"""The ``train`` command's settings: ``TrainConfig``, one field per flag, and their startup summary.
+
+``TrainConfig`` is what ``ulysses-sp train`` (and ``ulysses_sp.run.loop.run``) takes, optimizer and
+schedule recipe included; ``TrainConfig.training_config()`` is the engine's ``TrainingConfig`` it
+means; ``config_from_dict`` builds one from a ``--config`` JSON object. What is checked before any
+process starts is ``train_checks``'s; the run directory (manifest, output-dir checks) ``rundir``'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from ulysses_sp import tasks
+from ulysses_sp.attention.core import describe_paths
+from ulysses_sp.config import TrainingConfig
+from ulysses_sp.config.sections import (
+    BF16Config,
+    FP16Config,
+    OffloadConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    ZeroConfig,
+)
+from ulysses_sp.run.prelaunch import check_option_types
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig(tasks.DataFlags):
+    """Everything ``run`` needs; the CLI flags of the same names fill it."""
+
+    model: str = "tiny-llama"
+    """A preset (``tiny-llama``, ``tiny-qwen2``, ``tiny-mistral``) or a local HF model directory."""
+    data: str = "recall"
+    """``recall`` (the embedded task) or a local ``.txt``/``.jsonl`` file or directory."""
+    tokenizer: str | None = None
+    """Tokenizer directory; ``None``: the model directory's own, else the byte-level tokenizer."""
+    seq_len: int = 256
+    """Tokens per sample (the full sequence ``S``; each SP rank holds ``S / sp``)."""
+    sp: int = 2
+    """Sequence-parallel size ``P``; ``dp = world_size / P``."""
+    zero_stage: int = 0
+    """0: DDP; 1: + sharded optimizer state; 2: FSDP2 grads+state; 3: FSDP2 params too."""
+    micro_batch_size: int = 8
+    """Samples per micro-step per data-parallel replica (an SP group shares them)."""
+    grad_accum: int = 1
+    """Micro-steps per optimizer step."""
+    steps: int = 300
+    """Optimizer steps to train (in total, counting those before a resume)."""
+    lr: float = 1e-2
+    """Peak learning rate of AdamW (warmup to it, then a cosine down to ``cos_min_ratio * lr``)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's ``(beta1, beta2)``, each in ``[0, 1)``."""
+    weight_decay: float = 0.0
+    """AdamW's decoupled weight decay (``>= 0``)."""
+    warmup_steps: int | None = None
+    """Warmup steps; ``None``: from ``warmup_ratio``, else ``min(20, steps // 10)`` (at least 1)."""
+    warmup_ratio: float | None = None
+    """Warmup as a fraction of ``steps`` in ``[0, 1]``: ``ceil(warmup_ratio * steps)`` steps (at
+    least 1); ``None``: see ``warmup_steps``. Giving both is an error."""
+    warmup_min_ratio: float = 0.05
+    """Learning rate at step 0 as a fraction of ``lr`` (the warmup ramps from it to 1)."""
+    cos_min_ratio: float = 0.1
+    """Learning rate at the last step as a fraction of ``lr`` (the floor of the cosine)."""
+    warmup_type: str = "linear"
+    """Shape of the warmup ramp: ``"linear"`` or ``"log"`` (DeepSpeed's)."""
+    grad_clip: float = 1.0
+    """Max global gradient norm; 0 = no clipping."""
+    seed: int = 0
+    """Model init (presets), data order, recall samples."""
+    attn: str = "sdpa"
+    """Core attention run over the full sequence."""
+    output_dir: str = "runs/ulysses-sp"
+    """Where checkpoints and (by default) the metrics file go."""
+    save_every: int = 0
+    """Checkpoint every N optimizer steps; 0 = only at the end (always saved at the end)."""
+    resume: str | None = None
+    """``"latest"``, a checkpoint directory, or a run directory; ``None`` = fresh run."""
+    overwrite: bool = False
+    """Replace another run's checkpoints in ``output_dir`` instead of refusing."""
+    metrics_file: str | None = None
+    """JSONL, one object per optimizer step; ``None``: ``<output_dir>/metrics.jsonl``."""
+    tiled_mlp: bool = False
+    """Run MLP blocks in sequence tiles (ALST ``TiledMLP``)."""
+    tiled_mlp_shards: int | None = None
+    """Tiles for the tiled MLP; ``None`` = auto."""
+    tiled_loss: bool = False
+    """Compute logits + loss in sequence tiles (no full ``[S_l, vocab]`` logits)."""
+    tiled_loss_shards: int | None = None
+    """Tiles for the tiled loss; ``None`` = auto."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer in backward."""
+    offload_activations: bool = False
+    """Keep checkpointed layer inputs in host memory (needs ``activation_checkpointing``)."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+
+    memory: str | None = None
+    """Memory budget per rank (``"20GB"``) for the planner's fit check; ``None``: the device's."""
+    force: bool = False
+    """Start even when the planner predicts the run does not fit (warn instead of refusing)."""
+    profile_comm: bool = False
+    """Time collectives (device syncs): ``comm_s``, ``dp_comm_s``, ``compute_s`` in the metrics."""
+    zero_partition: str = "data_parallel"
+    """ZeRO partitions span the DP axis (``data_parallel``) or all dp*sp ranks (``all``)."""
+
+    dtype: str = "fp32"
+    """Compute dtype: ``fp32``, ``bf16`` or ``fp16`` (mixed precision: fp32 master weights and state)."""
+    cpu_offload: bool = False
+    """Parameters, gradients and the optimizer step in host memory (ZeRO stage 3, FSDP2)."""
+    save_dtype: str | None = None
+    """Dtype of the exported HF weights (``fp32``/``bf16``/``fp16``); ``None``: the fp32 master weights."""
+
+    ring_size: int | None = None
+    """Hybrid Ulysses x Ring: ring groups the SP axis factors into; ``None`` = auto (1 when the heads allow)."""
+    attn_chunk: int | None = None
+    """Tokens per block of the blockwise attention core (sdpa: packed documents, windows, offload); ``None`` = auto."""
+    offload_attention: bool = False
+    """Ulysses-Offload (sdpa): the full-sequence K/V on the host between forward and backward."""
+
+    max_nonfinite_steps: int = 3
+    """Optimizer steps in a row with a non-finite loss or gradient norm that are skipped; the next
+    one stops the run (the divergence guard)."""
+    save_on_signal: float = 0.0
+    """Seconds: on SIGTERM (preemption) finish the current step and save a checkpoint within this
+    time before stopping (the launcher kills the workers after it); 0 = stop at once."""
+    allow_data_change: bool = False
+    """``--resume`` even though the data's fingerprint differs from the checkpoint's."""
+
+    @property
+    def metrics_path(self) -> str:
+        """Where the metrics JSONL goes: ``metrics_file``, else ``<output_dir>/metrics.jsonl``."""
+        return self.metrics_file or os.path.join(self.output_dir, "metrics.jsonl")
+
+    @property
+    def warmup_num_steps(self) -> int:
+        """The warmup length the settings mean (see ``warmup_steps`` and ``warmup_ratio``)."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        if self.warmup_ratio is not None:
+            # rounded first: 0.1 * 30 is 3.0000000000000004 in floating point, and means 3
+            return max(1, math.ceil(round(self.warmup_ratio * self.steps, 6)))
+        return max(1, min(20, self.steps // 10))
+
+    def training_config(self) -> TrainingConfig:
+        """The engine's config for this run: batch sizes, clipping, ZeRO stage, AdamW and a
+        warmup + cosine ``WarmupCosineLR`` over ``steps`` (the mesh comes from ``mesh_param``/``mpu``)."""
+        warmup = self.warmup_num_steps
+        return TrainingConfig(
+            train_micro_batch_size_per_gpu=self.micro_batch_size,
+            gradient_accumulation_steps=self.grad_accum,
+            gradient_clipping=self.grad_clip,
+            zero_optimization=ZeroConfig(
+                stage=self.zero_stage,
+                partition=self.zero_partition,
+                offload_param=OffloadConfig(device="cpu") if self.cpu_offload else None,
+                offload_optimizer=OffloadConfig(device="cpu") if self.cpu_offload else None,
+            ),
+            bf16=BF16Config(enabled=self.dtype == "bf16"),
+            fp16=FP16Config(enabled=self.dtype == "fp16"),
+            optimizer=OptimizerConfig(
+                type="AdamW",
+                params={"lr": self.lr, "betas": tuple(self.betas), "weight_decay": self.weight_decay},
+            ),
+            max_nonfinite_steps=self.max_nonfinite_steps,
+            scheduler=SchedulerConfig(
+                type="WarmupCosineLR",
+                params={
+                    "total_num_steps": max(self.steps, warmup),
+                    "warmup_num_steps": warmup,
+                    "warmup_min_ratio": self.warmup_min_ratio,
+                    "cos_min_ratio": self.cos_min_ratio,
+                    "warmup_type": self.warmup_type,
+                },
+            ),
+        )
+
+
+def config_from_dict(values: dict[str, Any]) -> TrainConfig:
+    """A ``TrainConfig`` from a dict (e.g. a ``--config`` JSON file); unknown keys are an error."""
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown training option(s) {unknown}; known: {sorted(known)}")
+    check_option_types(TrainConfig, values)
+    if isinstance(values.get("betas"), list):  # JSON has no tuples
+        values = {**values, "betas": tuple(values["betas"])}
+    return TrainConfig(**values)
+
+
+def _on_off(flag: bool, shards: int | None = None) -> str:
+    if not flag:
+        return "off"
+    return "on" if shards is None else f"on ({shards} tiles)"
+
+
+def _ring_note(mesh) -> str:
+    return f" (ring {mesh.ring_size} x ulysses {mesh.ulysses_size}: ring attention)" if mesh.ring_size > 1 else ""
+
+
+def startup_summary(cfg: TrainConfig, engine, model, dataset, resumed: str | None) -> str:
+    n_params = sum(p.numel() for p in model.parameters())
+    bs = engine.batch_sizes
+    lines = [
+        f"ulysses-sp train: {dist.get_world_size()} processes = dp {engine.dp_size} x sp {engine.sp_size}"
+        f"{_ring_note(engine.mesh)}, device {engine.device.type} ({dist.get_backend()}), ZeRO stage {cfg.zero_stage}",
+        f"  model {cfg.model}: {type(model).__name__}, {n_params / 1e6:.3f}M params, attention {cfg.attn}"
+        + (" inside Ulysses SP" if engine.sp_size > 1 else "")
+        + (
+            f" ({describe_paths(cfg.attn, attn_chunk=cfg.attn_chunk, offload_attention=cfg.offload_attention)})"
+            if engine.sp_size > 1 or cfg.offload_attention or cfg.attn_chunk is not None
+            else ""
+        ),  # fmt: skip
+        f"  data {cfg.data}: {len(dataset)} samples of {cfg.seq_len} tokens; {cfg.seq_len // engine.sp_size} "
+        f"tokens per rank; global batch {bs.train_batch_size} = micro {bs.train_micro_batch_size_per_gpu} x "
+        f"accum {bs.gradient_accumulation_steps} x dp {bs.dp_world_size}",
+        f"  steps {cfg.steps}, AdamW lr {cfg.lr} betas {tuple(cfg.betas)} weight decay {cfg.weight_decay}, "
+        f"warmup {cfg.warmup_num_steps} steps, seed {cfg.seed}",
+        f"  output {cfg.output_dir}, metrics {cfg.metrics_path}"
+        + (f"; resumed from {resumed}" if resumed else ""),
+        *filter(None, [tasks.data_summary(dataset)]),
+        f"  ALST: tiled MLP {_on_off(cfg.tiled_mlp, cfg.tiled_mlp_shards)}, tiled loss "
+        f"{_on_off(cfg.tiled_loss, cfg.tiled_loss_shards)}, activation checkpointing "
+        f"{_on_off(cfg.activation_checkpointing)}, activation offload {_on_off(cfg.offload_activations)}",
+        f"  precision {cfg.dtype}"
+        + (" (fp32 master weights, optimizer state and gradient reduction)" if cfg.dtype != "fp32" else "")
+        + f"; CPU offload of model states {_on_off(cfg.cpu_offload)}; "
+        f"checkpoints saved in {cfg.save_dtype or 'fp32'}"
+        + (
+            "; weights loaded shard by shard"
+            if cfg.zero_stage >= 2 and not tasks.is_preset(cfg.model)
+            else ""
+        ),
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,318 @@
+"""The training loop behind ``ulysses-sp train``, as a library function over a typed config.
+
+``validate(cfg, world_size)`` (in ``train_setup``, with ``TrainConfig``) checks everything that can
+be checked without processes and raises ``ValueError`` naming the numbers; ``run(cfg)`` (every
+rank, process group initialised) then builds and trains:
+
+1. tokenizer, dataset, model (a preset from ``cfg.seed`` or a local HF directory; at ZeRO 2/3 a
+   directory is built on the meta device and filled shard by shard after sharding, ``state/loading.py``;
+   on resume the checkpoint's training state fills model and optimizer), ALST transforms (tiled MLP, activation checkpointing / offload);
+2. sequence parallelism (``sp > 1``): ``UlyssesSPAttentionHF.register_with_transformers`` ->
+   ``mpu``; the engine: ``initialize(model, cfg.training_config(), mpu=...)`` (ZeRO stage, AdamW,
+   warmup + cosine: the recipe is ``TrainConfig``'s fields);
+3. data: ``sp_dataloader`` per rank -> ``UlyssesSPDataLoaderAdapter``, so a run with ``sp = P``
+   processes the same global batches as ``sp = 1`` with the same ``dp``;
+4. per optimizer step: ``grad_accum`` micro-steps of ``engine(**batch)`` / ``backward`` / ``step``,
+   a metrics line, and every ``save_every`` steps an atomic checkpoint (``state/checkpoint.py``, through
+   ``rundir.checked_save``: finite weights, free space).
+
+Reliability: rank 0 holds the output directory's ``RunLock`` for the whole run; a non-finite step
+is skipped by the engine's divergence guard (its metrics line says ``"skipped": true``) and a
+diverged run raises ``DivergenceError`` naming the last good checkpoint; ``stop`` (an event the
+CLI sets on SIGTERM with ``--save-on-signal``) is agreed across ranks inside the per-step metrics
+reduction, then the run saves and returns with ``"stopped": True``.
+
+The library never reads argv or launcher variables; the CLI does and passes a ``TrainConfig``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ulysses_sp import tasks
+from ulysses_sp.engine.divergence import DivergenceError
+from ulysses_sp.parallel import comm_timing
+from ulysses_sp.parallel.comm import all_reduce_max, barrier, raise_if_any_rank_failed
+from ulysses_sp.run.checks import ring_size_for, validate
+from ulysses_sp.run.config import TrainConfig, startup_summary
+from ulysses_sp.run.lock import RunLock, RunLockedError
+from ulysses_sp.run.rundir import checked_save, prepare_output_dir
+from ulysses_sp.state import checkpoint as ckpt
+from ulysses_sp.state.precision import DTYPES
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------- data position
+class DataStream:
+    """Endless micro-batches for this rank, resumable from ``(epoch, offset)``.
+
+    ``offset`` counts the adapter micro-steps consumed in ``epoch``; a resumed stream skips whole
+    rounds in the sampler (no loading) and the remaining ``offset % sp`` micro-steps of the round.
+    """
+
+    def __init__(self, dataset, engine, *, micro_batch_size: int, seed: int, shuffle: bool, pad_id: int,
+                 epoch: int = 0, offset: int = 0) -> None:  # fmt: skip
+        self.dataset, self.engine = dataset, engine
+        self.micro_batch_size, self.seed, self.shuffle, self.pad_id = micro_batch_size, seed, shuffle, pad_id
+        self.epoch, self.offset = epoch, offset
+
+    def position(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        from ulysses_sp.data import UlyssesSPDataLoaderAdapter, sp_dataloader
+
+        e, b = self.engine, self.micro_batch_size
+        while True:
+            rounds, rest = divmod(self.offset, e.sp_size)
+            loader = sp_dataloader(
+                self.dataset, batch_size=b, dp_size=e.dp_size, sp_size=e.sp_size, dp_rank=e.dp_rank,
+                sp_rank=e.sp_rank, shuffle=self.shuffle, seed=self.seed, epoch=self.epoch, start_batch=rounds,
+            )  # fmt: skip
+            group = e.sp_group if e.sp_size > 1 else None
+            adapter = UlyssesSPDataLoaderAdapter(
+                loader, e.sp_rank, group, e.sp_size, e.device, pad_token_id=self.pad_id
+            )
+            for i, batch in enumerate(adapter):
+                if i < rest:
+                    continue
+                self.offset += 1
+                yield batch
+            self.epoch, self.offset = self.epoch + 1, 0
+
+
+# ---------------------------------------------------------------- building
+def _techniques(cfg: TrainConfig, model) -> tuple[list[Any], Any]:
+    """Apply the ALST transforms to the bare model; return (undo handles, loss_fn or None)."""
+    handles: list[Any] = []
+    loss_fn = None
+    if cfg.tiled_mlp:
+        from ulysses_sp.memory.tiling import apply_tiled_mlp
+
+        handles.append(apply_tiled_mlp(model, cfg.tiled_mlp_shards))
+    if cfg.activation_checkpointing:
+        from ulysses_sp.memory.offload import enable_activation_checkpointing
+
+        enable_activation_checkpointing(model)
+    if cfg.offload_activations:
+        from ulysses_sp.memory.offload import enable_activation_offload
+
+        handles.append(enable_activation_offload(model))
+    if cfg.tiled_loss:
+        from ulysses_sp.memory.tiling import TiledCausalLMLoss
+
+        loss_fn = TiledCausalLMLoss(num_shards=cfg.tiled_loss_shards)
+    return handles, loss_fn
+
+
+def _num_samples(cfg: TrainConfig, dp: int) -> int:
+    # Recall samples are generated, not stored: exactly enough for every step, never repeated.
+    return cfg.steps * cfg.micro_batch_size * cfg.grad_accum * dp
+
+
+# ---------------------------------------------------------------- the loop
+def run(cfg: TrainConfig, *, stop: Any = None) -> dict[str, Any]:
+    """Train on every rank of the initialised process group; return a summary (same on every rank).
+
+    A collective from start to end. Raises ``ValueError`` (on every rank) for bad input,
+    ``RunLockedError`` when another run holds ``cfg.output_dir``, ``DivergenceError`` when the
+    training diverged. ``stop``: an object with ``is_set()`` (a ``threading.Event``); once it is
+    set on any rank, the run saves a checkpoint after the current step and returns early.
+    """
+    with ExitStack() as held:
+        return _run(cfg, stop, held)
+
+
+def _run(cfg: TrainConfig, stop: Any, held: ExitStack) -> dict[str, Any]:
+    from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
+    from ulysses_sp.engine import initialize
+    from ulysses_sp.memory.meter import track_peak_memory
+    from ulysses_sp.parallel.mesh import init_mesh
+    from ulysses_sp.state.loading import init_empty_model, load_pretrained_weights
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    manifest = validate(cfg, world)
+    ring = ring_size_for(manifest["model_config"], cfg.sp, cfg.ring_size)
+    mesh = init_mesh(sp_size=cfg.sp, ring_size=ring)  # the run's layout: attention, engine and loop share it
+    resume_dir = ckpt.resolve_resume(cfg.resume, cfg.output_dir) if cfg.resume else None
+    saved = ckpt.read_manifest(resume_dir) if resume_dir else {}
+    resumed_step = saved.get("step")
+    if rank == 0 and resume_dir and (saved.get("steps"), saved.get("lr")) != (cfg.steps, cfg.lr):
+        logger.warning(
+            "resuming with --steps %s --lr %s, the checkpoint's run had --steps %s --lr %s: the learning-rate "
+            "schedule continues as saved in the checkpoint", cfg.steps, cfg.lr, saved.get("steps"), saved.get("lr"),
+        )  # fmt: skip
+    error = None
+    if rank == 0:  # held from before prepare_output_dir (which --overwrite lets delete) to the end
+        try:
+            held.enter_context(RunLock(cfg.output_dir))
+        except RunLockedError as e:
+            error = str(e)
+    raise_if_any_rank_failed(error, mesh.reduce_group, RunLockedError)
+    if rank == 0:
+        prepare_output_dir(cfg, resumed_step)
+    barrier(mesh.reduce_group)
+
+    tokenizer = tasks.load_tokenizer(cfg.tokenizer, cfg.model)
+    predicted = _preflight(cfg, world, len(tokenizer), mesh)  # before the data and the model exist
+    dataset = tasks.build_dataset(
+        cfg.data,
+        tokenizer=tokenizer,
+        seq_len=cfg.seq_len,
+        seed=cfg.seed,
+        num_samples=_num_samples(cfg, mesh.dp_size),
+        settings=cfg.data_settings(progress=cfg.progress and rank == 0),
+    )
+    sharded_load = cfg.zero_stage >= 2 and not tasks.is_preset(cfg.model)
+    if sharded_load:  # parameters on meta; each rank fills only its shards after sharding
+        model = init_empty_model(cfg.model, attn_implementation=cfg.attn)
+    else:
+        model = tasks.build_model(
+            cfg.model, vocab_size=len(tokenizer), seed=cfg.seed, attn_implementation=cfg.attn
+        )
+    handles, loss_fn = _techniques(cfg, model)
+    mpu = None
+    if cfg.sp > 1 or cfg.offload_attention or cfg.attn_chunk is not None:  # sp 1: for the blockwise core
+        mpu = UlyssesSPAttentionHF.register_with_transformers(
+            model, cfg.attn, cfg.sp, cfg.micro_batch_size, seq_length=cfg.seq_len, mesh=mesh,
+            attn_chunk=cfg.attn_chunk, offload_attention=cfg.offload_attention,
+        )  # fmt: skip
+    engine, _, _, _ = initialize(model, cfg.training_config(), mpu=mpu or mesh.mpu, loss_fn=loss_fn)
+    state = {"step": 0, "tokens": 0, "data": {"epoch": 0, "offset": 0}}
+    if resume_dir:  # model (fp32 master weights) + optimizer resharded to this layout
+        state = ckpt.load_training_state(engine, resume_dir)
+        engine.guard.steps = state["step"]  # the guard's messages count the run's steps
+    elif sharded_load:
+        load_pretrained_weights(engine.module, cfg.model)
+    stream = DataStream(
+        dataset, engine, micro_batch_size=cfg.micro_batch_size, seed=cfg.seed,
+        shuffle=cfg.data != tasks.RECALL, pad_id=tokenizer.pad_token_id or 0, **state["data"],
+    )  # fmt: skip
+    if rank == 0:
+        logger.info(startup_summary(cfg, engine, model, dataset, resume_dir) + "\n" + predicted)
+    try:
+        return _loop(cfg, engine, stream, state, tokenizer, manifest, track_peak_memory, stop)
+    finally:
+        for h in handles:
+            h.remove()
+        if mpu is not None:
+            mpu.remove()
+
+
+def _preflight(cfg: TrainConfig, world: int, vocab_size: int, mesh) -> str:
+    """The planner's predicted peak (summary line); every rank refuses alike when it cannot fit."""
+    from ulysses_sp.parallel.comm import raise_if_any_rank_failed
+    from ulysses_sp.run.checks import model_config
+    from ulysses_sp.run.preflight import check_fits, prediction
+
+    pred = prediction(cfg, world, model_config(cfg.model, vocab_size), mesh.device)
+    line, error = "", None
+    try:
+        line = check_fits(cfg, pred, mesh.device)
+    except ValueError as e:
+        error = str(e)
+    raise_if_any_rank_failed(error, mesh.reduce_group)  # budgets may differ between hosts
+    return line
+
+
+def _comm_fields(times, dt: float) -> dict[str, Any]:
+    if times is None:
+        return {}
+    comm_s, dp_s = times.sp, times.dp
+    return {"comm_s": comm_s, "dp_comm_s": dp_s, "compute_s": max(dt - comm_s - dp_s, 0.0),
+            "comm_share": (comm_s + dp_s) / dt if dt > 0 else 0.0}  # fmt: skip
+
+
+def _last_good(cfg: TrainConfig) -> str:
+    found = ckpt.list_checkpoints(cfg.output_dir)
+    return found[-1][1] if found else "none (no checkpoint was saved yet)"
+
+
+def _loop(cfg, engine, stream, state, tokenizer, manifest, track_peak_memory, stop) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    rank = dist.get_rank()
+    step, tokens = state["step"], state["tokens"]
+    tokens_per_step = engine.batch_sizes.train_batch_size * cfg.seq_len
+    batches = iter(stream)
+    engine.train()
+    bar = tqdm(
+        total=cfg.steps, initial=step, disable=rank != 0 or not cfg.progress, unit="step", dynamic_ncols=True
+    )
+    metrics = open(cfg.metrics_path, "a", encoding="utf-8") if rank == 0 else None
+    losses: list[float] = []
+    stopped = False
+    start = time.perf_counter()
+    try:
+        while step < cfg.steps:
+            t0 = time.perf_counter()
+            lr = engine.get_lr()[0]
+            profile = comm_timing.record_comm_times(engine.device) if cfg.profile_comm else contextlib.nullcontext()  # fmt: skip
+            with track_peak_memory(engine.device) as mem, profile as times:
+                for _ in range(cfg.grad_accum):
+                    out = engine(**next(batches))
+                    engine.backward(out.loss)
+                    try:
+                        loss = engine.step()
+                    except DivergenceError as e:
+                        raise DivergenceError(f"{e} Last good checkpoint: {_last_good(cfg)}.",
+                                              step=e.step, bad_steps=e.bad_steps) from None  # fmt: skip
+                comm_dt = time.perf_counter() - t0  # the step's metric reductions are not in it
+            step, tokens = step + 1, tokens + tokens_per_step
+            # one reduction: the busiest rank's peak memory, and whether any rank was asked to stop
+            flags = [mem.peak_bytes, int(stop is not None and stop.is_set())]
+            flags = all_reduce_max(torch.tensor(flags, dtype=torch.int64, device=engine.device),
+                                   engine.mesh.reduce_group).tolist()  # fmt: skip
+            dt = time.perf_counter() - t0
+            record = {
+                "step": step, "loss": loss, "grad_norm": engine.get_global_grad_norm(), "lr": lr,
+                "tokens": tokens, "tokens_per_s": tokens_per_step / dt, "peak_mem_bytes": int(flags[0]),
+                **_comm_fields(times, comm_dt),
+            }  # fmt: skip
+            if engine.loss_scaler is not None:  # fp16: the scale and the overflowing steps skipped so far
+                record.update(loss_scale=engine.loss_scaler.scale, skipped_steps=engine.skipped_steps)
+            if engine.last_step_skipped:  # only then: the usual line keeps its schema
+                record.update(skipped=True, skipped_steps=engine.skipped_steps)
+                if rank == 0:
+                    logger.warning("step %d skipped: loss %s, gradient norm %s (not finite)", step, loss,
+                                   record["grad_norm"])  # fmt: skip
+            losses.append(loss)
+            if metrics is not None:
+                metrics.write(json.dumps(record) + "\n")  # one write per line: a torn line is the last
+                metrics.flush()
+            shown = {"comm": f"{record['comm_share']:.0%}"} if "comm_share" in record else {}
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", **shown)
+            bar.update(1)
+            stopping = bool(flags[1])
+            if stopping or step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+                train_state = {"step": step, "tokens": tokens, "data": stream.position()}
+                path = checked_save(engine, cfg.output_dir, step, last_good=_last_good(cfg), tokenizer=tokenizer,
+                                    manifest=manifest, train_state=train_state, core_attn=cfg.attn,
+                                    save_dtype=DTYPES[cfg.save_dtype] if cfg.save_dtype else None)  # fmt: skip
+                if rank == 0:
+                    bar.write(f"saved {path}")
+            if stopping:
+                stopped = True
+                break
+    finally:
+        bar.close()
+        if metrics is not None:
+            metrics.close()
+    elapsed = time.perf_counter() - start
+    summary = {"steps": step, "final_loss": losses[-1] if losses else None, "seconds": elapsed,
+               "output_dir": cfg.output_dir, "checkpoint": os.path.join(cfg.output_dir, f"{ckpt.PREFIX}{step}"),
+               "stopped": stopped, "skipped_steps": engine.skipped_steps}  # fmt: skip
+    if rank == 0:
+        logger.info("done: %d steps in %.1f s, final loss %s", step, elapsed, summary["final_loss"])
+    return summary

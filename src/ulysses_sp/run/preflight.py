@@ -1,0 +1,96 @@
+"""The planner's prediction for one ``ulysses-sp train`` run, and the check that it fits.
+
+``prediction(cfg, world_size, model_config, device_type)`` maps the run's ``TrainConfig`` onto
+``plan.Settings`` and returns ``plan.predict``'s answer; ``check_fits`` raises ``ValueError``
+(or, with ``--force``, only warns) before anything is built when the predicted peak per rank
+exceeds the memory budget: ``--memory`` when given, else the accelerator's total memory, else
+(CPU) the host's available memory divided among the local ranks. Where it sits: ``train.run``
+calls it after the layout is known and before the tokenizer, data and model are built.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from ulysses_sp.plan.hardware import DEVICES, Hardware, parse_bytes
+from ulysses_sp.plan.inputs import ModelShape, Settings
+from ulysses_sp.plan.model import Prediction, predict
+from ulysses_sp.run.config import TrainConfig
+
+logger = logging.getLogger(__name__)
+
+
+def settings_for(cfg: TrainConfig, world_size: int, device_type: str) -> Settings:
+    """The planner's view of a training run's settings."""
+    return Settings(
+        seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, dp=world_size // cfg.sp, sp=cfg.sp,
+        zero_stage=cfg.zero_stage, partition=cfg.zero_partition,
+        dtype="fp32" if cfg.dtype == "fp32" else "bf16",  # fp16 takes bf16's bytes
+        offload_states=cfg.cpu_offload, tiled_mlp=cfg.tiled_mlp, tiled_mlp_shards=cfg.tiled_mlp_shards,
+        tiled_loss=cfg.tiled_loss, tiled_loss_shards=cfg.tiled_loss_shards,
+        activation_checkpointing=cfg.activation_checkpointing, offload_activations=cfg.offload_activations,
+        device_type=device_type,
+    )  # fmt: skip
+
+
+def _host_available_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def memory_budget(cfg: TrainConfig, device: torch.device) -> tuple[int | None, str]:
+    """``(bytes one rank may use, where the number comes from)``; ``None`` when unknown."""
+    if cfg.memory is not None:
+        return parse_bytes(cfg.memory), "--memory"
+    if device.type != "cpu":
+        props = torch.get_device_module(device.type).get_device_properties(device)
+        return int(props.total_memory), f"{device.type} device memory"
+    avail = _host_available_bytes()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return (avail // max(local, 1) if avail else None), "available host memory / local ranks"
+
+
+def prediction(cfg: TrainConfig, world_size: int, model_config: Any, device: torch.device) -> Prediction:
+    """The planner's prediction for this run (reserve 0 on CPU, the table's on accelerators)."""
+    hw: Hardware = DEVICES["cpu" if device.type == "cpu" else "h100"]
+    return predict(ModelShape.from_hf_config(model_config), settings_for(cfg, world_size, device.type), hw)
+
+
+def check_fits(cfg: TrainConfig, pred: Prediction, device: torch.device) -> str:
+    """Raise ``ValueError`` (warn with ``--force``) when ``pred`` exceeds the budget; return the
+    startup summary's line."""
+    budget, source = memory_budget(cfg, device)
+    line = f"  predicted peak per rank {pred.peak_bytes / 2**20:,.1f} MiB" + (
+        f" of {budget / 2**20:,.0f} MiB ({source})" if budget else ""
+    )
+    if budget is not None and pred.peak_bytes > budget:
+        big = sorted(pred.breakdown.items(), key=lambda kv: -kv[1])[:3]
+        msg = (
+            f"predicted peak per rank {pred.peak_bytes:,} bytes > {budget:,} bytes ({source}); largest parts: "
+            + ", ".join(f"{k} {v:,}" for k, v in big)
+            + "; shorten --seq-len, raise --sp, add --tiled-mlp/--tiled-loss/--activation-checkpointing, "
+            "run `ulysses-sp plan` for a setting that fits, or pass --force to try anyway"
+        )
+        if not cfg.force:
+            raise ValueError(msg)
+        logger.warning("--force: %s", msg)
+    return line
+
+
+def check_before_launch(cfg: TrainConfig, world_size: int) -> None:
+    """In the launching process, with ``--memory`` given: the same verdict before any rank starts."""
+    if cfg.memory is None:
+        return
+    from ulysses_sp.parallel.mesh import default_device_type
+    from ulysses_sp.run.checks import model_config
+    from ulysses_sp.tasks import load_tokenizer
+
+    device = torch.device(default_device_type())
+    mcfg = model_config(cfg.model, len(load_tokenizer(cfg.tokenizer, cfg.model)))
+    check_fits(cfg, prediction(cfg, world_size, mcfg, device), device)

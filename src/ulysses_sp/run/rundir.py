@@ -1,0 +1,284 @@
+"""The run directory: what a checkpoint records about its run, and readying ``--output-dir``.
+
+``manifest_for`` is what a checkpoint records and a resume compares (world layout, the settings
+that fix the batches and the model, the model config, a fingerprint of the data);
+``check_output_dir`` refuses an output directory that cannot be written or holds another run
+(unless ``--overwrite``), or a resume that does not match (a changed dataset included, unless
+``--allow-data-change``); ``prepare_output_dir`` readies it on rank 0 and drops a torn last line
+of the metrics file. ``checked_save`` (a collective) wraps ``checkpoint.save_checkpoint`` with what
+must hold before and during a save: finite weights, enough free space, a clear error on ENOSPC.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ulysses_sp.engine.divergence import HINT, DivergenceError, local_nonfinite
+from ulysses_sp.parallel.comm import all_reduce_max, all_reduce_sum, raise_if_any_rank_failed
+from ulysses_sp.state import checkpoint as ckpt
+
+if TYPE_CHECKING:
+    from ulysses_sp.run.config import TrainConfig
+
+logger = logging.getLogger(__name__)
+
+RESHARDABLE = ("world.world_size:", "world.sp:", "world.zero_stage:")
+"""Manifest differences a resume accepts: the training state is resharded to the new layout."""
+
+RUN_KEYS = ("model", "data", "seq_len", "micro_batch_size", "grad_accum", "seed", "attn",
+            "data_format", "loss_on", "chat_template", "packing", "long_samples", "eval_split")  # fmt: skip
+"""Settings a resumed run must share with its checkpoint (else the batches or model differ)."""
+
+
+def manifest_for(cfg: TrainConfig, world_size: int, model_cfg) -> dict[str, Any]:
+    """The ``world`` / ``run`` / ``model_config`` sections a checkpoint records and resume compares."""
+    mc = model_cfg.to_dict()
+    # what may legitimately differ between the saving and the resuming run: not the architecture
+    ignore = (
+        "_attn_implementation_autoset",
+        "attn_implementation",
+        "transformers_version",
+        "dtype",
+        "_name_or_path",
+    )
+    for key in ignore:
+        mc.pop(key, None)
+    return {
+        "world": {
+            "world_size": world_size,
+            "sp": cfg.sp,
+            "dp": world_size // cfg.sp,
+            "zero_stage": cfg.zero_stage,
+        },
+        "run": {k: getattr(cfg, k) for k in RUN_KEYS},
+        "model_config": json.loads(json.dumps(mc, default=str)),
+        "steps": cfg.steps,
+        "lr": cfg.lr,
+        "data_fingerprint": data_fingerprint(cfg.data),
+    }
+
+
+_SAMPLE_BYTES = 1 << 20
+_SAMPLES = 16
+
+
+def _file_digest(path: str, size: int) -> str:
+    """sha256 of the whole file up to ``_SAMPLES`` MiB, else of ``_SAMPLES`` 1 MiB blocks spread
+    evenly over it (first and last included): cheap for large corpora, and with the size it catches
+    appended, truncated or rewritten files."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= _SAMPLES * _SAMPLE_BYTES:
+            for block in iter(lambda: f.read(_SAMPLE_BYTES), b""):
+                h.update(block)
+        else:
+            for i in range(_SAMPLES):
+                f.seek((size - _SAMPLE_BYTES) * i // (_SAMPLES - 1))
+                h.update(f.read(_SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def data_fingerprint(data: str) -> dict[str, Any]:
+    """What ``--data`` read: ``{"recall": ...}`` for the generated task (the seed fixes it), else
+    every file's path (relative to ``data``), size and content digest (``_file_digest``)."""
+    from ulysses_sp.tasks import RECALL
+    from ulysses_sp.tasks.text import list_text_files
+
+    if data == RECALL:
+        return {"source": RECALL}
+    root = data if os.path.isdir(data) else os.path.dirname(data)
+    files = []
+    for path in list_text_files(data):
+        size = os.path.getsize(path)
+        files.append([os.path.relpath(path, root), size, _file_digest(path, size)])
+    return {"source": "files", "files": files}
+
+
+def _check_writable(output_dir: str) -> None:
+    """The output directory (or, before it exists, its nearest existing parent) takes files."""
+    where = os.path.abspath(output_dir)
+    while not os.path.exists(where):
+        where = os.path.dirname(where)
+    if not os.path.isdir(where):
+        raise ValueError(f"--output-dir {output_dir!r}: {where!r} is a file, not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=where):
+            pass
+    except OSError as e:
+        raise ValueError(
+            f"--output-dir {output_dir!r}: cannot write into {where!r} ({e.strerror}); choose a writable "
+            "--output-dir"
+        ) from None
+
+
+def _check_data_unchanged(
+    cfg: TrainConfig, saved: dict[str, Any], manifest: dict[str, Any], path: str
+) -> None:
+    old, new = saved.get("data_fingerprint"), manifest["data_fingerprint"]
+    if old is None or old == new or cfg.allow_data_change:
+        return
+    before = {f[0]: f[1:] for f in old.get("files", [])}
+    after = {f[0]: f[1:] for f in new.get("files", [])}
+    changed = sorted(n for n in set(before) | set(after) if before.get(n) != after.get(n))
+    raise ValueError(
+        f"--resume {path!r}: the data changed since the checkpoint was saved (files differing in size or "
+        f"content: {changed[:5] or [old.get('source'), new.get('source')]}); resuming would not continue the "
+        "same batches. Restore the data, start a new run, or pass --allow-data-change to resume anyway"
+    )
+
+
+def check_output_dir(cfg: TrainConfig, manifest: dict[str, Any]) -> None:
+    """Refuse to mix runs: another run's checkpoints need ``--resume`` or ``--overwrite``;
+    ``--resume`` needs a compatible checkpoint (the message lists every difference) and unchanged data."""
+    _check_writable(cfg.output_dir)
+    if cfg.resume is not None:
+        if cfg.overwrite:
+            raise ValueError("--resume and --overwrite contradict each other; pass one of them")
+        path = ckpt.resolve_resume(cfg.resume, cfg.output_dir)
+        saved = ckpt.read_manifest(path)
+        ckpt.check_format(saved, path)
+        # the training state reshards: another nproc, sp or ZeRO stage is fine (dp fixes the data order)
+        diffs = ckpt.compare_manifests(saved, manifest)
+        if any(not d.startswith(RESHARDABLE) for d in diffs):
+            raise ValueError(
+                f"--resume {path!r} does not match this run:\n  "
+                + "\n  ".join(d + (" (fine: resharded)" if d.startswith(RESHARDABLE) else "") for d in diffs)
+                + "\nresume with the checkpoint's settings (--nproc, --sp and --zero-stage may change, with "
+                "dp = nproc / sp as saved), or start a new run in another --output-dir"
+            )
+        _check_data_unchanged(cfg, saved, manifest, path)
+        return
+    existing = ckpt.list_checkpoints(cfg.output_dir)
+    if existing and not cfg.overwrite:
+        raise ValueError(
+            f"--output-dir {cfg.output_dir!r} already holds checkpoints of a run "
+            f"({', '.join(os.path.basename(p) for _, p in existing[-3:])}); pass --resume to continue it, "
+            "--overwrite to replace it, or choose another --output-dir"
+        )
+
+
+def prepare_output_dir(cfg: TrainConfig, resumed_step: int | None) -> None:
+    """Rank 0: create the output dir; with ``--overwrite`` remove the old run's checkpoints and
+    metrics (only those); on resume drop metrics lines past the resumed step."""
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    if cfg.overwrite:
+        for _, path in ckpt.list_checkpoints(cfg.output_dir):
+            shutil.rmtree(path)
+        if os.path.exists(cfg.metrics_path):
+            os.remove(cfg.metrics_path)
+    for name in os.listdir(cfg.output_dir):
+        if name.startswith(ckpt.TMP_PREFIX):  # left by a run killed while saving
+            shutil.rmtree(os.path.join(cfg.output_dir, name), ignore_errors=True)
+    metrics_dir = os.path.dirname(cfg.metrics_path)
+    if metrics_dir:
+        os.makedirs(metrics_dir, exist_ok=True)
+    if resumed_step is not None and os.path.exists(cfg.metrics_path):
+        keep = [
+            line for line in read_metrics_lines(cfg.metrics_path) if json.loads(line)["step"] <= resumed_step
+        ]
+        with open(cfg.metrics_path, "w", encoding="utf-8") as f:
+            f.writelines(keep)
+    elif resumed_step is None and os.path.exists(cfg.metrics_path):
+        os.remove(cfg.metrics_path)
+
+
+def read_metrics_lines(path: str) -> list[str]:
+    """The complete lines of a metrics JSONL file. A line that is not a whole JSON object — the torn
+    last line of a run killed mid-write, or a disk that filled — is dropped with a warning."""
+    keep = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.readlines()
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            ok = line.endswith("\n") and isinstance(json.loads(line), dict) and "step" in json.loads(line)
+        except json.JSONDecodeError:
+            ok = False
+        if ok:
+            keep.append(line)
+        else:
+            logger.warning("%s: dropping line %d of %d, which is incomplete (a run stopped while writing it): "
+                           "%.60r", path, i, len(lines), line)  # fmt: skip
+    return keep
+
+
+# ---------------------------------------------------------------- saving, checked
+class NoSpaceError(RuntimeError):
+    """The output directory's file system cannot hold the checkpoint."""
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
+def checkpoint_bytes(engine: Any) -> int:
+    """An estimate of one checkpoint's size on disk (a collective over the run's ranks): the full
+    weights rank 0 writes plus every rank's optimizer state as it holds it, plus 5% and 1 MiB."""
+    from torch.distributed.tensor import DTensor
+
+    weights = sum(p.numel() * p.element_size() for p in engine.module.parameters())
+    local = 0
+    for state in engine.optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                v = v.to_local() if isinstance(v, DTensor) else v
+                local += v.numel() * v.element_size()
+    states = all_reduce_sum(torch.tensor(float(local)), engine.mesh.reduce_group)
+    return int((weights + states.item()) * 1.05) + 2**20
+
+
+def checked_save(engine: Any, output_dir: str, step: int, *, last_good: str | None, **save_kw: Any) -> str:
+    """``checkpoint.save_checkpoint`` with the checks a save needs (every rank calls it):
+
+    1. the weights are finite on every rank (one ``all_reduce_max`` of a flag; a non-finite model is
+       never saved: ``DivergenceError`` naming ``last_good``);
+    2. the file system of ``output_dir`` has room for ``checkpoint_bytes`` (``NoSpaceError`` naming
+       what is needed and what is free, on every rank, before anything is written);
+    3. a write that fails with ENOSPC anyway becomes the same clear ``NoSpaceError`` (the partial
+       ``.tmp-`` directory is removed; the previous checkpoints are untouched).
+    """
+    group = engine.mesh.reduce_group
+    bad = torch.tensor(float(local_nonfinite(list(engine.module.parameters()))))
+    if all_reduce_max(bad, group).item():
+        raise DivergenceError(
+            f"not saving step {step}: the model's weights hold NaN or inf. The last good checkpoint is "
+            f"{last_good or 'none (none was saved yet)'}. {HINT}",
+            step=step,
+            bad_steps=0,
+        )
+    need = checkpoint_bytes(engine)
+    free = shutil.disk_usage(output_dir).free
+    short = f"no space left on {output_dir}: need ~{_mib(need)} for checkpoint {step}, have {_mib(free)}"
+    error = f"{short}; free space or choose another --output-dir" if need > free else None
+    raise_if_any_rank_failed(error if torch.distributed.get_rank() == 0 else None, group, NoSpaceError)
+    try:
+        return ckpt.save_checkpoint(engine, output_dir, step, **save_kw)
+    # torch.distributed.checkpoint reports its ranks' write errors as a CheckpointException, which is
+    # a BaseException (not an Exception); torch.save and safetensors say "full disk" in their own words
+    except (Exception, CheckpointException) as e:
+        # torch.save says only "unexpected pos ..." / "iostream error": an (almost) full file system
+        # right after the failure is the evidence
+        full = shutil.disk_usage(output_dir).free < max(4 * 2**20, need // 100)
+        causes = [e, *getattr(e, "failures", {}).values()]  # a CheckpointException's per-rank errors
+        if not (
+            any(getattr(c, "errno", None) == errno.ENOSPC or "No space left" in str(c) for c in causes)
+            or full
+        ):
+            raise
+        shutil.rmtree(os.path.join(output_dir, f"{ckpt.TMP_PREFIX}{step}"), ignore_errors=True)
+        free = shutil.disk_usage(output_dir).free
+        raise NoSpaceError(
+            f"no space left on {output_dir}: need ~{_mib(need)} for checkpoint {step}, have {_mib(free)} "
+            f"(the write failed: {e}); free space or choose another --output-dir"
+        ) from None

@@ -1,0 +1,253 @@
+"""How a CLI run ends when it does not simply finish: signals, errors, a rank that stops answering.
+
+Every rank reports its own end in one line (no traceback for the ends we understand) and exits with
+a code that tells the launching process what happened:
+
+- ``0`` done (or stopped after ``--save-on-signal`` saved);
+- ``1`` an error, reported by the rank ("[rank r] error: ...", a traceback only for the unexpected);
+- ``3`` a collective timed out: this rank waited ``--timeout`` seconds for a peer that stopped
+  answering (the peer is the one to blame, not this rank);
+- ``4`` a peer's connection broke (it died);
+- ``128 + signal`` stopped by SIGINT / SIGTERM.
+
+The launching process (``blame``) turns the failures into one line naming the rank at fault:
+a rank killed by a signal, else — when the failed ranks only timed out waiting — the ranks that
+did not fail (they stopped answering), else the ranks with errors. ``stop_line`` is the one line a
+signal ends with, naming the latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+logger = logging.getLogger("ulysses_sp.cli")
+
+EXIT_ERROR, EXIT_TIMEOUT, EXIT_PEER_LOST = 1, 3, 4
+SHUTDOWN_GRACE_S = 3
+"""Seconds the launcher waits for workers to exit after SIGTERM before SIGKILL (no --save-on-signal)."""
+
+
+class Stopped(BaseException):
+    """Raised in a rank by SIGINT / SIGTERM (a ``BaseException``: no ``except Exception`` eats it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def signal_handlers(save_on_signal: float) -> Iterator[threading.Event]:
+    """While inside: SIGINT / SIGTERM raise ``Stopped`` in this rank, except that with
+    ``save_on_signal`` the first SIGTERM only sets the yielded event (the loop then saves and
+    returns). The previous handlers come back on exit. Main thread only."""
+    event = threading.Event()
+
+    def handler(signum: int, _frame: Any) -> None:
+        if signum == signal.SIGTERM and save_on_signal > 0 and not event.is_set():
+            event.set()
+            return
+        raise Stopped(signum)
+
+    def unraisable(info: Any) -> None:
+        # A signal that lands while Python runs a weakref callback or finalizer (the attention's
+        # step-state release, the memory tracker's storage finalizers) raises Stopped *inside* that
+        # callback, where Python prints it as "Exception ignored" with a traceback and drops it.
+        # Deliver the signal again, from another thread a moment later (raised here, the handler
+        # would run inside this hook and be dropped again): it then lands outside the callback.
+        if isinstance(info.exc_value, Stopped):
+            threading.Timer(0.01, os.kill, (os.getpid(), info.exc_value.signum)).start()
+            return
+        previous_hook(info)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous_hook, sys.unraisablehook = sys.unraisablehook, unraisable
+    try:
+        yield event
+    finally:
+        sys.unraisablehook = previous_hook
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _classify(e: BaseException) -> tuple[int, str]:
+    import torch.distributed as dist
+
+    text = str(e)
+    if isinstance(e, dist.DistBackendError) or "gloo" in text.lower() or "nccl" in text.lower():
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            return (
+                EXIT_TIMEOUT,
+                "a collective timed out: another rank stopped answering (waited --timeout seconds)",
+            )
+        return (
+            EXIT_PEER_LOST,
+            f"lost the connection to another rank (it stopped or died): {text.splitlines()[0]}",
+        )
+    from ulysses_sp.engine.divergence import DivergenceError
+    from ulysses_sp.run.rundir import NoSpaceError
+
+    if isinstance(e, (ValueError, TypeError, DivergenceError, NoSpaceError)):
+        return EXIT_ERROR, f"error: {e}"
+    return EXIT_ERROR, "error:\n" + "".join(traceback.format_exception(e))
+
+
+def run_reporting(
+    rank: int,
+    body: Callable[[], Any],
+    report_stop: Callable[[int], str] | None = None,
+    failed_dir: str | None = None,
+) -> Any:
+    """Run ``body`` in a rank; on anything but success, report one line and ``sys.exit`` its code.
+
+    A signal ends silently unless ``report_stop`` is given (then its line is printed): the process
+    that launched the ranks reports it once. On a failure, a file ``rank<r>`` is left in
+    ``failed_dir`` (when given) for the launching process's ``FailureWatch``.
+    """
+    try:
+        return body()
+    except Stopped as s:
+        if report_stop is not None:
+            print(report_stop(s.signum), file=sys.stderr, flush=True)
+        sys.exit(128 + s.signum)
+    except Exception as e:
+        code, message = _classify(e)
+        print(f"[rank {rank}] {message}", file=sys.stderr, flush=True)
+        if failed_dir is not None:
+            with open(os.path.join(failed_dir, f"rank{rank}"), "w") as f:
+                f.write(f"{code} {os.getpid()}")
+        sys.exit(code)
+
+
+def blame(failures: dict[int, int], nproc: int, timeout_s: float) -> str:
+    """The launching process's line for failed workers: ``failures`` maps rank -> exit code
+    (negative: killed by that signal)."""
+
+    def ranks(rs: Any) -> str:
+        return ", ".join(str(r) for r in sorted(rs))
+
+    killed = {r: c for r, c in failures.items() if c < 0}
+    if killed:
+        return "; ".join(
+            f"rank {r} was killed by {signal.Signals(-c).name} (exit {c})" for r, c in killed.items()
+        )
+    if failures and all(c == EXIT_TIMEOUT for c in failures.values()):
+        silent = set(range(nproc)) - set(failures)
+        return (
+            f"rank(s) {ranks(silent)} stopped answering: rank(s) {ranks(failures)} waited {timeout_s:g} s "
+            "(--timeout) for them in a collective"
+        )
+    return ", ".join(f"rank {r} (exit {c})" for r, c in sorted(failures.items())) + "; see the errors above"
+
+
+def stop_line(command: str, signum: int, output_dir: str | None) -> str:
+    """``ulysses-sp train: stopped by SIGTERM; latest checkpoint: <dir> (continue with --resume)``."""
+    line = f"ulysses-sp {command}: stopped by {signal.Signals(signum).name}"
+    if output_dir is None:
+        return line
+    from ulysses_sp.state.checkpoint import list_checkpoints
+
+    found = list_checkpoints(output_dir)
+    if not found:
+        return f"{line}; no checkpoint in {output_dir} yet"
+    return f"{line}; latest checkpoint: {found[-1][1]} (continue with --resume)"
+
+
+def quiet_launcher_logs() -> None:
+    """The launcher's own error dumps repeat what the ranks reported; keep only its criticals."""
+    for name in ("torch.distributed.elastic", "torch.multiprocessing"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def exit_code_of(failure: Any) -> int:
+    code = getattr(failure, "exitcode", EXIT_ERROR)
+    return int(code) if code is not None else EXIT_ERROR
+
+
+class FailureWatch:
+    """In the launching process: once a rank has failed, end the ranks still running after
+    ``SHUTDOWN_GRACE_S`` — a stopped or hung rank never exits on the SIGTERM the launcher sends it,
+    and the elastic agent's stop after a failure waits a fixed 30 s before its SIGKILL. The run is
+    lost at that point anyway; this only makes it end within ``--timeout`` plus a few seconds.
+
+    Ranks report a failure by a file in ``path`` (``run_reporting``). Linux (``/proc``); elsewhere
+    the agent's own 30 s apply.
+    """
+
+    def __init__(self) -> None:
+        self.path = tempfile.mkdtemp(prefix="ulysses-sp-failed-")
+        self._done = threading.Event()
+        self.killed: list[int] = []
+        """Worker pids this watch killed (still running after a failure and the grace)."""
+        self._thread = threading.Thread(target=self._watch, name="ulysses-sp-failure-watch", daemon=True)
+
+    def __enter__(self) -> FailureWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def _watch(self) -> None:
+        while not self._done.wait(0.2):
+            if os.listdir(self.path):
+                if not self._done.wait(SHUTDOWN_GRACE_S):  # the others report their own errors first
+                    failed = {pid for _, pid in self._reports().values()}  # exiting on their own
+                    for pid in set(_spawned_children()) - failed:
+                        with contextlib.suppress(OSError):
+                            os.kill(pid, signal.SIGKILL)
+                            self.killed.append(pid)
+                return
+
+    def _reports(self) -> dict[int, tuple[int, int]]:
+        """``rank -> (exit code, pid)`` of the ranks that reported a failure."""
+        out = {}
+        for name in os.listdir(self.path):
+            with contextlib.suppress(OSError, ValueError):
+                with open(os.path.join(self.path, name)) as f:
+                    code, pid = (int(v) for v in f.read().split())
+                out[int(name.removeprefix("rank"))] = (code, pid)
+        return out
+
+    def exit_codes(self, seen: dict[int, int]) -> dict[int, int]:
+        """The failures to blame: the launcher's ``seen`` (rank -> exit code; it reports only the first
+        failure it noticed), completed by the ranks' own reports, without the ranks this watch had to
+        kill (they did not fail: they stopped answering)."""
+        reported = {rank: code for rank, (code, _) in self._reports().items()}
+        if self.killed:
+            seen = {r: c for r, c in seen.items() if c != -signal.SIGKILL or r in reported}
+        return {**seen, **reported}
+
+
+def _spawned_children() -> list[int]:
+    """This process's worker processes (multiprocessing ``spawn`` children), from ``/proc``."""
+    me, found = os.getpid(), []
+    try:
+        tasks = os.listdir(f"/proc/{me}/task")
+    except OSError:
+        return []
+    for task in tasks:
+        try:
+            with open(f"/proc/{me}/task/{task}/children") as f:
+                pids = [int(p) for p in f.read().split()]
+        except OSError:
+            continue
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"spawn_main" in f.read():
+                        found.append(pid)
+            except OSError:
+                continue
+    return found
