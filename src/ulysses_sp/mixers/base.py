@@ -1,0 +1,92 @@
+"""The contract every sequence-mixer handler meets, and the undoable pass that applies them.
+
+A *sequence mixer* is a module of a decoder layer that mixes tokens along the sequence by other
+means than the registered SP attention (a scan, a recurrence, a causal convolution). Under
+sequence parallelism each rank holds ``[B, S_l, ...]``; a mixer that runs on the local shard alone
+restarts its state at every shard boundary: a silently wrong result. A handler makes one kind of
+mixer exact: its input projections run on the local tokens, an all-to-all turns sequence shards
+into head shards (``[B, S_l, H, ...] -> [B, S, H_l, ...]``), the model's own kernel runs over the
+full sequence for the rank's heads, and the inverse all-to-all returns the output to the local
+tokens.
+
+``MixerHandler`` is what a handler module provides; ``shard_mixers(model, mesh, handlers)`` wraps
+every module some handler claims and returns a handle whose ``remove()`` restores the model. The
+closed-world guard asks ``claimed_by(module, handlers)`` whether a module is handled.
+
+Shape legend: ``B`` batch, ``S`` global sequence, ``S_l = S/P``, ``H`` heads, ``H_l = H/P``,
+``P`` the SP group size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from torch import nn
+
+
+class MixerHandler(Protocol):
+    """One kind of sequence mixer (e.g. Mamba-2's mixer module, a short convolution)."""
+
+    name: str
+    """Short name for messages and tables (``"mamba2"``, ``"short_conv"``, ``"gated_delta_net"``)."""
+
+    def matches(self, module: nn.Module) -> bool:
+        """True when this handler knows how to shard ``module`` (judged by structure, not model name)."""
+        ...
+
+    def check(self, module: nn.Module, sp_size: int) -> None:
+        """Raise ``ValueError`` naming the module and the numbers when ``sp_size`` cannot shard it
+        (e.g. heads not divisible by ``sp_size``)."""
+        ...
+
+    def wrap(self, module: nn.Module, mesh: Any) -> Callable[[], None]:
+        """Make ``module`` sequence-parallel over ``mesh``'s SP group; return the undo."""
+        ...
+
+
+def claimed_by(module: nn.Module, handlers: Iterable[MixerHandler]) -> MixerHandler | None:
+    """The first handler that matches ``module``, or ``None``."""
+    for handler in handlers:
+        if handler.matches(module):
+            return handler
+    return None
+
+
+@dataclass
+class MixerHandle:
+    """What ``shard_mixers`` returns: which modules it wrapped, and ``remove()`` to undo all of them."""
+
+    wrapped: list[tuple[str, str]] = field(default_factory=list)
+    """``(module path, handler name)`` for every wrapped module, in model order."""
+    _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
+
+    def remove(self) -> None:
+        """Restore every wrapped module (last wrapped first)."""
+        while self._undo:
+            self._undo.pop()()
+        self.wrapped.clear()
+
+
+def shard_mixers(model: nn.Module, mesh: Any, handlers: Sequence[MixerHandler]) -> MixerHandle:
+    """Wrap every module of ``model`` that a handler claims; check all before wrapping any.
+
+    Raises ``ValueError`` (every problem, one per line) before touching the model when some claimed
+    module cannot be sharded at ``mesh``'s SP size.
+    """
+    sp_size = mesh.sp_size
+    claimed = [(n, m, h) for n, m in model.named_modules() if (h := claimed_by(m, handlers)) is not None]
+    problems = []
+    for name, module, handler in claimed:
+        try:
+            handler.check(module, sp_size)
+        except ValueError as err:
+            problems.append(f"{name}: {err}")
+    if problems:
+        raise ValueError("sequence parallelism cannot shard these mixers:\n" + "\n".join(problems))
+    handle = MixerHandle()
+    for name, module, handler in claimed:
+        handle._undo.append(handler.wrap(module, mesh))
+        handle.wrapped.append((name, handler.name))
+    return handle
