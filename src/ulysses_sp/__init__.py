@@ -25,6 +25,7 @@ _EXPORTS = {
     "UlyssesSPDataLoaderAdapter": "data",
     "PackingCollator": "data",
     "sp_data_sampler": "data",
+    "declare_position_wise": "mixers.guard",
     "initialize": "engine",
     "Engine": "engine",
     "TrainingConfig": "config",

@@ -45,11 +45,25 @@ def model_and_config(model_name_or_path: Any) -> tuple[Any | None, Any]:
     return model_name_or_path, config
 
 
+POSITION_WISE_LAYER_TYPES = frozenset({"mlp", "moe", "ffn", "dense", "sparse"})
+"""Config layer types of layers that hold no token mixer at all."""
+
+
+def layer_kind(layer_type: str) -> str:
+    """``"attention"``, ``"position-wise"`` or ``"mixer"`` for one config layer type string
+    (``full_attention``/``sliding_attention``: attention; ``linear_attention``, ``conv``, ``mamba``: mixer)."""
+    t = layer_type.lower()
+    if "attention" in t and not any(w in t for w in ("linear", "lightning", "delta", "kda")):
+        return "attention"
+    return "position-wise" if t in POSITION_WISE_LAYER_TYPES else "mixer"
+
+
 def num_attention_layers(config: Any) -> int:
-    """Layers that run attention: all of them, unless ``layer_types`` marks some as non-attention."""
+    """Layers that run attention: all of them, unless ``layer_types`` marks some as non-attention
+    (a linear-attention, convolution or state-space layer does not call the SP attention)."""
     types = getattr(config, "layer_types", None)
     if types:
-        return sum(1 for t in types if "attention" in str(t))
+        return sum(1 for t in types if layer_kind(str(t)) == "attention")
     return int(config.num_hidden_layers)
 
 

@@ -6,7 +6,8 @@ so a bad input raises ``ValueError`` everywhere instead of leaving some ranks in
 1. parse the config; check the arguments and that a process group exists;
 2. decide the mesh shape from ``mesh_param`` / ``mpu`` / config keys (they must agree) and the
    data-parallel world size (``mesh_shape.data_parallel_world_size``), then the batch triple;
-3. check the optimizer / scheduler arguments against the ZeRO stage;
+3. check the optimizer / scheduler arguments against the ZeRO stage, and (sp > 1) that every module
+   of the model is SP attention, position-wise or a mixer SP shards (``mixers.guard``);
 4. collectives: build or adopt the mesh, wrap the model (DDP or FSDP2), build the optimizer over
    the wrapped parameters, the scheduler, and the DataLoader.
 """
@@ -35,6 +36,7 @@ from ulysses_sp.engine.optim import (
     remap_parameters,
 )
 from ulysses_sp.engine.sharding import apply_ddp, apply_fsdp, on_meta
+from ulysses_sp.mixers.guard import check_sequence_mixing
 from ulysses_sp.parallel.comm import raise_if_any_rank_failed
 from ulysses_sp.parallel.mesh import LAUNCH_HINT, SPMesh, init_mesh
 from ulysses_sp.parallel.mesh_shape import check_mesh_param, data_parallel_world_size, resolve_mesh_shape
@@ -88,7 +90,9 @@ def initialize(
 
     Raises:
         ValueError: any bad or inconsistent input (before any collective, on every rank),
-            including no process group (the message says how to launch).
+            including no process group (the message says how to launch) and, at ``sp_size > 1``, a
+            model with a module that mixes tokens along the sequence outside the SP attention (the
+            closed-world guard, ``mixers.guard``: the message names the layer, module and why).
     """
     if config is None:
         raise ValueError("initialize needs config= (a dict, a JSON file path or a TrainingConfig)")
@@ -119,6 +123,9 @@ def initialize(
     )
     if training_data is not None:
         check_dataset(training_data)
+    # the closed-world guard: every module of every decoder layer is SP attention, position-wise or
+    # a mixer SP shards; the same verdict on every rank (a pure function of the model)
+    check_sequence_mixing(model, sp_size=sp_size)
     if stage <= 1 and on_meta(model):
         raise ValueError(
             f"the model's parameters are on the meta device, which needs ZeRO stage 2 or 3 (got stage {stage}): "

@@ -21,7 +21,8 @@ of a run without SP on the same number of processes.
 
 Refused, with the fix in the message (``ValueError`` on every rank, before any collective): a
 Trainer with DeepSpeed or with accelerate's own sequence/context/tensor parallelism, single-process
-multi-GPU ``DataParallel``, an attention implementation the SP attention cannot wrap, a custom
+multi-GPU ``DataParallel``, an attention implementation the SP attention cannot wrap, a model with a
+module that mixes tokens outside the SP attention (``mixers.guard``: a convolution, scan or linear attention), a custom
 ``compute_loss_func``, label smoothing, TRL's ``loss_type="dft"`` or MoE auxiliary loss, ``compute_metrics`` (it needs full-sequence logits, which SP
 never gathers). Collator outputs the adapter cannot shard (left padding, a ``[B, S]`` tensor whose
 batch size differs, ...) raise at the first batch on every rank of the group.
@@ -37,6 +38,7 @@ from ulysses_sp.attention.registration import ATTN_NAME, SPRegistration
 from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
 from ulysses_sp.checks import positive_int
 from ulysses_sp.integrations._trainer import SPTrainerDataLoader, SPTrainerMixin
+from ulysses_sp.mixers.guard import check_sequence_mixing
 from ulysses_sp.parallel.mesh import SPMesh, init_mesh, require_process_group
 from ulysses_sp.parallel.mesh_shape import resolve_ring_size
 
@@ -125,6 +127,7 @@ def prepare(
     model = getattr(trainer, "model", None)
     core = core_attn_implementation or _model_attention(model)
     _check_trainer(trainer, core)
+    check_sequence_mixing(model, sp_size=sp_size)  # the closed-world guard, before any collective
     require_process_group("ulysses_sp.integrations.transformers.prepare")
     config, ring = getattr(model, "config", None), ring_size
     if hasattr(config, "num_attention_heads"):  # else registration refuses the model, naming why

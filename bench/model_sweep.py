@@ -1,0 +1,264 @@
+"""Coverage sweep: every decoder-only causal LM of the installed transformers, at sp=2 against no SP.
+
+    python -m bench.model_sweep                       # all families -> bench/results/model_sweep.md
+    python -m bench.model_sweep --only llama,lfm2     # a few, printed (the table is not rewritten)
+
+The families come from transformers' own auto registry (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` minus
+the encoder-decoder and masked-LM registries), not from a list kept here. Each gets a tiny config
+shrunk from its config class's defaults (hidden 64, 4 heads / 2 kv heads, 4 experts, vocab 128,
+layers enough to hold every layer type of the defaults, 2 at least), random weights large enough
+that one wrong position shows, fp32. Two gloo ranks each build it from the same seed and
+run one step: the plain model on the whole sequence (the oracle) and the same model at sp=2 (the
+closed-world guard first, then Ulysses attention, ``S_l = S/2`` tokens per rank, the SP loss). The
+verdict: **exact** (every position's logits and every gradient, summed over the SP group, equal
+the oracle's at ``rtol 1e-4``), **refused** (the guard's reason), **wrong** (no refusal, a
+mismatch: a bug), **skipped** (the tiny config cannot be built, with why) or **crash** (an error,
+a time-out or the memory cap: every model runs in its own processes under ``RLIMIT_AS``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import resource
+import tempfile
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+SEQ = 32
+"""Tokens per sequence (rank holds 16): longer than the tiny sliding window and attention chunk (8)."""
+SHRINK = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+    n_routed_experts=4, num_local_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+    n_shared_experts=1, num_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
+    qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=256, sliding_window=8,
+    attention_chunk_size=8, initializer_range=0.1, use_cache=False,
+)  # fmt: skip
+"""Config fields shrunk where the config class has them (others keep their defaults)."""
+LAYER_TYPES = {"lfm2": ["conv", "full_attention"], "lfm2_moe": ["conv", "full_attention"]}
+"""Where the defaults hold one layer type only although the family has two (LFM2: all attention)."""
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def families() -> list[str]:
+    """Decoder-only causal-LM model types of the installed transformers, from its auto registries."""
+    from transformers.models.auto import modeling_auto as auto
+
+    not_decoder_only = (
+        set(auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
+        | set(auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES)
+        | set(auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+    )
+    return sorted(set(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) - not_decoder_only)
+
+
+def tiny_config(model_type: str) -> Any:
+    """The config class's defaults, shrunk (``SHRINK``), with every default layer type in its layers."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    defaults = cls().to_dict()
+    kw = {k: v for k, v in SHRINK.items() if k in defaults}
+    if "qk_rope_head_dim" in kw and "head_dim" in defaults:
+        kw["head_dim"] = kw["qk_rope_head_dim"]  # MLA: the rotary part of the head is "head_dim"
+    if "kv_lora_rank" in kw and "num_key_value_heads" in kw:
+        kw["num_key_value_heads"] = kw["num_attention_heads"]  # MLA: one key per query head
+    types = LAYER_TYPES.get(model_type) or defaults.get("layer_types")
+    n = 2
+    if types:
+        for i, t in enumerate(types):
+            if t not in types[:i]:
+                n = max(n, i + 1)  # the first index at which every type has appeared
+        kw["layer_types"] = list(types[:n])
+    kw["num_hidden_layers"] = n
+    return cls(**kw)
+
+
+def build(model_type: str, seed: int = 0) -> Any:
+    """The tiny fp32 model with random weights (matrices N(0, 0.2), vectors 1 + N(0, 0.1)), eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_config(model_type)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.dim() >= 2 else p.normal_(1.0, 0.1)
+    return model.eval()  # no dropout; the SP attention still runs (disable_in_eval=False)
+
+
+def compare(model: Any, *, guard: bool = True, seed: int = 1) -> dict[str, Any]:
+    """One step at sp = world size against the same model without SP; call on every rank of a gloo group.
+
+    Returns ``{"verdict": "exact"|"refused"|"wrong", "detail": ...}`` (the same on every rank).
+    """
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
+    from ulysses_sp.mixers.guard import check_sequence_mixing
+    from ulysses_sp.parallel.loss import sp_causal_lm_loss
+
+    sp, rank = dist.get_world_size(), dist.get_rank()
+    if guard:
+        try:
+            check_sequence_mixing(model, sp_size=sp)
+        except ValueError as err:
+            return {"verdict": "refused", "detail": " | ".join(str(err).splitlines()[1:-1]).strip()}
+    ref = copy.deepcopy(model)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (1, SEQ), generator=torch.Generator().manual_seed(seed))
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)  # [B, S], shifted
+    try:
+        ref_logits = ref(input_ids=ids, use_cache=False).logits  # [B, S, V]
+        F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(), ignore_index=-100).backward()
+    except Exception as err:  # noqa: BLE001 - the tiny config does not run even without SP
+        return {"verdict": "skipped", "detail": f"runs without SP neither: {type(err).__name__}: {err}"[:300]}
+    reg = UlyssesSPAttentionHF.register_with_transformers(model, "eager", sp, 1)
+    try:
+        s_l = SEQ // sp
+        part = slice(rank * s_l, (rank + 1) * s_l)  # this rank's shard: [B, S] -> [B, S_l]
+        pos = torch.arange(SEQ)[None, part]
+        logits = model(input_ids=ids[:, part], position_ids=pos, use_cache=False).logits  # [B, S_l, V]
+        sp_causal_lm_loss(logits, labels[:, part], reg.get_sequence_parallel_group()).backward()
+    finally:
+        reg.remove()
+    problems = _mismatches(logits.detach(), ref_logits.detach()[:, part], "logits")
+    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(g)  # sum over the SP group, as the engine reduces gradients
+        if r.grad is not None:
+            problems += _mismatches(g, r.grad, name)
+    bad = torch.tensor([len(problems)])
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # one verdict for the group
+    if int(bad):
+        return {"verdict": "wrong", "detail": problems[0] if problems else "another rank differs"}
+    return {"verdict": "exact", "detail": ""}
+
+
+def _mismatches(got: Any, want: Any, name: str) -> list[str]:
+    import torch
+
+    scale = float(want.abs().max())
+    if torch.allclose(got, want, rtol=1e-4, atol=1e-5 * max(scale, 1e-12)):
+        return []
+    err = (got - want).abs()
+    flat = int(err.argmax())
+    return [f"{name} differs by {float(err.max()) / max(scale, 1e-30):.1%} of its scale (at index {flat})"]
+
+
+def _rank_main(model_type: str, rank: int, store: str, mem_bytes: int, out: Any) -> None:
+    """One rank of one family's run, in its own process under the memory cap."""
+    resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        try:
+            model = build(model_type)
+        except Exception as err:  # noqa: BLE001 - the family's tiny config is not buildable: say why
+            out.put((rank, {"verdict": "skipped", "detail": f"{type(err).__name__}: {err}"}))
+            return
+        dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
+                                timeout=timedelta(seconds=120))  # fmt: skip
+        out.put((rank, compare(model)))
+    except BaseException as err:  # noqa: BLE001 - reported as a crash with its reason
+        last = traceback.format_exc().strip().splitlines()[-1]
+        out.put((rank, {"verdict": "crash", "detail": f"{type(err).__name__}: {err}"[:300] or last}))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_family(model_type: str, *, timeout: float, mem_gb: float) -> dict[str, Any]:
+    """``{"family", "verdict", "detail"}`` for one family: two fresh ranks, a time limit, a memory cap."""
+    ctx = mp.get_context("fork")  # the parent's imports are shared: no interpreter start per family
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        args = (model_type, 0, os.path.join(tmp, "store"), int(mem_gb * 2**30), out)
+        procs = [ctx.Process(target=_rank_main, args=(*args[:1], r, *args[2:]), daemon=True) for r in range(2)]
+        for p in procs:
+            p.start()
+        results: dict[int, dict[str, Any]] = {}
+        try:
+            while len(results) < 2:
+                rank, res = out.get(timeout=timeout)
+                results[rank] = res
+        except Exception:  # noqa: BLE001 - queue.Empty: the time limit, or a rank killed (memory)
+            codes = [p.exitcode for p in procs]
+            results.setdefault(0, {"verdict": "crash", "detail": f"no result in {timeout:.0f}s (exit codes {codes})"})
+        finally:
+            for p in procs:
+                p.kill()
+                p.join()
+    order = ["crash", "wrong", "skipped", "refused", "exact"]
+    worst = min(results.values(), key=lambda r: order.index(r["verdict"]))
+    return {"family": model_type, **worst}
+
+
+def write_table(rows: list[dict[str, Any]], path: Path) -> str:
+    """The markdown table (counts first), written to ``path``; returns the text."""
+    import transformers
+
+    counts = {v: sum(r["verdict"] == v for r in rows) for v in ("exact", "refused", "skipped", "crash", "wrong")}
+    lines = [
+        "# Model coverage sweep",
+        "",
+        f"transformers {transformers.__version__}: {len(rows)} decoder-only causal-LM families from its auto "
+        "registry, each at sp=2 against the same model without SP (per-position logits and every "
+        "gradient, fp32, rtol 1e-4). `python -m bench.model_sweep` regenerates this file.",
+        "",
+        "**" + ", ".join(f"{n} {v}" for v, n in counts.items()) + "**",
+        "",
+        "| family | verdict | reason |",
+        "|---|---|---|",
+    ]
+    for r in rows:
+        detail = r["detail"].replace("|", "/").replace("\n", " ")
+        lines.append(f"| {r['family']} | {r['verdict']} | {detail[:400]} |")
+    text = "\n".join(lines) + "\n"
+    path.write_text(text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="", help="comma-separated model types (default: every family)")
+    ap.add_argument("--timeout", type=float, default=240.0, help="seconds per family")
+    ap.add_argument("--mem-gb", type=float, default=6.0, help="address-space cap per rank (GiB)")
+    ap.add_argument("--jobs", type=int, default=1, help="families run at once (2 processes each)")
+    ap.add_argument("--out", default=str(RESULTS / "model_sweep.md"))
+    args = ap.parse_args(argv)
+    import transformers  # noqa: F401 - imported once here, shared by every forked family run
+
+    todo = [t for t in args.only.split(",") if t] or families()
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(model_type: str) -> dict[str, Any]:
+        row = run_family(model_type, timeout=args.timeout, mem_gb=args.mem_gb)
+        print(json.dumps(row), flush=True)
+        return row
+
+    with ThreadPoolExecutor(args.jobs) as pool:  # threads only wait on their families' processes
+        rows = list(pool.map(one, todo))
+    if not args.only:
+        write_table(rows, Path(args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""What one module does to the sequence dimension, judged from its type, its parameters and its code.
+
+The closed-world guard (``mixers.guard``) asks ``verdict(module)`` for every module of every
+decoder layer and gets one of:
+
+- ``ATTENTION``: its code reads transformers' ``ALL_ATTENTION_FUNCTIONS`` registry, so with
+  ``attn_implementation="ulysses_sp"`` its core attention is the SP attention (its children are
+  still judged one by one);
+- ``POSITION_WISE``: it acts on every token alone (linear layers, norms, activations, dropout,
+  embeddings, rotary tables, MoE routers and experts; or a class the user declared with
+  ``declare_position_wise``) — sequence shards need nothing from each other;
+- ``COMPOSITE``: a container whose own code uses no sequence operation; its children decide;
+- ``MIXER``: it mixes tokens along the sequence by other means (a convolution with kernel > 1, a
+  recurrence, a scan, a shift, its own attention): refused unless a mixer handler claims it;
+- ``UNKNOWN``: a leaf the guard cannot place: refused unless declared position-wise.
+
+Nothing here depends on the model's name: a custom class is judged by what its code calls (the
+names its methods and the module-level functions they call reference, followed two calls deep) and
+by the shapes of its parameters. The rules are conservative: where a class matches no known
+position-wise shape the answer is ``UNKNOWN``, never ``POSITION_WISE``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+ATTENTION, POSITION_WISE, COMPOSITE, MIXER, UNKNOWN = (
+    "attention",
+    "position-wise",
+    "composite",
+    "mixer",
+    "unknown",
+)
+
+DECLARED = "__ulysses_sp_position_wise__"
+"""Class attribute set by ``declare_position_wise`` (on the class itself, not inherited)."""
+
+SEQUENCE_OPS = (
+    "cumsum", "cumprod", "logcumsumexp", "cummax", "roll", "flip", "conv1d", "causal_conv1d_fn", "tril", "triu",
+    "scaled_dot_product_attention",
+)  # fmt: skip
+"""Names whose use in a module's code means it combines positions along the sequence (scans, shifts,
+convolutions, causal masks of its own, attention of its own)."""
+
+SCORE_OPS = {"matmul", "bmm", "einsum", "baddbmm"}
+NORM_OPS = {"rsqrt", "mean", "var", "std", "norm", "layer_norm", "rms_norm", "group_norm"}
+ELEMENTWISE_OPS = {
+    "relu", "gelu", "silu", "sigmoid", "tanh", "softplus", "erf", "exp", "pow", "clamp", "mish",
+    "square", "sqrt", "elu", "leaky_relu", "hardtanh", "hardswish", "sin", "abs",
+}  # fmt: skip
+RESHAPE_OPS = {
+    "cat",
+    "pad",
+    "zeros",
+    "zeros_like",
+    "new_zeros",
+    "narrow",
+    "split",
+    "chunk",
+    "stack",
+    "unfold",
+}
+
+_POSITION_WISE_TORCH = (
+    nn.Linear, nn.Bilinear, nn.Identity, nn.Embedding, nn.LayerNorm, nn.RMSNorm,
+    nn.modules.dropout._DropoutNd, nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.Mish,
+    nn.Softplus, nn.ELU, nn.SELU, nn.CELU, nn.LeakyReLU, nn.PReLU, nn.GLU, nn.Hardswish, nn.Hardtanh,
+    nn.Hardsigmoid, nn.LogSigmoid, nn.Softsign, nn.Tanhshrink,
+)  # fmt: skip
+_CONTAINERS_TORCH = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+_POSITION_WISE_LIBRARY = ("transformers.activations",)
+"""Modules whose every class is an elementwise activation."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What ``verdict`` found for one module: the kind and, for ``MIXER``/``UNKNOWN``, why."""
+
+    kind: str
+    why: str = ""
+
+
+def declared(cls: type) -> bool:
+    """Whether ``cls`` itself (not a base class) was declared position-wise."""
+    return bool(vars(cls).get(DECLARED, False))
+
+
+def code_names(cls: type, depth: int = 2) -> set[str]:
+    """Every global and attribute name the code of ``cls`` references: its methods (up to, not
+    including, ``torch.nn.Module``), their nested functions, and the module-level Python functions
+    they call, followed ``depth`` calls deep (library code of torch itself is not followed)."""
+    names: set[str] = set()
+    seen: set[int] = set()
+    todo = [(f, 0) for f in _methods(cls)]
+    while todo:
+        fn, level = todo.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        for code in _code_objects(fn.__code__):
+            names.update(code.co_names)
+            if level >= depth:
+                continue
+            for name in code.co_names:
+                target = getattr(fn, "__globals__", {}).get(name)
+                if isinstance(target, types.FunctionType) and not _is_torch(target.__module__):
+                    todo.append((inspect.unwrap(target), level + 1))
+    return names
+
+
+def verdict(module: nn.Module) -> Verdict:
+    """Classify ``module`` alone (its children are judged separately; see the module docstring)."""
+    cls = type(module)
+    if declared(cls):
+        return Verdict(POSITION_WISE)
+    if _is_torch(cls.__module__):
+        return _torch_verdict(module)
+    if cls.__module__ in _POSITION_WISE_LIBRARY or _is_linear_like_library(cls):
+        return Verdict(POSITION_WISE)
+    names = code_names(cls)
+    if "ALL_ATTENTION_FUNCTIONS" in names:
+        return Verdict(ATTENTION)
+    ops = [op for op in SEQUENCE_OPS if op in names]
+    if ops:
+        return Verdict(MIXER, f"its code calls {', '.join(ops)}")
+    own = code_names(cls, depth=0)
+    if own & SCORE_OPS and "softmax" in own and next(module.children(), None) is not None:
+        return Verdict(MIXER, "it computes token-to-token scores itself (matmul, softmax) instead of calling "
+                       "the registered SP attention")  # fmt: skip
+    if next(module.children(), None) is not None:
+        return Verdict(COMPOSITE)
+    return _leaf_verdict(module, names)
+
+
+def _leaf_verdict(module: nn.Module, names: set[str]) -> Verdict:
+    """A custom leaf: position-wise only when it has the shape of a known position-wise module."""
+    dims = [p.dim() for p in module.parameters(recurse=False)]
+    if dims and max(dims) >= 3:
+        return Verdict(POSITION_WISE)  # MoE experts: stacked per-expert weights [E, ...]
+    if dims and max(dims) == 2:
+        return Verdict(POSITION_WISE)  # a linear map / MoE router: each token times a matrix
+    if dims and names & NORM_OPS:
+        return Verdict(POSITION_WISE)  # a norm over each token's features
+    if not dims and not any(True for _ in module.buffers(recurse=False)) and names & ELEMENTWISE_OPS:
+        if not names & RESHAPE_OPS:
+            return Verdict(POSITION_WISE)  # an elementwise activation
+    if not dims and ("inv_freq" in names or "polar" in names or names >= {"cos", "sin"}):
+        return Verdict(POSITION_WISE)  # rotary table: cos/sin of each token's own position id
+    return Verdict(
+        UNKNOWN,
+        "a custom module the guard cannot place (not a known linear, norm, activation, rotary, router "
+        "or expert shape); if it acts on every token alone, declare it with "
+        f"ulysses_sp.declare_position_wise({type(module).__name__})",
+    )
+
+
+def _torch_verdict(module: nn.Module) -> Verdict:
+    if isinstance(module, nn.modules.conv._ConvNd):
+        kernel = list(module.kernel_size)
+        if all(k == 1 for k in kernel):
+            return Verdict(POSITION_WISE)
+        size = kernel[0] if len(kernel) == 1 else "x".join(map(str, kernel))
+        return Verdict(MIXER, f"{type(module).__name__}, kernel {size}")
+    if isinstance(module, nn.RNNBase):
+        return Verdict(MIXER, f"{type(module).__name__}, a recurrence over the sequence")
+    if isinstance(
+        module,
+        (nn.MultiheadAttention, nn.Transformer, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer),
+    ):
+        return Verdict(MIXER, f"{type(module).__name__}: attention that does not go through transformers' "
+                       "AttentionInterface")  # fmt: skip
+    if isinstance(module, _POSITION_WISE_TORCH):
+        return Verdict(POSITION_WISE)
+    if isinstance(module, _CONTAINERS_TORCH):
+        return Verdict(COMPOSITE)
+    return Verdict(UNKNOWN, f"torch.nn.{type(module).__name__} is not a module the guard knows to act on every "
+                   "token alone")  # fmt: skip
+
+
+def _is_linear_like_library(cls: type) -> bool:
+    """transformers' ``pytorch_utils.Conv1D`` is a linear layer (GPT-2's naming), not a convolution."""
+    return cls.__module__ == "transformers.pytorch_utils" and cls.__name__ == "Conv1D"
+
+
+def _is_torch(module_name: str) -> bool:
+    return module_name == "torch" or module_name.startswith("torch.")
+
+
+def _methods(cls: type) -> Iterator[Any]:
+    for klass in cls.__mro__:
+        if klass is nn.Module or _is_torch(klass.__module__) or klass is object:
+            continue
+        for value in vars(klass).values():
+            fn = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+            if isinstance(fn, property):
+                fn = fn.fget
+            if isinstance(fn, types.FunctionType):
+                yield inspect.unwrap(fn)
+
+
+def _code_objects(code: types.CodeType) -> Iterator[types.CodeType]:
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _code_objects(const)

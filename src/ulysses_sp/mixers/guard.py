@@ -1,0 +1,262 @@
+"""The closed-world guard: a model trained with sequence parallelism is exact, or refused before step 1.
+
+Under SP each rank runs the model on ``S_l = S/P`` tokens. That is exact only where every module
+either acts on each token alone or is a token mixer SP knows how to shard (the registered SP
+attention; a sequence mixer a handler of ``mixers`` claims). Anything else — a short convolution,
+a Mamba scan, a linear attention, a token shift — silently runs on the local shard alone. So
+before the first step ``check_sequence_mixing`` classifies **every module of every decoder layer**
+(and the modules of the decoder stack around the layers: embeddings, final norm, rotary table)
+with ``classify.verdict`` and refuses, on every rank (the verdict is a pure function of the model,
+the same everywhere: no collective), every module that is not
+
+- the SP attention (its code dispatches through transformers' ``AttentionInterface``),
+- position-wise (linear, norm, activation, dropout, embedding, rotary table, MoE router/experts,
+  or a class declared with ``declare_position_wise``), or
+- a sequence mixer claimed by one of ``handlers`` (``SUPPORTED_MIXERS``: empty until the mixer
+  handlers land).
+
+The config's layer types (``layer_types``, ``layers_block_type``) are a second witness: a layer
+the config calls a mixer (``linear_attention``, ``conv``, ``mamba``, ...) must hold a claimed
+mixer, and a layer it calls attention must hold an attention module. The refusal names the layer,
+the module path and class, and why::
+
+    layer 0: conv (Lfm2ShortConv) mixes tokens along the sequence (Conv1d, kernel 3), which
+    sequence parallelism does not shard
+
+Runs in ``initialize()`` (the CLI's path too) and in ``integrations.transformers.prepare``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from ulysses_sp.attention.registration import layer_kind
+from ulysses_sp.mixers.base import MixerHandler, claimed_by
+from ulysses_sp.mixers.classify import (
+    ATTENTION,
+    COMPOSITE,
+    DECLARED,
+    MIXER,
+    SCORE_OPS,
+    UNKNOWN,
+    code_names,
+    verdict,
+)
+
+SUPPORTED_MIXERS: tuple[MixerHandler, ...] = ()
+"""The mixer handlers SP applies by default (issue 23 adds gated delta-net, Mamba-2, short conv)."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One module of the model and what the guard made of it."""
+
+    layer: int | None
+    """The decoder layer's index; ``None`` for the modules around the layers."""
+    path: str
+    """The module's path inside its layer (or inside the decoder stack)."""
+    cls: str
+    kind: str
+    """``attention``, ``mixer`` (claimed by a handler: supported), or ``refused``."""
+    why: str = ""
+
+    def message(self) -> str:
+        where = f"layer {self.layer}" if self.layer is not None else "decoder stack"
+        name = f"{self.path} ({self.cls})" if self.path else self.cls
+        return f"{where}: {name} {self.why}"
+
+
+class PositionWiseDeclaration:
+    """What ``declare_position_wise`` returns; ``remove()`` (or leaving a ``with`` block) undoes it."""
+
+    def __init__(self, classes: Sequence[type]) -> None:
+        self._previous = [(cls, vars(cls).get(DECLARED)) for cls in classes]
+        for cls in classes:
+            setattr(cls, DECLARED, True)
+
+    def remove(self) -> None:
+        for cls, previous in reversed(self._previous):
+            if previous is None:
+                if DECLARED in vars(cls):
+                    delattr(cls, DECLARED)
+            else:
+                setattr(cls, DECLARED, previous)
+        self._previous = []
+
+    def __enter__(self) -> PositionWiseDeclaration:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def declare_position_wise(*classes: type[nn.Module]) -> PositionWiseDeclaration:
+    """Declare module classes that act on every token alone, for the closed-world guard.
+
+    A custom module the guard cannot place (an unknown leaf, or a module whose code it reads as a
+    sequence operation) is refused under sequence parallelism. When you know that ``cls`` computes
+    each token's output from that token's input only, declare it; its instances (and everything
+    inside them) then count as position-wise. Exactly the classes given: a subclass is not covered.
+
+    Returns:
+        A handle; ``handle.remove()`` (or ``with declare_position_wise(...):``) takes it back.
+    """
+    for cls in classes:
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise TypeError(f"declare_position_wise takes torch.nn.Module subclasses, got {cls!r}")
+    return PositionWiseDeclaration(classes)
+
+
+def decoder_layers(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
+    """``(decoder stack, its layers)``: the ``nn.ModuleList`` of ``num_hidden_layers`` modules
+    (the text config's), the first such in the model's module order, and the module holding it."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n = getattr(text, "num_hidden_layers", None)
+    for _, parent in model.named_modules():
+        for child in parent.children():
+            if isinstance(child, nn.ModuleList) and len(child) == n and n:
+                return parent, child
+    raise ValueError(
+        f"cannot find the decoder layers of {type(model).__name__} (no nn.ModuleList of num_hidden_layers = "
+        f"{n} modules): sequence parallelism needs a transformers decoder whose layers it can check"
+    )
+
+
+def layer_types(model: nn.Module) -> list[str] | None:
+    """The config's per-layer types (``layer_types`` or ``layers_block_type``), when it has them."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key in ("layer_types", "layers_block_type"):
+        types = getattr(text, key, None)
+        if isinstance(types, (list, tuple)) and types and all(isinstance(t, str) for t in types):
+            return list(types)
+    return None
+
+
+def classify_model(model: nn.Module, handlers: Iterable[MixerHandler] = SUPPORTED_MIXERS) -> list[Finding]:
+    """Every attention module, claimed mixer and refused module of ``model`` (see the module docstring).
+
+    Pure: reads the model's structure and classes, runs nothing; the same answer on every rank.
+    """
+    handlers = tuple(handlers)
+    stack, layers = decoder_layers(model)
+    findings = []
+    for name, child in stack.named_children():
+        if child is not layers:
+            findings += _walk(child, name, None, handlers)
+    for i, layer in enumerate(layers):
+        findings += _walk(layer, "", i, handlers)
+    return findings + _layer_type_findings(model, layers, findings)
+
+
+def refusals(model: nn.Module, handlers: Iterable[MixerHandler] = SUPPORTED_MIXERS) -> list[str]:
+    """The messages of every refused module (empty: sequence parallelism is exact for this model)."""
+    return [f.message() for f in classify_model(model, handlers) if f.kind == "refused"]
+
+
+def check_sequence_mixing(
+    model: Any, *, sp_size: int, handlers: Iterable[MixerHandler] = SUPPORTED_MIXERS
+) -> None:
+    """Raise ``ValueError`` naming every module sequence parallelism would get wrong (``sp_size > 1``).
+
+    Models without a transformers config (plain ``nn.Module``s the user shards himself) are not
+    checked: their attention is not ours to know.
+    """
+    if (
+        sp_size <= 1
+        or not isinstance(model, nn.Module)
+        or not hasattr(getattr(model, "config", None), "to_dict")
+    ):
+        return
+    found = refusals(model, handlers)
+    if found:
+        raise ValueError(
+            f"sequence parallelism (sp_size {sp_size}) cannot train {type(model).__name__} exactly: each rank "
+            "holds only its shard of the sequence, and these modules would mix tokens within the shard "
+            "alone:\n  " + "\n  ".join(found) + "\nTrain it with sp_size 1, or, for a custom module that "
+            "does act on every token alone, call ulysses_sp.declare_position_wise(ItsClass) first."
+        )
+
+
+def _walk(
+    root: nn.Module, prefix: str, layer: int | None, handlers: tuple[MixerHandler, ...]
+) -> list[Finding]:
+    """Findings for ``root`` and its subtree, top-down; a refused module is reported once, at the
+    top-most module of its subtree that shows the mixing (with its children's evidence)."""
+    handler = claimed_by(root, handlers)
+    if handler is not None:
+        return [
+            Finding(layer, prefix, type(root).__name__, "mixer", f"is sharded by the {handler.name} handler")
+        ]
+    v = verdict(root)
+    if v.kind in (MIXER, UNKNOWN):
+        evidence = [*_child_evidence(root, handlers), v.why]
+        text = "; ".join(dict.fromkeys(e for e in evidence if e))
+        why = (
+            f"mixes tokens along the sequence ({text}), which sequence parallelism does not shard"
+            if v.kind == MIXER
+            else f"is {text}"
+        )
+        return [Finding(layer, prefix, type(root).__name__, "refused", why)]
+    out = [Finding(layer, prefix, type(root).__name__, ATTENTION)] if v.kind == ATTENTION else []
+    if v.kind in (ATTENTION, COMPOSITE):
+        for name, child in root.named_children():
+            out += _walk(child, f"{prefix}.{name}" if prefix else name, layer, handlers)
+    return out
+
+
+def _child_evidence(root: nn.Module, handlers: tuple[MixerHandler, ...]) -> list[str]:
+    """Why the modules below ``root`` mix tokens (convolution kernels, scans) — for the message."""
+    found = []
+    for child in root.modules():
+        if child is root or claimed_by(child, handlers) is not None:
+            continue
+        v = verdict(child)
+        if v.kind == MIXER:
+            found.append(v.why)
+    return found
+
+
+def _layer_type_findings(model: nn.Module, layers: nn.ModuleList, findings: list[Finding]) -> list[Finding]:
+    """What the config's layer types say that the modules did not already show."""
+    types = layer_types(model)
+    out = []
+    by_layer: dict[int, set[str]] = {}
+    for f in findings:
+        if f.layer is not None:
+            by_layer.setdefault(f.layer, set()).add(f.kind)
+    for i in range(len(layers)):
+        kinds = by_layer.get(i, set())
+        t = types[i] if types is not None and i < len(types) else None
+        if t is None or "refused" in kinds:
+            continue
+        kind = layer_kind(t)
+        if kind == MIXER and "mixer" not in kinds:
+            suspects = ", ".join(f"{n} ({type(m).__name__})" for n, m in _suspects(layers[i]))
+            out.append(Finding(i, "", type(layers[i]).__name__, "refused",
+                               f"is a {t!r} layer (the config's layer types): a sequence mixer other than attention "
+                               f"({suspects or 'no module of it'}) that sequence parallelism does not shard"))  # fmt: skip
+        elif kind == ATTENTION and ATTENTION not in kinds:
+            out.append(Finding(i, "", type(layers[i]).__name__, "refused",
+                               f"is a {t!r} layer (the config's layer types), but none of its modules calls "
+                               "transformers' attention interface, so the SP attention cannot run in it"))  # fmt: skip
+    if not any(f.kind == ATTENTION for f in findings) and not any(
+        f.kind == "refused" for f in findings + out
+    ):
+        out.append(Finding(None, "", type(model).__name__, "refused",
+                           "has no layer whose attention calls transformers' attention interface, so the SP "
+                           "attention cannot run in it"))  # fmt: skip
+    return out
+
+
+def _suspects(layer: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The children of a mixer layer that compute token-to-token products (matmul, einsum) in their
+    own code; else every child that is not position-wise."""
+    others = [(n, m) for n, m in layer.named_children() if verdict(m).kind != "position-wise"]
+    scoring = [(n, m) for n, m in others if code_names(type(m), depth=0) & SCORE_OPS]
+    return scoring or others
