@@ -244,7 +244,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--jobs", type=int, default=1, help="families run at once (2 processes each)")
     ap.add_argument("--out", default=str(RESULTS / "model_sweep.md"))
     args = ap.parse_args(argv)
-    import transformers  # noqa: F401 - imported once here, shared by every forked family run
+    # imported once here, shared by every forked family run (and fixed for the whole run)
+    import transformers  # noqa: F401
+
+    import ulysses_sp.attention.ulysses  # noqa: F401
+    import ulysses_sp.mixers.guard  # noqa: F401
+    import ulysses_sp.parallel.loss  # noqa: F401
 
     todo = [t for t in args.only.split(",") if t] or families()
     from concurrent.futures import ThreadPoolExecutor
