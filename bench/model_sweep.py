@@ -37,7 +37,7 @@ SHRINK = dict(
     n_routed_experts=4, num_local_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
     n_shared_experts=1, num_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
     qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=256, sliding_window=8,
-    attention_chunk_size=8, initializer_range=0.1, use_cache=False,
+    attention_chunk_size=8, initializer_range=0.1, use_cache=False, is_decoder=True,
 )  # fmt: skip
 """Config fields shrunk where the config class has them (others keep their defaults)."""
 LAYER_TYPES = {"lfm2": ["conv", "full_attention"], "lfm2_moe": ["conv", "full_attention"]}
@@ -64,6 +64,9 @@ def tiny_config(model_type: str) -> Any:
     cls = CONFIG_MAPPING[model_type]
     defaults = cls().to_dict()
     kw = {k: v for k, v in SHRINK.items() if k in defaults}
+    for key, token in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
+        if isinstance(defaults.get(key), int) and defaults[key] >= SHRINK["vocab_size"]:
+            kw[key] = token  # inside the tiny vocabulary (an embedding's padding_idx must be)
     if "qk_rope_head_dim" in kw and "head_dim" in defaults:
         kw["head_dim"] = kw["qk_rope_head_dim"]  # MLA: the rotary part of the head is "head_dim"
     if "kv_lora_rank" in kw and "num_key_value_heads" in kw:
@@ -245,13 +248,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=str(RESULTS / "model_sweep.md"))
     args = ap.parse_args(argv)
     # imported once here, shared by every forked family run (and fixed for the whole run)
-    import transformers  # noqa: F401
+    import transformers
 
     import ulysses_sp.attention.ulysses  # noqa: F401
     import ulysses_sp.mixers.guard  # noqa: F401
     import ulysses_sp.parallel.loss  # noqa: F401
 
     todo = [t for t in args.only.split(",") if t] or families()
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as classes
+
+    for model_type in todo:  # the modeling modules too, once (a family that fails to import: its run says so)
+        try:
+            getattr(transformers, classes[model_type])
+        except Exception:  # noqa: BLE001
+            pass
     from concurrent.futures import ThreadPoolExecutor
 
     def one(model_type: str) -> dict[str, Any]:

@@ -1,0 +1,157 @@
+"""The closed-world guard (``mixers.guard``): every module of every decoder layer is the SP attention,
+position-wise, or a mixer SP shards — anything else is refused before the first step, by layer,
+module and reason, whatever the model is called.
+
+Pure logic on real transformers models (tiny configs from ``bench.model_sweep``) and on Llamas that
+hide a sequence mixer (``hidden_mixer``); that the refused models really are wrong under SP, and the
+passing ones exact, is ``test_model_sweep``'s part. ``initialize`` and ``prepare`` run the guard
+(``test_initialize_refuses_a_hidden_mixer_on_every_rank`` here, ``test_hf_trainer`` for ``prepare``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # bench/ is a top-level folder of the repository, not an installed package
+    sys.path.insert(0, str(ROOT))
+
+from hidden_mixer import TokenScale, TokenShift, hidden_mixer_llama  # noqa: E402
+
+from bench.model_sweep import build  # noqa: E402
+from ulysses_sp import declare_position_wise  # noqa: E402
+from ulysses_sp.attention.registration import num_attention_layers  # noqa: E402
+from ulysses_sp.mixers.classify import MIXER, POSITION_WISE, UNKNOWN, verdict  # noqa: E402
+from ulysses_sp.mixers.guard import check_sequence_mixing, classify_model, refusals  # noqa: E402
+
+CLASSIC = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "mixtral", "qwen2_moe",
+           "deepseek_v3", "olmo2", "granite"]  # fmt: skip
+
+
+@pytest.mark.parametrize("family", CLASSIC)
+def test_classic_families_pass_with_one_sp_attention_per_layer(family):
+    model = build(family)
+    findings = classify_model(model)
+    assert refusals(model) == []
+    layers = model.config.num_hidden_layers
+    assert [f.layer for f in findings if f.kind == "attention"] == list(range(layers))
+    check_sequence_mixing(model, sp_size=2)  # no error
+
+
+@pytest.mark.parametrize(
+    "family, expected",
+    [
+        ("lfm2", r"layer 0: conv \(Lfm2ShortConv\) mixes tokens along the sequence \(Conv1d, kernel 3"),
+        ("falcon_h1", r"layer 0: mamba \(FalconH1Mixer\) mixes tokens along the sequence \(Conv1d, kernel 4"),
+        ("qwen3_next", r"layer 0: linear_attn \(Qwen3NextGatedDeltaNet\) mixes tokens along the sequence"),
+        ("nemotron_h", r"layer 0: mixer \(NemotronHMamba2Mixer\) mixes tokens along the sequence"),
+        ("minimax", r"layer 1: MiniMaxDecoderLayer is a 'linear_attention' layer.*MiniMaxLightningAttention"),
+    ],
+)
+def test_hybrid_families_are_refused_naming_the_mixer(family, expected):
+    model = build(family)
+    with pytest.raises(ValueError, match=expected) as err:
+        check_sequence_mixing(model, sp_size=2)
+    assert "attn_implementation" not in str(err.value)  # not the old, misleading reason
+    check_sequence_mixing(model, sp_size=1)  # no SP: nothing to refuse
+
+
+def test_falcon_h1_is_refused_in_every_layer_although_each_has_an_sp_attention():
+    model = build("falcon_h1")
+    found = classify_model(model)
+    assert {f.layer for f in found if f.kind == "attention"} == {0, 1}
+    assert [(f.layer, f.cls) for f in found if f.kind == "refused"] == [
+        (0, "FalconH1Mixer"),
+        (1, "FalconH1Mixer"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "kind, expected",
+    [
+        ("cumsum", r"layer 0: mlp \(CumsumMLP\) mixes tokens along the sequence \(its code calls cumsum\)"),
+        ("conv", r"layer 0: mlp.conv \(Conv1d\) mixes tokens along the sequence \(Conv1d, kernel 3\)"),
+        (
+            "shift",
+            r"layer 0: mlp.after \(TokenShift\) is a custom module the guard cannot place.*"
+            r"declare_position_wise\(TokenShift\)",
+        ),  # fmt: skip
+    ],
+)
+def test_a_mixer_hidden_in_a_llama_mlp_is_refused(kind, expected):
+    model = hidden_mixer_llama(kind)
+    with pytest.raises(ValueError, match=expected):
+        check_sequence_mixing(model, sp_size=2)
+    assert [f.layer for f in classify_model(model) if f.kind == "refused"] == [0]  # layer 1 is plain
+
+
+def test_declare_position_wise_admits_exactly_the_declared_class_and_undoes():
+    model = hidden_mixer_llama("scale")
+    assert len(refusals(model)) == 1 and "TokenScale" in refusals(model)[0]
+    with declare_position_wise(TokenScale):
+        assert refusals(model) == []
+        assert verdict(model.model.layers[0].mlp.after).kind == POSITION_WISE
+
+        class Sub(TokenScale):  # a subclass may override forward: not covered
+            pass
+
+        assert verdict(Sub(4)).kind == UNKNOWN
+    assert len(refusals(model)) == 1  # taken back
+    handle = declare_position_wise(TokenShift)
+    assert refusals(hidden_mixer_llama("shift")) == []
+    handle.remove()
+    handle.remove()  # idempotent
+    assert len(refusals(hidden_mixer_llama("shift"))) == 1
+    with pytest.raises(TypeError, match="torch.nn.Module subclasses"):
+        declare_position_wise(len)
+
+
+def test_torch_modules_by_type():
+    assert verdict(nn.Conv1d(4, 4, 1)).kind == POSITION_WISE  # a pointwise convolution
+    assert verdict(nn.Conv1d(4, 4, 4, groups=4)).why == "Conv1d, kernel 4"
+    assert verdict(nn.GRU(4, 4)).kind == MIXER
+    assert verdict(nn.MultiheadAttention(4, 2)).kind == MIXER
+    assert verdict(nn.ZeroPad2d((0, 0, 1, -1))).kind == UNKNOWN  # RWKV's time shift is a padding
+    for module in (
+        nn.Linear(2, 2),
+        nn.LayerNorm(2),
+        nn.RMSNorm(2),
+        nn.Dropout(),
+        nn.GELU(),
+        nn.Embedding(3, 2),
+    ):
+        assert verdict(module).kind == POSITION_WISE, module
+
+
+def test_a_module_declared_position_wise_vouches_for_its_subtree():
+    model = hidden_mixer_llama("conv")
+    with declare_position_wise(type(model.model.layers[0].mlp)):
+        assert refusals(model) == []  # the user's word for the whole MLP, conv included
+
+
+def test_linear_attention_layers_do_not_count_as_sp_attention_layers():
+    config = build("qwen3_next").config
+    assert config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert num_attention_layers(config) == 1
+
+
+def _initialize_hidden_mixer() -> str:
+    from ulysses_sp import initialize
+
+    model = hidden_mixer_llama("cumsum")
+    try:
+        initialize(model, {"train_micro_batch_size_per_gpu": 1}, mesh_param=(1, 2))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_initialize_refuses_a_hidden_mixer_on_every_rank(pool):
+    messages = pool.run(_initialize_hidden_mixer, 2)
+    for msg in messages:
+        assert "sequence parallelism (sp_size 2) cannot train LlamaForCausalLM exactly" in msg
+        assert "layer 0: mlp (CumsumMLP) mixes tokens along the sequence" in msg
