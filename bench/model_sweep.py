@@ -135,12 +135,15 @@ def compare(model: Any, *, guard: bool = True, seed: int = 1) -> dict[str, Any]:
         sp_causal_lm_loss(logits, labels[:, part], reg.get_sequence_parallel_group()).backward()
     finally:
         reg.remove()
-    problems = _mismatches(logits.detach(), ref_logits.detach()[:, part], "logits")
+    problems = _mismatches(logits.detach(), ref_logits.detach()[:, part], "logits", 0.0)
+    # a gradient that is zero in exact arithmetic (a key bias under softmax) is rounding noise in
+    # both runs: its floor is 1e-6 of the largest gradient of the model
+    floor = 1e-6 * max(float(r.grad.abs().max()) for r in ref.parameters() if r.grad is not None)
     for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
         g = p.grad if p.grad is not None else torch.zeros_like(p)
         dist.all_reduce(g)  # sum over the SP group, as the engine reduces gradients
         if r.grad is not None:
-            problems += _mismatches(g, r.grad, name)
+            problems += _mismatches(g, r.grad, name, floor)
     bad = torch.tensor([len(problems)])
     dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # one verdict for the group
     if int(bad):
@@ -148,11 +151,11 @@ def compare(model: Any, *, guard: bool = True, seed: int = 1) -> dict[str, Any]:
     return {"verdict": "exact", "detail": ""}
 
 
-def _mismatches(got: Any, want: Any, name: str) -> list[str]:
+def _mismatches(got: Any, want: Any, name: str, floor: float) -> list[str]:
     import torch
 
     scale = float(want.abs().max())
-    if torch.allclose(got, want, rtol=1e-4, atol=1e-5 * max(scale, 1e-12)):
+    if torch.allclose(got, want, rtol=1e-4, atol=max(1e-5 * scale, floor, 1e-12)):
         return []
     err = (got - want).abs()
     flat = int(err.argmax())
@@ -188,8 +191,17 @@ def _rank_main(model_type: str, rank: int, store: str, mem_bytes: int, out: Any)
             dist.destroy_process_group()
 
 
-def run_family(model_type: str, *, timeout: float, mem_gb: float) -> dict[str, Any]:
-    """``{"family", "verdict", "detail"}`` for one family: two fresh ranks, a time limit, a memory cap."""
+def run_family(model_type: str, *, timeout: float, mem_gb: float, tries: int = 2) -> dict[str, Any]:
+    """``{"family", "verdict", "detail"}`` for one family: two fresh ranks, a time limit, a memory cap
+    (a second try when gloo could not connect the two ranks: a loaded machine, not the model)."""
+    for _ in range(tries):
+        row = _run_once(model_type, timeout=timeout, mem_gb=mem_gb)
+        if "connectFullMesh" not in row["detail"]:
+            break
+    return row
+
+
+def _run_once(model_type: str, *, timeout: float, mem_gb: float) -> dict[str, Any]:
     ctx = mp.get_context("fork")  # the parent's imports are shared: no interpreter start per family
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -243,10 +255,21 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="comma-separated model types (default: every family)")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per family")
-    ap.add_argument("--mem-gb", type=float, default=6.0, help="address-space cap per rank (GiB)")
+    ap.add_argument("--mem-gb", type=float, default=8.0, help="address-space cap per rank (GiB)")
     ap.add_argument("--jobs", type=int, default=1, help="families run at once (2 processes each)")
     ap.add_argument("--out", default=str(RESULTS / "model_sweep.md"))
+    ap.add_argument("--table-from", nargs="*", help="only write the table from these runs' printed rows "
+                    "(JSON lines; a later row of a family replaces an earlier one)")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.table_from:
+        latest = {}
+        for log in args.table_from:
+            for line in Path(log).read_text().splitlines():
+                if line.startswith("{"):
+                    row = json.loads(line)
+                    latest[row["family"]] = row
+        print(write_table([latest[f] for f in sorted(latest)], Path(args.out)))
+        return
     # imported once here, shared by every forked family run (and fixed for the whole run)
     import transformers
 

@@ -125,6 +125,9 @@ def verdict(module: nn.Module) -> Verdict:
         return Verdict(POSITION_WISE)
     names = code_names(cls)
     if "ALL_ATTENTION_FUNCTIONS" in names:
+        if _own_registry(cls):
+            return Verdict(MIXER, "its attention dispatches through a registry of its own, not transformers' "
+                           "AttentionInterface where the SP attention is registered")  # fmt: skip
         return Verdict(ATTENTION)
     ops = [op for op in SEQUENCE_OPS if op in names]
     if ops:
@@ -181,6 +184,18 @@ def _torch_verdict(module: nn.Module) -> Verdict:
         return Verdict(COMPOSITE)
     return Verdict(UNKNOWN, f"torch.nn.{type(module).__name__} is not a module the guard knows to act on every "
                    "token alone")  # fmt: skip
+
+
+def _own_registry(cls: type) -> bool:
+    """Whether the code of ``cls`` reads an ``ALL_ATTENTION_FUNCTIONS`` that is not transformers' own
+    (a model file may keep a separate ``AttentionInterface`` instance, which never sees ours)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    for fn in _methods(cls):
+        registry = fn.__globals__.get("ALL_ATTENTION_FUNCTIONS")
+        if registry is not None and registry is not ALL_ATTENTION_FUNCTIONS:
+            return True
+    return False
 
 
 def _is_linear_like_library(cls: type) -> bool:

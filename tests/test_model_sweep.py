@@ -1,0 +1,65 @@
+"""The coverage sweep's CI subset: one model per mechanism at sp=2 against the same model without SP.
+
+``bench.model_sweep.compare`` on a 2-rank gloo group (per-position logits and every gradient, fp32,
+rtol 1e-4): dense (Llama), MoE (Qwen2-MoE), MLA (DeepSeek-V3), sliding window (Mistral, window 8 of
+32 tokens) are exact; LFM2 is refused naming its short convolution; a Llama hiding a running sum
+in its MLP is refused — and both are shown to be really wrong when the guard is skipped, so the
+refusals guard against a real error. A custom position-wise module declared with
+``declare_position_wise`` passes and is exact. The full sweep is ``python -m bench.model_sweep``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # bench/ is a top-level folder of the repository, not an installed package
+    sys.path.insert(0, str(ROOT))
+
+from bench import model_sweep  # noqa: E402
+
+
+def _family(name: str, guard: bool = True) -> dict:
+    return model_sweep.compare(model_sweep.build(name), guard=guard)
+
+
+def _hidden(kind: str, guard: bool = True, declare: bool = False) -> dict:
+    from hidden_mixer import TokenScale, hidden_mixer_llama
+
+    from ulysses_sp import declare_position_wise
+
+    model = hidden_mixer_llama(kind)
+    if not declare:
+        return model_sweep.compare(model, guard=guard)
+    with declare_position_wise(TokenScale):
+        return model_sweep.compare(model, guard=guard)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2_moe", "deepseek_v3", "mistral"])
+def test_dense_moe_mla_and_sliding_window_are_exact(pool, family):
+    results = pool.run(_family, 2, family)
+    assert results == [{"verdict": "exact", "detail": ""}] * 2
+
+
+def test_lfm2_is_refused_and_would_be_silently_wrong(pool):
+    refused = pool.run(_family, 2, "lfm2")
+    for r in refused:
+        assert r["verdict"] == "refused"
+        assert r["detail"].startswith("layer 0: conv (Lfm2ShortConv) mixes tokens along the sequence (Conv1d, kernel 3")
+    unguarded = pool.run(_family, 2, "lfm2", False)
+    assert [r["verdict"] for r in unguarded] == ["wrong", "wrong"], unguarded
+
+
+def test_a_hidden_running_sum_is_refused_and_would_be_silently_wrong(pool):
+    refused = pool.run(_hidden, 2, "cumsum")
+    assert [r["verdict"] for r in refused] == ["refused"] * 2
+    assert "layer 0: mlp (CumsumMLP) mixes tokens along the sequence (its code calls cumsum)" in refused[0]["detail"]
+    assert [r["verdict"] for r in pool.run(_hidden, 2, "cumsum", False)] == ["wrong", "wrong"]
+
+
+def test_a_declared_position_wise_module_is_admitted_and_exact(pool):
+    assert [r["verdict"] for r in pool.run(_hidden, 2, "scale")] == ["refused"] * 2
+    assert pool.run(_hidden, 2, "scale", True, True) == [{"verdict": "exact", "detail": ""}] * 2
