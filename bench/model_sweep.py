@@ -116,7 +116,8 @@ def compare(model: Any, *, guard: bool = True, seed: int = 1) -> dict[str, Any]:
         try:
             check_sequence_mixing(model, sp_size=sp)
         except ValueError as err:
-            return {"verdict": "refused", "detail": " | ".join(str(err).splitlines()[1:-1]).strip()}
+            lines = str(err).splitlines()  # the guard's: a header, one line per module, a hint
+            return {"verdict": "refused", "detail": " | ".join(x.strip() for x in lines[1:-1] or lines)}
     ref = copy.deepcopy(model)
     vocab = model.get_output_embeddings().weight.shape[0]
     ids = torch.randint(0, vocab, (1, SEQ), generator=torch.Generator().manual_seed(seed))

@@ -165,6 +165,18 @@ def test_prepare_refuses_a_loss_it_does_not_reproduce(make_trainer):
         prepare(trainer, sp_size=2)
 
 
+def test_prepare_refuses_a_model_hiding_a_sequence_mixer(make_trainer):
+    """The closed-world guard runs in prepare(), before any process group is needed."""
+    from hidden_mixer import ConvMLP
+
+    trainer = make_trainer()
+    trainer.model.model.layers[0].mlp = ConvMLP(trainer.model.config)
+    with pytest.raises(
+        ValueError, match=r"layer 0: mlp.conv \(Conv1d\) mixes tokens along the sequence \(Conv1d, kernel 3\)"
+    ):
+        prepare(trainer, sp_size=2)
+
+
 def test_readme_trainer_script_is_the_example_file():
     """README's "From the HF Trainer / TRL" script is examples/hf_trainer_sp.py verbatim (the README
     test runs it as documented)."""
