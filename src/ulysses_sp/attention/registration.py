@@ -60,10 +60,11 @@ def layer_kind(layer_type: str) -> str:
 
 def num_attention_layers(config: Any) -> int:
     """Layers that run attention: all of them, unless ``layer_types`` marks some as non-attention
-    (a linear-attention, convolution or state-space layer does not call the SP attention)."""
+    (a linear-attention, convolution or state-space layer does not call the SP attention; a
+    ``hybrid`` layer runs both)."""
     types = getattr(config, "layer_types", None)
     if types:
-        return sum(1 for t in types if layer_kind(str(t)) == "attention")
+        return sum(1 for t in map(str, types) if layer_kind(t) == "attention" or t == "hybrid")
     return int(config.num_hidden_layers)
 
 
