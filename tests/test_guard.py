@@ -29,7 +29,7 @@ from ulysses_sp.mixers.classify import MIXER, POSITION_WISE, UNKNOWN, verdict  #
 from ulysses_sp.mixers.guard import check_sequence_mixing, classify_model, refusals  # noqa: E402
 
 CLASSIC = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "mixtral", "qwen2_moe",
-           "deepseek_v3", "olmo2", "granite"]  # fmt: skip
+           "deepseek_v3", "olmo", "olmo2", "granite", "starcoder2"]  # fmt: skip
 
 
 @pytest.mark.parametrize("family", CLASSIC)
@@ -50,9 +50,16 @@ def test_classic_families_pass_with_one_sp_attention_per_layer(family):
         ("qwen3_next", r"layer 0: linear_attn \(Qwen3NextGatedDeltaNet\) mixes tokens along the sequence"),
         ("nemotron_h", r"layer 0: mixer \(NemotronHMamba2Mixer\) mixes tokens along the sequence"),
         ("minimax", r"layer 1: MiniMaxDecoderLayer is a 'linear_attention' layer.*MiniMaxLightningAttention"),
+        ("doge", r"layer 0: self_attn \(DogeAttention\) .*dispatches through a registry of its own"),
+        ("bloom", r"layer 0: self_attention \(BloomAttention\) .*computes token-to-token scores itself"),
+        (
+            "phimoe",
+            r"layer 0: self_attn \(PhimoeAttention\) applies its sliding window \(config.sliding_window = 8\) "
+            r"only through the model's attention mask",
+        ),  # fmt: skip
     ],
 )
-def test_hybrid_families_are_refused_naming_the_mixer(family, expected):
+def test_families_sp_would_get_wrong_are_refused_naming_the_cause(family, expected):
     model = build(family)
     with pytest.raises(ValueError, match=expected) as err:
         check_sequence_mixing(model, sp_size=2)

@@ -114,6 +114,18 @@ def code_names(cls: type, depth: int = 2) -> set[str]:
     return names
 
 
+def code_constants(cls: type) -> set[str]:
+    """The string constants of the methods of ``cls`` (keyword-argument names of its calls, literal
+    attribute names): ``f(sliding_window=...)`` names ``sliding_window`` only here."""
+    found: set[str] = set()
+    for fn in _methods(cls):
+        for code in _code_objects(fn.__code__):
+            for const in code.co_consts:
+                items = const if isinstance(const, tuple) else (const,)
+                found.update(c for c in items if isinstance(c, str))
+    return found
+
+
 def verdict(module: nn.Module) -> Verdict:
     """Classify ``module`` alone (its children are judged separately; see the module docstring)."""
     cls = type(module)
@@ -148,8 +160,8 @@ def _leaf_verdict(module: nn.Module, names: set[str]) -> Verdict:
         return Verdict(POSITION_WISE)  # MoE experts: stacked per-expert weights [E, ...]
     if dims and max(dims) == 2:
         return Verdict(POSITION_WISE)  # a linear map / MoE router: each token times a matrix
-    if dims and names & NORM_OPS:
-        return Verdict(POSITION_WISE)  # a norm over each token's features
+    if dims and names & NORM_OPS or not dims and names & {"layer_norm", "rms_norm", "rsqrt"}:
+        return Verdict(POSITION_WISE)  # a norm over each token's features (with or without weights)
     if not dims and not any(True for _ in module.buffers(recurse=False)) and names & ELEMENTWISE_OPS:
         if not names & RESHAPE_OPS:
             return Verdict(POSITION_WISE)  # an elementwise activation

@@ -43,6 +43,7 @@ from ulysses_sp.mixers.classify import (
     MIXER,
     SCORE_OPS,
     UNKNOWN,
+    code_constants,
     code_names,
     verdict,
 )
@@ -151,6 +152,7 @@ def classify_model(model: nn.Module, handlers: Iterable[MixerHandler] = SUPPORTE
             findings += _walk(child, name, None, handlers)
     for i, layer in enumerate(layers):
         findings += _walk(layer, "", i, handlers)
+    findings += _window_findings(model, stack, layers, findings)
     return findings + _layer_type_findings(model, layers, findings)
 
 
@@ -260,3 +262,27 @@ def _suspects(layer: nn.Module) -> list[tuple[str, nn.Module]]:
     others = [(n, m) for n, m in layer.named_children() if verdict(m).kind != "position-wise"]
     scoring = [(n, m) for n, m in others if code_names(type(m), depth=0) & SCORE_OPS]
     return scoring or others
+
+
+def _window_findings(
+    model: nn.Module, stack: nn.Module, layers: nn.ModuleList, found: list[Finding]
+) -> list[Finding]:
+    """Attention modules whose sliding window lives only in the model's mask: the decoder stack builds
+    a sliding-window mask (``config.sliding_window`` set) but the attention module never passes
+    ``sliding_window`` to the attention function — the SP attention, which builds its own
+    full-sequence mask from positions, would attend over the whole causal past."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(text, "sliding_window", None)
+    if not isinstance(window, int) or "create_sliding_window_causal_mask" not in code_names(type(stack)):
+        return []
+    out = []
+    for f in found:
+        if f.kind == ATTENTION and f.layer is not None:
+            attn = layers[f.layer].get_submodule(f.path)
+            if "sliding_window" not in code_names(type(attn), depth=0) | code_constants(type(attn)):
+                out.append(Finding(f.layer, f.path, f.cls, "refused",
+                                   f"applies its sliding window (config.sliding_window = {window}) only through the "
+                                   "model's attention mask: it does not pass sliding_window to the attention "
+                                   "function, and the SP attention builds its own mask from positions"))  # fmt: skip
+    return out
