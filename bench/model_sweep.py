@@ -227,8 +227,8 @@ def _run_once(model_type: str, *, timeout: float, mem_gb: float) -> dict[str, An
     return {"family": model_type, **worst}
 
 
-def write_table(rows: list[dict[str, Any]], path: Path) -> str:
-    """The markdown table (counts first), written to ``path``; returns the text."""
+def write_table(rows: list[dict[str, Any]], path: Path, note: str = "") -> str:
+    """The markdown table (counts first, then ``note``), written to ``path``; returns the text."""
     import transformers
 
     counts = {v: sum(r["verdict"] == v for r in rows) for v in ("exact", "refused", "skipped", "crash", "wrong")}
@@ -241,6 +241,7 @@ def write_table(rows: list[dict[str, Any]], path: Path) -> str:
         "",
         "**" + ", ".join(f"{n} {v}" for v, n in counts.items()) + "**",
         "",
+        *([note, ""] if note else []),
         "| family | verdict | reason |",
         "|---|---|---|",
     ]
@@ -261,6 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=str(RESULTS / "model_sweep.md"))
     ap.add_argument("--table-from", nargs="*", help="only write the table from these runs' printed rows "
                     "(JSON lines; a later row of a family replaces an earlier one)")  # fmt: skip
+    ap.add_argument("--note", default="", help="a line under the counts (with --table-from: which runs)")
     args = ap.parse_args(argv)
     if args.table_from:
         latest = {}
@@ -269,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
                 if line.startswith("{"):
                     row = json.loads(line)
                     latest[row["family"]] = row
-        print(write_table([latest[f] for f in sorted(latest)], Path(args.out)))
+        print(write_table([latest[f] for f in sorted(latest)], Path(args.out), args.note))
         return
     # imported once here, shared by every forked family run (and fixed for the whole run)
     import transformers

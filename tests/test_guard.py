@@ -117,6 +117,17 @@ def test_declare_position_wise_admits_exactly_the_declared_class_and_undoes():
         declare_position_wise(len)
 
 
+def test_a_lora_model_passes():
+    """PEFT's LoRA layers wrap each linear layer (the prepare() path trains such models)."""
+    from models import tiny_model
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=targets, lora_dropout=0.1))
+    assert refusals(model) == []
+    assert sum(f.kind == "attention" for f in classify_model(model)) == 2
+
+
 def test_torch_modules_by_type():
     assert verdict(nn.Conv1d(4, 4, 1)).kind == POSITION_WISE  # a pointwise convolution
     assert verdict(nn.Conv1d(4, 4, 4, groups=4)).why == "Conv1d, kernel 4"
@@ -162,3 +173,22 @@ def test_initialize_refuses_a_hidden_mixer_on_every_rank(pool):
     for msg in messages:
         assert "sequence parallelism (sp_size 2) cannot train LlamaForCausalLM exactly" in msg
         assert "layer 0: mlp (CumsumMLP) mixes tokens along the sequence" in msg
+
+
+def test_the_cli_refuses_a_local_model_with_a_linear_attention_layer(tmp_path):
+    """``ulysses-sp train --model DIR --sp 2`` runs the guard (through ``initialize``) on every rank."""
+    import subprocess
+
+    from transformers import AutoModelForCausalLM
+
+    config = build("minimax").config
+    config.vocab_size = 512  # room for the CLI's byte-level tokenizer
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "minimax")
+    args = ["--model", str(tmp_path / "minimax"), "--seq-len", "32", "--micro-batch-size", "2", "--steps", "1",
+            "--sp", "2", "--nproc", "2", "--no-progress", "--timeout", "60", "--output-dir", str(tmp_path / "out")]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "ulysses_sp.cli.main", "train", *args],
+                          capture_output=True, text=True, timeout=400)  # fmt: skip
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        assert f"[rank {rank}] error: sequence parallelism (sp_size 2) cannot train MiniMaxForCausalLM" in proc.stderr
+    assert "self_attn (MiniMaxLightningAttention)" in proc.stderr

@@ -73,7 +73,7 @@ _POSITION_WISE_TORCH = (
     nn.Softplus, nn.ELU, nn.SELU, nn.CELU, nn.LeakyReLU, nn.PReLU, nn.GLU, nn.Hardswish, nn.Hardtanh,
     nn.Hardsigmoid, nn.LogSigmoid, nn.Softsign, nn.Tanhshrink,
 )  # fmt: skip
-_CONTAINERS_TORCH = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+_CONTAINERS_TORCH = (nn.ModuleList, nn.ModuleDict, nn.Sequential, nn.ParameterList, nn.ParameterDict)
 _POSITION_WISE_LIBRARY = ("transformers.activations",)
 """Modules whose every class is an elementwise activation."""
 
