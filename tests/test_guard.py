@@ -62,14 +62,14 @@ def test_classic_families_pass_with_one_sp_attention_per_layer(family):
 def test_families_sp_would_get_wrong_are_refused_naming_the_cause(family, expected):
     model = build(family)
     with pytest.raises(ValueError, match=expected) as err:
-        check_sequence_mixing(model, sp_size=2)
+        check_sequence_mixing(model, sp_size=2, handlers=())  # no mixer handler registered
     assert "attn_implementation" not in str(err.value)  # not the old, misleading reason
     check_sequence_mixing(model, sp_size=1)  # no SP: nothing to refuse
 
 
 def test_falcon_h1_is_refused_in_every_layer_although_each_has_an_sp_attention():
     model = build("falcon_h1")
-    found = classify_model(model)
+    found = classify_model(model, handlers=())
     assert {f.layer for f in found if f.kind == "attention"} == {0, 1}
     assert [(f.layer, f.cls) for f in found if f.kind == "refused"] == [
         (0, "FalconH1Mixer"),
@@ -149,6 +149,30 @@ def test_a_module_declared_position_wise_vouches_for_its_subtree():
     model = hidden_mixer_llama("conv")
     with declare_position_wise(type(model.model.layers[0].mlp)):
         assert refusals(model) == []  # the user's word for the whole MLP, conv included
+
+
+class _ShortConvHandler:
+    """A stand-in mixer handler (the real ones live in ``mixers``): claims modules with a depthwise
+    Conv1d child, as a short-convolution handler would."""
+
+    name = "short_conv"
+
+    def matches(self, module: nn.Module) -> bool:
+        return any(isinstance(c, nn.Conv1d) and c.kernel_size[0] > 1 for c in module.children())
+
+    def check(self, module: nn.Module, sp_size: int) -> None:
+        pass
+
+    def wrap(self, module: nn.Module, mesh: object):
+        return lambda: None
+
+
+def test_a_module_a_mixer_handler_claims_is_a_supported_mixer():
+    model = build("lfm2")
+    assert len(refusals(model, handlers=())) == 1
+    found = classify_model(model, handlers=(_ShortConvHandler(),))
+    assert [(f.layer, f.path, f.kind) for f in found if f.kind != "attention"] == [(0, "conv", "mixer")]
+    check_sequence_mixing(model, sp_size=2, handlers=(_ShortConvHandler(),))  # no error
 
 
 def test_linear_attention_layers_do_not_count_as_sp_attention_layers():
