@@ -37,7 +37,7 @@ SHRINK = dict(
     n_routed_experts=4, num_local_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
     n_shared_experts=1, num_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
     qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=256, sliding_window=8,
-    attention_chunk_size=8, initializer_range=0.1, use_cache=False, is_decoder=True,
+    attention_chunk_size=8, initializer_range=0.1, use_cache=False, is_decoder=True, n_positions=256, n_ctx=256,
 )  # fmt: skip
 """Config fields shrunk where the config class has them (others keep their defaults)."""
 LAYER_TYPES = {"lfm2": ["conv", "full_attention"], "lfm2_moe": ["conv", "full_attention"]}
@@ -223,7 +223,8 @@ def _run_once(model_type: str, *, timeout: float, mem_gb: float) -> dict[str, An
                 p.kill()
                 p.join()
     order = ["crash", "wrong", "skipped", "refused", "exact"]
-    worst = min(results.values(), key=lambda r: order.index(r["verdict"]))
+    # the worst verdict; among crashes the cause before a peer's "connection closed"
+    worst = min(results.values(), key=lambda r: (order.index(r["verdict"]), "Connection closed" in r["detail"]))
     return {"family": model_type, **worst}
 
 
