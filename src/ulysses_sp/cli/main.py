@@ -31,6 +31,12 @@ from ulysses_sp.cli.args import DEFAULT_TIMEOUT_S, build_parser, train_options
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
+def default_nproc(sp: object) -> int:
+    """``--nproc`` unset: one SP group (``dp = 1``), the layout ``--sp`` asks for; 1 when ``--sp`` is
+    itself bad (its own check then names it)."""
+    return sp if isinstance(sp, int) and not isinstance(sp, bool) and sp > 0 else 1
+
+
 def under_launcher() -> bool:
     """Whether this process is a rank started by torchrun / the elastic launcher."""
     return all(v in os.environ for v in LAUNCHER_VARS)
@@ -180,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
         if under_launcher():
             _run_rank(args.command, options, timeout_s)
             return
-        nproc = positive_int("--nproc", launch.get("nproc", 2 if args.command == "train" else 1))
+        nproc = positive_int("--nproc", launch.get("nproc", default_nproc(options.sp)))
         _check_before_launch(args.command, options, nproc)
     except ValueError as e:
         print(f"ulysses-sp {args.command}: error: {e}", file=sys.stderr)

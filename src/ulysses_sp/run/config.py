@@ -31,13 +31,14 @@ from ulysses_sp.run.prelaunch import check_option_types
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainConfig(tasks.DataFlags):
+class TrainConfig(tasks.DataSettings):
     """Everything ``run`` needs; the CLI flags of the same names fill it."""
 
     model: str = "tiny-llama"
     """A preset (``tiny-llama``, ``tiny-qwen2``, ``tiny-mistral``) or a local HF model directory."""
     data: str = "recall"
-    """``recall`` (the embedded task) or a local ``.txt``/``.jsonl`` file or directory."""
+    """``recall`` (the embedded task) or local data: a ``.txt``/``.jsonl``/``.json``/``.parquet``/``.arrow``
+    file, a directory of them, or a ``datasets`` ``save_to_disk`` directory."""
     tokenizer: str | None = None
     """Tokenizer directory; ``None``: the model directory's own, else the byte-level tokenizer."""
     seq_len: int = 256
