@@ -15,6 +15,7 @@ before any process is started (exit code 2); a failed worker makes the command e
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -125,22 +126,27 @@ def _launch(command: str, options: Any, nproc: int, timeout_s: float) -> None:
 
     from ulysses_sp.run.stops import (
         SHUTDOWN_GRACE_S,
+        SIGNALS_WITHOUT_SIGTERM,
         FailureWatch,
         blame,
         exit_code_of,
+        forward_sigterm,
         quiet_launcher_logs,
         stop_line,
     )
 
     quiet_launcher_logs()
-    grace = max(SHUTDOWN_GRACE_S, math.ceil(getattr(options, "save_on_signal", 0.0)))
+    save_on_signal = getattr(options, "save_on_signal", 0.0)
+    signals = {"signals_to_handle": SIGNALS_WITHOUT_SIGTERM} if save_on_signal > 0 else {}
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"ulysses-sp-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
-        start_method="spawn", shutdown_timeout=grace,
+        start_method="spawn", shutdown_timeout=SHUTDOWN_GRACE_S, **signals,
     )  # fmt: skip
     output_dir = getattr(options, "output_dir", None)
-    with FailureWatch() as watch:
+    # --save-on-signal: SIGTERM goes to the workers and the launch ends once they have saved
+    forwarding = forward_sigterm(save_on_signal) if save_on_signal > 0 else contextlib.nullcontext()
+    with FailureWatch() as watch, forwarding:
         try:
             results = elastic_launch(config, _run_rank)(command, options, timeout_s, False, watch.path)
         except SignalException as e:
