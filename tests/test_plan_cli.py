@@ -93,3 +93,19 @@ def test_the_recommended_command_passes_train_validation_seq_len_capped(capsys, 
     assert exc.value.code == 2 and "--seq-len 262144 is longer than model 'tiny-llama' covers" in (
         capsys.readouterr().err
     )
+
+
+def test_the_readme_alst_numbers_come_from_the_commands_next_to_them(capsys):
+    """Each ``ulysses-sp plan ... # N: ...`` line of the README: N is the longest S of a row of that
+    command with every technique and the model states on the host."""
+    import os
+    import re
+    import shlex
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8").read()
+    lines = re.findall(r"^ulysses-sp plan (--model llama-8b [^#\n]+?)\s+# ([\d,]+): ", readme, flags=re.M)
+    assert len(lines) == 3, lines
+    for argv, number in lines:
+        doc = _plan(capsys, *shlex.split(argv))
+        full = [c for c in _host_rows(doc) if c["settings"].get("offload_activations")]
+        assert int(number.replace(",", "")) in {c["max_seq_len"] for c in full}, (argv, number)

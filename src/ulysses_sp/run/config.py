@@ -128,8 +128,8 @@ class TrainConfig(tasks.DataSettings):
     """Optimizer steps in a row with a non-finite loss or gradient norm that are skipped; the next
     one stops the run (the divergence guard)."""
     save_on_signal: float = 0.0
-    """Seconds: on SIGTERM (preemption) finish the current step and save a checkpoint within this
-    time before stopping (the launcher kills the workers after it); 0 = stop at once."""
+    """Seconds: on SIGTERM (preemption) finish the current step, save a checkpoint and stop once it
+    is saved; past this many seconds the ranks stop anyway. 0 = stop at once."""
     allow_data_change: bool = False
     """``--resume`` even though the data's fingerprint differs from the checkpoint's."""
 
