@@ -9,8 +9,9 @@ import re
 import pytest
 
 from ulysses_sp import tasks
-from ulysses_sp.cli.args import DATA_FLAGS, build_parser
+from ulysses_sp.cli.args import build_parser
 from ulysses_sp.cli.evaluate import EvalConfig, eval_options
+from ulysses_sp.cli.flags import DATA_FLAGS
 from ulysses_sp.cli.main import main
 from ulysses_sp.run.config import TrainConfig
 from ulysses_sp.tasks import DataSettings

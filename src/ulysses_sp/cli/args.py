@@ -10,9 +10,9 @@ import json
 from typing import Any
 
 from ulysses_sp.checks import positive_int
+from ulysses_sp.cli.flags import LAUNCH_KEYS, add_data_args, show_default
 
 DEFAULT_TIMEOUT_S = 300.0
-LAUNCH_KEYS = ("nproc", "timeout")
 
 
 def _tiles(value: str) -> str | int:
@@ -61,12 +61,6 @@ def _betas(value: str) -> tuple[float, float]:
     return b1, b2
 
 
-def _show(value: Any) -> str:
-    if isinstance(value, tuple):
-        return ",".join(_show(v) for v in value)
-    return f"{value:g}" if isinstance(value, float) else str(value)
-
-
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """``--help`` with each flag's default stated once: appended as ``(default X)`` unless the help
     text states it itself, or there is none to state (``None``, a switch, a required flag). Flags
@@ -82,7 +76,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
             return text
         if isinstance(value, bool) or value == argparse.SUPPRESS:
             return text
-        return f"{text} (default {_show(value)})"
+        return f"{text} (default {show_default(value)})"
 
 
 def _add_launch_args(p: argparse.ArgumentParser) -> None:
@@ -92,38 +86,6 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
                         "ignored under torchrun")  # fmt: skip
     p.add_argument("--timeout", type=float, default=s, metavar="SECONDS",
                    help=f"collective timeout: a dead rank fails the others after it (default {DEFAULT_TIMEOUT_S:g})")  # fmt: skip
-
-
-DATA_FLAGS: tuple[tuple[str, dict[str, Any], str, str | None], ...] = (
-    ("--data-format", {"choices": ("auto", "text", "chat", "prompt-completion")},
-     "format of --data; auto decides from the columns", None),
-    ("--loss-on", {"choices": ("all", "assistant", "completion")}, "tokens the loss scores",
-     "assistant for chat, completion for prompt/completion, all for text"),
-    ("--chat-template", {"metavar": "FILE"}, "Jinja chat template file", "the tokenizer's own"),
-    ("--packing", {"choices": ("best-fit", "none")}, "best-fit-decreasing packing or one sample per block",
-     "best-fit; .txt/.jsonl text: a continuous stream"),
-    ("--long-samples", {"choices": ("truncate", "split", "drop")}, "samples longer than --seq-len", None),
-    ("--eval-split", {"type": float, "metavar": "F"},
-     "fraction of samples held out for eval, chosen by --seed", None),
-    ("--data-cache", {"metavar": "DIR"}, "tokenization cache", "~/.cache/ulysses-sp/data"),
-    ("--data-workers", {"type": int, "metavar": "N"}, "tokenizing processes", "min(8, cpus)"),
-)  # fmt: skip
-"""The fine-tuning data flags (``tasks.DataSettings``, field for flag): flag, argparse options, help,
-what the field's ``None`` means."""
-
-
-def add_data_args(p: argparse.ArgumentParser, default: Any, *, from_run: tuple[str, ...] = ()) -> None:
-    """The fine-tuning data flags, shared by ``train`` and ``eval``; ``from_run``: the fields whose
-    default is the training run's (``eval``)."""
-    from ulysses_sp.tasks import DataSettings
-
-    g = p.add_argument_group("fine-tuning data (chat, prompt/completion, datasets formats)")
-    for flag, options, text, unset in DATA_FLAGS:
-        dest = flag[2:].replace("-", "_")
-        value = getattr(DataSettings, dest)
-        shown = unset if value is None else _show(value)
-        run = "the training run's, else " if dest in from_run else ""
-        g.add_argument(flag, default=default, help=f"{text} (default: {run}{shown})", **options)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ulysses_sp.cli.args import LAUNCH_KEYS, add_data_args
+from ulysses_sp.cli.flags import LAUNCH_KEYS, add_data_args
 from ulysses_sp.state import checkpoint as ckpt
 from ulysses_sp.tasks import DataSettings
 
