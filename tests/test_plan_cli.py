@@ -85,8 +85,12 @@ def test_the_recommended_command_passes_train_validation_seq_len_capped(capsys, 
         args = best["train_args"]
         _train_accepts([*args[: args.index("--seq-len") + 1], "131074", *args[args.index("--seq-len") + 2 :]],
                        tmp_path / "b")  # fmt: skip
-    doc = _plan(capsys, "--device", "cpu", "--memory", "1GB", "--gpus", "2", "--seq-len", "4096")
-    _train_accepts(doc["recommended"]["train_args"], tmp_path / "c")
+    for i, c in enumerate(doc["candidates"]):  # not only the recommendation: every row's command
+        _train_accepts(c["train_args"], tmp_path / f"default-{i}")
+    doc = _plan(capsys, "--device", "cpu", "--memory", "1GB", "--gpus", "2", "--seq-len", "4096", "--offload-states")
+    assert len(doc["candidates"]) > 40 and _host_rows(doc)
+    for i, c in enumerate(doc["candidates"]):
+        _train_accepts(c["train_args"], tmp_path / f"cpu-{i}")
     # a --seq-len that train refuses is refused by plan too
     with pytest.raises(SystemExit) as exc:
         main(["plan", "--seq-len", "262144"])
