@@ -74,7 +74,7 @@ def test_diverging_run_skips_steps_stops_loud_and_never_saves_nan(tmp_path, caps
     state[next(iter(state))][0] = float("nan")
     save_file(state, bad / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(SystemExit) as exc:
-        main(["eval", "--model", str(bad), "--seq-len", "32", "--num-samples", "2", "--micro-batch-size", "2",
+        main(["eval", "--model", str(bad), "--sp", "1", "--seq-len", "32", "--num-samples", "2", "--micro-batch-size", "2",
               "--output-json", str(tmp_path / "e.json"), "--plot", ""])  # fmt: skip
     assert exc.value.code == 1
     assert "the weights hold NaN or inf" in capsys.readouterr().err

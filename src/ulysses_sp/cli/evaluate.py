@@ -3,10 +3,11 @@
 Each ``--model`` (a checkpoint directory, any HF model directory, or a preset = its untrained
 initialisation from ``--seed``) is run over the same held-out samples — for ``recall`` samples the
 training run never saw (a disjoint seed), for local data its ``--eval-split`` part — with or
-without sequence parallelism (``--sp``). Unset, the data, its settings, ``--seq-len``, ``--seed``
-and ``--sp`` are the training run's (the first ``--model`` with a ``manifest.json``): the model is called on each rank's shard, and every rank
+without sequence parallelism (``--sp``): the model is called on each rank's shard, and every rank
 bins the loss of its own tokens by their *global* position (the shard's ``position_ids``), so one
-all-reduce gives the per-position curve over the whole context. Output: a JSON report (stdout and
+all-reduce gives the per-position curve over the whole context. Unset, the data and its settings,
+``--seq-len``, ``--seed`` and ``--sp`` are the training run's (``eval_options``: the manifest of the
+first ``--model`` that has one). Output: a JSON report (stdout and
 ``--output-json``) and a PNG plot (``--plot``; needs matplotlib, ``pip install 'ulysses-sp[plot]'``).
 """
 
