@@ -229,7 +229,12 @@ def run_eval(cfg: EvalConfig) -> list[dict[str, Any]]:
     """Evaluate every model (a collective); rank 0 writes the JSON and the plot."""
     import torch.distributed as dist
 
+    from ulysses_sp import tasks
+
     validate_eval(cfg, dist.get_world_size())
+    if cfg.data != tasks.RECALL and not cfg.eval_split and dist.get_rank() == 0:
+        logger.warning("--eval-split 0: no samples of %s are held out; evaluating on all of them (a run "
+                       "trained on them scores its training data)", cfg.data)  # fmt: skip
     reports = [_evaluate_model(cfg, m) for m in cfg.models]
     for r in reports:  # the same reduced numbers on every rank: every rank raises
         if r["loss"] is not None and not math.isfinite(r["loss"]):
