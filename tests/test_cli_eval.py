@@ -37,7 +37,9 @@ def _eval(root, name: str, *flags: str) -> dict:
 
 def test_eval_of_a_run_defaults_to_its_own_data_settings_and_layout(chat_run, capsys):
     root = chat_run
-    bare = _eval(root, "bare")  # no flags: the run's chats, template, --loss-on, split, seq_len, sp 2 (2 processes)
+    bare = _eval(
+        root, "bare"
+    )  # no flags: the run's chats, template, --loss-on, split, seq_len, sp 2 (2 processes)
     explicit = _eval(root, "explicit", "--data", str(root / "chats.jsonl"), "--chat-template",
                      str(root / "chatml.jinja"), "--loss-on", "assistant", "--eval-split", "0.2", "--seq-len", "64",
                      "--sp", "2")  # fmt: skip  # no --nproc: --sp 2 launches 2 processes

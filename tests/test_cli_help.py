@@ -49,7 +49,11 @@ def test_train_help_states_train_config_defaults_and_the_data_formats(capsys, mo
                         ("--micro-batch-size", "micro_batch_size"), ("--dtype", "dtype"), ("--model", "model"),
                         ("--max-nonfinite-steps", "max_nonfinite_steps")):  # fmt: skip
         value = getattr(cfg, field)
-        assert f"(default {value:g})" in flags[flag] if isinstance(value, float) else f"(default {value})" in flags[flag]
+        assert (
+            f"(default {value:g})" in flags[flag]
+            if isinstance(value, float)
+            else f"(default {value})" in flags[flag]
+        )
     for fmt in (".txt", ".jsonl", ".json", ".parquet", ".arrow", "save_to_disk"):
         assert fmt in flags["--data"]
     assert "default: --sp" in flags["--nproc"]
@@ -73,5 +77,7 @@ def test_data_flags_have_one_definition():
     assert not hasattr(tasks, "DataFlags")
     cfg = TrainConfig(data_cache="/c", data_workers=3, loss_on="all")
     assert cfg.data_settings() == DataSettings(data_cache="/c", data_workers=3, loss_on="all")
-    ecfg, _ = eval_options(build_parser().parse_args(["eval", "--model", "tiny-llama", "--data-workers", "2"]))
+    ecfg, _ = eval_options(
+        build_parser().parse_args(["eval", "--model", "tiny-llama", "--data-workers", "2"])
+    )
     assert ecfg.data_settings() == DataSettings(data_workers=2) and ecfg.sp == 1

@@ -87,7 +87,9 @@ def test_the_recommended_command_passes_train_validation_seq_len_capped(capsys, 
                        tmp_path / "b")  # fmt: skip
     for i, c in enumerate(doc["candidates"]):  # not only the recommendation: every row's command
         _train_accepts(c["train_args"], tmp_path / f"default-{i}")
-    doc = _plan(capsys, "--device", "cpu", "--memory", "1GB", "--gpus", "2", "--seq-len", "4096", "--offload-states")
+    doc = _plan(
+        capsys, "--device", "cpu", "--memory", "1GB", "--gpus", "2", "--seq-len", "4096", "--offload-states"
+    )
     assert len(doc["candidates"]) > 40 and _host_rows(doc)
     for i, c in enumerate(doc["candidates"]):
         _train_accepts(c["train_args"], tmp_path / f"cpu-{i}")

@@ -49,5 +49,3 @@ def add_data_args(p: argparse.ArgumentParser, default: Any, *, from_run: tuple[s
         shown = unset if value is None else show_default(value)
         run = "the training run's, else " if dest in from_run else ""
         g.add_argument(flag, default=default, help=f"{text} (default: {run}{shown})", **options)
-
-
