@@ -22,9 +22,9 @@ import torch
 from harness import WorkerError
 
 from ulysses_sp.engine.divergence import DivergenceError, DivergenceGuard
-from ulysses_sp.run.checks import validate
 from ulysses_sp.run.config import TrainConfig, config_from_dict
 from ulysses_sp.run.lock import RunLock, RunLockedError, check_unlocked
+from ulysses_sp.run.resolve import validate
 from ulysses_sp.run.rundir import prepare_output_dir, read_metrics_lines
 from ulysses_sp.state.checkpoint import FORMAT_VERSION
 

@@ -64,6 +64,10 @@ class TokenizedCorpus:
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
 
+    def __reduce__(self):
+        # pickled (to the ranks) as its cache path: opened memory-mapped again, not copied
+        return (_open, (self.path,))
+
 
 def tokenizer_fingerprint(tokenizer) -> str:
     """A hash of the tokenizer's model, vocabulary and special tokens."""
@@ -145,11 +149,28 @@ def _tokenize_all(data, table, tokenizer, *, fmt, loss_on, template, cache_dir, 
 
 
 def _open(entry: str) -> TokenizedCorpus:
-    with open(os.path.join(entry, "meta.json"), encoding="utf-8") as f:
-        meta = json.load(f)
-    load = lambda name: np.load(os.path.join(entry, name), mmap_mode="r")  # noqa: E731
-    return TokenizedCorpus(ids=load("ids.npy"), scored=load("scored.npy"), offsets=load("offsets.npy"),
-                           meta=meta, path=entry)  # fmt: skip
+    """The cache entry ``entry``, memory-mapped; ``ValueError`` naming it (and to delete it) when a
+    file is missing, truncated or does not match the entry's counts (a disk that filled, a copy cut short)."""
+    try:
+        with open(os.path.join(entry, "meta.json"), encoding="utf-8") as f:
+            meta = json.load(f)
+        arrays = {
+            name: np.load(os.path.join(entry, f"{name}.npy"), mmap_mode="r")
+            for name in ("ids", "scored", "offsets")
+        }
+        ids, scored, offsets = arrays["ids"], arrays["scored"], arrays["offsets"]
+        if not (len(ids) == len(scored) == meta["tokens"] and len(offsets) == meta["samples"] + 1
+                and (not len(offsets) or int(offsets[-1]) == len(ids))):  # fmt: skip
+            raise ValueError(
+                f"{len(ids)} ids, {len(scored)} flags and {len(offsets)} offsets for {meta['tokens']} tokens "
+                f"of {meta['samples']} samples"
+            )
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(
+            f"the tokenization cache entry {entry} is damaged ({type(e).__name__}: {e}); delete that directory "
+            "(rm -r it) and run again: the data is then tokenized afresh"
+        ) from None
+    return TokenizedCorpus(ids=ids, scored=scored, offsets=offsets, meta=meta, path=entry)
 
 
 def tokenized_corpus(
