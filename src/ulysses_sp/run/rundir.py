@@ -90,17 +90,25 @@ def _file_digest(path: str, size: int) -> str:
 
 def data_fingerprint(data: str) -> dict[str, Any]:
     """What ``--data`` read: ``{"recall": ...}`` for the generated task (the seed fixes it), else
-    every file's path (relative to ``data``), size and content digest (``_file_digest``)."""
+    every file the data layer reads (``data.formats.data_files``: ``.txt``/``.jsonl``/``.json``/
+    ``.parquet``/``.arrow`` files, or all files of a ``save_to_disk`` directory) with its path
+    (relative to ``data``), size and content digest (``_file_digest``)."""
+    from ulysses_sp.data.formats import data_files
     from ulysses_sp.tasks import RECALL
-    from ulysses_sp.tasks.text import list_text_files
 
     if data == RECALL:
         return {"source": RECALL}
     root = data if os.path.isdir(data) else os.path.dirname(data)
     files = []
-    for path in list_text_files(data):
-        size = os.path.getsize(path)
-        files.append([os.path.relpath(path, root), size, _file_digest(path, size)])
+    for item in data_files(data):
+        inner = (
+            sorted(os.path.join(r, f) for r, _, names in os.walk(item) for f in names)
+            if os.path.isdir(item)
+            else [item]
+        )
+        for path in inner:
+            size = os.path.getsize(path)
+            files.append([os.path.relpath(path, root), size, _file_digest(path, size)])
     return {"source": "files", "files": files}
 
 
