@@ -128,17 +128,29 @@ def run_reporting(
         sys.exit(code)
 
 
+def _signal_of(code: int) -> signal.Signals | None:
+    """The signal that ended a worker with exit code ``code``: ``-N`` (killed by it) or ``128 + N``
+    (it ran its handler, e.g. ``Stopped``, and exited with the shell's code for it); else ``None``."""
+    n = -code if code < 0 else code - 128 if code > 128 else 0
+    try:
+        return signal.Signals(n) if n else None
+    except ValueError:
+        return None
+
+
 def blame(failures: dict[int, int], nproc: int, timeout_s: float) -> str:
     """The launching process's line for failed workers: ``failures`` maps rank -> exit code
-    (negative: killed by that signal)."""
+    (negative: killed by that signal; ``128 + N``: stopped by signal ``N``). It points at "the errors
+    above" only for ranks that reported one (exit codes 1, 3, 4: ``run_reporting``'s)."""
 
     def ranks(rs: Any) -> str:
         return ", ".join(str(r) for r in sorted(rs))
 
-    killed = {r: c for r, c in failures.items() if c < 0}
-    if killed:
+    signalled = {r: (c, sig) for r, c in failures.items() if (sig := _signal_of(c)) is not None}
+    if signalled:
         return "; ".join(
-            f"rank {r} was killed by {signal.Signals(-c).name} (exit {c})" for r, c in killed.items()
+            f"rank {r} was {'killed' if c < 0 else 'stopped'} by {sig.name} (exit {c})"
+            for r, (c, sig) in sorted(signalled.items())
         )
     if failures and all(c == EXIT_TIMEOUT for c in failures.values()):
         silent = set(range(nproc)) - set(failures)
@@ -146,7 +158,9 @@ def blame(failures: dict[int, int], nproc: int, timeout_s: float) -> str:
             f"rank(s) {ranks(silent)} stopped answering: rank(s) {ranks(failures)} waited {timeout_s:g} s "
             "(--timeout) for them in a collective"
         )
-    return ", ".join(f"rank {r} (exit {c})" for r, c in sorted(failures.items())) + "; see the errors above"
+    line = ", ".join(f"rank {r} (exit {c})" for r, c in sorted(failures.items()))
+    reported = any(c in (EXIT_ERROR, EXIT_TIMEOUT, EXIT_PEER_LOST) for c in failures.values())
+    return line + ("; see the errors above" if reported else "; it exited without reporting an error")
 
 
 def stop_line(command: str, signum: int, output_dir: str | None) -> str:
