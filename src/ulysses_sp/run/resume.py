@@ -1,7 +1,8 @@
 """What ``--resume`` reads, checked in the launching process before any rank loads it.
 
-``read_checkpoint(path, output_dir)`` returns the checkpoint's manifest after checking that every
-file a resume reads is whole: ``manifest.json`` parses; the HF weights (``*.safetensors``, their
+``read_checkpoint(path, output_dir)`` returns the checkpoint's manifest (it parses, in this
+version's format); ``check_checkpoint_files`` checks that every other file a resume reads is
+whole: the HF weights (``*.safetensors``, their
 index) have complete headers and data; the training state's ``torch.distributed.checkpoint``
 metadata loads and every ``.distcp`` file holds the bytes it lists; each ``rank<r>.pt`` is an
 intact archive. A damaged file (a disk that filled, a copy cut short, a run killed outside the
@@ -64,7 +65,7 @@ class _Bad(Exception):
 
 
 def read_checkpoint(path: str, output_dir: str) -> dict[str, Any]:
-    """The manifest of the checkpoint ``path``, its files checked whole (see the module docstring)."""
+    """The manifest of the checkpoint ``path`` (parsed, of this version's format; see the module)."""
     manifest_file = os.path.join(path, ckpt.MANIFEST)
     try:
         saved = ckpt.read_manifest(path)
@@ -73,8 +74,13 @@ def read_checkpoint(path: str, output_dir: str) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, ValueError) as e:  # json.JSONDecodeError is a ValueError
         raise _damaged(manifest_file, f"{type(e).__name__}: {e}", path, output_dir) from None
     ckpt.check_format(saved, path)
+    return saved
+
+
+def check_checkpoint_files(path: str, output_dir: str) -> None:
+    """Every file of the checkpoint ``path`` a resume reads is whole (see the module docstring)."""
     state = os.path.join(path, ckpt.STATE_DIR)
-    current = manifest_file
+    current = path
     try:
         for name in sorted(os.listdir(path)):
             current = os.path.join(path, name)
@@ -95,6 +101,5 @@ def read_checkpoint(path: str, output_dir: str) -> dict[str, Any]:
     except _Bad as e:
         raise _damaged(e.file, str(e), path, output_dir) from None
     except Exception as e:  # the readers' own errors (safetensors, pickle, zipfile, json): name the file
-        raise _damaged(current, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}",
-                       path, output_dir) from None  # fmt: skip
-    return saved
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise _damaged(current, f"{type(e).__name__}: {first}", path, output_dir) from None

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ulysses_sp.engine.divergence import HINT, DivergenceError, local_nonfinite
 from ulysses_sp.parallel.comm import all_reduce_max, all_reduce_sum, raise_if_any_rank_failed
-from ulysses_sp.run.resume import read_checkpoint
+from ulysses_sp.run.resume import check_checkpoint_files, read_checkpoint
 from ulysses_sp.state import checkpoint as ckpt
 
 if TYPE_CHECKING:
@@ -154,7 +154,7 @@ def check_output_dir(cfg: TrainConfig, manifest: dict[str, Any]) -> None:
         if cfg.overwrite:
             raise ValueError("--resume and --overwrite contradict each other; pass one of them")
         path = ckpt.resolve_resume(cfg.resume, cfg.output_dir)
-        saved = read_checkpoint(path, cfg.output_dir)  # every file whole, or named with the previous checkpoint
+        saved = read_checkpoint(path, cfg.output_dir)  # damaged: named, with the previous checkpoint
         # the training state reshards: another nproc, sp or ZeRO stage is fine (dp fixes the data order)
         diffs = ckpt.compare_manifests(saved, manifest)
         if any(not d.startswith(RESHARDABLE) for d in diffs):
@@ -165,6 +165,7 @@ def check_output_dir(cfg: TrainConfig, manifest: dict[str, Any]) -> None:
                 "dp = nproc / sp as saved), or start a new run in another --output-dir"
             )
         _check_data_unchanged(cfg, saved, manifest, path)
+        check_checkpoint_files(path, cfg.output_dir)  # last: a mismatch says more than a damaged file
         return
     existing = ckpt.list_checkpoints(cfg.output_dir)
     if existing and not cfg.overwrite:

@@ -110,22 +110,31 @@ def run_reporting(
     """Run ``body`` in a rank; on anything but success, report one line and ``sys.exit`` its code.
 
     A signal ends silently unless ``report_stop`` is given (then its line is printed): the process
-    that launched the ranks reports it once. On a failure, a file ``rank<r>`` is left in
-    ``failed_dir`` (when given) for the launching process's ``FailureWatch``.
+    that launched the ranks reports it once. On a failure, or a signal that stops this rank before
+    any other rank ended, a file ``rank<r>`` is left in ``failed_dir`` (when given) for the
+    launching process's ``FailureWatch``.
     """
     try:
         return body()
     except Stopped as s:
         if report_stop is not None:
             print(report_stop(s.signum), file=sys.stderr, flush=True)
+        # the first rank to end, stopped by a signal sent to it alone: the launcher names the signal
+        # (a rank stopped after another's failure, by the launcher's own SIGTERM, does not report)
+        if failed_dir is not None and not os.listdir(failed_dir):
+            _report(failed_dir, rank, 128 + s.signum)
         sys.exit(128 + s.signum)
     except Exception as e:
         code, message = _classify(e)
         print(f"[rank {rank}] {message}", file=sys.stderr, flush=True)
         if failed_dir is not None:
-            with open(os.path.join(failed_dir, f"rank{rank}"), "w") as f:
-                f.write(f"{code} {os.getpid()}")
+            _report(failed_dir, rank, code)
         sys.exit(code)
+
+
+def _report(failed_dir: str, rank: int, code: int) -> None:
+    with open(os.path.join(failed_dir, f"rank{rank}"), "w") as f:
+        f.write(f"{code} {os.getpid()}")
 
 
 def _signal_of(code: int) -> signal.Signals | None:
