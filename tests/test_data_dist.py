@@ -131,7 +131,10 @@ def test_boundary_labels_across_ranks_and_padding_logged_once(pool):
         assert (right["input_ids"][:, -1] == 7).all()
     for _, records in res:
         assert len(records) == 1
-        assert "sequence length 9 is not divisible by 2 (sp 2); pad to a multiple of 2, e.g. 10: padded to 10" in records[0]
+        assert (
+            "sequence length 9 is not divisible by 2 (sp 2); pad to a multiple of 2, e.g. 10: padded to 10"
+            in records[0]
+        )
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -123,7 +123,9 @@ def test_data_that_trains_nothing_is_refused_and_truncated_samples_are_counted(t
 
 
 def test_malformed_jsonl_line_names_file_and_line(tmp_path):
-    lines = [json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})] * 5
+    lines = [
+        json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})
+    ] * 5
     lines[3] = '{"messages": [ oops'
     path = tmp_path / "bad.jsonl"
     path.write_text("\n".join(lines) + "\n")
@@ -142,11 +144,15 @@ def test_malformed_jsonl_line_names_file_and_line(tmp_path):
 )  # fmt: skip
 def test_a_chat_template_that_fails_names_the_file_and_the_sample(tmp_path, template, match):
     rng = random.Random(0)
-    rows = [{"messages": conversation(rng, system=False)} for _ in range(3)] + [{"messages": conversation(rng)}]
+    rows = [{"messages": conversation(rng, system=False)} for _ in range(3)] + [
+        {"messages": conversation(rng)}
+    ]
     data = write_jsonl(tmp_path / "chat.jsonl", rows)
     tpl = tmp_path / "bad.jinja"
     tpl.write_text(template)
-    sample = 0 if "syntax" in match else 3  # a syntax error fails the first render; raise_exception its sample
+    sample = (
+        0 if "syntax" in match else 3
+    )  # a syntax error fails the first render; raise_exception its sample
     with pytest.raises(ValueError, match=rf"chat.jsonl', sample {sample}: the chat template {tpl} {match}"):
         build_local_dataset(data, tokenizer=chat_tokenizer(), seq_len=64, seed=0,
                             settings=DataSettings(cache_dir=str(tmp_path / "c"), workers=1, chat_template=str(tpl)))  # fmt: skip
@@ -159,7 +165,9 @@ def test_a_truncated_token_cache_is_named_with_how_to_fix_it(tmp_path):
     ids = os.path.join(ds.corpus.path, "ids.npy")
     with open(ids, "r+b") as f:
         f.truncate(os.path.getsize(ids) // 2)
-    with pytest.raises(ValueError, match=rf"tokenization cache entry {ds.corpus.path} is damaged .*delete that directory"):
+    with pytest.raises(
+        ValueError, match=rf"tokenization cache entry {ds.corpus.path} is damaged .*delete that directory"
+    ):
         build_local_dataset(data, tokenizer=chat_tokenizer(), seq_len=128, seed=0, settings=settings)
 
 
@@ -171,7 +179,12 @@ def test_a_damaged_checkpoint_is_named_with_the_previous_one(tmp_path):
                          resume="latest", data_cache=str(tmp_path / "cache"))  # fmt: skip
     resolve_run(resume, 1)  # whole: fine
     first = os.path.join(out, "checkpoint-1")
-    for rel in ("manifest.json", "model.safetensors", "training_state/rank0.pt", "training_state/dcp/__0_0.distcp"):
+    for rel in (
+        "manifest.json",
+        "model.safetensors",
+        "training_state/rank0.pt",
+        "training_state/dcp/__0_0.distcp",
+    ):
         shutil.rmtree(os.path.join(out, "checkpoint-2"))
         shutil.copytree(first, os.path.join(out, "checkpoint-2"))
         victim = os.path.join(out, "checkpoint-2", rel)

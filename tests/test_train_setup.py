@@ -137,7 +137,9 @@ def test_train_and_eval_share_their_checks():
         validate_eval(EvalConfig(models=("tiny-llama",), attn="flash"), 1)
     with pytest.raises(ValueError, match=r"--bins must be >= 1, got 0"):
         validate_eval(EvalConfig(models=("tiny-llama",), bins=0), 1)
-    with pytest.raises(ValueError, match=r"^--seq-len 30 is not divisible by 4 \(sp 4\); use a multiple of 4, e.g. 32$"):
+    with pytest.raises(
+        ValueError, match=r"^--seq-len 30 is not divisible by 4 \(sp 4\); use a multiple of 4, e.g. 32$"
+    ):
         validate_eval(EvalConfig(models=("tiny-llama",), seq_len=30, sp=4), 4)
     with pytest.raises(ValueError, match=r"--seq-len must be a positive int, got 1.5 \(float\)"):
         validate(TrainConfig(seq_len=1.5), 2)

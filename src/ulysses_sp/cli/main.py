@@ -138,7 +138,9 @@ def _launch(command: str, options: Any, nproc: int, timeout_s: float, resolved: 
     output_dir = getattr(options, "output_dir", None)
     with FailureWatch() as watch:
         try:
-            results = elastic_launch(config, _run_rank)(command, options, timeout_s, False, watch.path, resolved)
+            results = elastic_launch(config, _run_rank)(
+                command, options, timeout_s, False, watch.path, resolved
+            )
         except SignalException as e:
             print(stop_line(command, e.sigval, output_dir), file=sys.stderr)
             sys.exit(128 + e.sigval)

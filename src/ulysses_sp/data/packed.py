@@ -164,4 +164,6 @@ def check_scored(dataset: Dataset, *, seq_len: int, data: str) -> None:
             "--seq-len or --long-samples split, or data with assistant turns"
         )
     if n["truncated_away"]:
-        logger.warning("--data %r: %s and train nothing; raise --seq-len or use --long-samples split", data, cut)
+        logger.warning(
+            "--data %r: %s and train nothing; raise --seq-len or use --long-samples split", data, cut
+        )

@@ -113,7 +113,9 @@ def check_layout(world_size: int, *, sp: int, seq_len: int, sizes: Mapping[str, 
     check_seq_len_divisible(seq_len, sp, name="--seq-len")
 
 
-def check_model(model: str, tokenizer: Any, *, sp: int, seq_len: int, ring_size: int | str | None) -> tuple[Any, int]:
+def check_model(
+    model: str, tokenizer: Any, *, sp: int, seq_len: int, ring_size: int | str | None
+) -> tuple[Any, int]:
     """``(model config, ring size)`` of ``model`` (preset or directory) with ``tokenizer`` (loaded):
     the vocabulary fits, the heads split over ``sp`` (Ulysses, or Ulysses x Ring: ``ring_size``,
     ``None`` = auto), ``seq_len`` divides into the ring's chunks and is within the model's positions."""

@@ -150,7 +150,9 @@ def _run(resolved: ResolvedRun, stop: Any, held: ExitStack) -> dict[str, Any]:
 
     cfg, manifest, tokenizer, dataset = resolved.cfg, resolved.manifest, resolved.tokenizer, resolved.dataset
     world, rank = dist.get_world_size(), dist.get_rank()
-    mesh = init_mesh(sp_size=cfg.sp, ring_size=resolved.ring_size)  # the run's layout: attention, engine and loop share it
+    mesh = init_mesh(
+        sp_size=cfg.sp, ring_size=resolved.ring_size
+    )  # the run's layout: attention, engine and loop share it
     resume_dir = ckpt.resolve_resume(cfg.resume, cfg.output_dir) if cfg.resume else None
     saved = ckpt.read_manifest(resume_dir) if resume_dir else {}
     resumed_step = saved.get("step")

@@ -73,7 +73,11 @@ def build_model(
     from transformers import AutoModelForCausalLM
 
     if is_preset(name_or_path):
-        config = copy.deepcopy(config) if config is not None else preset_config(name_or_path, vocab_size=vocab_size)
+        config = (
+            copy.deepcopy(config)
+            if config is not None
+            else preset_config(name_or_path, vocab_size=vocab_size)
+        )
         config._attn_implementation = attn_implementation
         fork = torch.random.fork_rng(devices=[])
         with fork:
