@@ -63,8 +63,8 @@ def resolve_run(cfg: TrainConfig, world_size: int, *, progress: bool | None = No
     check_train_options(cfg)
     check_layout(world_size, sp=cfg.sp, seq_len=cfg.seq_len, sizes={}, attn=cfg.attn)
     cfg.training_config()  # the engine's own checks
-    # TODO(load21): call state.loading.check_model_dir(cfg.model) here (config, safetensors index,
-    # shards, shapes) once it is on main; tasks.check_model_dir (via model_config) covers config.json.
+    # The model directory's checks (config, safetensors index, shards, shapes: branch load21's
+    # state.model_dir.check_model_dir) run inside run.checks.model_config, called once by check_model.
     tokenizer = tasks.load_tokenizer(cfg.tokenizer, cfg.model)
     mcfg, ring = check_model(cfg.model, tokenizer, sp=cfg.sp, seq_len=cfg.seq_len, ring_size=cfg.ring_size)
     manifest = manifest_for(cfg, world_size, mcfg)
