@@ -13,6 +13,7 @@ import errno
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -341,7 +342,10 @@ def test_a_full_disk_during_a_two_rank_save_is_one_line_without_the_writers_trac
     for kind, message in pool.run(_save_zero3, 2, path, not mounted):
         assert kind == "NoSpaceError" and message.startswith(f"no space left on {path}: need ~"), message
         assert "\n" not in message and "Traceback" not in message and "File " not in message, message
-        assert "(the write failed: rank 0: " in message and "; rank 1: " in message, message
+        # the ranks whose writers failed, each in a few words (on a real small disk one rank's may fit)
+        assert re.search(
+            r"\(the write failed: rank [01]: \w+Error: [^;]*(; rank 1: \w+Error: [^;]*)?\); free", message
+        ), message
 
 
 def test_a_nonfinite_model_is_never_saved(pool, tmp_path):
