@@ -83,7 +83,11 @@ def main() -> None:
             for dp in (2, 4):
                 for stock in (False, True):
                     out = mp.Manager().dict()
-                    mp.spawn(_worker, args=(dp, os.path.join(tmp, f"store-{dp}-{stock}"), path, stock, out), nprocs=dp)
+                    mp.spawn(
+                        _worker,
+                        args=(dp, os.path.join(tmp, f"store-{dp}-{stock}"), path, stock, out),
+                        nprocs=dp,
+                    )
                     growth = max(r["growth"] for r in out.values()) / model_bytes
                     shards = max(r["shards"] for r in out.values()) / model_bytes
                     reader = "stock reader" if stock else "library"

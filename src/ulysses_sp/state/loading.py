@@ -97,7 +97,10 @@ class _BlockReader(HuggingFaceStorageReader):
         from torch.futures import Future
 
         for req in plan.items:
-            file = self.storage_data[req.storage_index].relative_path  # the full path, as read_metadata stores it
+            info = self.storage_data[
+                req.storage_index
+            ]  # relative_path: the full path, as read_metadata stores it
+            file = info.relative_path
             fqn = req.storage_index.fqn
             target = planner.resolve_tensor(req).detach()  # this rank's part of the tensor, a view
             if target.dim() == 0:
@@ -105,7 +108,7 @@ class _BlockReader(HuggingFaceStorageReader):
                     target.copy_(f.get_tensor(fqn))
             else:
                 rest = tuple(slice(o, o + n) for o, n in zip(req.storage_offsets[1:], req.lengths[1:]))
-                row_bytes = max(1, target[0].numel() * self.storage_data[req.storage_index].dtype.itemsize)
+                row_bytes = max(1, target[0].numel() * info.dtype.itemsize)
                 step = max(1, self.block_bytes // row_bytes)
                 first = req.storage_offsets[0]
                 for r in range(0, req.lengths[0], step):

@@ -46,7 +46,9 @@ def load_config(path: str) -> Any:
         raise ValueError(f"{file}: the model config must be a JSON object, got {type(raw).__name__}")
     bad = {k: raw[k] for k in _POSITIVE if k in raw and not (isinstance(raw[k], int) and raw[k] > 0)}
     if bad:
-        raise ValueError(f"{file}: {', '.join(f'{k} = {v!r}' for k, v in bad.items())}: must be positive integers")
+        raise ValueError(
+            f"{file}: {', '.join(f'{k} = {v!r}' for k, v in bad.items())}: must be positive integers"
+        )
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True)
     except (ValueError, KeyError, TypeError) as e:
