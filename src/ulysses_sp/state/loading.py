@@ -30,6 +30,8 @@ plain (unsharded) model, reading whole tensors.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -58,30 +60,60 @@ def init_empty_model(
     from transformers import AutoModelForCausalLM
 
     config = load_config(path)
+    build = lambda: AutoModelForCausalLM.from_config(  # noqa: E731
+        config, attn_implementation=attn_implementation, dtype=dtype
+    )
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
-    _materialize_buffers(model)
+        model = build()
+    if not _materialize_buffers(model):  # a model whose _init_weights leaves a buffer unset
+        with _parameters_on_meta():
+            model = build()
     return model
 
 
-def _materialize_buffers(model: nn.Module) -> None:
+def _materialize_buffers(model: nn.Module) -> bool:
     """Real (CPU) storage for every buffer, computed by the ``_init_weights`` of the innermost
     ``PreTrainedModel`` holding it (a composite model's parts have their own), as ``from_pretrained``
-    initialises what its files do not hold."""
+    initialises what its files do not hold. ``False`` when some floating buffer stays unset (its
+    NaN fill survives: a model, or a transformers 4.x, that computes buffers only in ``__init__``)."""
     from transformers import PreTrainedModel
+
+    unset: list[torch.Tensor] = []
 
     def visit(module: nn.Module, owner: Any) -> None:
         owner = module if isinstance(module, PreTrainedModel) else owner
         if any(b is not None for b in module._buffers.values()):
             for name, buf in module._buffers.items():
                 if buf is not None:
-                    module._buffers[name] = torch.empty_like(buf, device="cpu")
+                    module._buffers[name] = new = torch.empty_like(buf, device="cpu")
+                    if new.is_floating_point():
+                        unset.append(new.fill_(float("nan")))
             with torch.no_grad():
                 owner._init_weights(module)  # parameters still on meta: their init does nothing
         for child in module.children():
             visit(child, owner)
 
     visit(model, model)
+    return not any(b.isnan().any() for b in unset)
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """The fallback: every parameter a module registers moves to the meta device at once (created
+    on the CPU, never written: untouched pages), buffers computed for real by ``__init__``; this is
+    ``accelerate.init_empty_weights(include_buffers=False)``'s mechanism, undone on exit."""
+    original = nn.Module.register_parameter
+
+    def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
 class _BlockReader(HuggingFaceStorageReader):

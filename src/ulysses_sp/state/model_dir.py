@@ -98,8 +98,11 @@ def shape_mismatch(path: str, name: str, in_files: tuple[int, ...], in_model: tu
             f"its {CONFIG}; the weights belong to another config")  # fmt: skip
 
 
-def check_model_dir(path: str) -> Any:
+def check_model_dir(path: str, *, require_weights: bool = False) -> Any:
     """Check the local HF model directory ``path`` (module docstring) and return its config.
+
+    A directory with a config and no weight files passes unless ``require_weights`` (the planner
+    needs only the config; loading then says the weights are missing).
 
     Raises:
         ValueError: naming the file: config, index, a missing or truncated shard, a parameter the
@@ -111,6 +114,8 @@ def check_model_dir(path: str) -> Any:
     if not os.path.isdir(path):
         raise ValueError(f"{path!r}: no such model directory")
     config = load_config(path)
+    if not require_weights and not any(os.path.isfile(os.path.join(path, f)) for f in (INDEX, SINGLE)):
+        return config
     files = weight_files(path)
     shapes: dict[str, tuple[int, ...]] = {}
     for file in sorted(set(files.values())):
