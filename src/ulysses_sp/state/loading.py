@@ -9,13 +9,16 @@ Three steps, the middle one the engine's::
 ``init_empty_model`` builds the transformers model under ``torch.device("meta")`` (no parameter is
 ever allocated, not even for a moment), then gives the buffers real storage and computes them with
 the model's own ``_init_weights``, the way ``from_pretrained`` does after its own meta construction
-(rotary ``inv_freq`` comes out exactly as ``from_pretrained``'s). The engine (ZeRO 2/3) shards the
-meta model and allocates only this rank's shards.
+(rotary ``inv_freq`` comes out exactly as ``from_pretrained``'s). A model whose ``_init_weights``
+leaves a buffer unset (transformers 4.x computes buffers only in ``__init__``) is built the older
+way instead: each parameter moved to meta as it registers. The engine (ZeRO 2/3) shards the meta
+model and allocates only this rank's shards. ``check_model_dir`` (``model_dir.py``) checks the
+directory before any worker starts.
 
 ``load_pretrained_weights`` is ``torch.distributed.checkpoint.load`` with its HuggingFace safetensors
 reader: the model's parameters (FSDP2's as ``DTensor`` shards) and persistent buffers, keyed by
-the files' names, are the load target, DCP's planner works out which part of
-each saved tensor this rank's shard holds (any placement), and the reader copies just that part
+the files' names, are the load target; DCP's planner works out which part of each saved tensor
+this rank's shard holds (any placement), and the reader copies just that part
 (``get_slice``) into the shard, casting (bf16 files -> fp32 master weights). One change to the
 stock reader, for memory: it reads each request in blocks of at most ``block_bytes``, each through
 its own mapping of the file, where the stock reader keeps a file mapped while it reads all of this
