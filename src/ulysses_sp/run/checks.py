@@ -81,9 +81,9 @@ def model_config(model: str, vocab_size: int):
     if tasks.is_preset(model):
         return tasks.preset_config(model, vocab_size=vocab_size)
     tasks.check_model_dir(model)
-    from transformers import AutoConfig
+    from ulysses_sp.state.model_dir import check_model_dir
 
-    return AutoConfig.from_pretrained(model, local_files_only=True)
+    return check_model_dir(model)  # config, index, shards, their headers and shapes, naming the file
 
 
 def ring_size_for(mcfg: Any, sp: int, ring_size: int | str | None) -> int:
