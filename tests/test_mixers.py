@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import copy
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 from hybrid_models import V, hybrid_model
-from models import global_batch
+from models import global_batch, tiny_model
 from oracle import assert_grads_close
 
 from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
-from ulysses_sp.mixers.apply import apply_mixers
+from ulysses_sp.mixers._kernels import refuse_local_boundaries
+from ulysses_sp.mixers.apply import HANDLERS, apply_mixers, has_unsharded_mixers
+from ulysses_sp.mixers.base import claimed_by, shard_mixers
 from ulysses_sp.parallel.mesh import init_mesh
 
 B, S = 2, 32
@@ -72,12 +75,15 @@ def _exact(sp: int, cases: list[tuple[str, bool, dict]]) -> list[str]:
         assert_grads_close(grads, {n: p.grad for n, p in ref.named_parameters()}, atol_cap=math.inf)
         handle.remove()
         reg.remove()
+        assert not any("forward" in vars(m) for m in model.modules()) and not model._forward_pre_hooks
         done.append(f"{arch}{' packed' if packed else ''}")
     return done
 
 
-MAMBA = ("nemotron_h", "falcon_h1", "granitemoehybrid", "bamba")
-CASES_SP2 = [(a, p, {}) for a in ("lfm2",) + MAMBA for p in (False, True)]
+CASES_SP2 = [(a, p, {}) for a in ("lfm2", "nemotron_h", "falcon_h1") for p in (False, True)] + [
+    ("granitemoehybrid", True, {}),
+    ("bamba", True, {}),
+]
 CASES_SP4 = [
     ("lfm2", True, {}),
     ("nemotron_h", True, {"mamba_heads": 8, "groups": 2}),  # groups < sp: B/C replicated
@@ -89,3 +95,58 @@ CASES_SP4 = [
 @pytest.mark.parametrize("sp, cases", [(2, CASES_SP2), (4, CASES_SP4)], ids=["sp2", "sp4"])
 def test_mixers_equal_no_sp(pool, sp, cases):
     assert pool.run(_exact, sp, sp, cases)[0] == [f"{a}{' packed' if p else ''}" for a, p, _ in cases]
+
+
+def test_every_mixer_is_claimed_and_nothing_else():
+    claimed = {}
+    for arch in ("lfm2", "nemotron_h", "falcon_h1", "granitemoehybrid", "bamba"):
+        model = hybrid_model(arch)
+        claimed[arch] = sorted(
+            {(type(m).__name__, h.name) for m in model.modules() if (h := claimed_by(m, HANDLERS))}
+        )
+        assert has_unsharded_mixers(model)
+    assert claimed == {
+        "lfm2": [("Lfm2ShortConv", "short_conv")],
+        "nemotron_h": [("NemotronHMamba2Mixer", "mamba2")],
+        "falcon_h1": [("FalconH1Mixer", "mamba2")],
+        "granitemoehybrid": [("GraniteMoeHybridMambaLayer", "mamba2")],
+        "bamba": [("BambaMixer", "mamba2")],
+    }
+    assert not has_unsharded_mixers(tiny_model("llama"))
+
+
+@pytest.mark.parametrize(
+    "arch, kw, sp, message",
+    [
+        (
+            "nemotron_h",
+            {"mamba_heads": 4, "groups": 2},
+            8,
+            r"NemotronHMamba2Mixer \(4 heads, 2 B/C groups\): the heads are not divisible by sp_size 8",
+        ),
+        (
+            "falcon_h1",
+            {"mamba_heads": 6, "groups": 2},
+            3,
+            r"FalconH1Mixer \(6 heads, 2 B/C groups\): sp_size 3 neither divides the groups",
+        ),
+        ("lfm2", {}, 3, r"Lfm2ShortConv: 32 convolution channels are not divisible by sp_size 3"),
+    ],
+)
+def test_refuses_when_heads_do_not_divide(arch, kw, sp, message):
+    model = hybrid_model(arch, **kw)
+    mesh = SimpleNamespace(sp_size=sp, sp_rank=0, ring_size=1)  # the check runs before any collective
+    with pytest.raises(
+        ValueError,
+        match=r"sequence parallelism cannot shard these mixers:\nmodel\.layers\.0\.\w+: " + message,
+    ):
+        shard_mixers(model, mesh, HANDLERS)
+    assert not any("forward" in vars(m) for m in model.modules())  # nothing wrapped
+
+
+def test_refuses_local_document_boundaries_and_unbound_handlers():
+    with pytest.raises(ValueError, match="seq_idx describe the local shard's documents"):
+        refuse_local_boundaries({"seq_idx": torch.zeros(1)}, "Lfm2ShortConv")
+    model = hybrid_model("lfm2")
+    with pytest.raises(ValueError, match="needs a PositionTracker: use mixers.apply.apply_mixers"):
+        shard_mixers(model, SimpleNamespace(sp_size=2, sp_rank=0, ring_size=1), HANDLERS)

@@ -25,6 +25,13 @@ def has_mixers(model: nn.Module, handlers: tuple[MixerHandler, ...] = HANDLERS) 
     return any(claimed_by(m, handlers) is not None for m in model.modules())
 
 
+def has_unsharded_mixers(model: nn.Module) -> bool:
+    """True when ``model`` has mixers these handlers claim and none is sharded yet (a user who
+    called ``apply_mixers`` before ``initialize`` keeps their handle)."""
+    claimed = [m for m in model.modules() if claimed_by(m, HANDLERS) is not None]
+    return bool(claimed) and not any("forward" in vars(m) for m in claimed)
+
+
 def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
     """Shard every short-convolution and Mamba-2 mixer of ``model`` over ``mesh``'s SP group.
 
