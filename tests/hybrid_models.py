@@ -1,5 +1,5 @@
 """Tiny hybrid models for the mixer tests: transformers' own LFM2, Nemotron-H, Falcon-H1,
-GraniteMoeHybrid and Bamba code from local configs, random fp32 weights large enough that a wrong
+GraniteMoeHybrid, Bamba and Mamba-2 code from local configs, random fp32 weights large enough that a wrong
 position shows (std 0.2, as ``models.tiny_model``)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ V = 64
 
 
 def hybrid_config(arch: str, *, mamba_heads: int = 4, groups: int = 2, kv_heads: int = 2):
-    """A tiny config of ``arch`` (``lfm2``, ``nemotron_h``, ``falcon_h1``, ``granitemoehybrid``, ``bamba``)."""
+    """A tiny config of ``arch`` (``lfm2``, ``nemotron_h``, ``falcon_h1``, ``granitemoehybrid``, ``bamba``, ``mamba2``)."""
     import transformers as tf
 
     common = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_attention_heads=4,
@@ -38,6 +38,9 @@ def hybrid_config(arch: str, *, mamba_heads: int = 4, groups: int = 2, kv_heads:
         )  # fmt: skip
     if arch == "bamba":
         return tf.BambaConfig(num_hidden_layers=2, attn_layer_indices=[1], mamba_expand=1, **mamba, **common)
+    if arch == "mamba2":  # Mamba-2 alone (no attention layers)
+        return tf.Mamba2Config(vocab_size=V, hidden_size=32, expand=2, num_heads=mamba_heads, head_dim=64 // mamba_heads,
+                               n_groups=groups, state_size=8, chunk_size=8, num_hidden_layers=2, tie_word_embeddings=False)  # fmt: skip
     raise ValueError(arch)
 
 
@@ -45,7 +48,8 @@ def hybrid_model(arch: str, seed: int = 0, **kw):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hybrid_config(arch, **kw), attn_implementation="sdpa")
+    attn = "eager" if arch == "mamba2" else "sdpa"  # no attention layers: transformers refuses sdpa
+    model = AutoModelForCausalLM.from_config(hybrid_config(arch, **kw), attn_implementation=attn)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2)

@@ -1,7 +1,7 @@
 """Short-convolution and Mamba-2 mixers under Ulysses SP equal the same model without SP.
 
 LFM2 (short conv), Nemotron-H, Falcon-H1 (Mamba-2 beside attention in every layer), Granite-4
-hybrid and Bamba at sp 2 and 4: every position's logits and every parameter's gradient (of a
+hybrid, Bamba and Mamba-2 alone at sp 2 and 4: every position's logits and every parameter's gradient (of a
 random projection of the logits, so each position weighs in) against the plain model, fp32.
 Packed documents: against the plain model run on each document alone (the mixers must not leak
 across a boundary, wherever it falls relative to the shards). Also: B/C groups fewer than sp
@@ -59,7 +59,11 @@ def _exact(sp: int, cases: list[tuple[str, bool, dict]]) -> list[str]:
         proj = torch.randn(B, S, V, generator=torch.Generator().manual_seed(4))
         ref_logits = _reference(ref, ids, packed)
         (ref_logits * proj).sum().backward()
-        reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, B, mesh=mesh)
+        reg = (
+            None
+            if arch == "mamba2"
+            else UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, B, mesh=mesh)
+        )
         handle = apply_mixers(model, mesh)
         assert handle.wrapped, arch
         logits = model(
@@ -74,7 +78,8 @@ def _exact(sp: int, cases: list[tuple[str, bool, dict]]) -> list[str]:
         # atol 1e-5 x the largest reference gradient (the loss is a sum over B*S*V projected logits)
         assert_grads_close(grads, {n: p.grad for n, p in ref.named_parameters()}, atol_cap=math.inf)
         handle.remove()
-        reg.remove()
+        if reg is not None:
+            reg.remove()
         assert not any("forward" in vars(m) for m in model.modules()) and not model._forward_pre_hooks
         done.append(f"{arch}{' packed' if packed else ''}")
     return done
@@ -83,6 +88,7 @@ def _exact(sp: int, cases: list[tuple[str, bool, dict]]) -> list[str]:
 CASES_SP2 = [(a, p, {}) for a in ("lfm2", "nemotron_h", "falcon_h1") for p in (False, True)] + [
     ("granitemoehybrid", True, {}),
     ("bamba", True, {}),
+    ("mamba2", True, {}),  # Mamba-2 alone
 ]
 CASES_SP4 = [
     ("lfm2", True, {}),
@@ -99,7 +105,7 @@ def test_mixers_equal_no_sp(pool, sp, cases):
 
 def test_every_mixer_is_claimed_and_nothing_else():
     claimed = {}
-    for arch in ("lfm2", "nemotron_h", "falcon_h1", "granitemoehybrid", "bamba"):
+    for arch in ("lfm2", "nemotron_h", "falcon_h1", "granitemoehybrid", "bamba", "mamba2"):
         model = hybrid_model(arch)
         claimed[arch] = sorted(
             {(type(m).__name__, h.name) for m in model.modules() if (h := claimed_by(m, HANDLERS))}
@@ -111,6 +117,7 @@ def test_every_mixer_is_claimed_and_nothing_else():
         "falcon_h1": [("FalconH1Mixer", "mamba2")],
         "granitemoehybrid": [("GraniteMoeHybridMambaLayer", "mamba2")],
         "bamba": [("BambaMixer", "mamba2")],
+        "mamba2": [("Mamba2Mixer", "mamba2")],
     }
     assert not has_unsharded_mixers(tiny_model("llama"))
 
