@@ -9,11 +9,11 @@ import torch
 V = 64
 
 
-def hybrid_config(arch: str, *, mamba_heads: int = 4, groups: int = 2, kv_heads: int = 2):
+def hybrid_config(arch: str, *, mamba_heads: int = 4, groups: int = 2, kv_heads: int = 2, vocab: int = V):
     """A tiny config of ``arch`` (``lfm2``, ``nemotron_h``, ``falcon_h1``, ``granitemoehybrid``, ``bamba``, ``mamba2``)."""
     import transformers as tf
 
-    common = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_attention_heads=4,
                   num_key_value_heads=kv_heads, max_position_embeddings=512, tie_word_embeddings=False)  # fmt: skip
     if arch == "lfm2":
         return tf.Lfm2Config(
@@ -39,7 +39,7 @@ def hybrid_config(arch: str, *, mamba_heads: int = 4, groups: int = 2, kv_heads:
     if arch == "bamba":
         return tf.BambaConfig(num_hidden_layers=2, attn_layer_indices=[1], mamba_expand=1, **mamba, **common)
     if arch == "mamba2":  # Mamba-2 alone (no attention layers)
-        return tf.Mamba2Config(vocab_size=V, hidden_size=32, expand=2, num_heads=mamba_heads, head_dim=64 // mamba_heads,
+        return tf.Mamba2Config(vocab_size=vocab, hidden_size=32, expand=2, num_heads=mamba_heads, head_dim=64 // mamba_heads,
                                n_groups=groups, state_size=8, chunk_size=8, num_hidden_layers=2, tie_word_embeddings=False)  # fmt: skip
     raise ValueError(arch)
 

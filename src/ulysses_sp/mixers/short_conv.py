@@ -31,7 +31,6 @@ from ulysses_sp.mixers._kernels import (
     check_layout,
     local_span,
     model_function,
-    refuse_cache,
     refuse_local_boundaries,
     replace_forward,
 )
@@ -78,10 +77,10 @@ class ShortConvHandler:
         positions = self.positions
 
         def forward(original, hidden_states, cache=None, attention_mask=None, **kwargs):
-            refuse_cache(cache, mesh.sp_size, type(module).__name__)
             refuse_local_boundaries(kwargs, type(module).__name__)
-            if cache is not None:
+            if cache is not None and mesh.sp_size == 1:  # generation: the model's own cached path
                 return original(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+            # under SP a cache (an eval forward's) is neither read nor filled, as attention's holds shards
             return _sharded_forward(module, mesh, positions, hidden_states, attention_mask)
 
         return replace_forward(module, forward)
