@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -26,6 +28,10 @@ from ulysses_sp.mixers._kernels import refuse_local_boundaries
 from ulysses_sp.mixers.apply import HANDLERS, apply_mixers, has_unsharded_mixers
 from ulysses_sp.mixers.base import claimed_by, shard_mixers
 from ulysses_sp.parallel.mesh import init_mesh
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # bench/ is a top-level folder of the repository, not an installed package
+    sys.path.insert(0, str(ROOT))
 
 B, S = 2, 32
 DOCS = (5, 12, 9, 6)  # boundaries at 5, 17, 26: inside shards and across them at sp 2 and 4
@@ -162,3 +168,17 @@ def test_refuses_local_document_boundaries_and_unbound_handlers():
     model = hybrid_model("lfm2")
     with pytest.raises(ValueError, match="needs a PositionTracker: use mixers.apply.apply_mixers"):
         shard_mixers(model, SimpleNamespace(sp_size=2, sp_rank=0, ring_size=1), HANDLERS)
+
+
+def _bytes(sp: int) -> list[dict]:
+    from bench.mixer_bench import mixer_bytes
+
+    return mixer_bytes(init_mesh((1, sp)), 64)
+
+
+def test_mixer_exchanges_are_the_analytic_minimum(pool):
+    """Two all-to-alls forward, two backward, per mixer layer; bytes = the head-sharded minimum."""
+    rows = pool.run(_bytes, 2, 2)[0]
+    assert [r["mixer"] for r in rows] == ["short_conv", "mamba2 G=2", "mamba2 G=8"]
+    for r in rows:
+        assert r["a2a_calls"] == 4 and r["bytes"] == r["analytic"] > 0, r

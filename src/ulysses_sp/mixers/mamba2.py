@@ -78,6 +78,7 @@ class Mamba2Handler:
             and hasattr(module, "norm")
             and hasattr(module, "time_step_limit")
             and model_function(module, "causal_conv1d_fn") is not None
+            and model_function(module, "apply_mask_to_padding_states") is not None
             and model_function(module, "mamba2_chunk_scan") is not None
         )
 

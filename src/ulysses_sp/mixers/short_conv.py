@@ -57,6 +57,7 @@ class ShortConvHandler:
             and in_proj.out_features == 3 * conv.in_channels
             and isinstance(getattr(module, "out_proj", None), nn.Linear)
             and model_function(module, "causal_conv1d_fn") is not None
+            and model_function(module, "apply_mask_to_padding_states") is not None
         )
 
     def check(self, module: nn.Module, sp_size: int) -> None:
