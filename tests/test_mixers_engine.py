@@ -1,7 +1,8 @@
-"""Hybrid models through the engine at ZeRO-3 (FSDP2): two SGD steps at sp 2 equal the plain model.
+"""Hybrid models through the engine at ZeRO-3 (FSDP2): two SGD steps at dp1 x sp2 and dp2 x sp2 equal
+the plain model.
 
 ``initialize`` applies the mixer handlers itself (the path the CLI takes). LFM2 with packed
-documents (oracle: each document alone) and Nemotron-H on whole sequences: the engine's loss, every
+documents (oracle: each document alone), Nemotron-H and Falcon-H1 on whole sequences: the engine's loss, every
 parameter's reduced gradient, and the parameters after each step.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from hybrid_models import V, hybrid_model
 from models import global_batch, per_document_loss, reference_loss, shift
@@ -36,9 +38,10 @@ def _packed_labels(ids: torch.Tensor) -> torch.Tensor:
     return labels
 
 
-def _engine_run(sp: int, cases: list[tuple[str, bool]]) -> list[str]:
-    mesh = init_mesh((1, sp))
+def _engine_run(dp: int, sp: int, cases: list[tuple[str, bool]]) -> list[str]:
+    mesh = init_mesh((dp, sp))
     cols = slice(mesh.sp_rank * S // sp, (mesh.sp_rank + 1) * S // sp)
+    rows = slice(mesh.dp_rank, mesh.dp_rank + 1)
     done = []
     for arch, packed in cases:
         ref = hybrid_model(arch)
@@ -50,18 +53,20 @@ def _engine_run(sp: int, cases: list[tuple[str, bool]]) -> list[str]:
         engine, _, _, _ = initialize(model=model, config=config, mpu=reg)
         assert engine.mixers is not None and engine.mixers.wrapped, arch
         for step in range(2):
-            ids = global_batch(20 + step, 1, S, vocab=V)
-            if packed:
+            ids = global_batch(20 + step, dp, S, vocab=V)
+            if packed:  # one packed row (dp 1)
                 ref_loss = per_document_loss(ref, ids, DOCS)
                 labels, pos = _packed_labels(ids), torch.cat([torch.arange(n) for n in DOCS])[None]
             else:
-                ref_loss = reference_loss(ref, ids, shift(ids), 1)
-                labels, pos = shift(ids), torch.arange(S)[None]
+                ref_loss = reference_loss(ref, ids, shift(ids), dp)
+                labels, pos = shift(ids), torch.arange(S).expand(dp, -1)
             ref_opt.zero_grad()
             ref_loss.backward()
             ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
             ref_opt.step()
-            out = engine(input_ids=ids[:, cols], position_ids=pos[:, cols], shift_labels=labels[:, cols])
+            out = engine(
+                input_ids=ids[rows, cols], position_ids=pos[rows, cols], shift_labels=labels[rows, cols]
+            )
             engine.backward(out.loss)
             grads = {n: _full(p.grad) for n, p in engine.module.named_parameters()}
             loss = engine.step()
@@ -76,5 +81,10 @@ def _engine_run(sp: int, cases: list[tuple[str, bool]]) -> list[str]:
     return done
 
 
-def test_hybrid_engine_zero3_sp2_equals_no_sp(pool):
-    assert pool.run(_engine_run, 2, 2, [("lfm2", True), ("nemotron_h", False)])[0] == ["lfm2", "nemotron_h"]
+@pytest.mark.parametrize(
+    "dp, sp, cases",
+    [(1, 2, [("lfm2", True), ("nemotron_h", False)]), (2, 2, [("falcon_h1", False)])],
+    ids=["dp1sp2", "dp2sp2"],
+)
+def test_hybrid_engine_zero3_equals_no_sp(pool, dp, sp, cases):
+    assert pool.run(_engine_run, dp * sp, dp, sp, cases)[0] == [a for a, _ in cases]
