@@ -9,12 +9,16 @@ import torch
 V = 64
 
 
-def hybrid_config(arch: str, *, mamba_heads: int = 4, groups: int = 2, kv_heads: int = 2, vocab: int = V):
-    """A tiny config of ``arch`` (``lfm2``, ``nemotron_h``, ``falcon_h1``, ``granitemoehybrid``, ``bamba``, ``mamba2``)."""
+def hybrid_config(
+    arch: str, *, mamba_heads: int = 4, groups: int = 2, kv_heads: int = 2, vocab: int = V, **overrides
+):
+    """A tiny config of ``arch`` (``lfm2``, ``nemotron_h``, ``falcon_h1``, ``granitemoehybrid``, ``bamba``,
+    ``mamba2``); ``overrides`` go to the config's constructor."""
     import transformers as tf
 
     common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_attention_heads=4,
                   num_key_value_heads=kv_heads, max_position_embeddings=512, tie_word_embeddings=False)  # fmt: skip
+    common.update(overrides)
     if arch == "lfm2":
         return tf.Lfm2Config(
             num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, **common

@@ -96,7 +96,9 @@ def _exact(sp: int, cases: list[tuple[str, bool, dict]]) -> list[str]:
     return done
 
 
+FALCON_MUP = {"mamba_rms_norm": True, "ssm_in_multiplier": 0.7, "ssm_multipliers": [1.1, 0.9, 1.2, 0.8, 1.3]}
 CASES_SP2 = [(a, p, {}) for a in ("lfm2", "nemotron_h", "falcon_h1") for p in (False, True)] + [
+    ("falcon_h1", True, FALCON_MUP),  # its gated norm and muP multipliers (the defaults are off / 1)
     ("granitemoehybrid", True, {}),
     ("bamba", True, {}),
     ("mamba2", True, {}),  # Mamba-2 alone
