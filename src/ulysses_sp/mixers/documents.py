@@ -3,7 +3,7 @@ group once per forward, and the model's own kernel run once per document.
 
 A mixer's forward does not receive ``position_ids`` (decoder layers keep them for attention), so
 ``PositionTracker`` captures them where the batch enters the model: a forward pre-hook on the
-model's root records the ``position_ids`` keyword (a weak reference: nothing outlives the step's
+model's root records its ``position_ids`` argument (a weak reference: nothing outlives the step's
 batch; a checkpoint recompute in backward finds the same tensor). The first mixer of a forward asks
 for the full-sequence layout (``gather_positions``, one small all-gather per forward, cached on the
 tensor's identity and version); later mixers and recomputes reuse it.
@@ -19,6 +19,7 @@ Shape legend: ``B`` batch, ``S`` global sequence, ``S_l = S/P``.
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,9 +40,12 @@ class PositionTracker:
         self.mesh = mesh
         self._source: weakref.ref | None = None
         self._cache: tuple[weakref.ref, tuple[int, int, int], SeqLayout] | None = None
+        self._index: int | None = None
 
     def install(self, model: nn.Module) -> Callable[[], None]:
         """Record every forward's ``position_ids`` keyword on ``model``; returns the undo."""
+        names = list(inspect.signature(model.forward).parameters)
+        self._index = names.index("position_ids") if "position_ids" in names else None
         handle = model.register_forward_pre_hook(self._capture, with_kwargs=True)
 
         def undo() -> None:
@@ -52,6 +56,8 @@ class PositionTracker:
 
     def _capture(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         pos = kwargs.get("position_ids")
+        if pos is None and self._index is not None and self._index < len(args):  # passed by position
+            pos = args[self._index]
         self._source = weakref.ref(pos) if isinstance(pos, torch.Tensor) else None
 
     def layout(self, s_local: int, batch: int) -> SeqLayout | None:
