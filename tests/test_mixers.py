@@ -61,6 +61,7 @@ def _exact(sp: int, cases: list[tuple[str, bool, dict]]) -> list[str]:
     for arch, packed, kw in cases:
         kw = dict(kw)
         checkpointing = kw.pop("checkpointing", False)  # the mixers re-run in backward: same exchanges
+        pad = kw.pop("right_pad", 0)  # row 1's last tokens padding: only the last rank's mask is not all ones
         ref = hybrid_model(arch, **kw)
         if checkpointing:
             ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -68,7 +69,13 @@ def _exact(sp: int, cases: list[tuple[str, bool, dict]]) -> list[str]:
         model = copy.deepcopy(ref)
         ids = global_batch(3, B, S, vocab=V)
         proj = torch.randn(B, S, V, generator=torch.Generator().manual_seed(4))
-        ref_logits = _reference(ref, ids, packed)
+        mask = torch.ones(B, S, dtype=torch.long)
+        mask[1, S - pad :] = 0
+        proj = proj * mask[..., None]  # the padded positions' logits carry no loss
+        if pad:
+            ref_logits = ref(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        else:
+            ref_logits = _reference(ref, ids, packed)
         (ref_logits * proj).sum().backward()
         reg = (
             None
@@ -80,10 +87,12 @@ def _exact(sp: int, cases: list[tuple[str, bool, dict]]) -> list[str]:
         if arch == "granitemoehybrid":  # position ids passed by position: the tracker finds them there too
             logits = model(ids[:, cols], None, _positions(packed)[:, cols], use_cache=False).logits
         else:
+            extra = {"attention_mask": mask[:, cols]} if pad else {}
             logits = model(
-                input_ids=ids[:, cols], position_ids=_positions(packed)[:, cols], use_cache=False
+                input_ids=ids[:, cols], position_ids=_positions(packed)[:, cols], use_cache=False, **extra
             ).logits
-        torch.testing.assert_close(logits, ref_logits[:, cols].detach(), rtol=1e-4, atol=1e-5)
+        real = mask[:, cols].bool()  # [B, S_l]: compared at the real tokens
+        torch.testing.assert_close(logits[real], ref_logits[:, cols][real].detach(), rtol=1e-4, atol=1e-5)
         (logits * proj[:, cols]).sum().backward()
         grads = {}
         for n, p in model.named_parameters():
@@ -102,6 +111,7 @@ def _exact(sp: int, cases: list[tuple[str, bool, dict]]) -> list[str]:
 FALCON_MUP = {"mamba_rms_norm": True, "ssm_in_multiplier": 0.7, "ssm_multipliers": [1.1, 0.9, 1.2, 0.8, 1.3]}
 CASES_SP2 = [(a, p, {}) for a in ("lfm2", "nemotron_h", "falcon_h1") for p in (False, True)] + [
     ("falcon_h1", True, FALCON_MUP),  # its gated norm and muP multipliers (the defaults are off / 1)
+    ("nemotron_h", False, {"right_pad": 5}),  # a padding mask on one rank only
     ("granitemoehybrid", True, {}),
     ("bamba", True, {}),
     ("mamba2", True, {}),  # Mamba-2 alone

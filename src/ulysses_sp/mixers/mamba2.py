@@ -40,7 +40,7 @@ from ulysses_sp.mixers._kernels import (
     replace_forward,
 )
 from ulysses_sp.mixers.documents import PositionTracker, per_document, segments
-from ulysses_sp.parallel.comm import all_gather_seq, heads_to_seq, seq_to_heads_packed
+from ulysses_sp.parallel.comm import heads_to_seq, seq_to_heads_packed
 
 _SIZES = (
     "num_heads",
@@ -167,8 +167,11 @@ def _sharded_forward(
     # [B, S, C_l] -> [B, C_l, S] (the kernel's layout) -> [B, S, C_l], per document
     xbc = per_document(lambda t: conv_fn(t, weight, bias, activation=module.activation),
                        [xbc.transpose(1, 2)], spans, seq_dim=2).transpose(1, 2)  # fmt: skip
-    if mask is not None:  # the model masks padding again after the conv: the full sequence's mask
-        xbc = pad_mask(xbc, all_gather_seq(mask, group, dim=-1))
+    if mask is not None and p == 1:  # the model masks padding again after the conv
+        xbc = pad_mask(xbc, mask)
+    # Under SP no second mask: padding is right padding (the SP data path refuses any other), whose
+    # conv outputs only feed later pad positions; and a mask is None on ranks without padding, so a
+    # gather here would be a collective that only some ranks enter.
     x, bm, cm = xbc.split([i_l, g_l * n, g_l * n], dim=-1)
     heads = slice(rank * h_l, (rank + 1) * h_l)
     a = -torch.exp(module.A_log.float())[heads]
