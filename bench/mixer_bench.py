@@ -131,7 +131,7 @@ def worker(out: str, smoke: bool) -> None:
     mesh = init_mesh((1, dist.get_world_size()))
     s_time, s_mem = (256, (512, 1024)) if smoke else (2048, (8192, 16384))
     res = {"bytes": mixer_bytes(mesh, 256) if mesh.sp_size > 1 else []}
-    res["time"] = [step(mesh, k, s_time, 1 if smoke else 3, memory=False) for k in ("nemotron_h", "llama")]
+    res["time"] = [step(mesh, k, s_time, 1 if smoke else 5, memory=False) for k in ("nemotron_h", "llama")]
     res["memory"] = [step(mesh, "nemotron_h", s, 0, memory=True) for s in s_mem]
     if dist.get_rank() == 0:
         with open(out, "w") as f:
