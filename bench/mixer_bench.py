@@ -12,7 +12,7 @@ Gloo ranks on CPU (``bench.launch.run_worker``: ``torch.distributed.run``, one w
   (in: x, dt and the B/C groups each destination needs; out: y).
 * **Step time**: forward + backward of a whole model on one sequence of ``S`` tokens (the same
   global batch at every sp): a Nemotron-H hybrid (mamba, attention, mamba, mlp) beside a dense
-  Llama of the same width and depth; best of ``--repeats``; max over ranks.
+  Llama of the same width and depth; fastest of 5 steps after a warm-up; max over ranks.
 * **Memory**: the hybrid's peak tensor bytes per rank (``memory.meter.track_peak_memory``, CPU
   storage tracking, parameters included) at two lengths; the growth between them per rank.
 """
