@@ -25,7 +25,7 @@ from oracle import assert_grads_close
 
 from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
 from ulysses_sp.mixers._kernels import refuse_local_boundaries
-from ulysses_sp.mixers.apply import HANDLERS, apply_mixers, has_unsharded_mixers
+from ulysses_sp.mixers.apply import HANDLERS, apply_mixers, has_unsharded_mixers, is_sharded
 from ulysses_sp.mixers.base import claimed_by, shard_mixers
 from ulysses_sp.parallel.mesh import init_mesh
 
@@ -83,7 +83,8 @@ def _exact(sp: int, cases: list[tuple[str, bool, dict]]) -> list[str]:
             else UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, B, mesh=mesh)
         )
         handle = apply_mixers(model, mesh)
-        assert handle.wrapped, arch
+        assert handle.wrapped and all(is_sharded(model.get_submodule(n)) for n, _ in handle.wrapped), arch
+        wrapped = [model.get_submodule(n) for n, _ in handle.wrapped]
         if arch == "granitemoehybrid":  # position ids passed by position: the tracker finds them there too
             logits = model(ids[:, cols], None, _positions(packed)[:, cols], use_cache=False).logits
         else:
@@ -104,6 +105,7 @@ def _exact(sp: int, cases: list[tuple[str, bool, dict]]) -> list[str]:
         if reg is not None:
             reg.remove()
         assert not any("forward" in vars(m) for m in model.modules()) and not model._forward_pre_hooks
+        assert not any(is_sharded(m) for m in wrapped)
         done.append(f"{arch}{' packed' if packed else ''}")
     return done
 

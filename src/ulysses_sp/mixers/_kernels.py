@@ -37,7 +37,9 @@ def replace_forward(module: nn.Module, forward: Callable[..., Any]) -> Callable[
     if "forward" in vars(module):
         raise ValueError(f"{type(module).__name__} already has a wrapped forward (sharded twice?)")
     original = module.forward
-    module.forward = functools.wraps(original)(functools.partial(forward, original))
+    wrapped = functools.wraps(original)(functools.partial(forward, original))
+    wrapped.ulysses_sp_mixer = True  # what is_sharded() looks for
+    module.forward = wrapped
 
     def undo() -> None:
         vars(module).pop("forward", None)
@@ -47,6 +49,11 @@ def replace_forward(module: nn.Module, forward: Callable[..., Any]) -> Callable[
 
 LOCAL_BOUNDARY_KWARGS = ("seq_idx", "cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k")
 """Keyword arguments that would carry per-shard document boundaries into a kernel."""
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """True while ``module``'s forward is a mixer handler's sharded forward."""
+    return getattr(vars(module).get("forward"), "ulysses_sp_mixer", False) is True
 
 
 def refuse_local_boundaries(kwargs: dict[str, Any], what: str) -> None:

@@ -3,7 +3,8 @@
 It installs the ``PositionTracker`` (the batch's position ids, for global document boundaries) on
 the model's root, binds this package's handlers to it, and runs ``base.shard_mixers``; the handle
 it returns undoes both. ``HANDLERS`` are unbound instances for the closed-world guard's
-``claimed_by`` (matching only). The engine calls ``apply_mixers`` for models that have mixers.
+``claimed_by`` (matching only); ``is_sharded(module)`` says whether a claimed module was actually
+wrapped (a guard should require both). The engine calls ``apply_mixers`` for models that have mixers.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ from typing import Any
 from torch import nn
 
 from ulysses_sp.mixers import mamba2, short_conv
+from ulysses_sp.mixers._kernels import is_sharded
 from ulysses_sp.mixers.base import MixerHandle, MixerHandler, claimed_by, shard_mixers
+
+__all__ = ["HANDLERS", "apply_mixers", "has_unsharded_mixers", "is_sharded"]
 from ulysses_sp.mixers.documents import PositionTracker
 
 HANDLERS: tuple[MixerHandler, ...] = (short_conv.HANDLER, mamba2.HANDLER)
@@ -29,7 +33,7 @@ def has_unsharded_mixers(model: nn.Module) -> bool:
     """True when ``model`` has mixers these handlers claim and none is sharded yet (a user who
     called ``apply_mixers`` before ``initialize`` keeps their handle)."""
     claimed = [m for m in model.modules() if claimed_by(m, HANDLERS) is not None]
-    return bool(claimed) and not any("forward" in vars(m) for m in claimed)
+    return bool(claimed) and not any(is_sharded(m) for m in claimed)
 
 
 def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
