@@ -46,10 +46,11 @@ def model_and_config(model_name_or_path: Any) -> tuple[Any | None, Any]:
 
 
 def num_attention_layers(config: Any) -> int:
-    """Layers that run attention: all of them, unless ``layer_types`` marks some as non-attention."""
+    """Layers that run attention: all of them, unless ``layer_types`` marks some as non-attention
+    (hybrids: ``linear_attention`` layers run a linear mixer, not the SP attention)."""
     types = getattr(config, "layer_types", None)
     if types:
-        return sum(1 for t in types if "attention" in str(t))
+        return sum(1 for t in types if "attention" in str(t) and not str(t).startswith("linear"))
     return int(config.num_hidden_layers)
 
 

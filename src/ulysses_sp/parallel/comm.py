@@ -180,6 +180,16 @@ def qkv_seq_to_heads(
     return _AllToAllPacked.apply(1, 2, group, q, k, v)
 
 
+def seq_to_heads_packed(*xs: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, ...]:
+    """``[B, S_l, H*, ...] -> [B, S, H*/P, ...]`` for every tensor in **one** all-to-all (a linear
+    mixer's q, k, v, decay and beta: head counts, trailing shapes and dtypes may differ).
+
+    Differentiable: seq->heads all-to-all forward; one inverse all-to-all of the gradients backward.
+    """
+    # [B, S_l, H*, ...] -> [B, P*S_l, H*/P, ...] per tensor, packed per destination rank
+    return _AllToAllPacked.apply(2, 1, group, *xs)
+
+
 def ring_exchange(
     send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup, *, tag: int = 0
 ) -> list[dist.Work]:

@@ -1,0 +1,162 @@
+"""Linear-attention mixers under Ulysses: gated delta-net (Qwen3-Next, Qwen3.5 dense and MoE) and
+KDA (Kimi-Linear) at sp 2 and 4 equal the same models without sequence parallelism.
+
+The oracle is the unmodified model (same seed, full batch) on every rank. The SP run shards each
+sequence, routes attention through UlyssesSPAttentionHF (kv heads < sp) and the mixers through
+``shard_mixers(model, mesh, [GATED_DELTA, KDA])``; per-position logits, the loss and every
+parameter gradient (summed over SP) must match at fp32 tolerance. Linear key heads are fewer than
+value heads (2 vs 4): at sp 4 each key head is replicated to two ranks. Packed documents are compared
+with every document run on its own (the torch fallbacks of these models keep no document apart).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from harness import WorkerError
+from models import global_batch, per_document_loss, shift
+from oracle import assert_step_close
+
+from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
+from ulysses_sp.memory.offload import enable_activation_checkpointing
+from ulysses_sp.mixers.base import shard_mixers
+from ulysses_sp.mixers.documents import track_documents
+from ulysses_sp.mixers.gated_delta import GATED_DELTA
+from ulysses_sp.mixers.kda import KDA
+from ulysses_sp.parallel.loss import sp_causal_lm_loss
+from ulysses_sp.parallel.mesh import init_mesh
+
+B, S, VOCAB = 2, 16, 64
+ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "kimi_linear")
+HANDLERS = [GATED_DELTA, KDA]
+
+
+def tiny_hybrid(arch: str, *, k_heads: int = 2, v_heads: int = 4, seed: int = 0):
+    """A 3-layer hybrid (linear, full attention, linear), fp32, weights N(0, 0.2)."""
+    import transformers as T
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=1, max_position_embeddings=256, tie_word_embeddings=False,
+                  layer_types=["linear_attention", "full_attention", "linear_attention"], linear_conv_kernel_dim=4)  # fmt: skip
+    gdn = dict(head_dim=8, linear_num_key_heads=k_heads, linear_num_value_heads=v_heads,
+               linear_key_head_dim=8, linear_value_head_dim=6)  # fmt: skip
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    if arch == "qwen3_next":
+        cfg = T.Qwen3NextConfig(**common, **gdn, **moe, intermediate_size=48, decoder_sparse_step=2)
+        cls = T.Qwen3NextForCausalLM
+    elif arch == "qwen3_5":
+        cfg, cls = T.Qwen3_5TextConfig(**common, **gdn, intermediate_size=48), T.Qwen3_5ForCausalLM
+    elif arch == "qwen3_5_moe":
+        cfg, cls = T.Qwen3_5MoeTextConfig(**common, **gdn, **moe), T.Qwen3_5MoeForCausalLM
+    else:
+        common["num_key_value_heads"] = 4  # MLA: keys and values expand to every head
+        cfg = T.KimiLinearConfig(**common, intermediate_size=48, moe_intermediate_size=16, num_local_experts=4,
+                                 num_experts_per_tok=2, mlp_layer_types=["dense", "sparse", "dense"],
+                                 kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=8,
+                                 v_head_dim=8, linear_num_heads=v_heads, linear_head_dim=8,
+                                 pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+        cls = T.KimiLinearForCausalLM
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model.float()
+
+
+def _sharded(arch: str, mesh, core: str = "sdpa", **kw):
+    ref = tiny_hybrid(arch, **kw)
+    model = copy.deepcopy(ref)
+    reg = UlyssesSPAttentionHF.register_with_transformers(model, core, mesh.sp_size, B, mesh=mesh)
+    handle = shard_mixers(model, mesh, HANDLERS)
+    untrack = track_documents(model, mesh)
+    assert len(handle.wrapped) == 2, handle.wrapped
+    return ref, model, lambda: (untrack(), handle.remove(), reg.remove())
+
+
+def _equivalence(sp: int, archs: tuple[str, ...], checkpointing: bool = False) -> list[str]:
+    mesh = init_mesh((1, sp))
+    s_l, done = S // sp, []
+    cols = slice(mesh.sp_rank * s_l, (mesh.sp_rank + 1) * s_l)
+    for arch in archs:
+        ref, model, undo = _sharded(arch, mesh)
+        ids = global_batch(1, B, S, VOCAB)
+        labels = shift(ids)
+        ref_logits = ref(input_ids=ids, use_cache=False).logits
+        ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        ref_loss.backward()
+        if checkpointing:
+            enable_activation_checkpointing(model)
+        model.train()
+        pos = torch.arange(S)[cols].expand(B, -1)
+        out = model(input_ids=ids[:, cols], position_ids=pos, use_cache=False)
+        # per-position logits of this rank's shard
+        torch.testing.assert_close(out.logits, ref_logits[:, cols], rtol=1e-5, atol=1e-5)
+        loss = sp_causal_lm_loss(out.logits, labels[:, cols], mesh.sp_group)
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        assert_step_close(loss.detach(), grads, ref_loss.detach(), {n: p.grad for n, p in ref.named_parameters()})
+        undo()
+        done.append(arch)
+    return done
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+def test_linear_attention_hybrids_equal_no_sp(pool, sp):
+    assert pool.run(_equivalence, sp, sp, ARCHS)[0] == list(ARCHS)
+
+
+def test_activation_checkpointing_recomputes_the_same_layout(pool):
+    pool.run(_equivalence, 2, 2, ("qwen3_next", "kimi_linear"), checkpointing=True)
+
+
+DOCS = (5, 2, 9, 6, 10)  # 32 tokens: boundaries inside shards, one document shorter than the conv kernel
+
+
+def _packed(sp: int, arch: str) -> None:
+    mesh = init_mesh((1, sp))
+    # Kimi's MLA has value heads narrower than keys, which the blockwise sdpa core (documents) refuses
+    ref, model, undo = _sharded(arch, mesh, "eager" if arch == "kimi_linear" else "sdpa")
+    ids = global_batch(5, 1, sum(DOCS), VOCAB)
+    ref_loss = per_document_loss(ref, ids, DOCS)
+    ref_loss.backward()
+    pos = torch.cat([torch.arange(n) for n in DOCS])[None]
+    labels = shift(ids)
+    labels[0, torch.tensor(DOCS).cumsum(0) - 1] = -100
+    s_l = ids.shape[1] // sp
+    cols = slice(mesh.sp_rank * s_l, (mesh.sp_rank + 1) * s_l)
+    out = model(input_ids=ids[:, cols], position_ids=pos[:, cols], use_cache=False)
+    loss = sp_causal_lm_loss(out.logits, labels[:, cols], mesh.sp_group)
+    loss.backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+    assert_step_close(loss.detach(), {n: p.grad for n, p in model.named_parameters()}, ref_loss.detach(),
+                      {n: p.grad for n, p in ref.named_parameters()})  # fmt: skip
+    undo()
+
+
+@pytest.mark.parametrize("sp, arch", [(2, "qwen3_next"), (4, "qwen3_5"), (2, "kimi_linear")])
+def test_packed_documents_stay_apart_in_conv_and_scan(pool, sp, arch):
+    pool.run(_packed, sp, sp, arch)
+
+
+def _refused(arch: str, k_heads: int, v_heads: int) -> None:
+    mesh = init_mesh((1, dist.get_world_size()))
+    model = tiny_hybrid(arch, k_heads=k_heads, v_heads=v_heads)
+    shard_mixers(model, mesh, HANDLERS)
+
+
+@pytest.mark.parametrize("arch, k, v, match", [
+    ("qwen3_next", 3, 6, r"3 key heads and 6 value heads.*sp_size \(4\)"),
+    ("kimi_linear", 6, 6, r"6 key heads and 6 value heads.*sp_size \(4\)"),
+])  # fmt: skip
+def test_heads_that_do_not_divide_are_refused_before_any_step(pool, arch, k, v, match):
+    with pytest.raises(WorkerError, match=match) as err:
+        pool.run(_refused, 4, arch, k, v)
+    assert len(err.value.failures) == 4
