@@ -44,7 +44,9 @@ def tiny_hybrid(arch: str, *, k_heads: int = 2, v_heads: int = 4, seed: int = 0)
                   layer_types=["linear_attention", "full_attention", "linear_attention"], linear_conv_kernel_dim=4)  # fmt: skip
     gdn = dict(head_dim=8, linear_num_key_heads=k_heads, linear_num_value_heads=v_heads,
                linear_key_head_dim=8, linear_value_head_dim=6)  # fmt: skip
-    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    moe = dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16
+    )
     if arch == "qwen3_next":
         cfg = T.Qwen3NextConfig(**common, **gdn, **moe, intermediate_size=48, decoder_sparse_step=2)
         cls = T.Qwen3NextForCausalLM
@@ -101,10 +103,31 @@ def _equivalence(sp: int, archs: tuple[str, ...], checkpointing: bool = False) -
         for p in model.parameters():
             dist.all_reduce(p.grad)
         grads = {n: p.grad for n, p in model.named_parameters()}
-        assert_step_close(loss.detach(), grads, ref_loss.detach(), {n: p.grad for n, p in ref.named_parameters()})
+        assert_step_close(
+            loss.detach(), grads, ref_loss.detach(), {n: p.grad for n, p in ref.named_parameters()}
+        )
         undo()
+        _assert_restored(model, ref, ids)
         done.append(arch)
     return done
+
+
+def _assert_restored(model, ref, ids) -> None:
+    """After the undo: no wrapped forward, the modeling module's own functions, the same logits."""
+    import sys
+
+    from ulysses_sp.mixers.linear_attn import _Dispatch
+
+    for m in model.modules():
+        if GATED_DELTA.matches(m) or KDA.matches(m):
+            assert "forward" not in m.__dict__
+            modeling = vars(sys.modules[type(m).__module__])
+            assert not any(isinstance(f, _Dispatch) for f in modeling.values())
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    with torch.no_grad():
+        assert torch.equal(
+            model(input_ids=ids, use_cache=False).logits, ref(input_ids=ids, use_cache=False).logits
+        )
 
 
 @pytest.mark.parametrize("sp", [2, 4])
@@ -160,3 +183,51 @@ def test_heads_that_do_not_divide_are_refused_before_any_step(pool, arch, k, v, 
     with pytest.raises(WorkerError, match=match) as err:
         pool.run(_refused, 4, arch, k, v)
     assert len(err.value.failures) == 4
+
+
+def _exchanges(sp: int) -> dict[str, list[int]]:
+    """Every ``all_to_all_single`` of one forward+backward of a Qwen3-Next hybrid, with the bytes
+    this rank sent to *other* ranks; checked against the analytic minimum per linear layer."""
+    mesh = init_mesh((1, sp))
+    ref, model, undo = _sharded("qwen3_next", mesh)
+    s_l = S // sp
+    ids = global_batch(2, B, S, VOCAB)[:, mesh.sp_rank * s_l : (mesh.sp_rank + 1) * s_l]
+    pos = torch.arange(S)[mesh.sp_rank * s_l : (mesh.sp_rank + 1) * s_l].expand(B, -1)
+    sent: list[int] = []
+    real = dist.all_to_all_single
+
+    def counting(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **kw):
+        row = input.numel() * input.element_size() // max(1, input.shape[0])  # bytes per dim-0 row
+        splits = input_split_sizes or [input.shape[0] // sp] * sp
+        sent.append(sum(n * row for r, n in enumerate(splits) if r != mesh.sp_rank))
+        return real(output, input, output_split_sizes, input_split_sizes, group=group, **kw)
+
+    dist.all_to_all_single = counting
+    try:
+        out = model(input_ids=ids, position_ids=pos, use_cache=False)
+        forward = list(sent)
+        out.logits.sum().backward()
+    finally:
+        dist.all_to_all_single = real
+    undo()
+    return {"forward": forward, "backward": sent[len(forward) :]}
+
+
+def test_exchanges_per_linear_layer_are_one_in_one_out_plus_a_halo(pool):
+    sp = 2
+    ranks = pool.run(_exchanges, sp, sp)
+    lin = tiny_hybrid("qwen3_next").model.layers[0].linear_attn
+    hk, hv, dk, dv, k = lin.num_k_heads, lin.num_v_heads, lin.head_k_dim, lin.head_v_dim, lin.conv_kernel_size
+    s_l, f32 = S // sp, 4
+    others = (sp - 1) / sp
+    halo = B * lin.conv_dim * (k - 1) * f32  # to the next rank only
+    into = others * B * s_l * (2 * hk * dk + hv * dv + 2 * hv) * f32  # q, k, v, decay, beta
+    back = others * B * s_l * hv * dv * f32
+    for rank, seen in enumerate(ranks):
+        fwd = seen["forward"]
+        # layer order: linear (halo, in, out), full attention (its own in, out), linear (halo, in, out)
+        assert len(fwd) == 8, fwd
+        want_halo = halo if rank < sp - 1 else 0
+        assert [fwd[0], fwd[1], fwd[2]] == [want_halo, into, back], (rank, fwd)
+        assert [fwd[5], fwd[6], fwd[7]] == [want_halo, into, back], (rank, fwd)
+        assert len(seen["backward"]) == 8  # each exchange mirrored once

@@ -52,7 +52,9 @@ class DocumentTracker:
             assert self._layout is not None
             return self._layout
         if position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch):
-            raise ValueError(f"position_ids must be [B, S_l] (or [1, S_l]) with B = {batch}, got {tuple(position_ids.shape)}")
+            raise ValueError(
+                f"position_ids must be [B, S_l] (or [1, S_l]) with B = {batch}, got {tuple(position_ids.shape)}"
+            )
         positions = gather_positions(position_ids, self.sp_group, batch=batch, expected_len=None)  # [B|1, S]
         self.gathers += 1
         self._layout = SeqLayout.from_positions(positions)
@@ -100,7 +102,7 @@ def track_documents(model: nn.Module, mesh: Any) -> Callable[[], None]:
         for h in hooks:
             h.remove()
         if model.__dict__.get("_ulysses_sp_documents") is undo:
-            del model._ulysses_sp_documents
+            del model._ulysses_sp_documents, model._ulysses_sp_document_tracker
 
     model._ulysses_sp_documents = undo
     model._ulysses_sp_document_tracker = tracker

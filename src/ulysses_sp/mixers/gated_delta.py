@@ -39,7 +39,9 @@ class GatedDeltaNetHandler:
         )
 
     def check(self, module: nn.Module, sp_size: int) -> None:
-        check_heads(f"{type(module).__name__} (gated delta-net)", module.num_k_heads, module.num_v_heads, sp_size)
+        check_heads(
+            f"{type(module).__name__} (gated delta-net)", module.num_k_heads, module.num_v_heads, sp_size
+        )
 
     def wrap(self, module: nn.Module, mesh: Any) -> Callable[[], None]:
         self.check(module, mesh.sp_size)

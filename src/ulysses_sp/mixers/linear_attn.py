@@ -185,7 +185,9 @@ def wrap_linear_attention(module: nn.Module, mesh: Any, *, conv_fn: str, scan_fn
             return original(*args, **kwargs)
         bound = signature.bind(*args, **kwargs).arguments
         if bound.get("cache") is not None or bound.get("cache_params") is not None:
-            raise ValueError(f"{what}: a cache (generation) is not sequence-parallel; call the model with use_cache=False")
+            raise ValueError(
+                f"{what}: a cache (generation) is not sequence-parallel; call the model with use_cache=False"
+            )
         extra = bound.get("kwargs", {})
         if extra.get("cu_seq_lens_q") is not None or extra.get("seq_idx") is not None:
             raise ValueError(f"{what}: cu_seq_lens_q/seq_idx under sequence parallelism are ambiguous (local or "
@@ -195,7 +197,9 @@ def wrap_linear_attention(module: nn.Module, mesh: Any, *, conv_fn: str, scan_fn
         if layout is None and last and last[0]() is not None:
             layout = last[0]()  # a recompute during backward: the layout of the forward it repeats
         if layout is None:
-            raise ValueError(f"{what} under sequence parallelism needs the forward's position ids: {TRACK_HINT}")
+            raise ValueError(
+                f"{what} under sequence parallelism needs the forward's position ids: {TRACK_HINT}"
+            )
         last[:] = [weakref.ref(layout)]
         token = _ACTIVE.set(_Sharded(mesh.sp_group, mesh.sp_size, mesh.sp_rank, layout))
         try:
