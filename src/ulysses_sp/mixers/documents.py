@@ -1,26 +1,26 @@
-"""The full-sequence document layout a sharded mixer needs, from the model's ``position_ids``.
+"""Global document boundaries for sequence mixers: the batch's position ids, gathered over the SP
+group once per forward, and the model's own kernel run once per document.
 
-A linear-attention or convolution mixer is called by its decoder layer without ``position_ids``,
-yet under sequence parallelism with packed documents it must know the *global* document boundaries:
-its scan restarts at every document, and its causal convolution must not reach into the previous
-document (also across a shard boundary). ``track_documents(model, mesh)`` installs a forward
-pre-hook on the model that makes the forward's ``position_ids`` visible to the mixers it calls
-(a ``ContextVar``, reset when the forward ends, also on error); the first mixer of a forward gathers
-them over the SP group (``attention.masks.gather_positions``, one small all-gather) and every later
-mixer of that forward reuses the ``SeqLayout`` (keyed on the ``position_ids`` tensor, released with it).
+A mixer's forward does not receive ``position_ids`` (decoder layers keep them for attention), so
+``PositionTracker`` captures them where the batch enters the model: a forward pre-hook on the
+model's root records the ``position_ids`` keyword (a weak reference: nothing outlives the step's
+batch; a checkpoint recompute in backward finds the same tensor). The first mixer of a forward asks
+for the full-sequence layout (``gather_positions``, one small all-gather per forward, cached on the
+tensor's identity and version); later mixers and recomputes reuse it.
 
-Under activation checkpointing a mixer's forward is re-run during backward, outside the model's
-forward: it then uses the layout of its own most recent forward (the one being recomputed).
+Packed documents (position ids restarting at 0): the models' torch kernels (``causal_conv1d_fn``,
+``mamba2_chunk_scan``) cannot reset their state at a boundary — without SP they let one document
+leak into the next. ``per_document`` runs the kernel on each document's span of the full sequence
+instead, so each document sees exactly what it would see alone (zero conv padding, zero initial
+state, its own chunk grid). No position ids: one document per row.
 
 Shape legend: ``B`` batch, ``S`` global sequence, ``S_l = S/P``.
 """
 
 from __future__ import annotations
 
-import inspect
 import weakref
-from collections.abc import Callable
-from contextvars import ContextVar
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -28,96 +28,80 @@ from torch import nn
 
 from ulysses_sp.attention.masks import SeqLayout, gather_positions
 
-TRACK_HINT = (
-    "call ulysses_sp.mixers.documents.track_documents(model, mesh) once after shard_mixers, and pass "
-    "the full-sequence position_ids of the local tokens to the model (UlyssesSPDataLoaderAdapter does)"
-)
+Segments = list[tuple[slice, list[tuple[int, int]]]]
+"""``(rows, [(start, end), ...])``: a group of batch rows and the document spans they share."""
 
 
-class DocumentTracker:
-    """One model's per-forward position ids and the full-sequence layout derived from them."""
+class PositionTracker:
+    """The current forward's ``position_ids``, captured at the model's root (see the module doc)."""
 
     def __init__(self, mesh: Any) -> None:
-        self.sp_group = mesh.sp_group
+        self.mesh = mesh
         self._source: weakref.ref | None = None
-        self._key: tuple[int, int] | None = None
-        self._layout: SeqLayout | None = None
-        self.gathers = 0
-        """Position gathers run (one per forward with sharded mixers; tests count them)."""
+        self._cache: tuple[weakref.ref, tuple[int, int, int], SeqLayout] | None = None
 
-    def layout(self, position_ids: torch.Tensor, batch: int) -> SeqLayout:
-        """``[B|1, S_l]`` local position ids -> the full sequence's ``SeqLayout`` (cached per forward)."""
-        key = (position_ids._version, batch)
-        if self._source is not None and self._source() is position_ids and self._key == key:
-            assert self._layout is not None
-            return self._layout
-        if position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch):
+    def install(self, model: nn.Module) -> Callable[[], None]:
+        """Record every forward's ``position_ids`` keyword on ``model``; returns the undo."""
+        handle = model.register_forward_pre_hook(self._capture, with_kwargs=True)
+
+        def undo() -> None:
+            handle.remove()
+            self._source = self._cache = None
+
+        return undo
+
+    def _capture(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        pos = kwargs.get("position_ids")
+        self._source = weakref.ref(pos) if isinstance(pos, torch.Tensor) else None
+
+    def layout(self, s_local: int, batch: int) -> SeqLayout | None:
+        """The full-sequence layout of the current forward, or ``None`` without position ids
+        (every row one document). A collective at ``sp_size > 1`` on a forward's first call."""
+        pos = self._source() if self._source is not None else None
+        if pos is None:
+            return None
+        if pos.dim() != 2 or pos.shape[-1] != s_local or pos.shape[0] not in (1, batch):
             raise ValueError(
-                f"position_ids must be [B, S_l] (or [1, S_l]) with B = {batch}, got {tuple(position_ids.shape)}"
+                f"position_ids must be [B, S_l] = [{batch}, {s_local}] (or [1, {s_local}]) at the "
+                f"sequence mixers, got {tuple(pos.shape)}"
             )
-        positions = gather_positions(position_ids, self.sp_group, batch=batch, expected_len=None)  # [B|1, S]
-        self.gathers += 1
-        self._layout = SeqLayout.from_positions(positions)
-        self._source, self._key = weakref.ref(position_ids, self._release), key
-        return self._layout
-
-    def _release(self, source: weakref.ref) -> None:
-        if self._source is source:
-            self._source, self._key, self._layout = None, None, None
-
-
-_CURRENT: ContextVar[tuple[DocumentTracker, torch.Tensor | None] | None] = ContextVar(
-    "ulysses_sp_mixer_positions", default=None
-)
+        key = (pos._version, s_local, batch)
+        if self._cache is not None and self._cache[0]() is pos and self._cache[1] == key:
+            return self._cache[2]
+        if self.mesh.sp_size > 1:
+            full = gather_positions(pos, self.mesh.sp_group, batch=batch, expected_len=None)  # [B|1, S]
+        else:
+            full = pos
+        layout = SeqLayout.from_positions(full)
+        self._cache = (weakref.ref(pos), key, layout)
+        return layout
 
 
-def track_documents(model: nn.Module, mesh: Any) -> Callable[[], None]:
-    """Make ``model``'s ``position_ids`` visible to its sharded mixers; returns the undo.
-
-    Hooks on ``model`` (any module whose ``forward`` takes ``position_ids``, e.g. a
-    ``...ForCausalLM``): before its forward the position ids are recorded, after it (also on error)
-    forgotten. Idempotent per model: a second call replaces the first.
-    """
-    previous = getattr(model, "_ulysses_sp_documents", None)
-    if previous is not None:
-        previous()
-    tracker = DocumentTracker(mesh)
-    signature = inspect.signature(model.forward)
-    tokens: list[Any] = []
-
-    def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        bound = signature.bind_partial(*args, **kwargs).arguments
-        tokens.append(_CURRENT.set((tracker, bound.get("position_ids"))))
-
-    def after(*_: Any) -> None:
-        if tokens:
-            _CURRENT.reset(tokens.pop())
-
-    hooks = [
-        model.register_forward_pre_hook(before, with_kwargs=True),
-        model.register_forward_hook(after, always_call=True),
-    ]
-
-    def undo() -> None:
-        for h in hooks:
-            h.remove()
-        if model.__dict__.get("_ulysses_sp_documents") is undo:
-            del model._ulysses_sp_documents, model._ulysses_sp_document_tracker
-
-    model._ulysses_sp_documents = undo
-    model._ulysses_sp_document_tracker = tracker
-    return undo
+def segments(layout: SeqLayout | None, batch: int, seq_len: int) -> Segments:
+    """The document spans of each row of ``[B, S]``: all rows together when they share them."""
+    if layout is None or layout.doc_ids is None:
+        return [(slice(None), [(0, seq_len)])]
+    out: Segments = []
+    rows = [slice(None)] if layout.doc_ids.shape[0] == 1 else [slice(b, b + 1) for b in range(batch)]
+    for i, row in enumerate(rows):
+        starts = [0] + (torch.nonzero(layout.positions[i, 1:] == 0).flatten() + 1).tolist()
+        out.append((row, list(zip(starts, starts[1:] + [seq_len]))))
+    return out
 
 
-def current_layout(batch: int, what: str) -> SeqLayout | None:
-    """The running model forward's full-sequence layout, or ``None`` outside a tracked forward.
-
-    Raises ``ValueError`` (naming ``what``) inside a tracked forward without ``position_ids``.
-    """
-    current = _CURRENT.get()
-    if current is None:
-        return None
-    tracker, position_ids = current
-    if position_ids is None:
-        raise ValueError(f"{what} under sequence parallelism needs the model's position_ids: {TRACK_HINT}")
-    return tracker.layout(position_ids, batch)
+def per_document(
+    fn: Callable[..., torch.Tensor],
+    xs: Sequence[torch.Tensor],
+    spans: Segments,
+    *,
+    seq_dim: int,
+) -> torch.Tensor:
+    """``fn(*xs)`` computed separately on every document span (``seq_dim`` of each ``x``), the
+    results put back in place: ``[B, ..., S, ...]`` in, ``fn``'s ``[B, ..., S, ...]`` out."""
+    if len(spans) == 1 and spans[0][1] == [(0, xs[0].shape[seq_dim])]:
+        return fn(*xs)
+    rows = []
+    for row, docs in spans:
+        parts = [fn(*(x[row].narrow(seq_dim, s, e - s) for x in xs)) for s, e in docs]
+        rows.append(torch.cat(parts, dim=seq_dim))  # the row's documents back in sequence order
+    return torch.cat(rows, dim=0)  # [B, ..., S, ...]

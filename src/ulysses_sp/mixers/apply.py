@@ -1,0 +1,39 @@
+"""The entry point that makes a model's sequence mixers sequence-parallel: ``apply_mixers``.
+
+It installs the ``PositionTracker`` (the batch's position ids, for global document boundaries) on
+the model's root, binds this package's handlers to it, and runs ``base.shard_mixers``; the handle
+it returns undoes both. ``HANDLERS`` are unbound instances for the closed-world guard's
+``claimed_by`` (matching only). The engine calls ``apply_mixers`` for models that have mixers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ulysses_sp.mixers import mamba2, short_conv
+from ulysses_sp.mixers.base import MixerHandle, MixerHandler, claimed_by, shard_mixers
+from ulysses_sp.mixers.documents import PositionTracker
+
+HANDLERS: tuple[MixerHandler, ...] = (short_conv.HANDLER, mamba2.HANDLER)
+"""The mixers this package shards (for ``claimed_by``; ``apply_mixers`` binds fresh ones)."""
+
+
+def has_mixers(model: nn.Module, handlers: tuple[MixerHandler, ...] = HANDLERS) -> bool:
+    """True when some module of ``model`` is a sequence mixer these handlers claim."""
+    return any(claimed_by(m, handlers) is not None for m in model.modules())
+
+
+def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
+    """Shard every short-convolution and Mamba-2 mixer of ``model`` over ``mesh``'s SP group.
+
+    Checks every mixer before changing any (``ValueError`` listing each that cannot be sharded at
+    ``mesh.sp_size``). Call before FSDP/DDP wrapping or after: only the mixers' ``forward`` changes.
+    Returns the handle whose ``remove()`` restores the model.
+    """
+    positions = PositionTracker(mesh)
+    handlers = (short_conv.ShortConvHandler(positions), mamba2.Mamba2Handler(positions))
+    handle = shard_mixers(model, mesh, handlers)
+    handle._undo.insert(0, positions.install(model))  # removed last
+    return handle
