@@ -3,7 +3,7 @@ KDA (Kimi-Linear) at sp 2 and 4 equal the same models without sequence paralleli
 
 The oracle is the unmodified model (same seed, full batch) on every rank. The SP run shards each
 sequence, routes attention through UlyssesSPAttentionHF (kv heads < sp) and the mixers through
-``shard_mixers(model, mesh, [GATED_DELTA, KDA])``; per-position logits, the loss and every
+``apply_mixers(model, mesh)`` (``shard_mixers`` with the position tracker); per-position logits, the loss and every
 parameter gradient (summed over SP) must match at fp32 tolerance. Linear key heads are fewer than
 value heads (2 vs 4): at sp 4 each key head is replicated to two ranks. Packed documents are compared
 with every document run on its own (the torch fallbacks of these models keep no document apart).
@@ -23,16 +23,13 @@ from oracle import assert_step_close
 
 from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
 from ulysses_sp.memory.offload import enable_activation_checkpointing
-from ulysses_sp.mixers.base import shard_mixers
-from ulysses_sp.mixers.documents import track_documents
-from ulysses_sp.mixers.gated_delta import GATED_DELTA
-from ulysses_sp.mixers.kda import KDA
+from ulysses_sp.mixers import gated_delta, kda
+from ulysses_sp.mixers.apply import HANDLERS, apply_mixers
 from ulysses_sp.parallel.loss import sp_causal_lm_loss
 from ulysses_sp.parallel.mesh import init_mesh
 
 B, S, VOCAB = 2, 16, 64
 ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "kimi_linear")
-HANDLERS = [GATED_DELTA, KDA]
 
 
 def tiny_hybrid(arch: str, *, k_heads: int = 2, v_heads: int = 4, seed: int = 0):
@@ -74,10 +71,11 @@ def _sharded(arch: str, mesh, core: str = "sdpa", **kw):
     ref = tiny_hybrid(arch, **kw)
     model = copy.deepcopy(ref)
     reg = UlyssesSPAttentionHF.register_with_transformers(model, core, mesh.sp_size, B, mesh=mesh)
-    handle = shard_mixers(model, mesh, HANDLERS)
-    untrack = track_documents(model, mesh)
-    assert len(handle.wrapped) == 2, handle.wrapped
-    return ref, model, lambda: (untrack(), handle.remove(), reg.remove())
+    handle = apply_mixers(model, mesh)
+    assert [h for _, h in handle.wrapped] == 2 * [
+        kda.HANDLER.name if arch == "kimi_linear" else gated_delta.HANDLER.name
+    ]
+    return ref, model, lambda: (handle.remove(), reg.remove())
 
 
 def _equivalence(sp: int, archs: tuple[str, ...], checkpointing: bool = False) -> list[str]:
@@ -119,7 +117,7 @@ def _assert_restored(model, ref, ids) -> None:
     from ulysses_sp.mixers.linear_attn import _Dispatch
 
     for m in model.modules():
-        if GATED_DELTA.matches(m) or KDA.matches(m):
+        if gated_delta.HANDLER.matches(m) or kda.HANDLER.matches(m):
             assert "forward" not in m.__dict__
             modeling = vars(sys.modules[type(m).__module__])
             assert not any(isinstance(f, _Dispatch) for f in modeling.values())
@@ -130,9 +128,11 @@ def _assert_restored(model, ref, ids) -> None:
         )
 
 
-@pytest.mark.parametrize("sp", [2, 4])
-def test_linear_attention_hybrids_equal_no_sp(pool, sp):
-    assert pool.run(_equivalence, sp, sp, ARCHS)[0] == list(ARCHS)
+@pytest.mark.parametrize(
+    "sp, archs", [(2, ARCHS), (4, ("qwen3_next", "kimi_linear"))]
+)  # sp 4: 2 key heads replicated
+def test_linear_attention_hybrids_equal_no_sp(pool, sp, archs):
+    assert pool.run(_equivalence, sp, sp, archs)[0] == list(archs)
 
 
 def test_activation_checkpointing_recomputes_the_same_layout(pool):
@@ -172,7 +172,7 @@ def test_packed_documents_stay_apart_in_conv_and_scan(pool, sp, arch):
 def _refused(arch: str, k_heads: int, v_heads: int) -> None:
     mesh = init_mesh((1, dist.get_world_size()))
     model = tiny_hybrid(arch, k_heads=k_heads, v_heads=v_heads)
-    shard_mixers(model, mesh, HANDLERS)
+    apply_mixers(model, mesh)
 
 
 @pytest.mark.parametrize("arch, k, v, match", [
@@ -231,3 +231,16 @@ def test_exchanges_per_linear_layer_are_one_in_one_out_plus_a_halo(pool):
         assert [fwd[0], fwd[1], fwd[2]] == [want_halo, into, back], (rank, fwd)
         assert [fwd[5], fwd[6], fwd[7]] == [want_halo, into, back], (rank, fwd)
         assert len(seen["backward"]) == 8  # each exchange mirrored once
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_each_linear_mixer_is_claimed_by_exactly_one_handler(arch):
+    model = tiny_hybrid(arch)
+    mine = kda.HANDLER if arch == "kimi_linear" else gated_delta.HANDLER
+    claims = {n: [h.name for h in HANDLERS if h.matches(m)] for n, m in model.named_modules()}
+    assert {n for n, c in claims.items() if c} == {f"model.layers.{i}.{mine_attr(arch)}" for i in (0, 2)}
+    assert all(c in ([], [mine.name]) for c in claims.values()), claims
+
+
+def mine_attr(arch: str) -> str:
+    return "self_attn" if arch == "kimi_linear" else "linear_attn"

@@ -17,6 +17,7 @@ from typing import Any
 
 from torch import nn
 
+from ulysses_sp.mixers.documents import PositionTracker
 from ulysses_sp.mixers.linear_attn import check_heads, wrap_linear_attention
 
 CONV_FN = "causal_conv1d_fn"
@@ -28,6 +29,11 @@ class GatedDeltaNetHandler:
     """Shards gated delta-net mixers: key and value heads over the SP group (see the module doc)."""
 
     name = "gated_delta_net"
+
+    def __init__(self, positions: PositionTracker | None = None) -> None:
+        self.positions = positions
+        """Where the forward's position ids come from (``apply_mixers`` binds one; ``None``: every
+        row one document)."""
 
     def matches(self, module: nn.Module) -> bool:
         modeling = sys.modules.get(type(module).__module__)
@@ -46,8 +52,10 @@ class GatedDeltaNetHandler:
     def wrap(self, module: nn.Module, mesh: Any) -> Callable[[], None]:
         self.check(module, mesh.sp_size)
         what = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
-        return wrap_linear_attention(module, mesh, conv_fn=CONV_FN, scan_fns=(SCAN_FN,), what=what)
+        return wrap_linear_attention(
+            module, mesh, self.positions, conv_fn=CONV_FN, scan_fns=(SCAN_FN,), what=what
+        )
 
 
-GATED_DELTA = GatedDeltaNetHandler()
-"""The handler instance to pass to ``shard_mixers``."""
+HANDLER = GatedDeltaNetHandler()
+"""An unbound instance for ``claimed_by`` (the closed-world guard); ``apply_mixers`` binds its own."""

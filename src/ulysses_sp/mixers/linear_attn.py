@@ -20,8 +20,9 @@ no slicing; the output gate, norm and projection run after the return exchange, 
 
 Grouped heads: key heads split like value heads when ``Hk % P == 0``; when ``P % Hk == 0`` each key
 head is replicated ``P/Hk`` times before the exchange, so every rank receives exactly the key head
-its value heads use. Packed documents (``documents.track_documents``): the convolution and the scan
-restart at every global document start (the model's functions run per document segment).
+its value heads use. Packed documents (``documents.PositionTracker``, installed by
+``apply.apply_mixers``): the convolution and the scan restart at every global document start (the
+model's functions run once per document span).
 
 Shape legend: ``B`` batch, ``S`` global sequence, ``S_l = S/P``, ``C`` conv channels, ``K`` kernel,
 ``Hk``/``Hv`` key/value heads, ``H_l = H/P``, ``D*`` head dims, ``P`` sp size.
@@ -32,7 +33,6 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
-import weakref
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -43,7 +43,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ulysses_sp.attention.masks import SeqLayout
-from ulysses_sp.mixers.documents import TRACK_HINT, current_layout
+from ulysses_sp.mixers._kernels import check_layout, refuse_cache, refuse_local_boundaries, replace_forward
+from ulysses_sp.mixers.documents import PositionTracker, per_document, segments
 from ulysses_sp.mixers.halo import halo_from_previous
 from ulysses_sp.parallel.comm import heads_to_seq, seq_to_heads_packed
 
@@ -68,7 +69,7 @@ class _Sharded:
     sp_size: int
     sp_rank: int
     layout: SeqLayout | None
-    """The full sequence's layout; ``None``: untracked (refused only if a function needs it)."""
+    """The full sequence's layout; ``None``: no position ids (every row one document)."""
 
     def conv(self, original: Callable[..., Any], signature: inspect.Signature, args: tuple, kwargs: dict):
         bound = signature.bind(*args, **kwargs)
@@ -83,7 +84,7 @@ class _Sharded:
             bound.arguments["hidden_states"] = part
             return original(*bound.args, **bound.kwargs)
 
-        out = _per_document(run, (ext,), self._window_docs(x.shape[-1], width), dim=2)
+        out = _per_window_document(run, ext, self._window_docs(x.shape[-1], width))
         return out[..., width:]  # [B, C, S_l]: the halo's own outputs dropped
 
     def scan(self, original: Callable[..., Any], signature: inspect.Signature, args: tuple, kwargs: dict):
@@ -95,15 +96,15 @@ class _Sharded:
         if hk % self.sp_size:  # Hk < P: [B, S_l, Hk, Dk] -> [B, S_l, P, Dk], rank j gets key head j*Hk//P
             q, k = (t.repeat_interleave(self.sp_size // hk, dim=2) for t in (q, k))
         # one all-to-all: [B, S_l, H*, ...] -> [B, S, H*_l, ...] for q, k, v, g, beta
-        full = seq_to_heads_packed(q, k, v, g, beta, group=self.group)
+        full = seq_to_heads_packed((q, k, v, g, beta), self.group)
 
         def run(*parts: torch.Tensor) -> torch.Tensor:
             bound.arguments.update(zip(SCAN_INPUTS, parts))
             out, state = original(*bound.args, **bound.kwargs)
             return out  # state is None: no output_final_state without a cache
 
-        docs = None if self.layout is None else self.layout.doc_ids
-        out = _per_document(run, full, docs, dim=1)  # [B, S, Hv_l, Dv]
+        spans = segments(self.layout, q.shape[0], full[0].shape[1])
+        out = per_document(run, full, spans, seq_dim=1)  # [B, S, Hv_l, Dv], per packed document
         return heads_to_seq(out, self.group, head_dim=2, seq_dim=1), None  # -> [B, S_l, Hv, Dv]
 
     def _window_docs(self, s_local: int, width: int) -> torch.Tensor | None:
@@ -115,23 +116,17 @@ class _Sharded:
         return torch.cat([before, docs[:, max(0, lo - width) : lo + s_local]], dim=-1)
 
 
-def _segments(doc: torch.Tensor) -> list[tuple[int, int]]:
-    """``[L]`` document ids -> ``[(start, length)]`` of their maximal runs."""
-    cuts = (torch.nonzero(doc[1:] != doc[:-1]).flatten() + 1).tolist()
-    edges = [0, *cuts, doc.shape[0]]
-    return [(a, b - a) for a, b in zip(edges[:-1], edges[1:])]
-
-
-def _per_document(fn: Callable[..., torch.Tensor], xs: Sequence[torch.Tensor], docs: torch.Tensor | None,
-                  dim: int) -> torch.Tensor:  # fmt: skip
-    """``fn`` over every document segment of ``xs`` along ``dim`` (``docs [B|1, L]``), concatenated;
-    one call when unpacked. Rows with different boundaries run one by one."""
+def _per_window_document(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                         docs: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """``fn`` on every run of equal document ids (``docs [B|1, L]``) of ``x [B, C, L]``, concatenated
+    along ``L``; one call when unpacked. Rows with different boundaries run one by one."""
     if docs is None or bool((docs == docs[:, :1]).all()):
-        return fn(*xs)
-    if docs.shape[0] == 1:
-        return torch.cat([fn(*(x.narrow(dim, a, n) for x in xs)) for a, n in _segments(docs[0])], dim=dim)
-    rows = [_per_document(fn, [x[b : b + 1] for x in xs], docs[b : b + 1], dim) for b in range(docs.shape[0])]
-    return torch.cat(rows, dim=0)
+        return fn(x)
+    if docs.shape[0] > 1:
+        return torch.cat([_per_window_document(fn, x[b : b + 1], docs[b : b + 1]) for b in range(x.shape[0])])
+    cuts = (torch.nonzero(docs[0, 1:] != docs[0, :-1]).flatten() + 1).tolist()
+    edges = [0, *cuts, x.shape[-1]]
+    return torch.cat([fn(x[..., a:e]) for a, e in zip(edges[:-1], edges[1:])], dim=-1)
 
 
 _ACTIVE: ContextVar[_Sharded | None] = ContextVar("ulysses_sp_linear_attn", default=None)
@@ -169,49 +164,32 @@ def _install(modeling: Any, name: str, kind: str) -> Callable[[], None]:
     return undo
 
 
-def wrap_linear_attention(module: nn.Module, mesh: Any, *, conv_fn: str, scan_fns: Sequence[str],
-                          what: str) -> Callable[[], None]:  # fmt: skip
+def wrap_linear_attention(module: nn.Module, mesh: Any, positions: PositionTracker | None, *, conv_fn: str,
+                          scan_fns: Sequence[str], what: str) -> Callable[[], None]:  # fmt: skip
     """Shard ``module`` (a mixer whose forward calls ``conv_fn`` and one of ``scan_fns`` from its
-    modeling module) over ``mesh``'s SP group; returns the undo. ``what`` names it in errors."""
+    modeling module) over ``mesh``'s SP group; returns the undo. ``positions`` gives the forward's
+    global document boundaries (``None``: every row one document). ``what`` names it in errors."""
+    check_layout(mesh, what)
     modeling = sys.modules[type(module).__module__]
-    undos = [_install(modeling, conv_fn, "conv"), *(_install(modeling, n, "scan") for n in scan_fns)]
-    original = module.forward
-    signature = inspect.signature(original)
-    last: list[weakref.ref] = []  # this mixer's most recent layout (for a checkpoint recompute)
 
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    def forward(original: Callable[..., Any], hidden_states: torch.Tensor, cache: Any = None,
+                attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:  # fmt: skip
         if mesh.sp_size == 1:
-            return original(*args, **kwargs)
-        bound = signature.bind(*args, **kwargs).arguments
-        if bound.get("cache") is not None or bound.get("cache_params") is not None:
-            raise ValueError(
-                f"{what}: a cache (generation) is not sequence-parallel; call the model with use_cache=False"
-            )
-        extra = bound.get("kwargs", {})
-        if extra.get("cu_seq_lens_q") is not None or extra.get("seq_idx") is not None:
-            raise ValueError(f"{what}: cu_seq_lens_q/seq_idx under sequence parallelism are ambiguous (local or "
-                             "global?); pass packed documents as position_ids that restart at 0 instead")  # fmt: skip
-        hidden = bound["hidden_states"]  # [B, S_l, hidden]
-        layout = current_layout(hidden.shape[0], what)
-        if layout is None and last and last[0]() is not None:
-            layout = last[0]()  # a recompute during backward: the layout of the forward it repeats
-        if layout is None:
-            raise ValueError(
-                f"{what} under sequence parallelism needs the forward's position ids: {TRACK_HINT}"
-            )
-        last[:] = [weakref.ref(layout)]
+            return original(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+        refuse_cache(cache if cache is not None else kwargs.get("cache_params"), mesh.sp_size, what)
+        refuse_local_boundaries(kwargs, what)
+        b, s_local, _ = hidden_states.shape  # [B, S_l, hidden]
+        layout = None if positions is None else positions.layout(s_local, b)  # a collective, once per forward
         token = _ACTIVE.set(_Sharded(mesh.sp_group, mesh.sp_size, mesh.sp_rank, layout))
         try:
-            return original(*args, **kwargs)
+            return original(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
         finally:
             _ACTIVE.reset(token)
 
-    module.forward = forward
+    undos = [replace_forward(module, forward)]  # first: refuses a module sharded twice, before any patch
+    undos += [_install(modeling, conv_fn, "conv"), *(_install(modeling, n, "scan") for n in scan_fns)]
 
     def undo() -> None:
-        if module.__dict__.get("forward") is forward:
-            del module.forward
         for u in reversed(undos):
             u()
 
