@@ -29,7 +29,7 @@ from ulysses_sp.parallel.loss import sp_causal_lm_loss
 from ulysses_sp.parallel.mesh import init_mesh
 
 B, S, VOCAB = 2, 16, 64
-ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "kimi_linear")
+ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "kimi_linear", "olmo_hybrid")
 
 
 def tiny_hybrid(arch: str, *, k_heads: int = 2, v_heads: int = 4, seed: int = 0):
@@ -51,6 +51,10 @@ def tiny_hybrid(arch: str, *, k_heads: int = 2, v_heads: int = 4, seed: int = 0)
         cfg, cls = T.Qwen3_5TextConfig(**common, **gdn, intermediate_size=48), T.Qwen3_5ForCausalLM
     elif arch == "qwen3_5_moe":
         cfg, cls = T.Qwen3_5MoeTextConfig(**common, **gdn, **moe), T.Qwen3_5MoeForCausalLM
+    elif arch == "olmo_hybrid":
+        gdn.pop("head_dim")
+        ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        cfg, cls = T.OlmoHybridConfig(**common, **gdn, **ids, intermediate_size=48), T.OlmoHybridForCausalLM
     else:
         common["num_key_value_heads"] = 4  # MLA: keys and values expand to every head
         cfg = T.KimiLinearConfig(**common, intermediate_size=48, moe_intermediate_size=16, num_local_experts=4,
