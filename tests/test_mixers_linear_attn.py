@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from harness import WorkerError
-from models import global_batch, per_document_loss, shift
+from models import global_batch, shift
 from oracle import assert_step_close
 
 from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
@@ -143,22 +143,36 @@ def test_activation_checkpointing_recomputes_the_same_layout(pool):
     pool.run(_equivalence, 2, 2, ("qwen3_next", "kimi_linear"), checkpointing=True)
 
 
-DOCS = (5, 2, 9, 6, 10)  # 32 tokens: boundaries inside shards, one document shorter than the conv kernel
+# 32 tokens a row. Row 0: a document starts exactly at a shard boundary (16) and one (2 tokens) is
+# shorter than the conv kernel; row 1: a document spans the shards at sp 2.
+ROWS = ((5, 2, 9, 6, 10), (12, 3, 17))
 
 
-def _packed(sp: int, arch: str) -> None:
+def _packed(sp: int, arch: str, rows: tuple[tuple[int, ...], ...]) -> None:
+    """Rows of packed documents (each row its own boundaries) against every document run alone:
+    per-position logits, the token-mean loss over all rows and every gradient."""
     mesh = init_mesh((1, sp))
     # Kimi's MLA has value heads narrower than keys, which the blockwise sdpa core (documents) refuses
     ref, model, undo = _sharded(arch, mesh, "eager" if arch == "kimi_linear" else "sdpa")
-    ids = global_batch(5, 1, sum(DOCS), VOCAB)
-    ref_loss = per_document_loss(ref, ids, DOCS)
+    ids = global_batch(5, len(rows), sum(rows[0]), VOCAB)
+    labels, pos, ref_logits, total, count = shift(ids), [], [], 0.0, 0
+    for r, docs in enumerate(rows):
+        starts = [0, *torch.tensor(docs).cumsum(0).tolist()]
+        pieces = [
+            ref(input_ids=ids[r : r + 1, a:e], use_cache=False).logits for a, e in zip(starts, starts[1:])
+        ]
+        for (a, e), logits in zip(zip(starts, starts[1:]), pieces):
+            total = total + F.cross_entropy(logits[0, :-1], ids[r, a + 1 : e], reduction="sum")
+            count += e - a - 1
+            labels[r, e - 1] = -100  # no label across a document boundary
+        ref_logits.append(torch.cat(pieces, dim=1))
+        pos.append(torch.cat([torch.arange(n) for n in docs]))
+    ref_loss = total / count
     ref_loss.backward()
-    pos = torch.cat([torch.arange(n) for n in DOCS])[None]
-    labels = shift(ids)
-    labels[0, torch.tensor(DOCS).cumsum(0) - 1] = -100
     s_l = ids.shape[1] // sp
     cols = slice(mesh.sp_rank * s_l, (mesh.sp_rank + 1) * s_l)
-    out = model(input_ids=ids[:, cols], position_ids=pos[:, cols], use_cache=False)
+    out = model(input_ids=ids[:, cols], position_ids=torch.stack(pos)[:, cols], use_cache=False)
+    torch.testing.assert_close(out.logits, torch.cat(ref_logits)[:, cols], rtol=1e-5, atol=1e-5)
     loss = sp_causal_lm_loss(out.logits, labels[:, cols], mesh.sp_group)
     loss.backward()
     for p in model.parameters():
@@ -168,9 +182,13 @@ def _packed(sp: int, arch: str) -> None:
     undo()
 
 
-@pytest.mark.parametrize("sp, arch", [(2, "qwen3_next"), (4, "qwen3_5"), (2, "kimi_linear")])
-def test_packed_documents_stay_apart_in_conv_and_scan(pool, sp, arch):
-    pool.run(_packed, sp, sp, arch)
+@pytest.mark.parametrize("sp, arch, rows", [
+    (2, "qwen3_next", ROWS),  # two rows with different boundaries: run row by row
+    (4, "qwen3_5", ROWS[:1]),  # one row: every row the same spans
+    (2, "kimi_linear", ROWS),
+])  # fmt: skip
+def test_packed_documents_stay_apart_in_conv_and_scan(pool, sp, arch, rows):
+    pool.run(_packed, sp, sp, arch, rows)
 
 
 def _refused(arch: str, k_heads: int, v_heads: int) -> None:
