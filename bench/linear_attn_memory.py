@@ -1,15 +1,16 @@
 """Linear-attention layers under Ulysses: peak memory growth S 8K -> 16K per rank at sp 1, 2, 4, and
 step time of a hybrid vs a dense model at sp 1 and 2 on the same global batch.
 
-    for n in 1 2 4; do python -m torch.distributed.run --nproc-per-node $n -m bench.linear_attn_memory \
-        --out bench/results/linear_attn_memory_sp$n.md; done
+    for n in 1 2 4; do python -m torch.distributed.run --nproc-per-node $n -m bench.linear_attn_memory; done
+
+(the lines each run prints are collected in ``bench/results/linear_attn_memory.md``).
 
 Memory: a tiny Qwen3-Next made only of gated delta-net layers (2 layers, hidden 64, 2 key / 4 value
 heads of 16, conv kernel 4), ``apply_mixers`` over all ranks, one forward + backward of one sequence
 per length, peak tensor memory by ``ulysses_sp.memory.meter.track_peak_memory`` (CPU storage
 tracking, parameters included, max over ranks). The *growth* from 8K to 16K is what the layers
-add per 8K tokens; it should fall as 1/sp (the scan runs over the full sequence for S/P... of the
-heads: ``[B, S, H/P, D]``; the projections and the halo convolution on the ``S/P`` local tokens).
+add per 8K tokens; it should fall as 1/sp (the scan runs over the full sequence for ``H/P`` of the
+heads, ``[B, S, H/P, D]``; the projections and the halo convolution on the ``S/P`` local tokens).
 
 Time: the same gated delta-net model with one softmax-attention layer added (a hybrid) and a
 Llama of the same width and depth, one step (forward + backward) at S = 4096, best of 3 after a

@@ -1,4 +1,4 @@
-"""Linear-attention mixers under Ulysses: gated delta-net (Qwen3-Next, Qwen3.5 dense and MoE) and
+"""Linear-attention mixers under Ulysses: gated delta-net (Qwen3-Next, Qwen3.5 dense and MoE, OLMo hybrid) and
 KDA (Kimi-Linear) at sp 2 and 4 equal the same models without sequence parallelism.
 
 The oracle is the unmodified model (same seed, full batch) on every rank. The SP run shards each
