@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from harness import WorkerError
 from models import global_batch, shift
-from oracle import assert_step_close
+from oracle import assert_grads_close, assert_step_close
 
 from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
 from ulysses_sp.memory.offload import enable_activation_checkpointing
@@ -187,6 +187,71 @@ def _packed(sp: int, arch: str, rows: tuple[tuple[int, ...], ...]) -> None:
 ])  # fmt: skip
 def test_packed_documents_stay_apart_in_conv_and_scan(pool, sp, arch, rows):
     pool.run(_packed, sp, sp, arch, rows)
+
+
+def _engine_zero3(sp: int, cases: tuple[tuple[str, bool], ...]) -> list[str]:
+    """Two SGD steps through ``initialize`` at ZeRO-3 (FSDP2) with the mixers applied first: the loss,
+    every reduced gradient and the parameters after the steps equal the plain model's."""
+    from torch.distributed.tensor import DTensor
+
+    from ulysses_sp.engine import initialize
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    mesh = init_mesh((1, sp))
+    s, rows, done = sum(ROWS[0]), ROWS[:1], []
+    cols = slice(mesh.sp_rank * s // sp, (mesh.sp_rank + 1) * s // sp)
+    for arch, packed in cases:
+        ref = tiny_hybrid(arch)
+        model = copy.deepcopy(ref)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        core = "eager" if arch == "kimi_linear" and packed else "sdpa"
+        reg = UlyssesSPAttentionHF.register_with_transformers(model, core, sp, 1, mesh=mesh)
+        handle = apply_mixers(model, mesh)
+        assert len(handle.wrapped) == 2
+        config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+                  "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}  # fmt: skip
+        engine, _, _, _ = initialize(model=model, config=config, mpu=reg)
+        for step in range(2):
+            ids = global_batch(30 + step, 1, s, VOCAB)
+            labels, pos = shift(ids), torch.arange(s)[None]
+            if packed:
+                starts = [0, *torch.tensor(rows[0]).cumsum(0).tolist()]
+                pos = torch.cat([torch.arange(n) for n in rows[0]])[None]
+                labels[0, torch.tensor(starts[1:]) - 1] = -100
+            logits = ref(input_ids=ids, position_ids=None if packed else pos, use_cache=False).logits
+            if packed:  # the oracle: every document on its own
+                logits = torch.cat([ref(input_ids=ids[:, a:e], use_cache=False).logits
+                                    for a, e in zip(starts, starts[1:])], dim=1)  # fmt: skip
+            ref_loss = F.cross_entropy(logits[0], labels[0], ignore_index=-100)
+            ref_opt.zero_grad()
+            ref_loss.backward()
+            ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+            ref_opt.step()
+            out = engine(
+                input_ids=ids[:, cols],
+                position_ids=pos[:, cols],
+                shift_labels=labels[:, cols],
+                use_cache=False,
+            )
+            engine.backward(out.loss)
+            grads = {n: full(p.grad) for n, p in engine.module.named_parameters()}
+            loss = engine.step()
+            torch.testing.assert_close(torch.tensor(float(loss)), ref_loss.detach(), rtol=1e-5, atol=0)
+            assert_grads_close(grads, ref_grads)
+        refs = dict(ref.named_parameters())
+        for name, p in engine.module.named_parameters():
+            torch.testing.assert_close(full(p.detach()), refs[name].detach(), rtol=1e-5, atol=1e-6)
+        handle.remove()
+        reg.remove()
+        done.append(arch)
+    return done
+
+
+def test_zero3_engine_steps_equal_no_sp(pool):
+    cases = (("qwen3_next", True), ("kimi_linear", False))
+    assert pool.run(_engine_zero3, 2, 2, cases)[0] == ["qwen3_next", "kimi_linear"]
 
 
 def _refused(arch: str, k_heads: int, v_heads: int) -> None:
