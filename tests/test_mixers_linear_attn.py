@@ -270,11 +270,11 @@ def test_heads_that_do_not_divide_are_refused_before_any_step(pool, arch, k, v, 
     assert len(err.value.failures) == 4
 
 
-def _exchanges(sp: int) -> dict[str, list[int]]:
-    """Every ``all_to_all_single`` of one forward+backward of a Qwen3-Next hybrid, with the bytes
-    this rank sent to *other* ranks; checked against the analytic minimum per linear layer."""
+def _exchanges(sp: int, arch: str) -> dict[str, list[int]]:
+    """Every ``all_to_all_single`` of one forward+backward of a hybrid, with the bytes this rank
+    sent to *other* ranks; checked against the analytic minimum per linear layer."""
     mesh = init_mesh((1, sp))
-    ref, model, undo = _sharded("qwen3_next", mesh)
+    ref, model, undo = _sharded(arch, mesh)
     s_l = S // sp
     ids = global_batch(2, B, S, VOCAB)[:, mesh.sp_rank * s_l : (mesh.sp_rank + 1) * s_l]
     pos = torch.arange(S)[mesh.sp_rank * s_l : (mesh.sp_rank + 1) * s_l].expand(B, -1)
@@ -298,16 +298,23 @@ def _exchanges(sp: int) -> dict[str, list[int]]:
     return {"forward": forward, "backward": sent[len(forward) :]}
 
 
-def test_exchanges_per_linear_layer_are_one_in_one_out_plus_a_halo(pool):
-    sp = 2
-    ranks = pool.run(_exchanges, sp, sp)
-    lin = tiny_hybrid("qwen3_next").model.layers[0].linear_attn
-    hk, hv, dk, dv, k = lin.num_k_heads, lin.num_v_heads, lin.head_k_dim, lin.head_v_dim, lin.conv_kernel_size
-    s_l, f32 = S // sp, 4
+@pytest.mark.parametrize("arch", ["qwen3_next", "kimi_linear"])
+def test_exchanges_per_linear_layer_are_one_in_one_out_plus_a_halo(pool, arch):
+    sp, s_l, f32 = 2, S // 2, 4
+    ranks = pool.run(_exchanges, sp, sp, arch)
+    lin = tiny_hybrid(arch).model.layers[0]
     others = (sp - 1) / sp
-    halo = B * lin.conv_dim * (k - 1) * f32  # to the next rank only
-    into = others * B * s_l * (2 * hk * dk + hv * dv + 2 * hv) * f32  # q, k, v, decay, beta
-    back = others * B * s_l * hv * dv * f32
+    if arch == "kimi_linear":  # q, k, v and beta head-sharded; the gate's [D] feature to every rank
+        lin = lin.self_attn
+        h, d = lin.num_heads, lin.head_dim
+        into = others * B * s_l * (3 * h * d + h) * f32 + (sp - 1) * B * s_l * d * f32
+        back = others * B * s_l * h * d * f32
+    else:  # q, k (Hk heads), v (Hv), decay and beta (Hv) head-sharded
+        lin = lin.linear_attn
+        hk, hv, dk, dv = lin.num_k_heads, lin.num_v_heads, lin.head_k_dim, lin.head_v_dim
+        into = others * B * s_l * (2 * hk * dk + hv * dv + 2 * hv) * f32
+        back = others * B * s_l * hv * dv * f32
+    halo = B * lin.conv_dim * (lin.conv_kernel_size - 1) * f32  # to the next rank only
     for rank, seen in enumerate(ranks):
         fwd = seen["forward"]
         # layer order: linear (halo, in, out), full attention (its own in, out), linear (halo, in, out)

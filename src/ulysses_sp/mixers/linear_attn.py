@@ -70,6 +70,10 @@ class _Sharded:
     sp_rank: int
     layout: SeqLayout | None
     """The full sequence's layout; ``None``: no position ids (every row one document)."""
+    local_decay: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """Set when the scan's ``g`` arrives as a low-rank feature ``[B, S_l, r]`` that every rank needs
+    whole (KDA): it rides the same all-to-all replicated ``P`` times, and ``local_decay([B, S, r])``
+    makes this rank's ``g [B, S, H_l, D]`` with the model's own gate on its heads' parameters."""
 
     def conv(self, original: Callable[..., Any], signature: inspect.Signature, args: tuple, kwargs: dict):
         bound = signature.bind(*args, **kwargs)
@@ -95,8 +99,12 @@ class _Sharded:
         hk = k.shape[2]
         if hk % self.sp_size:  # Hk < P: [B, S_l, Hk, Dk] -> [B, S_l, P, Dk], rank j gets key head j*Hk//P
             q, k = (t.repeat_interleave(self.sp_size // hk, dim=2) for t in (q, k))
+        if self.local_decay is not None:  # [B, S_l, r] -> [B, S_l, P, r]: every rank gets all of it
+            g = g.unsqueeze(2).expand(-1, -1, self.sp_size, -1)
         # one all-to-all: [B, S_l, H*, ...] -> [B, S, H*_l, ...] for q, k, v, g, beta
         full = seq_to_heads_packed((q, k, v, g, beta), self.group)
+        if self.local_decay is not None:  # [B, S, 1, r] -> this rank's decay [B, S, H_l, D]
+            full = (*full[:3], self.local_decay(full[3].squeeze(2)), full[4])
 
         def run(*parts: torch.Tensor) -> torch.Tensor:
             bound.arguments.update(zip(SCAN_INPUTS, parts))
@@ -132,6 +140,11 @@ def _per_window_document(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Te
 _ACTIVE: ContextVar[_Sharded | None] = ContextVar("ulysses_sp_linear_attn", default=None)
 
 
+def in_sharded_forward() -> bool:
+    """True while a sharded linear-attention mixer's forward runs (in this context)."""
+    return _ACTIVE.get() is not None
+
+
 class _Dispatch:
     """Stands in for one module-level function of a modeling module while sharded mixers exist:
     the original outside a sharded mixer's forward, the SP version inside. Counts its users."""
@@ -165,10 +178,12 @@ def _install(modeling: Any, name: str, kind: str) -> Callable[[], None]:
 
 
 def wrap_linear_attention(module: nn.Module, mesh: Any, positions: PositionTracker | None, *, conv_fn: str,
-                          scan_fns: Sequence[str], what: str) -> Callable[[], None]:  # fmt: skip
+                          scan_fns: Sequence[str], what: str,
+                          local_decay: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Callable[[], None]:  # fmt: skip
     """Shard ``module`` (a mixer whose forward calls ``conv_fn`` and one of ``scan_fns`` from its
     modeling module) over ``mesh``'s SP group; returns the undo. ``positions`` gives the forward's
-    global document boundaries (``None``: every row one document). ``what`` names it in errors."""
+    global document boundaries (``None``: every row one document). ``what`` names it in errors.
+    ``local_decay``: see ``_Sharded.local_decay`` (the caller makes the model pass the feature)."""
     check_layout(mesh, what)
     modeling = sys.modules[type(module).__module__]
 
@@ -180,7 +195,7 @@ def wrap_linear_attention(module: nn.Module, mesh: Any, positions: PositionTrack
         refuse_local_boundaries(kwargs, what)
         b, s_local, _ = hidden_states.shape  # [B, S_l, hidden]
         layout = None if positions is None else positions.layout(s_local, b)  # a collective, once per forward
-        token = _ACTIVE.set(_Sharded(mesh.sp_group, mesh.sp_size, mesh.sp_rank, layout))
+        token = _ACTIVE.set(_Sharded(mesh.sp_group, mesh.sp_size, mesh.sp_rank, layout, local_decay))
         try:
             return original(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
         finally:
