@@ -14,9 +14,11 @@ fallback intact) are dispatched:
   the full sequence for the local heads, one all-to-all returns ``[B, S_l, Hv, Dv]``.
 
 So a layer costs one all-to-all in, one out (the minimum) plus a halo of ``(K-1) * C`` values per
-row. Decay and beta are computed by the model before the exchange, on the local tokens from the
-*full* per-head parameters (``A_log``, ``dt_bias``): autograd returns full-parameter gradients with
-no slicing; the output gate, norm and projection run after the return exchange, on local tokens.
+row. Gated delta-net's decay and beta are computed by the model before the exchange, on the local
+tokens from the *full* per-head parameters (``A_log``, ``dt_bias``): autograd returns full-parameter
+gradients with no slicing (KDA's per-channel decay is made after the exchange instead, from a
+low-rank feature: ``_Sharded.local_decay``, ``mixers.kda``); the output gate, norm and projection
+run after the return exchange, on local tokens.
 
 Grouped heads: key heads split like value heads when ``Hk % P == 0``; when ``P % Hk == 0`` each key
 head is replicated ``P/Hk`` times before the exchange, so every rank receives exactly the key head
