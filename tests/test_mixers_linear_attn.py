@@ -181,6 +181,7 @@ def _packed(sp: int, arch: str, rows: tuple[tuple[int, ...], ...]) -> None:
 
 
 @pytest.mark.parametrize("sp, arch, rows", [
+    (1, "qwen3_next", ROWS),  # sp 1 keeps documents apart too (sp 1 and sp 2 train the same model)
     (2, "qwen3_next", ROWS),  # two rows with different boundaries: run row by row
     (4, "qwen3_5", ROWS[:1]),  # one row: every row the same spans
     (2, "kimi_linear", ROWS),

@@ -47,6 +47,15 @@ def replace_forward(module: nn.Module, forward: Callable[..., Any]) -> Callable[
     return undo
 
 
+def refuse_cache(cache: Any, sp_size: int, what: str) -> None:
+    """Cached decoding runs on one rank's tokens: not sequence-parallel."""
+    if cache is not None and sp_size > 1:
+        raise ValueError(
+            f"{what}: a cache (use_cache=True: generation) is not supported under sequence "
+            "parallelism; pass use_cache=False (training forwards in model.train() have none)"
+        )
+
+
 LOCAL_BOUNDARY_KWARGS = ("seq_idx", "cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k")
 """Keyword arguments that would carry per-shard document boundaries into a kernel."""
 

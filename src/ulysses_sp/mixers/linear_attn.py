@@ -191,8 +191,9 @@ def wrap_linear_attention(module: nn.Module, mesh: Any, positions: PositionTrack
 
     def forward(original: Callable[..., Any], hidden_states: torch.Tensor, cache: Any = None,
                 attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:  # fmt: skip
-        if mesh.sp_size == 1:
+        if cache is not None and mesh.sp_size == 1:  # generation: the model's own cached path
             return original(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+        # at sp 1 too: packed documents stay apart as they do at sp > 1, so sp 1 and sp P train alike
         refuse_cache(cache if cache is not None else kwargs.get("cache_params"), mesh.sp_size, what)
         refuse_local_boundaries(kwargs, what)
         b, s_local, _ = hidden_states.shape  # [B, S_l, hidden]
