@@ -22,7 +22,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, Dataset
 
-from ulysses_sp.attention.registration import registered_layout
+from ulysses_sp.attention.registration import attach_registered, registered_layout
 from ulysses_sp.config import TrainingConfig, load_config
 from ulysses_sp.engine.data import build_dataloader, check_dataset
 from ulysses_sp.engine.engine import Engine, LossFn
@@ -127,6 +127,7 @@ def initialize(
 
     # ---- collectives from here on ----
     mesh = _build_mesh(dp_size, sp_size, mpu, model)
+    attach_registered(model)  # its SP attention sees the position_ids of every call
     names = {id(p): n for n, p in model.named_parameters()}
     if stage <= 1:
         wrapper = apply_ddp(model, mesh)
