@@ -50,6 +50,7 @@ from ulysses_sp.attention.core import (
 )
 from ulysses_sp.attention.heads import HeadView, local_view
 from ulysses_sp.attention.kv_offload import KVOffload
+from ulysses_sp.attention.layer_kinds import check_layer_kinds
 from ulysses_sp.attention.masks import ForwardState, SeqLayout, gather_positions, mask_for
 from ulysses_sp.attention.positions import (
     CallPositions,
@@ -315,6 +316,7 @@ class UlyssesSPAttentionHF:
         require_process_group("register_with_transformers")
         check_core(core_attn_implementation)
         model, config = model_and_config(model_name_or_path)
+        check_layer_kinds(config, sequence_parallel_size)
         num_heads = config.num_attention_heads
         num_kv = getattr(config, "num_key_value_heads", None) or num_heads
         ring = resolve_ring_size(sequence_parallel_size, num_heads, num_kv, ring_size)
