@@ -1,5 +1,5 @@
 """Tiny random models of the attention families with per-layer structure: attention sinks (gpt-oss,
-MiMo-V2-Flash), chunked attention with NoPE query temperature (Llama 4 text). Real transformers
+MiMo-V2-Flash), chunked attention with NoPE query temperature (Llama 4 text), LongCat-Flash. Real transformers
 modeling code, fp32, weights drawn at std 0.2 so one wrong position shows."""
 
 from __future__ import annotations
@@ -33,6 +33,11 @@ FAMILIES = {
     "llama4_text": dict(
         attention_chunk_size=6, head_dim=16, num_local_experts=2, intermediate_size_mlp=128,
         no_rope_layers=[1, 0], floor_scale=4, attn_scale=1.0, attn_temperature_tuning=True,
+    ),
+    # two MLA sublayers per layer (num_hidden_layers = 2 x num_layers), routed + identity experts
+    "longcat_flash": dict(
+        num_layers=1, n_routed_experts=4, moe_topk=2, zero_expert_num=2, expert_ffn_hidden_size=32,
+        q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8, v_head_dim=16,
     ),
 }  # fmt: skip
 

@@ -88,6 +88,7 @@ SP2 = [
     ("llama4_text", "sdpa", 2, "docs", "model"),  # chunks + documents + NoPE temperature
     ("llama4_text", "eager", 2, "edges", "model"),  # documents exactly on the shard edges
     ("llama", "sdpa", 4, "edges", "documents"),
+    ("longcat_flash", "sdpa", 4, "plain", "model"),  # MLA twice per layer, identity experts
 ]
 SP4 = [
     ("gpt_oss", "eager", 2, "docs", "documents"),  # kv heads 2 < sp 4: replicated, sinks per query head
