@@ -23,7 +23,7 @@ from oracle import assert_step_close
 
 from ulysses_sp.attention.blockwise import AttnStructure, blockwise_attention
 from ulysses_sp.attention.core import generic_eager, run_ring
-from ulysses_sp.attention.heads import apply_sinks
+from ulysses_sp.attention.heads import apply_sinks, local_view
 from ulysses_sp.attention.layer_kinds import check_layer_kinds
 from ulysses_sp.attention.positions import capture_call, split_at_chunks
 from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
@@ -191,3 +191,16 @@ def test_sparse_and_compressed_attention_refused_before_any_step_naming_why(fami
     with pytest.raises(ValueError, match=match + r".*does not shard it in this version; train this model with sp_size 1"):
         check_layer_kinds(config, 2)
     check_layer_kinds(config, 1)  # without SP the model runs as it is
+
+
+def test_local_view_slices_sinks_to_the_rank_heads_and_refuses_per_query_inputs():
+    module = torch.nn.Module()
+    module.sinks = torch.nn.Parameter(torch.arange(8.0))
+    kwargs = {"s_aux": module.sinks}
+    view = local_view(module, kwargs, num_heads=8, local_heads=2, local_kv_heads=1, rank=2)
+    assert view.sinks.tolist() == kwargs["s_aux"].tolist() == [4.0, 5.0]
+    assert view.num_key_value_groups == 2 and not hasattr(module, "num_key_value_groups")
+    (view.sinks * 3).sum().backward()
+    assert module.sinks.grad.tolist() == [0, 0, 0, 0, 3, 3, 0, 0]  # full shape: the SP sum fills the rest
+    with pytest.raises(ValueError, match=r"per-query 'sinks' of shape \(1, 8, 4, 1\), computed from this rank's shard"):
+        local_view(module, {"sinks": torch.zeros(1, 8, 4, 1)}, num_heads=8, local_heads=2, local_kv_heads=1, rank=0)

@@ -12,6 +12,9 @@ alone. Whatever the core reads **per head** must be cut to the same slice:
   are sliced **inside forward** (a view of the parameter), so autograd returns a gradient in the full
   parameter's shape, zero outside this rank's heads: the SP group's gradient sum assembles it whole.
 
+Per-**query** inputs a model computes on its shard (per-token sinks ``[B, H, S_l, 1]``, relative
+position biases) are not per-head parameters: they are refused, naming the tensor.
+
 ``HeadView`` is what the core function receives in place of the module: every attribute is the
 module's except the overridden ones; the module itself is never modified.
 
@@ -27,6 +30,9 @@ import torch
 
 SINK_ATTRS = ("sinks",)
 """Module attributes the models' own attention functions read per-head sinks from."""
+PER_QUERY_KWARGS = ("sinks", "position_bias")
+"""Keyword arguments some models compute per query on the local shard (per-token sinks, relative
+position biases): refused, not sliced."""
 
 
 class HeadView:
@@ -82,6 +88,14 @@ def local_view(
     """
     overrides: dict[str, Any] = {"num_key_value_groups": local_heads // local_kv_heads}
     if local_heads != num_heads:
+        for name in PER_QUERY_KWARGS:
+            t = kwargs.get(name)
+            if isinstance(t, torch.Tensor) and t.dim() >= 3:
+                raise ValueError(
+                    f"{type(module).__name__} passes its attention a per-query {name!r} of shape "
+                    f"{tuple(t.shape)}, computed from this rank's shard of the sequence; sequence "
+                    "parallelism does not exchange it with q/k/v, so this model cannot run with sp_size > 1"
+                )
         sinks = kwargs.get("s_aux")
         if isinstance(sinks, torch.Tensor):
             kwargs["s_aux"] = head_slice(sinks, num_heads, rank, local_heads)
