@@ -22,7 +22,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, Dataset
 
-from ulysses_sp.attention.registration import registered_layout
+from ulysses_sp.attention.registration import attach_registered, registered_layout
 from ulysses_sp.config import TrainingConfig, load_config
 from ulysses_sp.engine.data import build_dataloader, check_dataset
 from ulysses_sp.engine.engine import Engine, LossFn
@@ -128,7 +128,8 @@ def initialize(
 
     # ---- collectives from here on ----
     mesh = _build_mesh(dp_size, sp_size, mpu, model)
-    # sequence mixers (short convolutions, Mamba-2): head-sharded, with document boundaries from the
+    attach_registered(model)  # its SP attention sees the position_ids of every call
+    # sequence mixers (short convolutions, Mamba-2, gated delta-net, KDA): head-sharded, with document boundaries from the
     # batch's position ids — also at sp 1, so packed documents never leak whatever the sp size
     mixers = apply_mixers(model, mesh) if has_unsharded_mixers(model) else None
     names = {id(p): n for n, p in model.named_parameters()}
