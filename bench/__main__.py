@@ -19,17 +19,12 @@ labelled with the run that produced it, and refreshes the targets block of docs/
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
-import time
 
-import torch
-
-from bench import projection, report
+from bench import md, projection, report
 from bench import spec as S
 from bench.launch import DS_PYTHON, ROOT, WorkerFailed, deepspeed_available, run_worker
 
@@ -42,31 +37,6 @@ DS_POINTS = [{"dp": 1, "sp": 2, "zero": 1}, {"dp": 1, "sp": 2, "zero": 2}, {"dp"
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def _git(*args: str) -> str:
-    try:
-        return subprocess.run(
-            ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return ""
-
-
-def new_run(invocation: str) -> dict:
-    """Where and when this run happens: the label every table it produces carries."""
-    import transformers
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-    dirty = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results", ":!README.md",
-                 ":!docs/readme/performance.md")  # fmt: skip
-    commit = (_git("rev-parse", "--short", "HEAD") or "unknown") + ("+uncommitted changes" if dirty else "")
-    machine = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-               "cpus": os.cpu_count(), "python": sys.version.split()[0], "torch": torch.__version__,
-               "transformers": transformers.__version__, "backend": "gloo (CPU)"}  # fmt: skip
-    return {"id": f"{now:%Y-%m-%dT%H:%MZ}@{commit.split('+')[0]}", "date": f"{now:%Y-%m-%d %H:%M UTC}",
-            "commit": commit, "host": platform.node(), "machine": machine, "invocation": invocation,
-            "wall_s": None, "launches": []}  # fmt: skip
 
 
 def launch(run: dict, module: str, nproc: int, args: list[str], **kw):
@@ -225,9 +195,9 @@ def main(argv=None) -> int:
             )
             sections = [s for s in sections if s not in needs]
         invocation = " ".join(["python -m bench", *(argv if argv is not None else sys.argv[1:])])
-        run, t0 = new_run(invocation), time.perf_counter()
+        run = md.provenance(invocation)
         found = run_sections(sections, args.smoke, run)
-        run["wall_s"] = time.perf_counter() - t0
+        md.finish(run)
         result = {"smoke": args.smoke, "runs": {run["id"]: run},
                   "sections": {k: {"run": run["id"], "data": v} for k, v in found.items()}}  # fmt: skip
         if not args.smoke:

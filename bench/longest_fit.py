@@ -36,44 +36,33 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import importlib.util
-import json
 import math
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-IGNORE = -100
-ROOT = Path(__file__).resolve().parent.parent
+from bench.launch import ROOT, finish_worker, init_worker
+from bench.launch import max_over_ranks as _max
+from bench.spec import IGNORE_INDEX as IGNORE
+from bench.spec import llama, packed_positions
 
 
 def make_data(seq: int, vocab: int, packed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(input_ids, position_ids, shift_labels)``, each ``[1, S]``: the same tensors on both sides."""
     ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(seq))
-    docs = (seq // 2, seq // 4, seq - seq // 2 - seq // 4) if packed else (seq,)
-    pos = torch.cat([torch.arange(n) for n in docs])[None]
+    pos = packed_positions(seq) if packed else torch.arange(seq)[None]
     shift = torch.cat([ids[:, 1:], torch.full((1, 1), IGNORE)], 1)
-    ends = torch.tensor(docs).cumsum(0) - 1  # each document's last token predicts nothing
-    shift[0, ends] = IGNORE
+    shift[0, torch.cat([pos[0, 1:] == 0, torch.tensor([True])])] = IGNORE  # a document's last token predicts nothing
     return ids, pos, shift
 
 
 def build_model(setup, max_seq: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        hidden_size=setup.hidden, intermediate_size=setup.intermediate, num_hidden_layers=setup.layers,
-        num_attention_heads=setup.heads, num_key_value_heads=setup.heads, vocab_size=setup.vocab,
-        max_position_embeddings=max_seq, tie_word_embeddings=False, attn_implementation="sdpa",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).float().train()
-    model.config._attn_implementation = "sdpa"
-    return model
+    return llama(hidden_size=setup.hidden, intermediate_size=setup.intermediate, num_hidden_layers=setup.layers,
+                 num_attention_heads=setup.heads, num_key_value_heads=setup.heads, vocab_size=setup.vocab,
+                 max_position_embeddings=max_seq)  # fmt: skip
 
 
 def ours(model, world: int, tech: str):
@@ -183,12 +172,6 @@ class _Total:
         mem._add, mem._free = _add, _free
 
 
-def _max(x: float) -> float:
-    t = torch.tensor([float(x)], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
 def probe(step, model, seq: int, vocab: int, packed: bool) -> dict:
     """One metered forward + backward at ``seq``: peaks (max over ranks), loss, time."""
     from ulysses_sp.memory.meter import track_peak_memory
@@ -271,14 +254,7 @@ def main(argv=None) -> None:
     from bench.alst_worker import FULL
 
     setup = dataclasses.replace(FULL, vocab=args.vocab)
-    timeout = datetime.timedelta(seconds=1200)
-    if args.impl == "deepspeed":
-        import deepspeed as ds
-
-        ds.init_distributed(dist_backend="gloo", timeout=timeout)
-    else:
-        dist.init_process_group("gloo", timeout=timeout)
-    torch.set_num_threads(1)
+    init_worker(1200, deepspeed=args.impl == "deepspeed")
     world = dist.get_world_size()
     model = build_model(setup, args.max_seq)
     step = ours(model, world, args.tech) if args.impl == "ours" else deepspeed(model, world)
@@ -295,13 +271,9 @@ def main(argv=None) -> None:
         for c in ("device", "total")
     }
     step_s = timed(step, model, args.time_seq, setup.vocab, packed, args.time_steps)
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "world": world, "torch": torch.__version__,
-                       "model": dataclasses.asdict(setup), "budget_bytes": budget, "fit": fit,
-                       "probes": [probes[s] for s in sorted(probes)], "step_seconds": step_s}, f, indent=1)  # fmt: skip
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker({"args": vars(args), "world": world, "torch": torch.__version__, "model": dataclasses.asdict(setup),
+                   "budget_bytes": budget, "fit": fit, "probes": [probes[s] for s in sorted(probes)],
+                   "step_seconds": step_s}, args.out)  # fmt: skip
 
 
 if __name__ == "__main__":

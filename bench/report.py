@@ -14,7 +14,8 @@ import math
 import os
 from collections import defaultdict
 
-from bench import longest_fit_report
+from bench import findings, longest_fit_report
+from bench.md import data, label, produced_by, table
 
 MIB = 2**20
 BUDGET_MIB = 64
@@ -22,11 +23,6 @@ BUDGET_MIB = 64
 
 
 # ---------------------------------------------------------------------------------------------- derived
-def data(result: dict, section: str, default=None):
-    s = result["sections"].get(section)
-    return default if s is None else s["data"]
-
-
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """Least-squares ``y = a x + c``; returns ``(a, c)``."""
     n = len(xs)
@@ -160,24 +156,6 @@ def targets(result: dict) -> list[list]:
 
 
 # ---------------------------------------------------------------------------------------------- markdown
-def table(header: list[str], rows: list[list]) -> str:
-    cell = lambda c: " ".join(str(c).split()).replace("|", "\\|")  # noqa: E731  (one line, no stray column)
-    lines = ["| " + " | ".join(map(cell, header)) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(map(cell, row)) + " |" for row in rows])
-
-
-def run_label(run: dict) -> str:
-    m = run["machine"]
-    wall = "not recorded" if run.get("wall_s") is None else f"{run['wall_s']:.0f} s"
-    return (f"run `{run['id']}`: `{run['invocation']}` on {run['date']}, commit {run['commit']}, host "
-            f"{run['host']} ({m['processor']}, {m['cpus']} CPU cores, {m['platform']}; Python {m['python']}, "
-            f"torch {m['torch']}, transformers {m['transformers']}, {m['backend']}), wall time {wall}")  # fmt: skip
-
-
-def produced_by(result: dict, section: str) -> str:
-    return f"*Produced by {run_label(result['runs'][result['sections'][section]['run']])}.*"
-
-
 def _status(ok) -> str:
     return "n/a" if ok is None else ("met" if ok else "**not met**")
 
@@ -198,7 +176,7 @@ def targets_md(result: dict) -> str:
     rows = targets(result)
     runs = sorted({result["sections"][t[4]]["run"] for t in rows})
     body = [[*t[:3], _status(t[3]), f"`{result['sections'][t[4]]['run']}`"] for t in rows]
-    labels = "\n".join(f"- {run_label(result['runs'][r])}" for r in runs)
+    labels = "\n".join(f"- {label(result['runs'][r])}" for r in runs)
     return table(["measure", "target", "measured", "status", "run"], body) + "\n\nRuns:\n\n" + labels
 
 
@@ -327,10 +305,8 @@ def write(result: dict, out_dir: str, *, name: str) -> str:
     with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write(render(result))
     if data(result, "findings"):
-        from bench.findings import render_findings
-
         with open(os.path.join(out_dir, "deepspeed_findings.md"), "w") as f:
-            f.write(render_findings(result))
+            f.write(findings.render_findings(result))
     if lf := data(result, "longest_fit"):  # also on its own page, as the findings are
         head, body = longest_fit_report.render(lf)
         with open(os.path.join(out_dir, "longest_fit.md"), "w") as f:
