@@ -178,7 +178,7 @@ class SPTrainerMixin:
         local = torch.zeros((), dtype=torch.int64, device=device)
         for batch in batches:
             local += (batch["shift_labels"] != IGNORE_INDEX).sum().to(device)
-        mesh = self._ulysses_sp.parallel.mesh
+        mesh = self._ulysses_sp.mesh
         group = mesh.reduce_group if self.args.average_tokens_across_devices else mesh.sp_group  # type: ignore[attr-defined]
         return batches, all_reduce_sum(local, group)
 
@@ -201,7 +201,7 @@ class SPTrainerMixin:
         inputs.setdefault("use_cache", False)
         outputs = model(**inputs)
         total, count = causal_lm_loss_parts(outputs.logits, shift_labels)  # logits [B, S_l, V]
-        mesh = self._ulysses_sp.parallel.mesh
+        mesh = self._ulysses_sp.mesh
         if num_items_in_batch is None:
             loss = group_mean_loss(total, count, mesh)
         else:
