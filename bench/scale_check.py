@@ -1,8 +1,6 @@
 """Scale check for issue 11: sharded loading's peak host memory, and bf16 vs fp32 steps on CPU.
 
-Run (a few minutes on 2 CPU cores)::
-
-    PYTHONPATH=src python bench/scale_check.py            # writes bench/results/scale_check.md
+    python -m bench.scale_check [--small] [--out bench/results/scale_check.md]    # a few minutes
 
 1. **Loading a 309M-parameter Llama-shaped model** (random weights written as bf16 sharded
    safetensors + index into a temp dir; fp32 master weights in memory) on 2 gloo ranks at dp = 2,
@@ -18,21 +16,22 @@ Run (a few minutes on 2 CPU cores)::
 
 from __future__ import annotations
 
-import datetime
+import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OUT = os.path.join(ROOT, "bench", "results", "scale_check.md")
+if __package__ in (None, ""):  # `python bench/scale_check.py` as well as `python -m bench.scale_check`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import md
+from bench.launch import finish_worker, init_worker, run_worker, under_torchrun
+
 BIG = dict(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=16,
            num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=False)  # fmt: skip
 SMALL = dict(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
@@ -54,12 +53,12 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def write_model(path: str, shard_bytes: int = 200 * 2**20) -> int:
+def write_model(path: str, fields: dict, shard_bytes: int = 200 * 2**20) -> int:
     """A random Llama-shaped checkpoint, tensor by tensor (never the whole model); returns #params."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    cfg = LlamaConfig(**BIG)
+    cfg = LlamaConfig(**fields)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(cfg)
     parts, shard, size, numel = [], {}, 0, 0
@@ -83,7 +82,8 @@ def write_model(path: str, shard_bytes: int = 200 * 2**20) -> int:
     return numel
 
 
-def _load_worker(rank: int, world: int, store_path: str, path: str, mode: str, out: dict) -> None:
+def load_worker(path: str, mode: str) -> list[dict]:
+    """Under torchrun (dp = 2, ZeRO 3): load ``path`` by ``mode``; every rank's RSS before and peak."""
     import torch.distributed as dist
     import torch.distributed.checkpoint  # noqa: F401 - library code imported before the baseline
     import torch.distributed.fsdp  # noqa: F401
@@ -93,8 +93,7 @@ def _load_worker(rank: int, world: int, store_path: str, path: str, mode: str, o
     from ulysses_sp.engine import initialize
     from ulysses_sp.state.loading import init_empty_model, load_pretrained_weights
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    world = dist.get_world_size()
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}  # fmt: skip
     before = _rss()
@@ -107,21 +106,14 @@ def _load_worker(rank: int, world: int, store_path: str, path: str, mode: str, o
         engine, *_ = initialize(model, config, mesh_param=(world, 1))
         del model
     seconds = time.perf_counter() - t0
-    peak = _peak_rss()
     local = sum(p.to_local().numel() * p.element_size() for p in engine.module.parameters())
-    out[(mode, rank)] = {"before": before, "peak": peak, "local": local, "seconds": seconds}
-    dist.destroy_process_group()
+    got = [None] * world
+    dist.all_gather_object(got, {"before": before, "peak": _peak_rss(), "local": local, "seconds": seconds})
+    return got
 
 
-def measure_loading(path: str) -> dict:
-    results = mp.Manager().dict()
-    for mode in ("sharded", "from_pretrained"):
-        store = tempfile.mktemp(prefix="scale-store-")
-        mp.spawn(_load_worker, args=(2, store, path, mode, results), nprocs=2, join=True)
-    return dict(results)
-
-
-def _step_worker(rank: int, out: dict) -> None:
+def measure_steps(seq: int) -> dict:
+    """bf16 vs fp32 steps in this process (a one-rank gloo group), ZeRO 0 and 3."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -130,7 +122,7 @@ def _step_worker(rank: int, out: dict) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    seq = 2048
+    out = {}
     ids = torch.randint(0, SMALL["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(0))
     labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
     for stage in (0, 3):
@@ -151,73 +143,51 @@ def _step_worker(rank: int, out: dict) -> None:
                 if i >= 2:
                     times.append(time.perf_counter() - t0)
                     peak = max(peak, mem.peak_bytes)
-            out[(stage, dtype)] = {
-                "seconds": statistics.median(times),
-                "peak": peak,
-                "loss": loss,
-                "tokens": seq,
-            }
+            out[(stage, dtype)] = {"seconds": statistics.median(times), "peak": peak, "loss": loss, "tokens": seq}
     dist.destroy_process_group()
-
-
-def measure_steps() -> dict:
-    results = mp.Manager().dict()
-    mp.spawn(_step_worker, args=(results,), nprocs=1, join=True)
-    return dict(results)
+    return out
 
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.0f} MiB"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--small", action="store_true", help="load the small model, 256-token steps (a quick check)")
+    ap.add_argument("--out", default=str(md.ROOT / "bench" / "results" / "scale_check.md"))
+    ap.add_argument("--load", nargs=2, metavar=("DIR", "MODE"), help=argparse.SUPPRESS)  # the torchrun worker
+    args = ap.parse_args(argv)
+    if under_torchrun():
+        init_worker()
+        return finish_worker(load_worker(*args.load), args.out)
+    run = md.provenance(" ".join(["python -m bench.scale_check", *(argv if argv is not None else sys.argv[1:])]))
     with tempfile.TemporaryDirectory(prefix="scale-check-") as path:
-        numel = write_model(path)
-        loading = measure_loading(path)
-    steps = measure_steps()
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-    ).stdout.strip()
-    model_bytes = numel * 4
-    lines = [
-        "# scale_check (issue 11): sharded loading and bf16 on CPU",
-        "",
-        f"Run {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, git {commit}, host {platform.node()} "
-        f"({os.cpu_count()} CPUs, {platform.machine()}), torch {torch.__version__}; "
-        "command `PYTHONPATH=src python bench/scale_check.py`.",
-        "",
-        f"## Loading a {numel / 1e6:.0f}M-parameter Llama-shaped model at dp = 2, ZeRO 3 (2 gloo ranks)",
-        "",
-        f"Weights on disk: bf16 sharded safetensors + index ({_mib(numel * 2)}); in memory fp32 master weights: "
-        f"the full model is {_mib(model_bytes)}. `growth` = peak RSS - RSS before loading (after imports).",
-        "",
-        "| path | rank | RSS before | peak RSS | growth | growth / model | own shards | seconds |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for mode in ("sharded", "from_pretrained"):
-        for rank in (0, 1):
-            r = loading[(mode, rank)]
+        numel = write_model(path, SMALL if args.small else BIG)
+        loading = {m: run_worker("bench.scale_check", 2, ["--load", path, m])[0] for m in ("sharded", "from_pretrained")}
+    steps = measure_steps(256 if args.small else 2048)
+    model_bytes, rows = numel * 4, []
+    for mode, ranks in loading.items():
+        for rank, r in enumerate(ranks):
             growth = r["peak"] - r["before"]
-            lines.append(f"| {mode} | {rank} | {_mib(r['before'])} | {_mib(r['peak'])} | {_mib(growth)} | "
-                         f"{growth / model_bytes:.2f}x | {_mib(r['local'])} | {r['seconds']:.1f} |")  # fmt: skip
-    lines += [
-        "",
-        f"## bf16 vs fp32 on CPU: one process, Llama h={SMALL['hidden_size']} L={SMALL['num_hidden_layers']} "
-        f"V={SMALL['vocab_size']}, {steps[(0, 'fp32')]['tokens']} tokens, AdamW",
-        "",
-        "| ZeRO stage | dtype | step time (median of 4) | bf16 / fp32 time | peak tensor memory | bf16 / fp32 peak | loss |",
-        "|---|---|---|---|---|---|---|",
-    ]
+            rows.append([mode, rank, _mib(r["before"]), _mib(r["peak"]), _mib(growth), f"{growth / model_bytes:.2f}x",
+                         _mib(r["local"]), f"{r['seconds']:.1f}"])  # fmt: skip
+    step_rows = []
     for stage in (0, 3):
         base = steps[(stage, "fp32")]
         for dtype in ("fp32", "bf16"):
             r = steps[(stage, dtype)]
-            lines.append(f"| {stage} | {dtype} | {r['seconds']:.3f} s | {r['seconds'] / base['seconds']:.2f} | "
-                         f"{_mib(r['peak'])} | {r['peak'] / base['peak']:.2f} | {r['loss']:.4f} |")  # fmt: skip
-    os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    with open(OUT, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    sys.stdout.write("\n".join(lines) + "\n")
+            step_rows.append([stage, dtype, f"{r['seconds']:.3f} s", f"{r['seconds'] / base['seconds']:.2f}",
+                              _mib(r["peak"]), f"{r['peak'] / base['peak']:.2f}", f"{r['loss']:.4f}"])  # fmt: skip
+    md.page(args.out, "scale_check: sharded loading and bf16 on CPU", run, [
+        f"## Loading a {numel / 1e6:.0f}M-parameter Llama-shaped model at dp = 2, ZeRO 3 (2 gloo ranks)",
+        f"Weights on disk: bf16 sharded safetensors + index ({_mib(numel * 2)}); in memory fp32 master weights: "
+        f"the full model is {_mib(model_bytes)}. `growth` = peak RSS - RSS before loading (after imports).",
+        md.table(["path", "rank", "RSS before", "peak RSS", "growth", "growth / model", "own shards", "seconds"], rows),
+        f"## bf16 vs fp32 on CPU: one process, Llama h={SMALL['hidden_size']} L={SMALL['num_hidden_layers']} "
+        f"V={SMALL['vocab_size']}, {steps[(0, 'fp32')]['tokens']} tokens, AdamW",
+        md.table(["ZeRO stage", "dtype", "step time (median of 4)", "bf16 / fp32 time", "peak tensor memory",
+                  "bf16 / fp32 peak", "loss"], step_rows)])  # fmt: skip
 
 
 if __name__ == "__main__":
