@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dnn
 
 from bench import spec as S
 from bench import steploop
@@ -34,20 +33,6 @@ def parse_args(argv=None):
     ap.add_argument("--mesh-param", action="store_true", help="deepspeed.initialize(mesh_param=(dp, sp)), no mpu")
     ap.add_argument("--bucket-elems", type=int, default=-1, help="ZeRO bucket: -1 model numel, 0 DS default")
     return ap.parse_args(argv)
-
-
-def sp_loss(logits, shift, group, combine: str) -> torch.Tensor:
-    """The global token mean over the SP group from each rank's shard (DeepSpeed's documented recipe)."""
-    loss_sum = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), shift.reshape(-1),
-                                                 ignore_index=S.IGNORE_INDEX, reduction="sum")  # fmt: skip
-    good = (shift != S.IGNORE_INDEX).sum()
-    if group is None:
-        return loss_sum / max(int(good), 1)
-    if combine == "all_gather":  # differentiable all-gather of the per-rank sums and counts
-        return sum(dnn.all_gather(loss_sum, group=group)) / max(int(sum(dnn.all_gather(good, group=group))), 1)
-    goods = good.clone()  # all_reduce: the same value and the same (P x local share) gradient
-    dist.all_reduce(goods, group=group)
-    return dnn.all_reduce(loss_sum, group=group) / max(int(goods), 1)
 
 
 def run(args) -> None:
@@ -90,7 +75,10 @@ def run(args) -> None:
     def forward(b):
         shift = b.pop("shift_labels") if "shift_labels" in b else \
             torch.nn.functional.pad(b.pop("labels"), (0, 1), value=S.IGNORE_INDEX)[:, 1:]  # fmt: skip
-        return sp_loss(engine(input_ids=b["input_ids"], position_ids=b["position_ids"]).logits, shift, group, combine)
+        logits = engine(input_ids=b["input_ids"], position_ids=b["position_ids"]).logits
+        loss_sum = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), shift.reshape(-1),
+                                                     ignore_index=S.IGNORE_INDEX, reduction="sum")  # fmt: skip
+        return S.sp_loss_combine(loss_sum, (shift != S.IGNORE_INDEX).sum(), group, combine)
 
     out = steploop.run(args, batches, forward=forward, backward=engine.backward, step=engine.step,
                        grad_norm=lambda: steploop.norm(safe_get_full_grad(p) for p in engine.module.parameters()))  # fmt: skip

@@ -41,13 +41,11 @@ def _shown(python: str) -> str:
 
 
 def run_worker(
-    module: str, nproc: int, args: list[str], *, python: Path | str | None = None, timeout: float = 600,
-    pythonpath: str = "",
+    module: str, nproc: int, args: list[str], *, python: Path | str | None = None, timeout: float = 600
 ) -> tuple[dict | list, str, float]:
     """``python -m torch.distributed.run --nproc-per-node N -m MODULE ARGS --out TMP``.
 
-    ``pythonpath`` goes first on the workers' path (another ``src/``). Returns ``(result, command,
-    wall_seconds)``; raises ``WorkerFailed`` with the ranks' error notes.
+    Returns ``(result, command, wall_seconds)``; raises ``WorkerFailed`` with the ranks' error notes.
     """
     python = str(python or sys.executable)
     os.makedirs(ROOT / "bench" / "results", exist_ok=True)
@@ -56,7 +54,7 @@ def run_worker(
     os.unlink(out)
     base = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m", module]
     shown = " ".join([_shown(python), *base, *map(shlex.quote, args)])
-    path = os.pathsep.join(p for p in (pythonpath, str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # keep the caller's
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, PYTHONWARNINGS="ignore")
     t0 = time.perf_counter()
     try:

@@ -139,6 +139,19 @@ def causal_lm_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     )
 
 
+def sp_loss_combine(loss_sum, good, group, combine: str = "all_gather") -> torch.Tensor:
+    """The global token mean over the SP group from each rank's loss sum and scored-token count."""
+    if group is None:
+        return loss_sum / max(int(good), 1)
+    import torch.distributed.nn.functional as dnn
+
+    if combine == "all_gather":  # DeepSpeed's documented recipe: differentiable all-gather of sums and counts
+        return sum(dnn.all_gather(loss_sum, group=group)) / max(int(sum(dnn.all_gather(good, group=group))), 1)
+    goods = good.clone()  # all_reduce: the same value and the same (P x local share) gradient
+    torch.distributed.all_reduce(goods, group=group)
+    return dnn.all_reduce(loss_sum, group=group) / max(int(goods), 1)
+
+
 def reference_run(
     spec: ModelSpec,
     *,
