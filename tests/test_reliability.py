@@ -387,3 +387,20 @@ def test_a_signal_during_a_weakref_callback_still_stops_the_rank_without_a_trace
             del obj  # the callback runs here; the Stopped raised inside it must not be lost
             time.sleep(5)  # the rank goes on working; the signal must still stop it
     assert "Exception ignored" not in capsys.readouterr().err
+
+
+def test_save_on_signal_takes_a_repeated_sigterm_as_the_same_stop_until_its_deadline():
+    """A process group's SIGTERM reaches a rank, then the launcher forwards it again: the save goes on;
+    past ``--save-on-signal`` seconds the rank stops anyway."""
+    import signal
+
+    from ulysses_sp.run.stops import Stopped, signal_handlers
+
+    with pytest.raises(Stopped, match="SIGTERM"):
+        with signal_handlers(1.0) as stop:
+            started = time.monotonic()
+            signal.raise_signal(signal.SIGTERM)
+            assert stop.is_set()
+            signal.raise_signal(signal.SIGTERM)  # the same stop again: ignored, the save goes on
+            time.sleep(10)  # the deadline's SIGTERM interrupts this
+    assert 1.0 <= time.monotonic() - started < 9

@@ -15,6 +15,7 @@ before any process is started (exit code 2); a failed worker makes the command e
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -29,6 +30,12 @@ from ulysses_sp.checks import positive_int
 from ulysses_sp.cli.args import DEFAULT_TIMEOUT_S, build_parser, train_options
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def default_nproc(sp: object) -> int:
+    """``--nproc`` unset: one SP group (``dp = 1``), the layout ``--sp`` asks for; 1 when ``--sp`` is
+    itself bad (its own check then names it)."""
+    return sp if isinstance(sp, int) and not isinstance(sp, bool) and sp > 0 else 1
 
 
 def under_launcher() -> bool:
@@ -119,22 +126,27 @@ def _launch(command: str, options: Any, nproc: int, timeout_s: float) -> None:
 
     from ulysses_sp.run.stops import (
         SHUTDOWN_GRACE_S,
+        SIGNALS_WITHOUT_SIGTERM,
         FailureWatch,
         blame,
         exit_code_of,
+        forward_sigterm,
         quiet_launcher_logs,
         stop_line,
     )
 
     quiet_launcher_logs()
-    grace = max(SHUTDOWN_GRACE_S, math.ceil(getattr(options, "save_on_signal", 0.0)))
+    save_on_signal = getattr(options, "save_on_signal", 0.0)
+    signals = {"signals_to_handle": SIGNALS_WITHOUT_SIGTERM} if save_on_signal > 0 else {}
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"ulysses-sp-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
-        start_method="spawn", shutdown_timeout=grace,
+        start_method="spawn", shutdown_timeout=SHUTDOWN_GRACE_S, **signals,
     )  # fmt: skip
     output_dir = getattr(options, "output_dir", None)
-    with FailureWatch() as watch:
+    # --save-on-signal: SIGTERM goes to the workers and the launch ends once they have saved
+    forwarding = forward_sigterm(save_on_signal) if save_on_signal > 0 else contextlib.nullcontext()
+    with FailureWatch() as watch, forwarding:
         try:
             results = elastic_launch(config, _run_rank)(command, options, timeout_s, False, watch.path)
         except SignalException as e:
@@ -180,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
         if under_launcher():
             _run_rank(args.command, options, timeout_s)
             return
-        nproc = positive_int("--nproc", launch.get("nproc", 2 if args.command == "train" else 1))
+        nproc = positive_int("--nproc", launch.get("nproc", default_nproc(options.sp)))
         _check_before_launch(args.command, options, nproc)
     except ValueError as e:
         print(f"ulysses-sp {args.command}: error: {e}", file=sys.stderr)

@@ -172,7 +172,8 @@ def _run(cfg: TrainConfig, stop: Any, held: ExitStack) -> dict[str, Any]:
         seq_len=cfg.seq_len,
         seed=cfg.seed,
         num_samples=_num_samples(cfg, mesh.dp_size),
-        settings=cfg.data_settings(progress=cfg.progress and rank == 0),
+        settings=cfg.data_settings(),
+        progress=cfg.progress and rank == 0,
     )
     sharded_load = cfg.zero_stage >= 2 and not tasks.is_preset(cfg.model)
     if sharded_load:  # parameters on meta; each rank fills only its shards after sharding

@@ -49,12 +49,23 @@ class Stopped(BaseException):
 def signal_handlers(save_on_signal: float) -> Iterator[threading.Event]:
     """While inside: SIGINT / SIGTERM raise ``Stopped`` in this rank, except that with
     ``save_on_signal`` the first SIGTERM only sets the yielded event (the loop then saves and
-    returns). The previous handlers come back on exit. Main thread only."""
-    event = threading.Event()
+    returns) and starts the save's deadline: further SIGTERMs before it are the same stop again (a
+    process group's signal, then the launcher's forward of it) and are ignored; at the deadline the
+    rank stops anyway. The previous handlers come back on exit. Main thread only."""
+    event, expired = threading.Event(), threading.Event()
+    deadline: list[threading.Timer] = []
+
+    def expire() -> None:
+        expired.set()
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def handler(signum: int, _frame: Any) -> None:
-        if signum == signal.SIGTERM and save_on_signal > 0 and not event.is_set():
-            event.set()
+        if signum == signal.SIGTERM and save_on_signal > 0 and not expired.is_set():
+            if not event.is_set():
+                event.set()
+                deadline.append(threading.Timer(save_on_signal, expire))
+                deadline[0].daemon = True
+                deadline[0].start()
             return
         raise Stopped(signum)
 
@@ -74,9 +85,54 @@ def signal_handlers(save_on_signal: float) -> Iterator[threading.Event]:
     try:
         yield event
     finally:
+        for timer in deadline:
+            timer.cancel()
         sys.unraisablehook = previous_hook
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+SIGNALS_WITHOUT_SIGTERM = "SIGINT,SIGHUP,SIGQUIT"
+"""The elastic agent's ``signals_to_handle`` under ``forward_sigterm`` (its default adds SIGTERM)."""
+
+
+@contextlib.contextmanager
+def forward_sigterm(save_on_signal: float) -> Iterator[None]:
+    """In the launching process of a ``--save-on-signal`` run: the first SIGTERM is forwarded to the
+    workers, and the launcher goes on waiting for them — they finish the step, save it and return,
+    and the launch ends as soon as they have (the elastic agent's own SIGTERM handling would stop
+    collecting their results and wait out the whole grace period instead). A second SIGTERM, or the
+    save's deadline (``save_on_signal`` + ``SHUTDOWN_GRACE_S``) passing, raises the agent's
+    ``SignalException``: it then stops the workers as on any signal. Main thread only.
+
+    The agent installs its own handlers for the signals its ``LaunchConfig.signals_to_handle``
+    names when it starts the workers: leave SIGTERM out of them (``SIGNALS_WITHOUT_SIGTERM``).
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def expire() -> None:
+        expired.set()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def handler(signum: int, _frame: Any) -> None:
+        workers = _spawned_children()
+        if expired.is_set() or timers or not workers:
+            raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+        for pid in workers:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)
+        timers.append(threading.Timer(save_on_signal + SHUTDOWN_GRACE_S, expire))
+        timers[0].daemon = True
+        timers[0].start()
+
+    expired, timers = threading.Event(), []
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for timer in timers:
+            timer.cancel()
 
 
 def _classify(e: BaseException) -> tuple[int, str]:
