@@ -7,8 +7,7 @@
 
 Sections: comm, flops, memory, throughput (bench/workers.py, one launch per world size),
 alst_memory (bench/alst_worker.py; ~8 min, not in the default set), deepspeed and findings
-(bench/ours_worker.py vs bench/ds_worker.py; need ``bash bench/setup_deepspeed.sh``), projection
-(bench/projection.py from this run's counts), longest_fit (bench/longest_fit.py: the longest sequence
+(bench/ours_worker.py vs bench/ds_worker.py; need ``bash bench/setup_deepspeed.sh``), longest_fit (bench/longest_fit.py: the longest sequence
 in one budget, ulysses-sp vs DeepSpeed; ~10 min, needs DeepSpeed, not in the default set). Every worker is launched by bench/launch.py.
 
 A run into bench/results carries every section it did not run from the previous bench.json, still
@@ -24,14 +23,14 @@ import os
 import subprocess
 import sys
 
-from bench import md, projection, report
+from bench import md, report
 from bench import spec as S
 from bench.launch import DS_PYTHON, ROOT, WorkerFailed, deepspeed_available, run_worker
 
 LIBRARY = ("comm", "flops", "memory", "throughput")
-SECTIONS = (*LIBRARY, "alst_memory", "deepspeed", "findings", "projection", "longest_fit")
+SECTIONS = (*LIBRARY, "alst_memory", "deepspeed", "findings", "longest_fit")
 DEFAULT_SECTIONS = tuple(x for x in SECTIONS if x not in ("alst_memory", "longest_fit"))
-SMOKE_SECTIONS = (*LIBRARY, "projection")
+SMOKE_SECTIONS = LIBRARY
 DS_POINTS = [{"dp": 1, "sp": 2, "zero": 1}, {"dp": 1, "sp": 2, "zero": 2}, {"dp": 2, "sp": 2, "zero": 1}]
 
 
@@ -151,12 +150,6 @@ def run_sections(sections: list[str], smoke: bool, run: dict) -> dict:
             out["findings"] = run_findings(pairs, run)
     if "longest_fit" in sections:
         out["longest_fit"] = run_longest_fit(run)
-    if "projection" in sections:
-        pj = report.projection_inputs(out.get("comm", []), out.get("memory", []))
-        out["projection"] = {
-            **pj,
-            "rows": projection.projections(act_units=pj["act_units"], comm_ratio=pj["comm_ratio"]),
-        }
     return {k: v for k, v in out.items() if k in sections}
 
 

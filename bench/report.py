@@ -60,18 +60,6 @@ def throughput_rows(records: list[dict]) -> list[dict]:
             for r in records]  # fmt: skip
 
 
-def projection_inputs(comm: list[dict], memory: list[dict]) -> dict:
-    """What the projection takes from this run: the all-to-all bytes ratio and one layer's activations."""
-    comm_ratio = max((max(r["fwd_ratio"], r["bwd_ratio"]) for r in comm), default=1.0)
-    fits = [f for f in memory_fits(memory) if f["tiled"]]
-    if not fits:
-        return {"comm_ratio": comm_ratio, "act_units": 12.0, "act_units_source": "default (no memory run)"}
-    f = max(fits, key=lambda f: (f["sp"], f["world"]))
-    units = f["slope_bytes_per_token"] * f["sp"] / (f["layers"] * f["hidden"] * 4)
-    source = f"memory fit world={f['world']} sp={f['sp']} tiled (per local token, per layer)"
-    return {"comm_ratio": comm_ratio, "act_units": units, "act_units_source": source}
-
-
 def alst_rows(am: dict) -> list[dict]:
     """Per configuration: longest S in budget, growth per token between the last two lengths, the S
     where that (affine) growth meets the budget, and step time relative to the baseline and the row above."""
@@ -144,12 +132,6 @@ def targets(result: dict) -> list[list]:
             ["5c. peak tensor memory ours / DeepSpeed", "<= 1.0", each(lambda r: f"{r['peak_ratio']:.2f}"),
              all(r["peak_ratio"] <= 1.0 for r in rows), "deepspeed"],
         ]  # fmt: skip
-    if pj := data(result, "projection"):
-        desc = "; ".join(f"P={r['P']}{' offload' if r['offload_states'] else ''}: {r['max_seq'] / 1e6:.2f}M"
-                         + (f" = {r['ratio_to_published']:.2f}x published" if r["ratio_to_published"] else "")
-                         for r in pj["rows"])  # fmt: skip
-        out.append(["6. projected max sequence, Llama-8B, 80 GB", "vs 0.5M (1 GPU), 3.7M (8 GPUs)", desc, None,
-                    "projection"])  # fmt: skip
     if lf := data(result, "longest_fit"):
         out.append(longest_fit_report.target(lf))
     return out
@@ -262,23 +244,8 @@ def _sec_deepspeed(pairs: list[dict]) -> tuple[str, str]:
         "\n\n".join([main, "Per phase (fastest step of each side):", delta, *failed])  # fmt: skip
 
 
-def _sec_projection(pj: dict) -> tuple[str, str]:
-    inputs = table(["input", "value", "source"],
-                   [["all-to-all bytes / minimum", f"{pj['comm_ratio']:.4f}", "section 1"],
-                    ["one layer's activations, tensors of [S_l, h]", f"{pj['act_units']:.1f}", pj["act_units_source"]]])  # fmt: skip
-    return "6. Projection: Llama-8B, 80 GB per GPU (model and constants: `bench/projection.py`)", inputs + "\n\n" + table(
-        ["GPUs (P)", "model states", "states GB/GPU", "act bytes/local token", "projected max S", "published",
-         "projected / published", "a2a GB/layer fwd", "a2a s/step", "compute s/step", "a2a share", "host ckpt GB/GPU"],
-        [[r["P"], "offloaded" if r["offload_states"] else "ZeRO-3", f"{r['states_gb']:.1f}",
-          f"{r['act_bytes_per_local_token']:.0f}", f"{r['max_seq'] / 1e6:.2f}M",
-          f"{r['published_seq'] / 1e6:.2f}M" if r["published_seq"] else "",
-          f"{r['ratio_to_published']:.2f}" if r["ratio_to_published"] else "", f"{r['a2a_gb_per_layer_fwd']:.2f}",
-          f"{r['a2a_s_per_step']:.1f}", f"{r['compute_s_per_step']:.0f}", f"{r['a2a_share']:.3f}",
-          f"{r['host_checkpoint_gb_per_rank']:.0f}"] for r in pj["rows"]])  # fmt: skip
-
-
 SECTIONS_MD = {"comm": _sec_comm, "flops": _sec_flops, "memory": _sec_memory, "alst_memory": _sec_alst,
-               "throughput": _sec_throughput, "deepspeed": _sec_deepspeed, "projection": _sec_projection,
+               "throughput": _sec_throughput, "deepspeed": _sec_deepspeed,
                "longest_fit": longest_fit_report.render}  # fmt: skip
 
 

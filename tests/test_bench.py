@@ -199,8 +199,8 @@ def test_smoke_run_writes_json_and_markdown_with_commands(smoke):
     assert {r["task"] for r in _records(smoke)} == {"comm", "flops", "memory", "throughput"}
     for r in _records(smoke):
         assert "torch.distributed.run" in r["command"] and "bench.workers" in r["command"]
-    assert "## Targets" in md and "## 1. Communication volume" in md and "## 6. Projection" in md
-    assert result["sections"]["projection"]["data"]["rows"][0]["max_seq"] > 0
+    assert "## Targets" in md and "## 1. Communication volume" in md and "## 4. Throughput" in md
+    assert set(result["sections"]) == {"comm", "flops", "memory", "throughput"}
 
 
 @pytest.mark.slow
