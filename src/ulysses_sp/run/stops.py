@@ -166,35 +166,56 @@ def run_reporting(
     """Run ``body`` in a rank; on anything but success, report one line and ``sys.exit`` its code.
 
     A signal ends silently unless ``report_stop`` is given (then its line is printed): the process
-    that launched the ranks reports it once. On a failure, a file ``rank<r>`` is left in
-    ``failed_dir`` (when given) for the launching process's ``FailureWatch``.
+    that launched the ranks reports it once. On a failure, or a signal that stops this rank before
+    any other rank ended, a file ``rank<r>`` is left in ``failed_dir`` (when given) for the
+    launching process's ``FailureWatch``.
     """
     try:
         return body()
     except Stopped as s:
         if report_stop is not None:
             print(report_stop(s.signum), file=sys.stderr, flush=True)
+        # the first rank to end, stopped by a signal sent to it alone: the launcher names the signal
+        # (a rank stopped after another's failure, by the launcher's own SIGTERM, does not report)
+        if failed_dir is not None and not os.listdir(failed_dir):
+            _report(failed_dir, rank, 128 + s.signum)
         sys.exit(128 + s.signum)
     except Exception as e:
         code, message = _classify(e)
         print(f"[rank {rank}] {message}", file=sys.stderr, flush=True)
         if failed_dir is not None:
-            with open(os.path.join(failed_dir, f"rank{rank}"), "w") as f:
-                f.write(f"{code} {os.getpid()}")
+            _report(failed_dir, rank, code)
         sys.exit(code)
+
+
+def _report(failed_dir: str, rank: int, code: int) -> None:
+    with open(os.path.join(failed_dir, f"rank{rank}"), "w") as f:
+        f.write(f"{code} {os.getpid()}")
+
+
+def _signal_of(code: int) -> signal.Signals | None:
+    """The signal that ended a worker with exit code ``code``: ``-N`` (killed by it) or ``128 + N``
+    (it ran its handler, e.g. ``Stopped``, and exited with the shell's code for it); else ``None``."""
+    n = -code if code < 0 else code - 128 if code > 128 else 0
+    try:
+        return signal.Signals(n) if n else None
+    except ValueError:
+        return None
 
 
 def blame(failures: dict[int, int], nproc: int, timeout_s: float) -> str:
     """The launching process's line for failed workers: ``failures`` maps rank -> exit code
-    (negative: killed by that signal)."""
+    (negative: killed by that signal; ``128 + N``: stopped by signal ``N``). It points at "the errors
+    above" only for ranks that reported one (exit codes 1, 3, 4: ``run_reporting``'s)."""
 
     def ranks(rs: Any) -> str:
         return ", ".join(str(r) for r in sorted(rs))
 
-    killed = {r: c for r, c in failures.items() if c < 0}
-    if killed:
+    signalled = {r: (c, sig) for r, c in failures.items() if (sig := _signal_of(c)) is not None}
+    if signalled:
         return "; ".join(
-            f"rank {r} was killed by {signal.Signals(-c).name} (exit {c})" for r, c in killed.items()
+            f"rank {r} was {'killed' if c < 0 else 'stopped'} by {sig.name} (exit {c})"
+            for r, (c, sig) in sorted(signalled.items())
         )
     if failures and all(c == EXIT_TIMEOUT for c in failures.values()):
         silent = set(range(nproc)) - set(failures)
@@ -202,7 +223,9 @@ def blame(failures: dict[int, int], nproc: int, timeout_s: float) -> str:
             f"rank(s) {ranks(silent)} stopped answering: rank(s) {ranks(failures)} waited {timeout_s:g} s "
             "(--timeout) for them in a collective"
         )
-    return ", ".join(f"rank {r} (exit {c})" for r, c in sorted(failures.items())) + "; see the errors above"
+    line = ", ".join(f"rank {r} (exit {c})" for r, c in sorted(failures.items()))
+    reported = any(c in (EXIT_ERROR, EXIT_TIMEOUT, EXIT_PEER_LOST) for c in failures.values())
+    return line + ("; see the errors above" if reported else "; it exited without reporting an error")
 
 
 def stop_line(command: str, signum: int, output_dir: str | None) -> str:

@@ -27,7 +27,14 @@ from torch.utils.data import Dataset, Subset
 from ulysses_sp.checks import positive_int, read_text_file
 from ulysses_sp.data import formats
 from ulysses_sp.data.cache import default_cache_dir, tokenized_corpus
-from ulysses_sp.data.chat import chat_template_of, read_chat_template, resolve_loss_on, tokenize_record
+from ulysses_sp.data.chat import (
+    ChatTemplateError,
+    chat_template_of,
+    read_chat_template,
+    resolve_loss_on,
+    template_name,
+    tokenize_record,
+)
 from ulysses_sp.data.packed import PackedDataset, describe, packed_dataset, split_samples
 
 SUFFIXES = (".txt", ".jsonl")
@@ -178,6 +185,8 @@ def _probe(path: str, tokenizer, settings: DataSettings) -> None:
     try:
         tokenize_record(formats.records(table, 0, 1, fmt)[0], fmt=fmt, loss_on=loss_on, tokenizer=tokenizer,
                         template=template)  # fmt: skip
+    except ChatTemplateError as e:
+        raise ValueError(f"--data {path!r}, sample 0: {template_name(settings.chat_template)} {e}") from None
     except ValueError as e:
         raise ValueError(f"--data {path!r}, sample 0: {e}") from e
 
@@ -203,7 +212,8 @@ def build_local_dataset(
         return None
     corpus = tokenized_corpus(
         path, tokenizer, data_format=settings.data_format, loss_on=settings.loss_on,
-        chat_template=read_chat_template(settings.chat_template), cache_dir=settings.data_cache,
+        chat_template=read_chat_template(settings.chat_template), template_file=settings.chat_template,
+        cache_dir=settings.data_cache,
         workers=settings.data_workers or min(8, os.cpu_count() or 1), progress=progress,
     )  # fmt: skip
     return packed_dataset(
