@@ -67,7 +67,7 @@ def test_mfu_must_be_a_fraction_in_0_1(capsys, mfu):
 
 def _train_accepts(args: list[str], output_dir) -> None:
     """``train``'s own validation of a recommended command line (before any process starts)."""
-    from ulysses_sp.run.checks import validate
+    from ulysses_sp.run.resolve import validate
 
     assert args[:2] == ["ulysses-sp", "train"]
     cfg, launch = train_options(build_parser().parse_args([*args[1:], "--output-dir", str(output_dir)]))

@@ -131,7 +131,7 @@ def test_malformed_jsonl_line_names_file_and_line(tmp_path):
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(ValueError, match=rf"{path}:4 is not valid JSON \(Expecting value at column 16\)"):
         build_local_dataset(str(path), tokenizer=chat_tokenizer(), seq_len=64, seed=0,
-                            settings=DataSettings(cache_dir=str(tmp_path / "c"), workers=1))  # fmt: skip
+                            settings=DataSettings(data_cache=str(tmp_path / "c"), data_workers=1))  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -155,12 +155,12 @@ def test_a_chat_template_that_fails_names_the_file_and_the_sample(tmp_path, temp
     )  # a syntax error fails the first render; raise_exception its sample
     with pytest.raises(ValueError, match=rf"chat.jsonl', sample {sample}: the chat template {tpl} {match}"):
         build_local_dataset(data, tokenizer=chat_tokenizer(), seq_len=64, seed=0,
-                            settings=DataSettings(cache_dir=str(tmp_path / "c"), workers=1, chat_template=str(tpl)))  # fmt: skip
+                            settings=DataSettings(data_cache=str(tmp_path / "c"), data_workers=1, chat_template=str(tpl)))  # fmt: skip
 
 
 def test_a_truncated_token_cache_is_named_with_how_to_fix_it(tmp_path):
     data = _chats(tmp_path / "chat.jsonl", n=8)
-    settings = DataSettings(cache_dir=str(tmp_path / "c"), workers=1)
+    settings = DataSettings(data_cache=str(tmp_path / "c"), data_workers=1)
     ds = build_local_dataset(data, tokenizer=chat_tokenizer(), seq_len=128, seed=0, settings=settings)
     ids = os.path.join(ds.corpus.path, "ids.npy")
     with open(ids, "r+b") as f:

@@ -46,10 +46,11 @@ def model_and_config(model_name_or_path: Any) -> tuple[Any | None, Any]:
 
 
 def num_attention_layers(config: Any) -> int:
-    """Layers that run attention: all of them, unless ``layer_types`` marks some as non-attention."""
+    """Layers that run attention: all of them, unless ``layer_types`` marks some as non-attention
+    (``linear_attention`` is a mixer, not softmax attention; a ``hybrid`` layer has both)."""
     types = getattr(config, "layer_types", None)
     if types:
-        return sum(1 for t in types if "attention" in str(t))
+        return sum(1 for t in map(str, types) if ("attention" in t and "linear" not in t) or t == "hybrid")
     return int(config.num_hidden_layers)
 
 

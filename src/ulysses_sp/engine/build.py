@@ -35,6 +35,7 @@ from ulysses_sp.engine.optim import (
     remap_parameters,
 )
 from ulysses_sp.engine.sharding import apply_ddp, apply_fsdp, on_meta
+from ulysses_sp.mixers.apply import apply_mixers, has_unsharded_mixers
 from ulysses_sp.parallel.comm import raise_if_any_rank_failed
 from ulysses_sp.parallel.mesh import LAUNCH_HINT, SPMesh, init_mesh
 from ulysses_sp.parallel.mesh_shape import check_mesh_param, data_parallel_world_size, resolve_mesh_shape
@@ -127,6 +128,9 @@ def initialize(
 
     # ---- collectives from here on ----
     mesh = _build_mesh(dp_size, sp_size, mpu, model)
+    # sequence mixers (short convolutions, Mamba-2): head-sharded, with document boundaries from the
+    # batch's position ids — also at sp 1, so packed documents never leak whatever the sp size
+    mixers = apply_mixers(model, mesh) if has_unsharded_mixers(model) else None
     names = {id(p): n for n, p in model.named_parameters()}
     if stage <= 1:
         wrapper = apply_ddp(model, mesh)
@@ -152,6 +156,7 @@ def initialize(
         batch_sizes=batch_sizes,
         loss_fn=loss_fn,
     )
+    engine.mixers = mixers  # the MixerHandle (remove() restores the mixers), or None
     loader = None
     if training_data is not None:
         loader = build_dataloader(
