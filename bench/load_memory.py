@@ -1,13 +1,13 @@
 """Peak host memory of sharded loading at ZeRO 3: RSS growth per rank / the model's fp32 bytes.
 
-Run (a few minutes on 2 CPU cores)::
+Run (a few minutes on 2 CPU cores; ``--small --dp 2`` is the quick check)::
 
-    PYTHONPATH=src python bench/load_memory.py          # writes bench/results/load_memory.md
+    python -m bench.load_memory [--small] [--dp 2 4] [--out bench/results/load_memory.md]
 
 A random Llama (hidden 1024, 8 layers, vocab 32000, untied: 155M parameters, 594 MiB in fp32) is
 written with ``save_pretrained(max_shard_size="150MB")`` as fp32 and as bf16 files under /tmp. For
 each file dtype and dp in (2, 4), dp gloo ranks run ``init_empty_model`` -> ``initialize`` (ZeRO 3,
-fp32 master weights) -> ``load_pretrained_weights``. Each rank resets its peak RSS (``VmHWM``, via
+fp32 master weights) -> ``load_pretrained_weights`` (ranks under bench/launch.py). Each rank resets its peak RSS (``VmHWM``, via
 ``/proc/self/clear_refs``) after imports and the process group, so ``growth = VmHWM - VmRSS before``
 counts everything loading adds: the model object, its shards, and the file pages it maps. The goal:
 growth <= (1/dp + 0.05) x the model's fp32 bytes. ``stock reader`` rows run the same load with DCP's
@@ -17,17 +17,19 @@ every tensor in it) instead of the library's block reader.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import os
-import subprocess
 import sys
 import tempfile
 
 import torch
-import torch.multiprocessing as mp
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OUT = os.path.join(ROOT, "bench", "results", "load_memory.md")
+if __package__ in (None, ""):  # `python bench/load_memory.py` as well as `python -m bench.load_memory`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import md
+from bench.launch import finish_worker, init_worker, run_worker, under_torchrun
+
 CONFIG = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
               num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=False)  # fmt: skip
 
@@ -37,17 +39,21 @@ def _status(key: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
 
 
-def write_model(path: str, dtype: torch.dtype) -> int:
-    """Save a random ``CONFIG`` Llama in ``dtype`` to ``path``; return its parameter count."""
+SMALL = {**CONFIG, "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 2}
+
+
+def write_model(path: str, dtype: torch.dtype, config: dict = CONFIG) -> int:
+    """Save a random ``config`` Llama in ``dtype`` to ``path``; return its parameter count."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG))
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**config))
     model.to(dtype).save_pretrained(path, max_shard_size="150MB")
     return sum(p.numel() for p in model.parameters())
 
 
-def _worker(rank: int, world: int, store: str, path: str, stock: bool, out: dict) -> None:
+def worker(path: str, stock: bool) -> list[dict]:
+    """Under torchrun (dp ranks, ZeRO 3): every rank's RSS growth while loading ``path``, and its shards."""
     import torch.distributed as dist
     import transformers.models.llama.modeling_llama  # noqa: F401 - imported before the baseline
     from torch.distributed.checkpoint import HuggingFaceStorageReader
@@ -57,8 +63,7 @@ def _worker(rank: int, world: int, store: str, path: str, stock: bool, out: dict
 
     if stock:
         loading._BlockReader.read_data = HuggingFaceStorageReader.read_data  # type: ignore[method-assign]
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    world = dist.get_world_size()
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}  # fmt: skip
     gc.collect()
@@ -69,47 +74,39 @@ def _worker(rank: int, world: int, store: str, path: str, stock: bool, out: dict
     engine, *_ = initialize(loading.init_empty_model(path), config, mesh_param=(world, 1))
     loading.load_pretrained_weights(engine.module, path)
     shards = sum(p.to_local().nbytes for p in engine.module.parameters())
-    out[rank] = {"growth": _status("VmHWM") - before, "shards": shards}
-    dist.destroy_process_group()
+    got = [None] * world
+    dist.all_gather_object(got, {"growth": _status("VmHWM") - before, "shards": shards})
+    return got
 
 
-def main() -> None:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    rows = []
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--small", action="store_true", help="a 2-layer, hidden-256 model (a quick check)")
+    ap.add_argument("--dp", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--out", default=str(md.ROOT / "bench" / "results" / "load_memory.md"))
+    ap.add_argument("--load", nargs=2, metavar=("DIR", "READER"), help=argparse.SUPPRESS)  # the torchrun worker
+    args = ap.parse_args(argv)
+    if under_torchrun():
+        init_worker()
+        return finish_worker(worker(args.load[0], args.load[1] == "stock"), args.out)
+    run = md.provenance(" ".join(["python -m bench.load_memory", *(argv if argv is not None else sys.argv[1:])]))
+    config, rows = SMALL if args.small else CONFIG, []
     with tempfile.TemporaryDirectory(prefix="load-memory-") as tmp:
         for dtype in (torch.float32, torch.bfloat16):
             path = os.path.join(tmp, str(dtype))
-            model_bytes = 4 * write_model(path, dtype)
-            for dp in (2, 4):
-                for stock in (False, True):
-                    out = mp.Manager().dict()
-                    mp.spawn(
-                        _worker,
-                        args=(dp, os.path.join(tmp, f"store-{dp}-{stock}"), path, stock, out),
-                        nprocs=dp,
-                    )
-                    growth = max(r["growth"] for r in out.values()) / model_bytes
-                    shards = max(r["shards"] for r in out.values()) / model_bytes
-                    reader = "stock reader" if stock else "library"
-                    row = (f"| {str(dtype).removeprefix('torch.')} | {dp} | {reader} | {shards:.3f} | {growth:.3f} | "
-                           f"{1 / dp + 0.05:.3f} | {'yes' if growth <= 1 / dp + 0.05 else 'no'} |")  # fmt: skip
-                    rows.append(row)
-                    print(row, flush=True)
-    lines = [
-        "# load_memory: peak RSS growth per rank while loading at ZeRO 3",
-        "",
-        f"git {commit.stdout.strip()}, torch {torch.__version__}, {os.cpu_count()} CPUs; command "
-        f"`PYTHONPATH=src python bench/load_memory.py`. Model: Llama {CONFIG}, {model_bytes / 2**20:,.0f} MiB "
-        "in fp32; files of at most 150 MB. Columns are fractions of the model's fp32 bytes (the max over ranks).",
-        "",
-        "| file dtype | dp | reader | own shards | RSS growth | goal (1/dp + 0.05) | within |",
-        "|---|---|---|---|---|---|---|",
-        *rows,
-    ]
-    os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    with open(OUT, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    sys.stdout.write("\n".join(lines) + "\n")
+            model_bytes = 4 * write_model(path, dtype, config)
+            for dp in args.dp:
+                for reader in ("library", "stock"):
+                    out = run_worker("bench.load_memory", dp, ["--load", path, reader])[0]
+                    growth = max(r["growth"] for r in out) / model_bytes
+                    shards = max(r["shards"] for r in out) / model_bytes
+                    rows.append([str(dtype).removeprefix("torch."), dp, "stock reader" if reader == "stock" else "library",
+                                 f"{shards:.3f}", f"{growth:.3f}", f"{1 / dp + 0.05:.3f}",
+                                 "yes" if growth <= 1 / dp + 0.05 else "no"])  # fmt: skip
+    md.page(args.out, "load_memory: peak RSS growth per rank while loading at ZeRO 3", run, [
+        f"Model: Llama {config}, {model_bytes / 2**20:,.0f} MiB in fp32; files of at most 150 MB. Columns are "
+        "fractions of the model's fp32 bytes (the max over ranks).",
+        md.table(["file dtype", "dp", "reader", "own shards", "RSS growth", "goal (1/dp + 0.05)", "within"], rows)])
 
 
 if __name__ == "__main__":
