@@ -1,6 +1,7 @@
-"""ulysses-sp benchmark suite (run as ``python -m bench``; see the README's Performance section, docs/readme/performance.md).
+"""ulysses-sp benchmark suite (``python -m bench``; the README's Performance section, docs/readme/performance.md).
 
 Not part of the installed package: scripts that measure the library against analytic limits and against
-DeepSpeed's own Ulysses/ALST. Modules here that run inside the DeepSpeed venv (``ds_worker``, ``spec``)
-import only torch and transformers.
+DeepSpeed's own Ulysses/ALST. Leaves: ``md`` (tables, provenance) and ``launch`` (the one launcher). The
+modules the DeepSpeed venv runs (``ds_worker``, ``steploop``, ``spec``, ``counters``, ``launch``) import
+torch and transformers, and from this checkout only the library's memory meter.
 """

@@ -7,8 +7,7 @@
 
 Sections: comm, flops, memory, throughput (bench/workers.py, one launch per world size),
 alst_memory (bench/alst_worker.py; ~8 min, not in the default set), deepspeed and findings
-(bench/ours_worker.py vs bench/ds_worker.py; need ``bash bench/setup_deepspeed.sh``), projection
-(bench/projection.py from this run's counts), longest_fit (bench/longest_fit.py: the longest sequence
+(bench/ours_worker.py vs bench/ds_worker.py; need ``bash bench/setup_deepspeed.sh``), longest_fit (bench/longest_fit.py: the longest sequence
 in one budget, ulysses-sp vs DeepSpeed; ~10 min, needs DeepSpeed, not in the default set). Every worker is launched by bench/launch.py.
 
 A run into bench/results carries every section it did not run from the previous bench.json, still
@@ -19,54 +18,24 @@ labelled with the run that produced it, and refreshes the targets block of docs/
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
-import time
 
-import torch
-
-from bench import projection, report
+from bench import md, report
 from bench import spec as S
 from bench.launch import DS_PYTHON, ROOT, WorkerFailed, deepspeed_available, run_worker
 
 LIBRARY = ("comm", "flops", "memory", "throughput")
-SECTIONS = (*LIBRARY, "alst_memory", "deepspeed", "findings", "projection", "longest_fit")
+SECTIONS = (*LIBRARY, "alst_memory", "deepspeed", "findings", "longest_fit")
 DEFAULT_SECTIONS = tuple(x for x in SECTIONS if x not in ("alst_memory", "longest_fit"))
-SMOKE_SECTIONS = (*LIBRARY, "projection")
+SMOKE_SECTIONS = LIBRARY
 DS_POINTS = [{"dp": 1, "sp": 2, "zero": 1}, {"dp": 1, "sp": 2, "zero": 2}, {"dp": 2, "sp": 2, "zero": 1}]
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def _git(*args: str) -> str:
-    try:
-        return subprocess.run(
-            ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return ""
-
-
-def new_run(invocation: str) -> dict:
-    """Where and when this run happens: the label every table it produces carries."""
-    import transformers
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-    dirty = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results", ":!README.md",
-                 ":!docs/readme/performance.md")  # fmt: skip
-    commit = (_git("rev-parse", "--short", "HEAD") or "unknown") + ("+uncommitted changes" if dirty else "")
-    machine = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-               "cpus": os.cpu_count(), "python": sys.version.split()[0], "torch": torch.__version__,
-               "transformers": transformers.__version__, "backend": "gloo (CPU)"}  # fmt: skip
-    return {"id": f"{now:%Y-%m-%dT%H:%MZ}@{commit.split('+')[0]}", "date": f"{now:%Y-%m-%d %H:%M UTC}",
-            "commit": commit, "host": platform.node(), "machine": machine, "invocation": invocation,
-            "wall_s": None, "launches": []}  # fmt: skip
 
 
 def launch(run: dict, module: str, nproc: int, args: list[str], **kw):
@@ -181,12 +150,6 @@ def run_sections(sections: list[str], smoke: bool, run: dict) -> dict:
             out["findings"] = run_findings(pairs, run)
     if "longest_fit" in sections:
         out["longest_fit"] = run_longest_fit(run)
-    if "projection" in sections:
-        pj = report.projection_inputs(out.get("comm", []), out.get("memory", []))
-        out["projection"] = {
-            **pj,
-            "rows": projection.projections(act_units=pj["act_units"], comm_ratio=pj["comm_ratio"]),
-        }
     return {k: v for k, v in out.items() if k in sections}
 
 
@@ -225,9 +188,9 @@ def main(argv=None) -> int:
             )
             sections = [s for s in sections if s not in needs]
         invocation = " ".join(["python -m bench", *(argv if argv is not None else sys.argv[1:])])
-        run, t0 = new_run(invocation), time.perf_counter()
+        run = md.provenance(invocation)
         found = run_sections(sections, args.smoke, run)
-        run["wall_s"] = time.perf_counter() - t0
+        md.finish(run)
         result = {"smoke": args.smoke, "runs": {run["id"]: run},
                   "sections": {k: {"run": run["id"], "data": v} for k, v in found.items()}}  # fmt: skip
         if not args.smoke:

@@ -7,7 +7,7 @@ per measurement (no optimizer state), two single-thread ranks. Each configuratio
 to the previous one (``CONFIGS``): SP over the 2 ranks, tiled loss, tiled MLP, activation
 checkpointing, checkpoint offload, blockwise/offloaded attention (the blockwise core with the
 full-sequence K/V on the host between forward and backward: Ulysses-Offload). For each, the sequence grows along ``Setup.seqs`` until the peak
-(``ulysses_sp.memory.meter.track_peak_memory``, max over ranks, parameters included) exceeds the budget.
+(``ulysses_sp.memory.track_peak_memory``, max over ranks, parameters included) exceeds the budget.
 Time: one step at ``time_seq`` without the tracker, the configurations interleaved round after round
 (the baseline runs the whole sequence on each rank); the best round of each. Rank 0 writes
 ``{"setup": ..., "configs": {name: {"rows": [...], "step_seconds": s}}}``; bench/report.py derives
@@ -19,22 +19,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
-import json
 import time
 
 import torch
 import torch.distributed as dist
 
-CONFIGS = [
-    "baseline",
-    "+sp2",
-    "+tiled_loss",
-    "+tiled_mlp",
-    "+checkpointing",
-    "+offload",
-    "+blockwise_offload",
-]
+from bench.launch import finish_worker, init_worker, max_over_ranks
+from bench.spec import llama
+
+CONFIGS = ["baseline", "+sp2", "+tiled_loss", "+tiled_mlp", "+checkpointing", "+offload", "+blockwise_offload"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,19 +56,13 @@ SMOKE = Setup(
 
 def build(setup: Setup, config: str, reg):
     """A fresh model with ``config``'s techniques (SP through the one registration ``reg``)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from ulysses_sp.attention.registration import ATTN_NAME
     from ulysses_sp.memory.offload import enable_activation_checkpointing, enable_activation_offload
     from ulysses_sp.memory.tiling import TiledCausalLMLoss, apply_tiled_mlp
 
-    cfg = LlamaConfig(
-        hidden_size=setup.hidden, intermediate_size=setup.intermediate, num_hidden_layers=setup.layers,
-        num_attention_heads=setup.heads, num_key_value_heads=setup.heads, vocab_size=setup.vocab,
-        max_position_embeddings=max(setup.seqs), tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).train()
+    model = llama(hidden_size=setup.hidden, intermediate_size=setup.intermediate, num_hidden_layers=setup.layers,
+                  num_attention_heads=setup.heads, num_key_value_heads=setup.heads, vocab_size=setup.vocab,
+                  max_position_embeddings=max(setup.seqs))  # fmt: skip
     tech = set(CONFIGS[1 : CONFIGS.index(config) + 1])
     if "+sp2" in tech:  # one registration shared by the SP models, each with its own guardrail
         model.set_attn_implementation(ATTN_NAME)
@@ -126,12 +113,6 @@ def step(model, reg, loss_fn, seq: int, vocab: int) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def max_over_ranks(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
 def sweep(setup: Setup, model, reg, loss_fn) -> list[dict]:
     from ulysses_sp.memory.meter import track_peak_memory
 
@@ -140,9 +121,7 @@ def sweep(setup: Setup, model, reg, loss_fn) -> list[dict]:
         with track_peak_memory("cpu", include=model.parameters()) as mem:
             step(model, reg, loss_fn, seq, setup.vocab)
         peak = max_over_ranks(mem.peak_bytes)
-        rows.append(
-            {"seq": seq, "peak_bytes": int(peak), "host_peak_bytes": int(max_over_ranks(mem.host_peak_bytes))}
-        )
+        rows.append({"seq": seq, "peak_bytes": int(peak), "host_peak_bytes": int(max_over_ranks(mem.host_peak_bytes))})
         if peak > setup.budget_mib * 2**20:
             break
     return rows
@@ -150,7 +129,6 @@ def sweep(setup: Setup, model, reg, loss_fn) -> list[dict]:
 
 def main(argv=None) -> None:
     from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
-    from ulysses_sp.parallel.mesh import shutdown
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CI)")
@@ -160,8 +138,7 @@ def main(argv=None) -> None:
     setup = SMOKE if args.smoke else FULL
     if args.budget_mib is not None:
         setup = dataclasses.replace(setup, budget_mib=args.budget_mib)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
-    torch.set_num_threads(1)
+    init_worker(600)
     # One registration (a throwaway model of the same shape fills its slot); every SP model attaches
     # to it, since transformers resolves the "ulysses_sp" attention name to one function.
     world = dist.get_world_size()
@@ -178,11 +155,7 @@ def main(argv=None) -> None:
                 times[c].append(max_over_ranks(time.perf_counter() - t0))
     for c in CONFIGS:
         configs[c]["step_seconds"] = min(times[c])
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump({"setup": dataclasses.asdict(setup), "configs": configs}, f, indent=1)
-    dist.barrier()
-    shutdown()  # joins the gloo workers now, not during interpreter exit
+    finish_worker({"setup": dataclasses.asdict(setup), "configs": configs}, args.out)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
 """Attention memory vs sequence length for packed documents at sp = 2: blockwise core vs dense mask.
 
-    python -m torch.distributed.run --nproc-per-node 2 -m bench.attention_memory [--smoke] \
-        [--out bench/results/attention_memory.md]
+    python -m bench.attention_memory [--smoke] [--repeats 3] [--out bench/results/attention_memory.md]
 
 A tiny Llama (2 layers, 4 heads, hidden 64), one packed sequence of three documents (S/2, S/4, S/4
 tokens: position ids restart), Ulysses SP over the 2 ranks, core attention ``sdpa``. One forward +
@@ -18,22 +17,22 @@ storage tracking, parameters included, max over ranks). Paths:
 
 For each path: least-squares fit ``peak = a + b S + c S^2`` over the lengths measured, and the share
 of the ``S^2`` term in the peak at the largest length. Then time per step (best of ``--repeats`` rounds
-over the paths, each a warm-up and a timed step, max over ranks, no tracker) at one length every path fits. Rank 0 writes a markdown table headed by
-the run (date, git commit, host, torch version).
+over the paths, each a warm-up and a timed step, max over ranks, no tracker) at one length every path
+fits. The 2 ranks run under bench/launch.py; the parent writes the markdown.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
-import subprocess
-import sys
 import time
 
 import torch
 import torch.distributed as dist
+
+from bench import md
+from bench.launch import finish_worker, init_worker, run_worker, under_torchrun
+from bench.launch import max_over_ranks as _max
+from bench.spec import llama, packed_positions
 
 FULL_SEQS = {"dense": (1024, 2048, 4096), "blockwise": (1024, 2048, 4096, 8192, 16384)}
 SMOKE_SEQS = {"dense": (128, 256, 512), "blockwise": (128, 256, 512, 1024)}
@@ -50,9 +49,7 @@ def _dense_attention_class():
         def _core(self, module, q, k, v, layout, args, kwargs):
             self.last_path = "dense"
             window = kwargs.get("sliding_window")
-            mask = self._per_forward(
-                layout, ("dense", window), lambda: mask_for(layout, "sdpa", q.dtype, window)
-            )
+            mask = self._per_forward(layout, ("dense", window), lambda: mask_for(layout, "sdpa", q.dtype, window))
             module.num_key_value_groups = q.shape[1] // k.shape[1]
             return core_function("sdpa", module)(module, q, k, v, mask, *args, is_causal=True, **kwargs)[0]
 
@@ -69,26 +66,19 @@ PATHS = {  # name -> (core, attention class or None, register kwargs)
 
 
 def build(path: str, max_seq: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
     from ulysses_sp.parallel.mesh import init_mesh
 
     core, cls, kw = PATHS[path]
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=4, vocab_size=256, max_position_embeddings=max_seq,
-                      tie_word_embeddings=False)  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).train()
+    model = llama(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, vocab_size=256, max_position_embeddings=max_seq)  # fmt: skip
     mesh = init_mesh((1, dist.get_world_size()))
     if cls == "dense":
         from ulysses_sp.attention.registration import SPRegistration
 
         attn = _dense_attention_class()(sp_group=mesh.sp_group, core_attn_implementation=core)
         return model, SPRegistration(mesh, attn, model)
-    return model, UlyssesSPAttentionHF.register_with_transformers(
-        model, core, mesh.sp_size, 1, mesh=mesh, **kw
-    )
+    return model, UlyssesSPAttentionHF.register_with_transformers(model, core, mesh.sp_size, 1, mesh=mesh, **kw)
 
 
 def step(model, reg, seq: int) -> None:
@@ -96,18 +86,12 @@ def step(model, reg, seq: int) -> None:
 
     p, r = reg.get_sequence_parallel_world_size(), reg.get_sequence_parallel_rank()
     ids = torch.randint(0, 256, (1, seq), generator=torch.Generator().manual_seed(seq))
-    pos = torch.cat([torch.arange(n) for n in (seq // 2, seq // 4, seq - seq // 2 - seq // 4)])[None]
+    pos = packed_positions(seq)
     labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], 1)
     cols = slice(r * seq // p, (r + 1) * seq // p)
     out = model(input_ids=ids[:, cols], position_ids=pos[:, cols], use_cache=False)
     sp_causal_lm_loss(out.logits, labels[:, cols], reg.get_sequence_parallel_group()).backward()
     model.zero_grad(set_to_none=True)
-
-
-def _max(x: float) -> float:
-    t = torch.tensor([float(x)], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def measure(path: str, seqs: tuple[int, ...]) -> list[dict]:
@@ -149,76 +133,53 @@ def timing(path: str, seq: int, repeats: int) -> float:
     return best
 
 
-def header() -> str:
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-    except OSError:
-        commit = "?"
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    return (f"Run {now}, commit {commit}, host {platform.node()} ({os.cpu_count()} CPUs), torch {torch.__version__}, "
-            f"{dist.get_world_size()} gloo ranks (sp = {dist.get_world_size()}), one thread each.")  # fmt: skip
+def worker(smoke: bool, time_seq: int | None, repeats: int) -> dict:
+    seqs = SMOKE_SEQS if smoke else FULL_SEQS
+    results = {p: measure(p, seqs["dense" if p in ("dense sdpa (before)", "eager") else "blockwise"]) for p in PATHS}
+    time_seq = time_seq or seqs["dense"][-1]
+    times = dict.fromkeys(PATHS, float("inf"))
+    for _ in range(repeats):  # rounds over the paths: a burst of load on the shared machine hits all alike
+        for p in PATHS:
+            times[p] = min(times[p], timing(p, time_seq, 1))
+    return {"results": results, "times": times, "time_seq": time_seq, "seqs": seqs["blockwise"]}
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny lengths (seconds)")
-    ap.add_argument("--out", default="bench/results/attention_memory.md")
+    ap.add_argument("--out", default=str(md.ROOT / "bench" / "results" / "attention_memory.md"))
     ap.add_argument("--time-seq", type=int, help="length for the timing (default: the dense path's largest)")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=1800))
-    torch.set_num_threads(1)
-    seqs = SMOKE_SEQS if args.smoke else FULL_SEQS
-    results = {
-        p: measure(p, seqs["dense" if p in ("dense sdpa (before)", "eager") else "blockwise"]) for p in PATHS
-    }
-    time_seq = args.time_seq or seqs["dense"][-1]
-    times = dict.fromkeys(PATHS, float("inf"))
-    for _ in range(
-        args.repeats
-    ):  # rounds over the paths: a burst of load on the shared machine hits all alike
-        for p in PATHS:
-            times[p] = min(times[p], timing(p, time_seq, 1))
-    if dist.get_rank() == 0:
-        lines = ["# Attention memory vs sequence length: packed documents, sdpa, sp = 2", "", header(), "",
-                 "Command: `python -m torch.distributed.run --nproc-per-node 2 -m bench.attention_memory "
-                 + " ".join(argv if argv is not None else sys.argv[1:]) + "`", "",
-                 "Peak tensor memory per rank (MiB; forward + backward of a 2-layer Llama, hidden 64, 4 heads, "
-                 "3 packed documents per sequence). Host = K/V stashed host-side (offload).", "",
-                 "| path | " + " | ".join(f"S={s}" for s in seqs["blockwise"]) + " | fit c (bytes/token^2) | S^2 share at largest S |",
-                 "|---|" + "---|" * (len(seqs["blockwise"]) + 2)]  # fmt: skip
-        for p, rows in results.items():
-            by = {r["seq"]: r for r in rows}
-            cells = [
-                (
-                    f"{by[s]['peak'] / 2**20:.1f}"
-                    + (f" (+{by[s]['host'] / 2**20:.1f} host)" if by[s]["host"] else "")
-                )
-                if s in by
-                else "-"
-                for s in seqs["blockwise"]
-            ]
-            _, _, c, share = fit(rows)
-            lines.append(f"| {p} | " + " | ".join(cells) + f" | {c:.3g} | {100 * share:.1f} % |")
-        lines += ["", "Growth per doubling of S (peak ratio; 2.0 = linear, 4.0 = quadratic):", ""]
-        for p, rows in results.items():
-            ratios = [f"{b['peak'] / a['peak']:.2f}" for a, b in zip(rows, rows[1:])]
-            lines.append(f"- {p}: {', '.join(ratios)}")
-        last = results["blockwise c=256"][-1]
-        lines += ["", f"Blocks at S={last['seq']}, chunk 256 (forward + backward): {last['computed']} computed, "
-                  f"{last['skipped']} skipped as fully masked.", "",
-                  f"Time per step (forward + backward, best of {args.repeats} rounds over the paths, max over ranks) "
-                  f"at S={time_seq}; a shared 2-core CPU: differences under ~30 % are noise:", "",
-                  "| path | seconds | vs blockwise |", "|---|---|---|"]  # fmt: skip
-        for p, t in times.items():
-            lines.append(f"| {p} | {t:.3f} | {t / times['blockwise']:.2f}x |")
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
-    dist.barrier()
-    dist.destroy_process_group()
+    if under_torchrun():
+        init_worker(1800)
+        return finish_worker(worker(args.smoke, args.time_seq, args.repeats), args.out)
+    flags = ["--smoke"] * args.smoke + [f"--repeats={args.repeats}"] + [f"--time-seq={args.time_seq}"] * bool(args.time_seq)
+    run = md.provenance(" ".join(["python -m bench.attention_memory", *flags]))
+    got, cmd, _ = run_worker("bench.attention_memory", 2, flags, timeout=3600)
+    res, times, seqs = got["results"], got["times"], got["seqs"]
+    rows, growth = [], []
+    for p, rs in res.items():
+        by = {r["seq"]: r for r in rs}
+        cells = ["-" if s not in by else f"{by[s]['peak'] / 2**20:.1f}" + (f" (+{by[s]['host'] / 2**20:.1f} host)"
+                 if by[s]["host"] else "") for s in seqs]  # fmt: skip
+        _, _, c, share = fit(rs)
+        rows.append([p, *cells, f"{c:.3g}", f"{100 * share:.1f} %"])
+        ratios = ", ".join(f"{b['peak'] / a['peak']:.2f}" for a, b in zip(rs, rs[1:]))
+        growth.append(f"- {p}: {ratios}")
+    last = res["blockwise c=256"][-1]
+    md.page(args.out, "Attention memory vs sequence length: packed documents, sdpa, sp = 2", run, [
+        f"2 gloo ranks (sp = 2), one thread each: `{cmd}`.",
+        "Peak tensor memory per rank (MiB; forward + backward of a 2-layer Llama, hidden 64, 4 heads, "
+        "3 packed documents per sequence). Host = K/V stashed host-side (offload).",
+        md.table(["path", *(f"S={s}" for s in seqs), "fit c (bytes/token^2)", "S^2 share at largest S"], rows),
+        "Growth per doubling of S (peak ratio; 2.0 = linear, 4.0 = quadratic):", "\n".join(growth),
+        f"Blocks at S={last['seq']}, chunk 256 (forward + backward): {last['computed']} computed, "
+        f"{last['skipped']} skipped as fully masked.",
+        f"Time per step (forward + backward, best of {args.repeats} rounds over the paths, max over ranks) "
+        f"at S={got['time_seq']}; a shared 2-core CPU: differences under ~30 % are noise:",
+        md.table(["path", "seconds", "vs blockwise"], [[p, f"{t:.3f}", f"{t / times['blockwise']:.2f}x"]
+                                                        for p, t in times.items()])])  # fmt: skip
 
 
 if __name__ == "__main__":

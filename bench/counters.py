@@ -5,13 +5,12 @@ Pure torch (imported in both virtual environments). ``CollectiveCounter`` wraps 
 up at call time, and records for each call the bytes this rank sends to *other* ranks (its own slice of
 an all-to-all never leaves the process, so it is not counted) under the current phase label.
 ``PhaseTimer`` times named phases of a step; ``CallTimer`` sums the time spent inside one function.
-Peak tensor memory is the other instrument: ``bench/memmeter.py``.
+Peak tensor memory is the library's ``ulysses_sp.memory.track_peak_memory``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from collections import defaultdict
 
@@ -19,26 +18,49 @@ import torch
 import torch.distributed as dist
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def _nb(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-@dataclasses.dataclass
+def _share(nbytes: int, group) -> int:
+    """What one rank's ``nbytes`` sends to the others when they are spread evenly over the group."""
+    p = dist.get_world_size(group)
+    return nbytes * (p - 1) // p
+
+
+def _a2a_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **_):
+    if input_split_sizes:
+        row, me = _nb(input) // max(input.shape[0], 1), dist.get_rank(group)
+        return sum(s * row for j, s in enumerate(input_split_sizes) if j != me)
+    return _share(_nb(input), group)
+
+
+SENT = {  # op -> bytes this rank sends to other ranks, from the op's arguments (torch's parameter names)
+    "all_to_all_single": _a2a_single,
+    "all_to_all": lambda output_tensor_list, input_tensor_list, group=None, **_: sum(
+        _nb(t) for j, t in enumerate(input_tensor_list) if j != dist.get_rank(group)),
+    # what this rank contributes reaches P-1 peers (the analytic lower bound of any algorithm)
+    "all_gather": lambda tensor_list, tensor, group=None, **_: _nb(tensor) * (dist.get_world_size(group) - 1),
+    "all_gather_into_tensor": lambda output_tensor, input_tensor, group=None, **_: _nb(input_tensor) * (
+        dist.get_world_size(group) - 1),
+    "all_reduce": lambda tensor, op=None, group=None, **_: 2 * _share(_nb(tensor), group),  # ring: 2 (P-1)/P
+    "reduce_scatter_tensor": lambda output, input, op=None, group=None, **_: _share(_nb(input), group),
+    "reduce_scatter": lambda output, input_list, op=None, group=None, **_: _share(sum(map(_nb, input_list)), group),
+    "broadcast": lambda tensor, src=None, group=None, **_: _nb(tensor) if dist.get_rank() == src else 0,
+}  # fmt: skip
+
+
 class CollectiveCounter:
     """Counts bytes sent to other ranks, by ``(phase, op)``; use as a context manager."""
 
-    phase: str = "other"
-    sent: dict = dataclasses.field(default_factory=lambda: defaultdict(int))
-    calls: dict = dataclasses.field(default_factory=lambda: defaultdict(int))
-
-    def _add(self, op: str, nbytes: int) -> None:
-        self.sent[(self.phase, op)] += int(nbytes)
-        self.calls[(self.phase, op)] += 1
+    def __init__(self) -> None:
+        self.phase = "other"
+        self.sent: dict[tuple[str, str], int] = defaultdict(int)
+        self.calls: dict[tuple[str, str], int] = defaultdict(int)
 
     @contextlib.contextmanager
     def label(self, phase: str):
-        prev = self.phase
-        self.phase = phase
+        prev, self.phase = self.phase, phase
         try:
             yield self
         finally:
@@ -51,68 +73,15 @@ class CollectiveCounter:
         return sum(v for (p, o), v in self.calls.items() if p == phase and (op is None or o == op))
 
     def __enter__(self) -> CollectiveCounter:
-        self._saved = {}
-        counter = self
+        self._saved = {name: getattr(dist, name) for name in SENT}
+        for name, orig in self._saved.items():
 
-        def wrap(name, count):
-            orig = getattr(dist, name)
-            self._saved[name] = orig
-
-            def wrapped(*args, **kwargs):
-                counter._add(name, count(*args, **kwargs))
-                return orig(*args, **kwargs)
+            def wrapped(*args, _name=name, _orig=orig, **kwargs):
+                self.sent[(self.phase, _name)] += int(SENT[_name](*args, **kwargs))
+                self.calls[(self.phase, _name)] += 1
+                return _orig(*args, **kwargs)
 
             setattr(dist, name, wrapped)
-
-        def group_of(kwargs, args, pos):
-            return kwargs.get("group", args[pos] if len(args) > pos else None)
-
-        def a2a_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **_):
-            p = dist.get_world_size(group)
-            me = dist.get_rank(group)
-            if input_split_sizes:
-                row = _nbytes(input) // max(input.shape[0], 1)
-                return sum(s * row for j, s in enumerate(input_split_sizes) if j != me)
-            return _nbytes(input) * (p - 1) // p
-
-        def a2a(output_list, input_list, group=None, **_):
-            me = dist.get_rank(group)
-            return sum(_nbytes(t) for j, t in enumerate(input_list) if j != me)
-
-        def all_gather(tensor_list, tensor, group=None, **_):
-            # what this rank contributes reaches P-1 peers (the analytic lower bound of any algorithm)
-            return _nbytes(tensor) * (dist.get_world_size(group) - 1)
-
-        def all_gather_into(output, input, group=None, **_):
-            return _nbytes(input) * (dist.get_world_size(group) - 1)
-
-        def all_reduce(tensor, op=None, group=None, **_):
-            # ring all-reduce: each rank sends 2 (P-1)/P of the buffer
-            p = dist.get_world_size(group)
-            return 2 * _nbytes(tensor) * (p - 1) // p
-
-        def reduce_scatter(output, input, op=None, group=None, **_):
-            p = dist.get_world_size(group)
-            return _nbytes(input) * (p - 1) // p
-
-        def reduce_scatter_list(output, input_list, op=None, group=None, **_):
-            return (
-                sum(_nbytes(t) for t in input_list)
-                * (dist.get_world_size(group) - 1)
-                // dist.get_world_size(group)
-            )
-
-        def broadcast(tensor, src=None, group=None, **_):
-            return _nbytes(tensor) if dist.get_rank() == src else 0
-
-        wrap("all_to_all_single", a2a_single)
-        wrap("all_to_all", a2a)
-        wrap("all_gather", all_gather)
-        wrap("all_gather_into_tensor", all_gather_into)
-        wrap("all_reduce", all_reduce)
-        wrap("reduce_scatter_tensor", reduce_scatter)
-        wrap("reduce_scatter", reduce_scatter_list)
-        wrap("broadcast", broadcast)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -121,10 +90,8 @@ class CollectiveCounter:
 
 
 class PhaseTimer:
-    """Wall time per named phase per step: ``with timer("forward"): ...``; ``best()`` = min over steps.
-
-    The minimum over steps is the estimator least disturbed by other load on a shared machine.
-    """
+    """Wall time per named phase per step: ``with timer("forward"): ...``; ``best()`` = min over steps
+    (the estimator least disturbed by other load on a shared machine)."""
 
     def __init__(self) -> None:
         self.times: dict[str, list[float]] = defaultdict(list)

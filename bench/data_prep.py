@@ -1,6 +1,6 @@
 """Fine-tuning data preparation: tokenization throughput, the cache on a second start, packing.
 
-    PYTHONPATH=src python bench/data_prep.py        # writes bench/results/data_prep.md (~1-2 min)
+    python -m bench.data_prep [--conversations 6000] [--out bench/results/data_prep.md]   # ~1-2 min
 
 1. Tokenization: synthetic chat conversations (log-normal turn lengths) in a ``.jsonl``, the
    byte-level tokenizer with a ChatML-like template, assistant-only masks: the first start
@@ -13,26 +13,21 @@
 
 from __future__ import annotations
 
-import datetime
-import os
-import platform
+import argparse
 import random
-import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
-import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # `python bench/data_prep.py`; tests/chatdata.py
 from chatdata import CHATML, chat_tokenizer, write_jsonl  # noqa: E402
 
+from bench import md  # noqa: E402
 from ulysses_sp.data import plan_blocks, tokenized_corpus  # noqa: E402
-
-CONVERSATIONS = 6000
 
 
 def _rows(n: int) -> list[dict]:
@@ -51,12 +46,12 @@ def _rows(n: int) -> list[dict]:
     return rows
 
 
-def tokenization(tmp: str) -> list[list]:
-    path = write_jsonl(os.path.join(tmp, "chat.jsonl"), _rows(CONVERSATIONS))
+def tokenization(tmp: str, conversations: int) -> list[list]:
+    path = write_jsonl(str(Path(tmp) / "chat.jsonl"), _rows(conversations))
     tok = chat_tokenizer(CHATML)
     out = []
     for workers in (1, 2):
-        cache = os.path.join(tmp, f"cache{workers}")
+        cache = str(Path(tmp) / f"cache{workers}")
         t0 = time.perf_counter()
         corpus = tokenized_corpus(path, tok, cache_dir=cache, workers=workers)
         first = time.perf_counter() - t0
@@ -65,24 +60,14 @@ def tokenization(tmp: str) -> list[list]:
         int(again.ids[-1])  # touch the memory map
         second = time.perf_counter() - t0
         n = int(corpus.meta["tokens"])
-        out.append(
-            [
-                workers,
-                len(corpus),
-                n,
-                f"{first:.2f}",
-                f"{n / first / 1e6:.3f}",
-                f"{second:.3f}",
-                f"{first / second:.0f}x",
-                f"{100 * corpus.meta['scored_tokens'] / n:.1f}%",
-            ]
-        )
+        out.append([workers, len(corpus), n, f"{first:.2f}", f"{n / first / 1e6:.3f}", f"{second:.3f}",
+                    f"{first / second:.0f}x", f"{100 * corpus.meta['scored_tokens'] / n:.1f}%"])  # fmt: skip
     return out
 
 
-def packing() -> list[list]:
+def packing(n: int) -> list[list]:
     out = []
-    for seq_len, n in ((8192, 20000), (131072, 20000)):
+    for seq_len in (8192, 131072):
         rng = np.random.default_rng(0)
         lengths = np.maximum(1, rng.lognormal(np.log(seq_len / 16), 1.2, n).astype(np.int64))
         for mode in ("best-fit", "none"):
@@ -94,65 +79,25 @@ def packing() -> list[list]:
     return out
 
 
-def _table(header: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
-
-
-def main() -> None:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()  # fmt: skip
-    now = datetime.datetime.now(datetime.timezone.utc)
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--conversations", type=int, default=6000)
+    ap.add_argument("--samples", type=int, default=20000, help="packing: sample lengths drawn")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "data_prep.md"))
+    args = ap.parse_args(argv)
+    run = md.provenance(" ".join(["python -m bench.data_prep", *(argv if argv is not None else sys.argv[1:])]))
     with tempfile.TemporaryDirectory() as tmp:
-        tok_rows = tokenization(tmp)
-    pack_rows = packing()
-    md = [
-        "# Fine-tuning data preparation (`bench/data_prep.py`)",
-        "",
-        f"run: `python bench/data_prep.py` on {now:%Y-%m-%d %H:%M UTC}, commit {commit}, host {platform.node()} "
-        f"({os.cpu_count()} CPUs, shared), torch {torch.__version__}",
-        "",
-        f"## Tokenization: {CONVERSATIONS} chat conversations (.jsonl), byte tokenizer, assistant-only masks",
-        "",
-        _table(
-            [
-                "workers",
-                "samples",
-                "tokens",
-                "first start s",
-                "Mtok/s",
-                "second start s",
-                "speed-up",
-                "scored share",
-            ],
-            tok_rows,
-        ),  # fmt: skip
-        "",
+        tok_rows = tokenization(tmp, args.conversations)
+    md.page(args.out, "Fine-tuning data preparation (`bench/data_prep.py`)", run, [
+        f"## Tokenization: {args.conversations} chat conversations (.jsonl), byte tokenizer, assistant-only masks",
+        md.table(["workers", "samples", "tokens", "first start s", "Mtok/s", "second start s", "speed-up",
+                  "scored share"], tok_rows),
         "First start = read (datasets' Arrow conversion) + tokenize + write the cache; second start = the "
         "cache entry found and memory-mapped. Wall times on a busy 2-core machine: compare within the run.",
-        "",
         "## Packing: log-normal lengths (median seq_len/16, sigma 1.2), --long-samples split",
-        "",
-        _table(
-            [
-                "seq_len",
-                "samples",
-                "split (longer than seq_len)",
-                "packing",
-                "blocks",
-                "efficiency",
-                "plan s",
-            ],
-            pack_rows,
-        ),  # fmt: skip
-        "",
-        "Efficiency = real tokens / block tokens (deterministic). `none` = one sample per block, padded.",
-        "",
-    ]
-    os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
-    with open(os.path.join(ROOT, "bench", "results", "data_prep.md"), "w", encoding="utf-8") as f:
-        f.write("\n".join(md))
-    print("\n".join(md))
+        md.table(["seq_len", "samples", "split (longer than seq_len)", "packing", "blocks", "efficiency", "plan s"],
+                 packing(args.samples)),
+        "Efficiency = real tokens / block tokens (deterministic). `none` = one sample per block, padded."])  # fmt: skip
 
 
 if __name__ == "__main__":

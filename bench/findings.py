@@ -7,7 +7,7 @@ means and why DeepSpeed behaves so: docs/readme/performance.md, "DeepSpeed findi
 
 from __future__ import annotations
 
-from bench.report import data, produced_by, table
+from bench.md import data, produced_by, table
 
 
 def _grad_row(label: str, res: dict, ref: dict, cmd: str) -> list:

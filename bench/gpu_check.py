@@ -9,8 +9,8 @@ loss, or the exception if it failed (OOM included). Writes ``bench/results/gpu_c
 
 Run on a CUDA machine (about 5-10 minutes)::
 
-    PYTHONPATH=src python bench/gpu_check.py                 # all cases
-    PYTHONPATH=src python bench/gpu_check.py --lengths 32768 # a subset
+    python -m bench.gpu_check                    # all cases (or: python bench/gpu_check.py)
+    python -m bench.gpu_check --lengths 32768    # a subset
 
 Benchmark code may name CUDA (the library does not): it measures this device's allocator.
 """
@@ -18,18 +18,18 @@ Benchmark code may name CUDA (the library does not): it measures this device's a
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import statistics
-import subprocess
+import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OUT = os.path.join(ROOT, "bench", "results", "gpu_check.md")
+if __package__ in (None, ""):  # `python bench/gpu_check.py` as well as `python -m bench.gpu_check`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import md
+
 MODEL = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
              num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True,
              max_position_embeddings=131072, rope_theta=500000.0)  # fmt: skip
@@ -79,14 +79,17 @@ def run_case(seq: int, offload: bool) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
 
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 65536, 131072])
-    args = parser.parse_args()
+    parser.add_argument("--out", default=str(md.ROOT / "bench" / "results" / "gpu_check.md"))
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench/gpu_check.py needs a CUDA device")
+    run = md.provenance(" ".join(["python -m bench.gpu_check", *(argv if argv is not None else sys.argv[1:])]),
+                        backend=f"nccl, {torch.cuda.get_device_name(0)}")  # fmt: skip
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     rows = []
@@ -94,31 +97,15 @@ def main() -> None:
         for offload in (False, True):
             try:
                 r = run_case(seq, offload)
-                rows.append(f"| {seq} | {'on' if offload else 'off'} | {r['params'] / 1e9:.2f}B | {r['tok_s']:,.0f} | "
-                            f"{r['max_alloc'] / 2**30:.1f} GiB | {r['loss']:.3f} | |")  # fmt: skip
+                rows.append([seq, "on" if offload else "off", f"{r['params'] / 1e9:.2f}B", f"{r['tok_s']:,.0f}",
+                             f"{r['max_alloc'] / 2**30:.1f} GiB", f"{r['loss']:.3f}", ""])  # fmt: skip
             except Exception as e:  # noqa: BLE001 - a failing case (OOM) is a result to report
-                rows.append(
-                    f"| {seq} | {'on' if offload else 'off'} | | | | | {type(e).__name__}: {str(e)[:120]} |"
-                )
+                rows.append([seq, "on" if offload else "off", "", "", "", "", f"{type(e).__name__}: {str(e)[:120]}"])
                 traceback.print_exc()
             torch.cuda.empty_cache()
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-    ).stdout.strip()
-    lines = [
-        "# gpu_check (issue 11): bf16 + ZeRO 3 (+ CPU offload) on one GPU",
-        "",
-        f"Run {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, git {commit}, host {platform.node()}, "
-        f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}; `PYTHONPATH=src python bench/gpu_check.py`.",
+    md.page(args.out, "gpu_check: bf16 + ZeRO 3 (+ CPU offload) on one GPU", run, [
         "Llama-3.2-1B shape (random weights), sp = 1, bf16, sdpa, tiled MLP + tiled loss + activation checkpointing.",
-        "",
-        "| tokens | CPU offload | params | tokens/s | max_memory_allocated | loss | failure |",
-        "|---|---|---|---|---|---|---|",
-        *rows,
-    ]
-    with open(OUT, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))  # noqa: T201 - a script's report
+        md.table(["tokens", "CPU offload", "params", "tokens/s", "max_memory_allocated", "loss", "failure"], rows)])
     dist.destroy_process_group()
 
 

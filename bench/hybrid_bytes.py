@@ -18,12 +18,13 @@ Run: ``python -m bench.hybrid_bytes`` (4 gloo ranks, seconds); results in ``benc
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 
 import torch
 import torch.distributed as dist
+
+from bench import md
+from bench.launch import finish_worker, init_worker, run_worker, under_torchrun
 
 LAYOUTS = ((2, 2), (1, 4), (4, 1), (1, 2), (2, 1))
 """``(ulysses, ring)``: the hybrid, ring alone and Ulysses alone over 4 and 2 ranks."""
@@ -48,9 +49,8 @@ def analytic(ulysses: int, ring: int, shape: dict = SHAPE, itemsize: int = 4) ->
 def measure(ulysses: int, ring: int, shape: dict = SHAPE) -> dict[str, int]:
     """Run the model once on this rank (a process group of ``ulysses * ring`` ranks must exist);
     return the bytes this rank sent: ``{"all_to_all": ..., "ring": ...}``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from bench.counters import CollectiveCounter
+    from bench.spec import llama, packed_positions
     from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
     from ulysses_sp.data import prepare_batch, shard_batch
     from ulysses_sp.parallel.loss import sp_causal_lm_loss
@@ -58,15 +58,12 @@ def measure(ulysses: int, ring: int, shape: dict = SHAPE) -> dict[str, int]:
 
     sp = ulysses * ring
     mesh = init_mesh((1, sp), ring_size=ring)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=shape["h"] * shape["d"], intermediate_size=64,
-                      num_hidden_layers=shape["layers"], num_attention_heads=shape["h"],
-                      num_key_value_heads=shape["hkv"], max_position_embeddings=4 * shape["s"])  # fmt: skip
-    model = LlamaForCausalLM(cfg)
+    model = llama(vocab_size=64, hidden_size=shape["h"] * shape["d"], intermediate_size=64,
+                  num_hidden_layers=shape["layers"], num_attention_heads=shape["h"],
+                  num_key_value_heads=shape["hkv"], max_position_embeddings=4 * shape["s"])  # fmt: skip
     reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, shape["b"], mesh=mesh)
-    s = shape["s"]
-    pos = torch.cat([torch.arange(n) for n in (s // 2, s // 4, s - s // 2 - s // 4)])[None].repeat(shape["b"], 1)
-    batch = {"input_ids": torch.randint(0, 64, (shape["b"], s)), "position_ids": pos}
+    pos = packed_positions(shape["s"]).repeat(shape["b"], 1)
+    batch = {"input_ids": torch.randint(0, 64, (shape["b"], shape["s"])), "position_ids": pos}
     local = shard_batch(prepare_batch(batch, sp, strict=True, ring_size=ring), mesh.sp_rank, sp, ring)
     counter = CollectiveCounter()
     with counter:
@@ -78,64 +75,40 @@ def measure(ulysses: int, ring: int, shape: dict = SHAPE) -> dict[str, int]:
     return sent
 
 
-def worker(out: str) -> None:
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
+def worker() -> list[dict]:
     rows = []
     for ulysses, ring in LAYOUTS:
-        if ulysses * ring != dist.get_world_size():
-            continue
-        got = [None] * dist.get_world_size()
-        dist.all_gather_object(got, measure(ulysses, ring))
-        rows.append({"ulysses": ulysses, "ring": ring, "sent": got, "analytic": analytic(ulysses, ring)})
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(rows, f)
-    from ulysses_sp.parallel.mesh import shutdown
-
-    shutdown()
-
-
-def report(rows: list[dict]) -> str:
-    lines = [
-        "# Hybrid Ulysses x Ring: bytes per rank vs the analytic volume",
-        "",
-        f"One forward + backward of a tiny Llama (shape {SHAPE}, fp32, packed documents), counted on every "
-        "rank (`python -m bench.hybrid_bytes`). Formulas: `bench/hybrid_bytes.py`.",
-        "",
-        "| sp | ulysses x ring | all-to-all bytes (every rank) | analytic | ring bytes (every rank) | analytic | ratio |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        a2a = sorted({s["all_to_all"] for s in r["sent"]})
-        ring = sorted({s["ring"] for s in r["sent"]})
-        want = r["analytic"]
-        total = sum(s["all_to_all"] + s["ring"] for s in r["sent"]) / len(r["sent"])
-        ratio = total / (want["all_to_all"] + want["ring"])
-        lines.append(f"| {r['ulysses'] * r['ring']} | {r['ulysses']} x {r['ring']} | {', '.join(map(str, a2a))} | "
-                     f"{want['all_to_all']} | {', '.join(map(str, ring))} | {want['ring']} | {ratio:.2f}x |")  # fmt: skip
-    return "\n".join(lines) + "\n"
+        if ulysses * ring == dist.get_world_size():
+            got = [None] * dist.get_world_size()
+            dist.all_gather_object(got, measure(ulysses, ring))
+            rows.append({"ulysses": ulysses, "ring": ring, "sent": got, "analytic": analytic(ulysses, ring)})
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--worker"]:  # under torchrun: --worker --out PATH
-        return worker(argv[argv.index("--out") + 1])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/results/hybrid_bytes.md")
+    ap.add_argument("--out", default=str(md.ROOT / "bench" / "results" / "hybrid_bytes.md"))
     args = ap.parse_args(argv)
-    from bench.launch import run_worker
-
-    rows = []
+    if under_torchrun():
+        init_worker()
+        return finish_worker(worker(), args.out)
+    run, rows = md.provenance("python -m bench.hybrid_bytes"), []
     for world in (4, 2):
-        res, cmd, wall = run_worker("bench.hybrid_bytes", world, ["--worker"])
+        res, cmd, wall = run_worker("bench.hybrid_bytes", world, [])
         print(f"{cmd}: {wall:.0f} s", file=sys.stderr)
         rows += res
-    text = report(rows)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(text)
-    print(text)
+    out = []
+    for r in rows:
+        want, sent = r["analytic"], r["sent"]
+        ratio = sum(s["all_to_all"] + s["ring"] for s in sent) / len(sent) / (want["all_to_all"] + want["ring"])
+        out.append([r["ulysses"] * r["ring"], f"{r['ulysses']} x {r['ring']}",
+                    ", ".join(map(str, sorted({s["all_to_all"] for s in sent}))), want["all_to_all"],
+                    ", ".join(map(str, sorted({s["ring"] for s in sent}))), want["ring"], f"{ratio:.2f}x"])  # fmt: skip
+    md.page(args.out, "Hybrid Ulysses x Ring: bytes per rank vs the analytic volume", run, [
+        f"One forward + backward of a tiny Llama (shape {SHAPE}, fp32, packed documents), counted on every "
+        "rank. Formulas: `bench/hybrid_bytes.py`.",
+        md.table(["sp", "ulysses x ring", "all-to-all bytes (every rank)", "analytic", "ring bytes (every rank)",
+                  "analytic", "ratio"], out)])  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,12 +1,16 @@
-"""The one launcher of the suite: a worker module under ``torchrun`` (gloo, CPU), its JSON and exact command.
+"""The one launcher of the suite: a module under ``torchrun`` (gloo, CPU), its JSON and exact command.
 
-Every task (bench/workers.py, bench/alst_worker.py, bench/ours_worker.py, bench/ds_worker.py) is a
-module run by ``run_worker``; it writes its result to ``--out`` from rank 0. The command recorded is
-the one a reader can paste from the repository root to reproduce the row.
+Both sides of the protocol live here. The parent calls ``run_worker(module, nproc, args)``; each rank
+runs the module under ``torchrun`` (``under_torchrun()`` is then true, so one module can be both the
+script and its worker), calls ``init_worker()``, does its task and ``finish_worker(result, out)``:
+rank 0 writes the result to ``--out``. The command recorded is the one a reader can paste from the
+repository root to reproduce the row. Torch only: the DeepSpeed venv imports it too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
 import os
 import shlex
@@ -28,7 +32,7 @@ class WorkerFailed(RuntimeError):
         self.errors = errors
 
 
-def display_python(python: Path | str) -> str:
+def _shown(python: str) -> str:
     p = Path(python)
     try:
         return str(p.relative_to(ROOT))
@@ -44,22 +48,22 @@ def run_worker(
     Returns ``(result, command, wall_seconds)``; raises ``WorkerFailed`` with the ranks' error notes.
     """
     python = str(python or sys.executable)
+    os.makedirs(ROOT / "bench" / "results", exist_ok=True)
     fd, out = tempfile.mkstemp(prefix="tmp-", suffix=".json", dir=ROOT / "bench" / "results")
     os.close(fd)
     os.unlink(out)
     base = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m", module]
-    cmd = [python, *base, *args, "--out", out]
-    shown = " ".join([display_python(python), *base, *map(shlex.quote, args)])
+    shown = " ".join([_shown(python), *base, *map(shlex.quote, args)])
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # keep the caller's
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, PYTHONWARNINGS="ignore")
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run([python, *base, *args, "--out", out], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=timeout)  # fmt: skip
         wall = time.perf_counter() - t0
         errors = []
         for r in range(nproc):
-            err = Path(f"{out}.rank{r}.err")
-            if err.exists():
+            if (err := Path(f"{out}.rank{r}.err")).exists():
                 errors.append(f"rank {r}: {err.read_text()}")
                 err.unlink()
         if proc.returncode != 0 or not Path(out).exists():
@@ -74,3 +78,58 @@ def run_worker(
 
 def deepspeed_available() -> bool:
     return DS_PYTHON.exists() and (ROOT / "bench" / ".venv-deepspeed" / ".installed").exists()
+
+
+def under_torchrun() -> bool:
+    """True in a rank that ``torchrun`` started (its agent sets ``TORCHELASTIC_RUN_ID``)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def init_worker(timeout_s: float = 600, *, deepspeed: bool = False) -> None:
+    """This rank's gloo group (through DeepSpeed's ``init_distributed`` in its venv), one thread."""
+    import torch
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if deepspeed:
+        import deepspeed as ds
+
+        ds.init_distributed(dist_backend="gloo", timeout=timeout)
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+    torch.set_num_threads(1)
+
+
+def max_over_ranks(x: float, group=None) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(x)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.item()
+
+
+@contextlib.contextmanager
+def recorded_errors(out: str):
+    """A rank's exception, also written to ``OUT.rankR.err`` (``WorkerFailed.errors`` reads it back)."""
+    try:
+        yield
+    except Exception as e:
+        with open(f"{out}.rank{os.environ.get('RANK', '0')}.err", "w") as f:
+            f.write(f"{type(e).__name__}: {e}"[:4000])
+        raise
+
+
+def finish_worker(result, out: str | None) -> None:
+    """Rank 0 writes ``result`` to ``out``; every rank tears its groups down (gloo threads joined now)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0 and out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    dist.barrier()
+    try:
+        from ulysses_sp.parallel.mesh import shutdown  # also empties DTensor's caches
+    except ImportError:  # the DeepSpeed venv without this checkout's src/ on its path
+        shutdown = dist.destroy_process_group
+    shutdown()

@@ -5,75 +5,50 @@
     bench/.venv-deepspeed/bin/python -m torch.distributed.run --nproc-per-node 2 -m bench.longest_fit \\
         --impl deepspeed --data packed --out /tmp/ds.json
 
-Run in either venv (one process per rank, gloo, sp = 2). Both sides build the same model (3b's:
-bench/alst_worker.py ``FULL``, same seed, sdpa) and get the same tensors: random tokens, either one
-causal sequence (``causal``) or three packed documents of S/2, S/4, S/4 tokens whose position ids
-restart (``packed``), labels shifted before sharding with ``-100`` at each document's last token,
-rank k holding tokens ``[k S/2, (k+1) S/2)``. One forward + backward per length (no optimizer: its
-states are the same on both sides and independent of S), each side with all of its memory
-techniques that run on CPU:
-
-* ``deepspeed``: DeepSpeed's ``UlyssesSPAttentionHF.register_with_transformers`` (sdpa), its
-  ``TiledMLP`` patched into ``LlamaMLP.forward`` as its docstring shows (``ceil(S_l / h)`` shards,
-  agreed by an all-reduce), its ``TiledFusedLogitsLoss`` (same tile count as ours) with the
-  documented all-gather combine over SP, HF activation checkpointing (non-reentrant), and its
-  checkpoint offload context (``get_checkpoint_hidden_states_offloading_ctx_manager``), whose engine
-  skips every tensor on a CPU-only machine; its counters are recorded.
-* ``ours --tech ckpt``: ``register_with_transformers`` (sdpa), ``apply_tiled_mlp``,
-  ``TiledCausalLMLoss``, ``enable_activation_checkpointing``: the same set DeepSpeed runs on CPU.
-* ``ours --tech all``: that, plus ``enable_activation_offload`` (checkpointed layer inputs to host)
-  and ``offload_attention`` (Ulysses-Offload: the blockwise core, full-sequence K/V on the host).
-
-Meter, the same on both sides: ``ulysses_sp.memory.meter.track_peak_memory("cpu", include=params)``, max
-over ranks. ``device`` excludes storages made under ``host_allocations()`` (what our offload stages on
-the host, i.e. what would leave an accelerator); ``total`` counts every tensor byte. Search: double
-from ``--start-seq`` while the peak fits, then bisect to ``--granularity`` tokens, once per criterion
-(device, total) over the same cached probes. Then step time (no meter) at ``--time-seq``.
-Rank 0 writes ``{"probes": [...], "fit": {criterion: S}, ...}``.
+Run in either venv (gloo, sp = 2). Both sides build 3b's model (bench/alst_worker.py ``FULL``, same
+seed, sdpa) and get the same tensors (``make_data``: one causal sequence, or three packed documents),
+rank k holding tokens ``[k S/2, (k+1) S/2)``; one forward + backward per length (no optimizer: its
+states are the same on both sides), each side with every memory technique it runs on CPU
+(``deepspeed``: DeepSpeed's UlyssesSPAttentionHF, TiledMLP patched in as its docstring shows,
+TiledFusedLogitsLoss with the documented all-gather combine, HF checkpointing and its checkpoint
+offload context, whose counters are recorded; ``ours --tech ckpt``: the same set; ``--tech all``: plus
+activation offload and Ulysses-Offload). The meter is the same on both sides (``track_peak_memory``
+with the parameters, max over ranks): ``device`` leaves out what our offloads stage on the host,
+``total`` counts every byte. Search: double from ``--start-seq`` while the peak fits, then bisect to
+``--granularity``, per criterion over the same cached probes; then the step time at ``--time-seq``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import importlib.util
-import json
 import math
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-IGNORE = -100
-ROOT = Path(__file__).resolve().parent.parent
+from bench.launch import ROOT, finish_worker, init_worker
+from bench.launch import max_over_ranks as _max
+from bench.spec import IGNORE_INDEX as IGNORE
+from bench.spec import llama, packed_positions, sp_loss_combine
 
 
 def make_data(seq: int, vocab: int, packed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(input_ids, position_ids, shift_labels)``, each ``[1, S]``: the same tensors on both sides."""
     ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(seq))
-    docs = (seq // 2, seq // 4, seq - seq // 2 - seq // 4) if packed else (seq,)
-    pos = torch.cat([torch.arange(n) for n in docs])[None]
+    pos = packed_positions(seq) if packed else torch.arange(seq)[None]
     shift = torch.cat([ids[:, 1:], torch.full((1, 1), IGNORE)], 1)
-    ends = torch.tensor(docs).cumsum(0) - 1  # each document's last token predicts nothing
-    shift[0, ends] = IGNORE
+    shift[0, torch.cat([pos[0, 1:] == 0, torch.tensor([True])])] = IGNORE  # a document's last token predicts nothing
     return ids, pos, shift
 
 
 def build_model(setup, max_seq: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        hidden_size=setup.hidden, intermediate_size=setup.intermediate, num_hidden_layers=setup.layers,
-        num_attention_heads=setup.heads, num_key_value_heads=setup.heads, vocab_size=setup.vocab,
-        max_position_embeddings=max_seq, tie_word_embeddings=False, attn_implementation="sdpa",
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).float().train()
-    model.config._attn_implementation = "sdpa"
-    return model
+    return llama(hidden_size=setup.hidden, intermediate_size=setup.intermediate, num_hidden_layers=setup.layers,
+                 num_attention_heads=setup.heads, num_key_value_heads=setup.heads, vocab_size=setup.vocab,
+                 max_position_embeddings=max_seq)  # fmt: skip
 
 
 def ours(model, world: int, tech: str):
@@ -82,9 +57,7 @@ def ours(model, world: int, tech: str):
     from ulysses_sp.memory.offload import enable_activation_checkpointing, enable_activation_offload
     from ulysses_sp.memory.tiling import TiledCausalLMLoss, apply_tiled_mlp
 
-    reg = UlyssesSPAttentionHF.register_with_transformers(
-        model, "sdpa", world, 1, offload_attention=tech == "all"
-    )
+    reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", world, 1, offload_attention=tech == "all")
     group = reg.get_sequence_parallel_group()
     enable_activation_checkpointing(model)
     offload = enable_activation_offload(model) if tech == "all" else None
@@ -107,7 +80,7 @@ def deepspeed(model, world: int):
     """DeepSpeed's ALST pieces on the same model; returns ``step(ids, pos, shift) -> (loss, notes)``."""
     import deepspeed as ds
     from deepspeed.runtime.activation_checkpointing.offload_activations import (
-        get_checkpoint_hidden_states_offloading_ctx_manager,
+        get_checkpoint_hidden_states_offloading_ctx_manager as offload_ctx,
     )
     from deepspeed.runtime.sequence_parallel.ulysses_sp import (
         TiledFusedLogitsLoss,
@@ -116,9 +89,7 @@ def deepspeed(model, world: int):
     )
     from transformers.models.llama import modeling_llama
 
-    mpu = UlyssesSPAttentionHF.register_with_transformers(
-        model, "sdpa", world, 1, seq_length_is_variable=True
-    )
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", world, 1, seq_length_is_variable=True)
     group = mpu.get_sequence_parallel_group()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -136,24 +107,17 @@ def deepspeed(model, world: int):
     vocab = model.config.vocab_size
 
     def loss_fn(self, x, y):  # one tile: logits and the sum of its token losses
-        logits = self.lm_head(x)
-        return torch.nn.functional.cross_entropy(
-            logits.view(-1, vocab).float(), y.view(-1), ignore_index=IGNORE, reduction="sum"
-        )
+        logits = self.lm_head(x).view(-1, vocab).float()
+        return torch.nn.functional.cross_entropy(logits, y.view(-1), ignore_index=IGNORE, reduction="sum")
 
     def step(ids, pos, shift):
-        off = get_checkpoint_hidden_states_offloading_ctx_manager()
+        off = offload_ctx()
         with off:  # its __enter__ returns None
             hidden = model.model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
             shards = max(1, math.ceil(hidden.shape[1] / hidden.shape[2]))  # ours: ceil(S_l / h)
-            loss_sum = TiledFusedLogitsLoss.apply(
-                loss_fn, model, hidden, shift, None, shards, [model.lm_head.weight], "sum"
-            )
-            good = (shift != IGNORE).sum()
-            # DeepSpeed's documented combine: a differentiable all-gather of per-rank sums and counts
-            sums = torch.distributed.nn.functional.all_gather(loss_sum, group=group)
-            goods = torch.distributed.nn.functional.all_gather(good, group=group)
-            loss = sum(sums) / max(int(sum(goods)), 1)
+            loss_sum = TiledFusedLogitsLoss.apply(loss_fn, model, hidden, shift, None, shards, [model.lm_head.weight],
+                                                  "sum")  # fmt: skip
+            loss = sp_loss_combine(loss_sum, (shift != IGNORE).sum(), group)  # DeepSpeed's documented recipe
             loss.backward()
         stats = off.stats
         return loss, {"deepspeed_version": ds.__version__, "ckpt_offload_marked": stats.marked_tensors,
@@ -181,12 +145,6 @@ class _Total:
             free(key)
 
         mem._add, mem._free = _add, _free
-
-
-def _max(x: float) -> float:
-    t = torch.tensor([float(x)], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def probe(step, model, seq: int, vocab: int, packed: bool) -> dict:
@@ -245,16 +203,10 @@ def timed(step, model, seq: int, vocab: int, packed: bool, steps: int) -> float 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--impl", choices=("ours", "deepspeed"), required=True)
-    ap.add_argument(
-        "--tech", choices=("ckpt", "all"), default="all", help="ours: without / with the offloads"
-    )
+    ap.add_argument("--tech", choices=("ckpt", "all"), default="all", help="ours: without / with the offloads")
     ap.add_argument("--data", choices=("causal", "packed"), required=True)
-    ap.add_argument(
-        "--vocab", type=int, default=2048, help="3b's model (alst_worker.FULL) with this vocabulary"
-    )
-    ap.add_argument(
-        "--budget-mib", type=float, default=24.0, help="per-rank budget (huge: a profile to --max-seq)"
-    )
+    ap.add_argument("--vocab", type=int, default=2048, help="3b's model (alst_worker.FULL) with this vocabulary")
+    ap.add_argument("--budget-mib", type=float, default=24.0, help="per-rank budget (huge: a profile to --max-seq)")
     ap.add_argument("--start-seq", type=int, default=1024)
     ap.add_argument("--granularity", type=int, default=512)
     ap.add_argument("--max-seq", type=int, default=32768)
@@ -271,14 +223,7 @@ def main(argv=None) -> None:
     from bench.alst_worker import FULL
 
     setup = dataclasses.replace(FULL, vocab=args.vocab)
-    timeout = datetime.timedelta(seconds=1200)
-    if args.impl == "deepspeed":
-        import deepspeed as ds
-
-        ds.init_distributed(dist_backend="gloo", timeout=timeout)
-    else:
-        dist.init_process_group("gloo", timeout=timeout)
-    torch.set_num_threads(1)
+    init_worker(1200, deepspeed=args.impl == "deepspeed")
     world = dist.get_world_size()
     model = build_model(setup, args.max_seq)
     step = ours(model, world, args.tech) if args.impl == "ours" else deepspeed(model, world)
@@ -290,18 +235,11 @@ def main(argv=None) -> None:
             probes[seq] = probe(step, model, seq, setup.vocab, packed)
         return probes[seq]
 
-    fit = {
-        c: search(measure, c, budget, args.start_seq, args.granularity, args.max_seq)
-        for c in ("device", "total")
-    }
+    fit = {c: search(measure, c, budget, args.start_seq, args.granularity, args.max_seq) for c in ("device", "total")}
     step_s = timed(step, model, args.time_seq, setup.vocab, packed, args.time_steps)
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "world": world, "torch": torch.__version__,
-                       "model": dataclasses.asdict(setup), "budget_bytes": budget, "fit": fit,
-                       "probes": [probes[s] for s in sorted(probes)], "step_seconds": step_s}, f, indent=1)  # fmt: skip
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_worker({"args": vars(args), "world": world, "torch": torch.__version__, "model": dataclasses.asdict(setup),
+                   "budget_bytes": budget, "fit": fit, "probes": [probes[s] for s in sorted(probes)],
+                   "step_seconds": step_s}, args.out)  # fmt: skip
 
 
 if __name__ == "__main__":

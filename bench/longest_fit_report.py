@@ -8,6 +8,8 @@ criterion. Rendering only: every number comes from the JSON.
 
 from __future__ import annotations
 
+from bench.md import table
+
 MIB = 2**20
 SYSTEMS = [("deepspeed", None), ("ours", "ckpt"), ("ours", "all")]
 NAMES = {
@@ -62,8 +64,6 @@ def _r(x: float | None) -> str:
 
 
 def search_table(runs: list[dict]) -> str:
-    from bench.report import table
-
     rows = []
     for data in ("causal", "packed"):
         by = by_system(runs, data)
@@ -84,8 +84,6 @@ def search_table(runs: list[dict]) -> str:
 
 
 def probe_table(runs: list[dict]) -> str:
-    from bench.report import table
-
     seqs = sorted({p["seq"] for r in runs for p in r["probes"] if p["seq"] & (p["seq"] - 1) == 0})
     rows = []
     for r in runs:

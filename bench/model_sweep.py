@@ -99,6 +99,7 @@ def build(model_type: str, seed: int = 0) -> Any:
 def compare(model: Any, *, guard: bool = True, seed: int = 1) -> dict[str, Any]:
     """One step at sp = world size against the same model without SP; call on every rank of a gloo group.
 
+    ``guard=False``: neither the closed-world guard nor the mixer handlers (what SP did before them).
     Returns ``{"verdict": "exact"|"refused"|"wrong", "detail": ...}`` (the same on every rank).
     """
     import copy
@@ -108,6 +109,7 @@ def compare(model: Any, *, guard: bool = True, seed: int = 1) -> dict[str, Any]:
     import torch.nn.functional as F
 
     from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
+    from ulysses_sp.mixers.apply import apply_mixers, has_unsharded_mixers
     from ulysses_sp.mixers.guard import check_sequence_mixing
     from ulysses_sp.parallel.loss import sp_causal_lm_loss
 
@@ -128,6 +130,8 @@ def compare(model: Any, *, guard: bool = True, seed: int = 1) -> dict[str, Any]:
     except Exception as err:  # noqa: BLE001 - the tiny config does not run even without SP
         return {"verdict": "skipped", "detail": f"runs without SP neither: {type(err).__name__}: {err}"[:300]}
     reg = UlyssesSPAttentionHF.register_with_transformers(model, "eager", sp, 1)
+    # the mixers SP shards (short conv, Mamba-2, gated delta-net, KDA), as initialize() applies them
+    mixers = apply_mixers(model, reg.mesh) if guard and has_unsharded_mixers(model) else None
     try:
         s_l = SEQ // sp
         part = slice(rank * s_l, (rank + 1) * s_l)  # this rank's shard: [B, S] -> [B, S_l]
@@ -135,6 +139,8 @@ def compare(model: Any, *, guard: bool = True, seed: int = 1) -> dict[str, Any]:
         logits = model(input_ids=ids[:, part], position_ids=pos, use_cache=False).logits  # [B, S_l, V]
         sp_causal_lm_loss(logits, labels[:, part], reg.get_sequence_parallel_group()).backward()
     finally:
+        if mixers is not None:
+            mixers.remove()
         reg.remove()
     problems = _mismatches(logits.detach(), ref_logits.detach()[:, part], "logits", 0.0)
     # a gradient that is zero in exact arithmetic (a key bias under softmax) is rounding noise in
@@ -278,6 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     import transformers
 
     import ulysses_sp.attention.ulysses  # noqa: F401
+    import ulysses_sp.mixers.apply  # noqa: F401
     import ulysses_sp.mixers.guard  # noqa: F401
     import ulysses_sp.parallel.loss  # noqa: F401
 

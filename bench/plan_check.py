@@ -9,26 +9,24 @@ less what the CPU tracker cannot see: DDP's gradient buckets (allocated at const
 aten op) and the reserve. FSDP2 (ZeRO 2-3) is left out on CPU: its unsharded parameters are
 allocated with ``UntypedStorage.resize_``, invisible to the tracker (``memory.py``'s blind spots).
 
-    PYTHONPATH=src python -m bench.plan_check        # writes bench/results/plan_check.md (~1-2 min)
+    python -m bench.plan_check [--cases N] [--out bench/results/plan_check.md]    # ~1-2 min
 """
 
 from __future__ import annotations
 
-import datetime
-import os
-import platform
-import subprocess
+import argparse
 import sys
 from typing import Any
 
+from bench import md
+from bench.launch import finish_worker, init_worker, run_worker, under_torchrun
+
 CASES_TECH: list[dict[str, bool]] = [
-    {},
-    {"activation_checkpointing": True},
-    {"activation_checkpointing": True, "offload_activations": True},
-    {"tiled_mlp": True},
-    {"tiled_loss": True},
+    {}, {"activation_checkpointing": True}, {"activation_checkpointing": True, "offload_activations": True},
+    {"tiled_mlp": True}, {"tiled_loss": True},
     {"tiled_mlp": True, "tiled_loss": True, "activation_checkpointing": True, "offload_activations": True},
-]
+]  # fmt: skip
+SHORT = {"tiled_mlp": "mlp", "tiled_loss": "loss", "activation_checkpointing": "ckpt", "offload_activations": "offload"}
 
 
 def grid() -> list[dict[str, Any]]:
@@ -74,20 +72,12 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
     mesh = init_mesh(sp_size=sp)
     model = tasks.build_model(cfg.model, vocab_size=len(tasks.load_tokenizer(None, cfg.model)), seed=0)
     handles, loss_fn = _techniques(cfg, model)
-    mpu = (
-        UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1, seq_length=s, mesh=mesh)
-        if sp > 1
-        else None
-    )
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1, seq_length=s, mesh=mesh) if sp > 1 else None
     engine, *_ = initialize(model, cfg.training_config(), mpu=mpu or mesh.mpu, loss_fn=loss_fn)
     ids = torch.randint(0, 250, (1, s), generator=torch.Generator().manual_seed(mesh.dp_rank))
     labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], 1)
     cols = slice(mesh.sp_rank * s // sp, (mesh.sp_rank + 1) * s // sp)
-    batch = {
-        "input_ids": ids[:, cols],
-        "position_ids": torch.arange(s)[cols][None],
-        "shift_labels": labels[:, cols],
-    }
+    batch = {"input_ids": ids[:, cols], "position_ids": torch.arange(s)[cols][None], "shift_labels": labels[:, cols]}
 
     def step() -> None:
         out = engine(**batch)
@@ -131,71 +121,40 @@ def predict_case(case: dict[str, Any], world: int = 2) -> dict[str, Any]:
             "comm_share": pred.comm_share}  # fmt: skip
 
 
-def _label(case: dict[str, Any]) -> str:
-    tech = [
-        k
-        for k in ("tiled_mlp", "tiled_loss", "activation_checkpointing", "offload_activations")
-        if case.get(k)
-    ]
-    short = {
-        "tiled_mlp": "mlp",
-        "tiled_loss": "loss",
-        "activation_checkpointing": "ckpt",
-        "offload_activations": "offload",
-    }
-    return "+".join(short[t] for t in tech) or "plain"
-
-
 def measure_all(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``measure`` for each case, in one process group (one pool call for the whole grid)."""
     return [measure(c) for c in cases]
 
 
-def main() -> None:
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-    from harness import WorkerPool  # the test suite's spawned gloo workers
-
-    cases = grid()
-    pool = WorkerPool(max_workers=2)
-    try:
-        measured = pool.run(measure_all, 2, cases)[0]
-    finally:
-        pool.close()
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    import torch
-
-    lines = [
-        "# plan_check: predicted vs measured peak per rank and comm share",
-        "",
-        f"Run {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, commit {commit}, host "
-        f"{platform.node()} ({os.cpu_count()} CPUs), torch {torch.__version__}; `python -m bench.plan_check`.",
-        "2 gloo ranks on CPU, fp32, micro-batch 1, second optimizer step (AdamW state exists). Predicted = "
-        "`plan.predict` less DDP's gradient buckets (invisible to the CPU tracker); measured = "
-        "`track_peak_memory` (busiest rank). comm share: measured with `record_comm_times` on gloo/CPU "
-        "vs the planner's CPU row of `plan_hw.DEVICES` (a rough guess: not expected to agree).",
-        "",
-        "| model | S | sp | zero | techniques | predicted MiB | measured MiB | pred/meas | host MiB pred/meas "
-        "| comm share pred | comm share meas |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    worst = 0.0
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", type=int, help="only the first N settings of the grid (a quick check)")
+    ap.add_argument("--out", default=str(md.ROOT / "bench" / "results" / "plan_check.md"))
+    args = ap.parse_args(argv)
+    cases = grid()[: args.cases]
+    if under_torchrun():
+        init_worker()
+        return finish_worker(measure_all(cases), args.out)
+    run = md.provenance(" ".join(["python -m bench.plan_check", *(argv if argv is not None else sys.argv[1:])]))
+    measured, _, _ = run_worker("bench.plan_check", 2, [f"--cases={len(cases)}"], timeout=1800)
+    rows, worst = [], 0.0
     for case, got in zip(cases, measured):
         pred = predict_case(case)
         ratio = pred["trackable_bytes"] / got["peak_bytes"]
         worst = max(worst, abs(ratio - 1))
-        lines.append(
-            f"| {case['model']} | {case['seq_len']} | {case['sp']} | {case['zero_stage']} | {_label(case)} | "
-            f"{pred['trackable_bytes'] / 2**20:.2f} | {got['peak_bytes'] / 2**20:.2f} | {ratio:.3f} | "
-            f"{pred['host_bytes'] / 2**20:.2f} / {got['host_peak_bytes'] / 2**20:.2f} | "
-            f"{pred['comm_share']:.0%} | {got['comm_share']:.0%} |"
-        )
-    lines += ["", f"Largest deviation: {worst:.1%} over {len(cases)} settings."]
-    out = os.path.join(os.path.dirname(__file__), "results", "plan_check.md")
-    with open(out, "w", encoding="utf-8") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        rows.append([case["model"], case["seq_len"], case["sp"], case["zero_stage"],
+                     "+".join(v for k, v in SHORT.items() if case.get(k)) or "plain",
+                     f"{pred['trackable_bytes'] / 2**20:.2f}", f"{got['peak_bytes'] / 2**20:.2f}", f"{ratio:.3f}",
+                     f"{pred['host_bytes'] / 2**20:.2f} / {got['host_peak_bytes'] / 2**20:.2f}",
+                     f"{pred['comm_share']:.0%}", f"{got['comm_share']:.0%}"])  # fmt: skip
+    md.page(args.out, "plan_check: predicted vs measured peak per rank and comm share", run, [
+        "2 gloo ranks on CPU, fp32, micro-batch 1, second optimizer step (AdamW state exists). Predicted = "
+        "`plan.predict` less DDP's gradient buckets (invisible to the CPU tracker); measured = "
+        "`track_peak_memory` (busiest rank). comm share: measured with `record_comm_times` on gloo/CPU "
+        "vs the planner's CPU row of `plan.hardware.DEVICES` (a rough guess: not expected to agree).",
+        md.table(["model", "S", "sp", "zero", "techniques", "predicted MiB", "measured MiB", "pred/meas",
+                  "host MiB pred/meas", "comm share pred", "comm share meas"], rows),
+        f"Largest deviation: {worst:.1%} over {len(cases)} settings."])  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -11,33 +11,29 @@
    ``torch.distributed`` collective during 3 training steps of a 2-rank sp=2 run (the guard
    adds none; the stop flag rides on the peak-memory reduction the loop already made).
 
-Writes ``bench/results/reliability.md`` headed by the run (date, commit, host, torch).
+Writes ``bench/results/reliability.md`` (``--out``); ``--max-mib 16`` is the quick check.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 import torch
 
-from . import __main__ as suite
+from bench import md
+from bench.launch import finish_worker, init_worker, run_worker, under_torchrun
 
-OUT = os.path.join(os.path.dirname(__file__), "results", "reliability.md")
 SIZES_MIB = [1, 16, 256, 4096, 65536]
-BASELINE = "4553dbd"
-"""The commit this branch started from (no reliability checks), for the collective counts."""
-
-
-def fingerprint_rows(root: str) -> list[str]:
+def fingerprint_rows(root: str, max_mib: int) -> list[list]:
     from ulysses_sp.run.rundir import data_fingerprint
 
     rows = []
-    for mib in SIZES_MIB:
+    for mib in (m for m in SIZES_MIB if m <= max_mib):
         path = os.path.join(root, f"corpus-{mib}.txt")
         if mib <= 256:
             with open(path, "wb") as f:
@@ -52,7 +48,7 @@ def fingerprint_rows(root: str) -> list[str]:
             data_fingerprint(path)
             times.append(time.perf_counter() - t0)
         kind = "sparse" if mib > 256 else "random"
-        rows.append(f"| {mib:,} MiB ({kind}) | {read >> 20} MiB | {statistics.median(times) * 1e3:.1f} ms |")
+        rows.append([f"{mib:,} MiB ({kind})", f"{read >> 20} MiB", f"{statistics.median(times) * 1e3:.1f} ms"])
         os.remove(path)
     return rows
 
@@ -90,23 +86,15 @@ def _save_times(root: str) -> tuple[float, float, int, int]:
     return statistics.median(plain), statistics.median(checked), estimate, written
 
 
-def _count_worker() -> None:
-    """Run under torchrun (2 ranks): count collectives per optimizer step of a registered sp=2 model."""
+def count_worker() -> dict[str, float]:
+    """Under torchrun (2 ranks): collectives per optimizer step of a registered sp=2 model."""
     import torch.distributed as dist
 
     from ulysses_sp import UlyssesSPAttentionHF, initialize
     from ulysses_sp.data import UlyssesSPDataLoaderAdapter
 
-    dist.init_process_group("gloo")
     counts: dict[str, int] = {}
-    for name in (
-        "all_reduce",
-        "all_gather",
-        "all_gather_object",
-        "all_to_all_single",
-        "broadcast",
-        "barrier",
-    ):
+    for name in ("all_reduce", "all_gather", "all_gather_object", "all_to_all_single", "broadcast", "barrier"):
         original = getattr(dist, name)
 
         def counted(*a, _o=original, _n=name, **k):
@@ -130,81 +118,36 @@ def _count_worker() -> None:
     for _ in range(2):
         engine.backward(engine(**next(batches)).loss)
         engine.step()
-    if dist.get_rank() == 0:
-        print("COUNTS", {k: v / 2 for k, v in sorted(counts.items())})
     mpu.remove()
-    dist.destroy_process_group()
+    return {k: v / 2 for k, v in sorted(counts.items())}
 
 
-def collective_counts(src: str) -> str:
-    """The count worker's per-step counts with ``src`` (a ``src/`` folder) first on the path."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "bench.reliability", "--count-worker"]  # fmt: skip
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([src, root])}
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env=env, timeout=600, check=True)
-    return next(line for line in r.stdout.splitlines() if line.startswith("COUNTS")).removeprefix("COUNTS ")
-
-
-def baseline_src(tmp: str, rev: str) -> str | None:
-    """``src/`` of ``rev`` (the code before the reliability checks), extracted into ``tmp``."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    archive = subprocess.run(["git", "archive", rev, "src"], cwd=root, capture_output=True)
-    if archive.returncode:
-        return None
-    subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
-    return os.path.join(tmp, "src")
-
-
-def main() -> None:
-    if "--count-worker" in sys.argv:
-        _count_worker()
-        return
-    run = suite.new_run("python -m bench.reliability")
-    start = time.perf_counter()
-    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--max-mib", type=int, default=SIZES_MIB[-1], help="largest corpus file of the fingerprint")
+    ap.add_argument("--out", default=str(md.ROOT / "bench" / "results" / "reliability.md"))
+    args = ap.parse_args(argv)
+    if under_torchrun():
+        init_worker()
+        return finish_worker(count_worker(), args.out)
+    run = md.provenance(" ".join(["python -m bench.reliability", *(argv if argv is not None else sys.argv[1:])]))
     with tempfile.TemporaryDirectory() as root:
-        rows = fingerprint_rows(root)
+        rows = fingerprint_rows(root, args.max_mib)
         plain, checked, estimate, written = _save_times(root)
-        counts = collective_counts(here)
-        old = baseline_src(root, BASELINE)
-        before = collective_counts(old) if old else "n/a (baseline commit not found)"
-    lines = [
-        "# Reliability checks: what they cost",
-        "",
-        f"Run {run['id']}: {run['date']}, commit {run['commit']}, host {run['host']}, torch {torch.__version__}, "
-        f"{run['machine']['cpus']} CPUs; `{run['invocation']}`, {time.perf_counter() - start:.0f} s.",
-        "",
+        counts = run_worker("bench.reliability", 2, [])[0]
+    md.page(args.out, "Reliability checks: what they cost", run, [
         "## Data fingerprint recorded for `--resume` (per file)",
-        "",
-        "| corpus file | bytes hashed | time (median of 3) |",
-        "|---|---|---|",
-        *rows,
-        "",
+        md.table(["corpus file", "bytes hashed", "time (median of 3)"], rows),
         "## One checkpoint save (4-layer Llama, hidden 256, AdamW; 1 process, median of 5)",
-        "",
-        "| save | time | ratio |",
-        "|---|---|---|",
-        f"| `save_checkpoint` | {plain * 1e3:.0f} ms | 1.00 |",
-        f"| `checked_save` (finite flag + free-space estimate + save) | {checked * 1e3:.0f} ms | {checked / plain:.2f} |",
-        "",
+        md.table(["save", "time", "ratio"], [["`save_checkpoint`", f"{plain * 1e3:.0f} ms", "1.00"], [
+            "`checked_save` (finite flag + free-space estimate + save)", f"{checked * 1e3:.0f} ms",
+            f"{checked / plain:.2f}"]]),
         f"Estimated checkpoint size {estimate / 2**20:.2f} MiB (incl. 5% + 1 MiB margin) vs written "
         f"{written / 2**20:.2f} MiB.",
-        "",
         "## Collectives per optimizer step (2 ranks, sp=2, registered tiny Llama, after one warm-up step)",
-        "",
-        "| code | collectives per step (by function) |",
-        "|---|---|",
-        f"| before the checks ({BASELINE}) | `{before}` |",
-        f"| with the divergence guard, batch-shape check, misuse check | `{counts}` |",
-        "",
-        "The guard's verdict uses the already reduced loss and gradient norm; the batch-shape check rides",
-        "on the per-forward length gather; the misuse check runs once, and only for unregistered models.",
-    ]
-    os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    with open(OUT, "w", encoding="utf-8") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        md.table(["collective", "calls per step"], [[f"`{k}`", v] for k, v in counts.items()]),
+        "The guard's verdict uses the already reduced loss and gradient norm; the batch-shape check rides "
+        "on the per-forward length gather; the misuse check runs once, and only for unregistered models."])  # fmt: skip
 
 
 if __name__ == "__main__":

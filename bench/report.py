@@ -14,7 +14,8 @@ import math
 import os
 from collections import defaultdict
 
-from bench import longest_fit_report
+from bench import findings, longest_fit_report
+from bench.md import data, label, produced_by, table
 
 MIB = 2**20
 BUDGET_MIB = 64
@@ -22,11 +23,6 @@ BUDGET_MIB = 64
 
 
 # ---------------------------------------------------------------------------------------------- derived
-def data(result: dict, section: str, default=None):
-    s = result["sections"].get(section)
-    return default if s is None else s["data"]
-
-
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """Least-squares ``y = a x + c``; returns ``(a, c)``."""
     n = len(xs)
@@ -62,18 +58,6 @@ def throughput_rows(records: list[dict]) -> list[dict]:
     base = {r["world"]: r["tokens_per_s_per_rank"] for r in records if r["sp"] == 1}
     return [{**r, "ratio_to_sp1": r["tokens_per_s_per_rank"] / base[r["world"]] if r["world"] in base else None}
             for r in records]  # fmt: skip
-
-
-def projection_inputs(comm: list[dict], memory: list[dict]) -> dict:
-    """What the projection takes from this run: the all-to-all bytes ratio and one layer's activations."""
-    comm_ratio = max((max(r["fwd_ratio"], r["bwd_ratio"]) for r in comm), default=1.0)
-    fits = [f for f in memory_fits(memory) if f["tiled"]]
-    if not fits:
-        return {"comm_ratio": comm_ratio, "act_units": 12.0, "act_units_source": "default (no memory run)"}
-    f = max(fits, key=lambda f: (f["sp"], f["world"]))
-    units = f["slope_bytes_per_token"] * f["sp"] / (f["layers"] * f["hidden"] * 4)
-    source = f"memory fit world={f['world']} sp={f['sp']} tiled (per local token, per layer)"
-    return {"comm_ratio": comm_ratio, "act_units": units, "act_units_source": source}
 
 
 def alst_rows(am: dict) -> list[dict]:
@@ -148,36 +132,12 @@ def targets(result: dict) -> list[list]:
             ["5c. peak tensor memory ours / DeepSpeed", "<= 1.0", each(lambda r: f"{r['peak_ratio']:.2f}"),
              all(r["peak_ratio"] <= 1.0 for r in rows), "deepspeed"],
         ]  # fmt: skip
-    if pj := data(result, "projection"):
-        desc = "; ".join(f"P={r['P']}{' offload' if r['offload_states'] else ''}: {r['max_seq'] / 1e6:.2f}M"
-                         + (f" = {r['ratio_to_published']:.2f}x published" if r["ratio_to_published"] else "")
-                         for r in pj["rows"])  # fmt: skip
-        out.append(["6. projected max sequence, Llama-8B, 80 GB", "vs 0.5M (1 GPU), 3.7M (8 GPUs)", desc, None,
-                    "projection"])  # fmt: skip
     if lf := data(result, "longest_fit"):
         out.append(longest_fit_report.target(lf))
     return out
 
 
 # ---------------------------------------------------------------------------------------------- markdown
-def table(header: list[str], rows: list[list]) -> str:
-    cell = lambda c: " ".join(str(c).split()).replace("|", "\\|")  # noqa: E731  (one line, no stray column)
-    lines = ["| " + " | ".join(map(cell, header)) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(map(cell, row)) + " |" for row in rows])
-
-
-def run_label(run: dict) -> str:
-    m = run["machine"]
-    wall = "not recorded" if run.get("wall_s") is None else f"{run['wall_s']:.0f} s"
-    return (f"run `{run['id']}`: `{run['invocation']}` on {run['date']}, commit {run['commit']}, host "
-            f"{run['host']} ({m['processor']}, {m['cpus']} CPU cores, {m['platform']}; Python {m['python']}, "
-            f"torch {m['torch']}, transformers {m['transformers']}, {m['backend']}), wall time {wall}")  # fmt: skip
-
-
-def produced_by(result: dict, section: str) -> str:
-    return f"*Produced by {run_label(result['runs'][result['sections'][section]['run']])}.*"
-
-
 def _status(ok) -> str:
     return "n/a" if ok is None else ("met" if ok else "**not met**")
 
@@ -198,7 +158,7 @@ def targets_md(result: dict) -> str:
     rows = targets(result)
     runs = sorted({result["sections"][t[4]]["run"] for t in rows})
     body = [[*t[:3], _status(t[3]), f"`{result['sections'][t[4]]['run']}`"] for t in rows]
-    labels = "\n".join(f"- {run_label(result['runs'][r])}" for r in runs)
+    labels = "\n".join(f"- {label(result['runs'][r])}" for r in runs)
     return table(["measure", "target", "measured", "status", "run"], body) + "\n\nRuns:\n\n" + labels
 
 
@@ -284,23 +244,8 @@ def _sec_deepspeed(pairs: list[dict]) -> tuple[str, str]:
         "\n\n".join([main, "Per phase (fastest step of each side):", delta, *failed])  # fmt: skip
 
 
-def _sec_projection(pj: dict) -> tuple[str, str]:
-    inputs = table(["input", "value", "source"],
-                   [["all-to-all bytes / minimum", f"{pj['comm_ratio']:.4f}", "section 1"],
-                    ["one layer's activations, tensors of [S_l, h]", f"{pj['act_units']:.1f}", pj["act_units_source"]]])  # fmt: skip
-    return "6. Projection: Llama-8B, 80 GB per GPU (model and constants: `bench/projection.py`)", inputs + "\n\n" + table(
-        ["GPUs (P)", "model states", "states GB/GPU", "act bytes/local token", "projected max S", "published",
-         "projected / published", "a2a GB/layer fwd", "a2a s/step", "compute s/step", "a2a share", "host ckpt GB/GPU"],
-        [[r["P"], "offloaded" if r["offload_states"] else "ZeRO-3", f"{r['states_gb']:.1f}",
-          f"{r['act_bytes_per_local_token']:.0f}", f"{r['max_seq'] / 1e6:.2f}M",
-          f"{r['published_seq'] / 1e6:.2f}M" if r["published_seq"] else "",
-          f"{r['ratio_to_published']:.2f}" if r["ratio_to_published"] else "", f"{r['a2a_gb_per_layer_fwd']:.2f}",
-          f"{r['a2a_s_per_step']:.1f}", f"{r['compute_s_per_step']:.0f}", f"{r['a2a_share']:.3f}",
-          f"{r['host_checkpoint_gb_per_rank']:.0f}"] for r in pj["rows"]])  # fmt: skip
-
-
 SECTIONS_MD = {"comm": _sec_comm, "flops": _sec_flops, "memory": _sec_memory, "alst_memory": _sec_alst,
-               "throughput": _sec_throughput, "deepspeed": _sec_deepspeed, "projection": _sec_projection,
+               "throughput": _sec_throughput, "deepspeed": _sec_deepspeed,
                "longest_fit": longest_fit_report.render}  # fmt: skip
 
 
@@ -327,10 +272,8 @@ def write(result: dict, out_dir: str, *, name: str) -> str:
     with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write(render(result))
     if data(result, "findings"):
-        from bench.findings import render_findings
-
         with open(os.path.join(out_dir, "deepspeed_findings.md"), "w") as f:
-            f.write(render_findings(result))
+            f.write(findings.render_findings(result))
     if lf := data(result, "longest_fit"):  # also on its own page, as the findings are
         head, body = longest_fit_report.render(lf)
         with open(os.path.join(out_dir, "longest_fit.md"), "w") as f:

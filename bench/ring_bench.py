@@ -2,8 +2,8 @@
 
     python -m bench.ring_bench [--smoke] [--repeats 30] [--out bench/results/ring.md]
 
-Launches ``bench.ring_bench --worker ...`` through bench/launch.py (``torchrun``, gloo, CPU, one
-thread per rank) and writes one markdown report:
+Launches itself through bench/launch.py (``torchrun``, gloo, CPU, one thread per rank; ``--task``
+picks the worker's part) and writes one markdown report:
 
 (a) **bytes** each ring rank sends per layer call (forward + backward), counted by ``RingStats``,
     against the analytic ring volume ``2 (R-1) KV + R dKV`` (``KV = 2 B Hkv S_r D`` elements in the
@@ -20,17 +20,16 @@ thread per rank) and writes one markdown report:
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 import torch.distributed as dist
+
+from bench import md
+from bench.launch import finish_worker, init_worker, max_over_ranks, run_worker, under_torchrun
 
 COUNT_SHAPE = {"b": 1, "h": 8, "hkv": 2, "s": 2048, "d": 64}
 BF16_SHAPE = {"b": 1, "h": 8, "hkv": 2, "s": 512, "d": 64}  # bf16 matmuls are slow on CPU
@@ -85,9 +84,7 @@ def task_counts(group, smoke: bool) -> dict:
 
 
 def _slowest(seconds: float, group) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.item()
+    return max_over_ranks(seconds, group)
 
 
 def _mean(x: float, group) -> float:
@@ -137,131 +134,90 @@ def task_timing(group, smoke: bool, repeats: int) -> dict:
     return out
 
 
-def worker(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--worker", choices=("counts", "timing"), required=True)
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--repeats", type=int, default=30)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args(argv)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
-    torch.set_num_threads(1)
+def worker(task: str, smoke: bool, repeats: int):
     group = dist.new_group(list(range(dist.get_world_size())))  # the ring: every rank of this launch
-    if args.worker == "counts":
-        res = [None] * dist.get_world_size()
-        dist.all_gather_object(res, task_counts(group, args.smoke))
-    else:
-        res = task_timing(group, args.smoke, args.repeats)
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(res, f, default=str)
-    dist.barrier()
-    from ulysses_sp.parallel.mesh import shutdown
-
-    shutdown()
-
-
-def _header() -> str:
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    return (f"Run {now}, commit {commit or '?'}, host {platform.node()} ({os.cpu_count()} CPUs), "
-            f"torch {torch.__version__}, gloo ranks on CPU, one thread each; 1-minute load average at the "
-            f"end {os.getloadavg()[0]:.1f} (other users of the machine included).")  # fmt: skip
+    if task == "timing":
+        return task_timing(group, smoke, repeats)
+    res = [None] * dist.get_world_size()
+    dist.all_gather_object(res, task_counts(group, smoke))
+    return res
 
 
 def _shape(s: dict) -> str:
     return f"B={s['b']}, H={s['h']}, Hkv={s['hkv']}, S={s['s']}, D={s['d']}"
 
 
-def report(counts: dict[int, list[dict]], timing: dict, argv: list[str], repeats: int) -> str:
-    lines = ["# Ring attention: bytes, causal load balance, overlap (issue 15)", "", _header(), "",
-             f"Command: `python -m bench.ring_bench{''.join(' ' + a for a in argv)}`", "",
-             "## (a) Bytes each rank sends per layer call (forward + backward)", "",
-             "Analytic ring volume: `2 (R-1)` K/V hops (K and V packed, input dtype) + `R` dK/dV hops (fp32 "
-             "accumulators; the last takes them home); `KV = 2 B Hkv S_r D` elements. Counted by `RingStats`.", "",
-             "| R | dtype | shape | messages | bytes sent (every rank) | analytic | ratio |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+def report(counts: dict[int, list[dict]], timing: dict, repeats: int) -> list[str]:
+    byte_rows, flop_rows, time_rows = [], [], []
     for r, recs in counts.items():
         for dtype in ("torch.float32", "torch.bfloat16"):
             per_rank = {tuple(rec[f"bytes_{dtype}"][:3]) for rec in recs}
             sent, messages, analytic = max(per_rank)
-            same = "" if len(per_rank) == 1 else " (ranks differ!)"
-            lines.append(f"| {r} | {dtype.split('.')[1]} | {_shape(recs[0][f'bytes_{dtype}'][3])} | {messages} | "
-                         f"{sent:,}{same} | {analytic:,} | {sent / analytic:.2f}x |")  # fmt: skip
-    lines += ["", "## (b) FLOPs per rank under the causal mask (forward + backward)", "",
-              "`BlockCounts.flops` of the blocks each rank computes (fully masked blocks are skipped; a "
-              "block on the diagonal counts whole). Auto block size. Contiguous pieces would ideally show "
-              "`2R - 1` (3 at R = 2, 7 at R = 4); whole diagonal blocks make the measured ratio a little smaller.", "",
-              "| R | layout | FLOPs per rank (GFLOP) | max/min | blocks computed / skipped per rank |",
-              "|---|---|---|---|---|"]  # fmt: skip
-    for r, recs in counts.items():
+            byte_rows.append([r, dtype.split(".")[1], _shape(recs[0][f"bytes_{dtype}"][3]), messages,
+                              f"{sent:,}" + ("" if len(per_rank) == 1 else " (ranks differ!)"), f"{analytic:,}",
+                              f"{sent / analytic:.2f}x"])  # fmt: skip
         for layout in ("zigzag", "contiguous"):
             f = [rec[f"flops_{layout}"] for rec in recs]
-            gf = ", ".join(f"{x[0] / 1e9:.2f}" for x in f)
-            blocks = ", ".join(f"{x[1]}/{x[2]}" for x in f)
-            lines.append(
-                f"| {r} | {layout} | {gf} | {max(x[0] for x in f) / min(x[0] for x in f):.3f} | {blocks} |"
-            )
-    lines.append(f"\nShape: {_shape(next(iter(counts.values()))[0]['bytes_torch.float32'][3])}, fp32.")
-    lines += ["", "## (c) Overlap of the hops with compute, R = 2", "",
-              f"Forward + backward of one layer call, slowest rank, median (best) of {repeats} rounds alternating "
-              "the modes; `hops alone` = the same hops with no compute (median). Share of the communication "
-              "hidden, three ways: **best** = `(best no-overlap - best overlap) / hops alone` (best-of-N resists "
-              "bursts of other load); **paired** = the median (quartiles) of the per-round differences over "
-              "`hops alone`; **waits** = `1 - wait(overlap) / wait(no overlap)` from `RingStats.wait_s` (host time "
-              "blocked in waits, mean over ranks; includes the ranks' skew). Time-based shares are left out where "
-              "the hops are under 5 % of the time (below this machine's noise).", "",
-              "| shape | overlap (s) | no overlap (s) | hops alone (s) | hops / no-overlap time | hidden: best | hidden: paired | hidden: waits |",
-              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+            flop_rows.append([r, layout, ", ".join(f"{x[0] / 1e9:.2f}" for x in f),
+                              f"{max(x[0] for x in f) / min(x[0] for x in f):.3f}", ", ".join(f"{x[1]}/{x[2]}" for x in f)])  # fmt: skip
     for name, t in timing.items():
         med = {k: statistics.median(v) for k, v in t.items() if k != "shape"}
         comm, share = med["comm"], med["comm"] / med["no_overlap"]
         saved = [n - o for n, o in zip(t["no_overlap"], t["overlap"])]  # paired by round
         q1, q2, q3 = statistics.quantiles(saved, n=4) if len(saved) > 1 else saved * 3
-        best = (min(t["no_overlap"]) - min(t["overlap"])) / comm
+        best, paired = "not measurable", "not measurable"
         if share >= MEASURABLE:
-            best, paired = f"{best:.0%}", f"{q2 / comm:.0%} ({q1 / comm:.0%} .. {q3 / comm:.0%})"
-        else:
-            best = paired = "not measurable"
-        by_wait = 1 - med["wait_overlap"] / med["wait_no_overlap"]
-        lines.append(f"| {name}: {_shape(t['shape'])} | {med['overlap']:.4f} ({min(t['overlap']):.4f}) | "
-                     f"{med['no_overlap']:.4f} ({min(t['no_overlap']):.4f}) | {comm:.4f} | {share:.1%} | "
-                     f"{best} | {paired} | {by_wait:.0%} |")  # fmt: skip
-    lines += ["", "A shared 2-core CPU machine: each rank computes on one core and gloo moves the bytes on "
-              "background threads that compete with the other rank's compute for the same two cores, so "
-              "overlap here can hide only what a spare cycle allows; differences under ~10-20 % of a "
-              "time are noise. On GPUs (NCCL on its own stream) the hops run beside the compute."]  # fmt: skip
-    return "\n".join(lines) + "\n"
+            best = f"{(min(t['no_overlap']) - min(t['overlap'])) / comm:.0%}"
+            paired = f"{q2 / comm:.0%} ({q1 / comm:.0%} .. {q3 / comm:.0%})"
+        time_rows.append([f"{name}: {_shape(t['shape'])}", f"{med['overlap']:.4f} ({min(t['overlap']):.4f})",
+                          f"{med['no_overlap']:.4f} ({min(t['no_overlap']):.4f})", f"{comm:.4f}", f"{share:.1%}", best,
+                          paired, f"{1 - med['wait_overlap'] / med['wait_no_overlap']:.0%}"])  # fmt: skip
+    return [
+        "gloo ranks on CPU, one thread each; 1-minute load average at the end "
+        f"{os.getloadavg()[0]:.1f} (other users of the machine included).",
+        "## (a) Bytes each rank sends per layer call (forward + backward)",
+        "Analytic ring volume: `2 (R-1)` K/V hops (K and V packed, input dtype) + `R` dK/dV hops (fp32 "
+        "accumulators; the last takes them home); `KV = 2 B Hkv S_r D` elements. Counted by `RingStats`.",
+        md.table(["R", "dtype", "shape", "messages", "bytes sent (every rank)", "analytic", "ratio"], byte_rows),
+        "## (b) FLOPs per rank under the causal mask (forward + backward)",
+        "`BlockCounts.flops` of the blocks each rank computes (fully masked blocks are skipped; a block on the "
+        "diagonal counts whole). Auto block size. Contiguous pieces would ideally show `2R - 1` (3 at R = 2, 7 at "
+        "R = 4); whole diagonal blocks make the measured ratio a little smaller.",
+        md.table(["R", "layout", "FLOPs per rank (GFLOP)", "max/min", "blocks computed / skipped per rank"], flop_rows),
+        f"Shape: {_shape(next(iter(counts.values()))[0]['bytes_torch.float32'][3])}, fp32.",
+        "## (c) Overlap of the hops with compute, R = 2",
+        f"Forward + backward of one layer call, slowest rank, median (best) of {repeats} rounds alternating the "
+        "modes; `hops alone` = the same hops with no compute (median). Share of the communication hidden, three "
+        "ways: **best** = `(best no-overlap - best overlap) / hops alone` (best-of-N resists bursts of other "
+        "load); **paired** = the median (quartiles) of the per-round differences over `hops alone`; **waits** = "
+        "`1 - wait(overlap) / wait(no overlap)` from `RingStats.wait_s` (host time blocked in waits, mean over "
+        "ranks; includes the ranks' skew). Time-based shares are left out where the hops are under 5 % of the "
+        "time (below this machine's noise).",
+        md.table(["shape", "overlap (s)", "no overlap (s)", "hops alone (s)", "hops / no-overlap time",
+                  "hidden: best", "hidden: paired", "hidden: waits"], time_rows),
+        "A shared 2-core CPU machine: each rank computes on one core and gloo moves the bytes on background "
+        "threads that compete with the other rank's compute for the same two cores, so overlap here can hide "
+        "only what a spare cycle allows; differences under ~10-20 % of a time are noise. On GPUs (NCCL on its "
+        "own stream) the hops run beside the compute."]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if "--worker" in argv:
-        return worker(argv)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, 2 rounds (seconds)")
     ap.add_argument("--repeats", type=int, default=30, help="timing rounds")
-    ap.add_argument("--out", default="bench/results/ring.md")
+    ap.add_argument("--out", default=str(md.ROOT / "bench" / "results" / "ring.md"))
+    ap.add_argument("--task", choices=("counts", "timing"), help=argparse.SUPPRESS)  # the torchrun worker's part
     args = ap.parse_args(argv)
-    from bench.launch import run_worker
-
     repeats = 2 if args.smoke else args.repeats
-    flags = ["--smoke"] if args.smoke else []
-    counts = {}
-    for r in (2, 4):
-        res, cmd, wall = run_worker("bench.ring_bench", r, ["--worker", "counts", *flags])
-        print(f"{cmd}: {wall:.0f} s", file=sys.stderr)
-        counts[r] = res
-    timing, cmd, wall = run_worker(
-        "bench.ring_bench", 2, ["--worker", "timing", "--repeats", str(repeats), *flags]
-    )
-    print(f"{cmd}: {wall:.0f} s", file=sys.stderr)
-    text = report(counts, timing, argv, repeats)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(text)
-    print(text)
+    if under_torchrun():
+        init_worker()
+        return finish_worker(worker(args.task, args.smoke, repeats), args.out)
+    run = md.provenance(" ".join(["python -m bench.ring_bench", *(argv if argv is not None else sys.argv[1:])]))
+    flags = ["--smoke"] * args.smoke + [f"--repeats={repeats}"]
+    counts = {r: run_worker("bench.ring_bench", r, ["--task=counts", *flags])[0] for r in (2, 4)}
+    timing = run_worker("bench.ring_bench", 2, ["--task=timing", *flags])[0]
+    md.page(args.out, "Ring attention: bytes, causal load balance, overlap (issue 15)", run,
+            report(counts, timing, repeats))
 
 
 if __name__ == "__main__":

@@ -38,25 +38,25 @@ class ModelSpec:
         return cls(**json.loads(text))
 
 
-def build_model(spec: ModelSpec, *, seed: int = 0, attn_implementation: str = "sdpa"):
-    """A freshly initialised LlamaForCausalLM in float32 (same weights for the same seed, in any process)."""
+def llama(*, seed: int = 0, attn_implementation: str = "sdpa", **fields):
+    """A freshly initialised fp32 ``LlamaForCausalLM`` in train mode, untied; ``fields`` are LlamaConfig's."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        hidden_size=spec.hidden_size,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        num_hidden_layers=spec.num_hidden_layers,
-        intermediate_size=spec.intermediate_size,
-        vocab_size=spec.vocab_size,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=False,
-        attn_implementation=attn_implementation,
-    )
+    cfg = LlamaConfig(**{"tie_word_embeddings": False, **fields}, attn_implementation=attn_implementation)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).float()
+    model = LlamaForCausalLM(cfg).float().train()
     model.config._attn_implementation = attn_implementation
     return model
+
+
+def build_model(spec: ModelSpec, *, seed: int = 0, attn_implementation: str = "sdpa"):
+    """The benchmark model of ``spec`` (same weights for the same seed, in any process)."""
+    return llama(seed=seed, attn_implementation=attn_implementation, **dataclasses.asdict(spec))
+
+
+def packed_positions(seq: int) -> torch.Tensor:
+    """Position ids ``[1, S]`` of three packed documents of ``S/2, S/4, S/4`` tokens (they restart)."""
+    return torch.cat([torch.arange(n) for n in (seq // 2, seq // 4, seq - seq // 2 - seq // 4)])[None]
 
 
 def make_sample(index: int, seq_len: int, vocab: int, *, seed: int = 1234) -> dict[str, torch.Tensor]:
@@ -92,14 +92,7 @@ class RankStream(torch.utils.data.Dataset):
     """
 
     def __init__(self, rank: int, world: int, mb: int, items: int, seq_len: int, vocab: int) -> None:
-        self.rank, self.world, self.mb, self.items, self.seq_len, self.vocab = (
-            rank,
-            world,
-            mb,
-            items,
-            seq_len,
-            vocab,
-        )
+        self.rank, self.world, self.mb, self.items, self.seq_len, self.vocab = rank, world, mb, items, seq_len, vocab
 
     def __len__(self) -> int:
         return self.items * self.mb
@@ -125,9 +118,7 @@ def adapter_sample_ids(step: int, dp_rank: int, dp_size: int, sp_size: int, mb: 
 
 def reference_step_batches(step: int, dp_size: int, sp_size: int, mb: int, seq_len: int, vocab: int):
     """The batches of all dp replicas at ``step``: what the oracle trains on (one list entry per replica)."""
-    return [
-        make_batch(adapter_sample_ids(step, d, dp_size, sp_size, mb), seq_len, vocab) for d in range(dp_size)
-    ]
+    return [make_batch(adapter_sample_ids(step, d, dp_size, sp_size, mb), seq_len, vocab) for d in range(dp_size)]
 
 
 def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
@@ -146,6 +137,19 @@ def causal_lm_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(
         logits.reshape(-1, logits.shape[-1]).float(), shift.reshape(-1), ignore_index=IGNORE_INDEX
     )
+
+
+def sp_loss_combine(loss_sum, good, group, combine: str = "all_gather") -> torch.Tensor:
+    """The global token mean over the SP group from each rank's loss sum and scored-token count."""
+    if group is None:
+        return loss_sum / max(int(good), 1)
+    import torch.distributed.nn.functional as dnn
+
+    if combine == "all_gather":  # DeepSpeed's documented recipe: differentiable all-gather of sums and counts
+        return sum(dnn.all_gather(loss_sum, group=group)) / max(int(sum(dnn.all_gather(good, group=group))), 1)
+    goods = good.clone()  # all_reduce: the same value and the same (P x local share) gradient
+    torch.distributed.all_reduce(goods, group=group)
+    return dnn.all_reduce(loss_sum, group=group) / max(int(goods), 1)
 
 
 def reference_run(
@@ -177,9 +181,7 @@ def reference_run(
         loss = sum(causal_lm_loss(model, b) for b in batches) / dp_size
         (loss * grad_scale if grad_scale != 1.0 else loss).backward()
         if step == 0:
-            grad_norm = float(
-                torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
-            )
+            grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])))
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()

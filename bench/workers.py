@@ -12,7 +12,7 @@ records (plain dicts) with the per-rank values reduced (max over ranks); rank 0 
   collectives beside), MHA and GQA with ``Hkv`` above, equal to and below ``P``.
 * ``flops``: ``FlopCounterMode`` FLOPs of the local shard's forward+backward and of the model without
   SP on the full sequence. Core attention ``eager``: the counter has no formula for CPU sdpa.
-* ``memory``: peak tensor bytes (``ulysses_sp.memory.meter.track_peak_memory``, parameters included) of
+* ``memory``: peak tensor bytes (``ulysses_sp.memory.track_peak_memory``, parameters included) of
   forward+backward vs sequence length, with and without tiling (tiled MLP + tiled loss).
 * ``throughput``: seconds per forward+backward at equal tokens per rank, and the share of it spent
   inside ``all_to_all_single``.
@@ -21,8 +21,6 @@ records (plain dicts) with the per-rank values reduced (max over ranks); rank 0 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import time
 
 import torch
@@ -32,6 +30,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from bench import analytic
 from bench import spec as S
 from bench.counters import CallTimer, CollectiveCounter
+from bench.launch import finish_worker, init_worker, max_over_ranks
 
 
 def sp_sizes(world: int) -> list[int]:
@@ -69,9 +68,7 @@ def loss_of(model, local: dict, reg, *, tiled: bool = False) -> torch.Tensor:
 
 
 def gather_max(value: float) -> float:
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return max(out)
+    return type(value)(max_over_ranks(value))  # ints stay ints (byte and FLOP counts)
 
 
 def done(reg) -> None:
@@ -148,9 +145,7 @@ def task_memory(smoke: bool) -> list[dict]:
     from ulysses_sp.memory.tiling import apply_tiled_mlp
 
     world = dist.get_world_size()
-    spec = S.ModelSpec(
-        hidden_size=64, num_attention_heads=8, num_key_value_heads=8, intermediate_size=256, vocab_size=1024
-    )
+    spec = S.ModelSpec(hidden_size=64, num_attention_heads=8, num_key_value_heads=8, intermediate_size=256, vocab_size=1024)
     records = []
     for tiled in (False, True):
         for sp in sp_sizes(world):
@@ -210,8 +205,7 @@ def main(argv=None) -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CI)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=180))
-    torch.set_num_threads(1)
+    init_worker(180)
     records = []
     for name in args.tasks.split(","):
         t0 = time.perf_counter()
@@ -219,13 +213,7 @@ def main(argv=None) -> None:
         for r in recs:
             r.update(world=dist.get_world_size(), task_wall_s=round(time.perf_counter() - t0, 2))
         records += recs
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(records, f, indent=1)
-    dist.barrier()
-    from ulysses_sp.parallel.mesh import shutdown
-
-    shutdown()  # joins the gloo workers now, not during interpreter exit
+    finish_worker(records, args.out)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from trl import SFTConfig, SFTTrainer
 
 from ulysses_sp import shutdown
-from ulysses_sp.integrations.transformers import prepare  # noqa: E402
+from ulysses_sp.integrations.transformers import prepare
 from ulysses_sp.tasks.tokenizer import byte_tokenizer
 
 SP = 2  # ranks per sequence-parallel group; torchrun's world size / SP ranks are data parallel

@@ -169,7 +169,7 @@ def _bad_input(kind):
         ("core", r"unknown core_attn_implementation 'flashy'"),
         ("lengths", r"local sequence lengths differ between SP ranks: \[8, 4, 4, 4\]"),
         ("max_length", r"S_l \(8\) \* sp_size \(4\) = 32 != max_length \(64\)"),
-        ("local_pos", r"position_ids are local \(0..S_l-1 on every SP rank\)"),
+        ("local_pos", r"the model was called without position_ids on SP rank\(s\) \[0, 1, 2, 3\] of a sequence-parallel forward"),
         ("bypass", r"sequence-parallel attention ran in 0 of 2 attention layers.*attn_implementation='sdpa'"),
     ],
 )

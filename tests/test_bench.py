@@ -1,12 +1,14 @@
 """The benchmark suite: analytic minimum, exact communication counts, and the smoke run end to end.
 
-Keeps bench/ from rotting: ``python -m bench --smoke`` must run, write its JSON and markdown with a
-command on every row, and the all-to-all volume must equal the analytic Ulysses minimum exactly
-(deterministic byte counts) for MHA and GQA, including fewer kv heads than SP ranks.
+Keeps bench/ from rotting: no import cycle among its modules, ``python -m bench --smoke`` must run,
+write its JSON and markdown with a command on every row, the all-to-all volume must equal the
+analytic Ulysses minimum exactly (deterministic byte counts) for MHA and GQA, including fewer kv
+heads than SP ranks, and the step loop of the DeepSpeed comparison must train as the oracle does.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -19,7 +21,63 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # bench/ is a top-level folder of the repository, not an installed package
     sys.path.insert(0, str(ROOT))
 
-from bench import analytic, longest_fit, longest_fit_report  # noqa: E402
+from bench import analytic, longest_fit, longest_fit_report, md  # noqa: E402
+from bench import spec as S  # noqa: E402
+from bench.launch import run_worker  # noqa: E402
+
+
+def _bench_imports() -> dict[str, set[str]]:
+    """``{module: bench modules it imports}`` for every module of bench/, imports at any depth included."""
+    graph = {}
+    for path in (ROOT / "bench").glob("*.py"):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "bench":
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("bench."):
+                found.add(node.module.split(".")[1])
+            elif isinstance(node, ast.Import):
+                found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("bench.")}
+        graph[path.stem] = found
+    return graph
+
+
+def test_bench_modules_import_without_a_cycle_and_md_is_a_leaf():
+    graph = _bench_imports()
+
+    def visit(name: str, stack: list[str]) -> None:
+        assert name not in stack, f"import cycle in bench/: {' -> '.join([*stack, name])}"
+        for dep in graph.get(name, ()):
+            visit(dep, [*stack, name])
+
+    for name in graph:
+        visit(name, [])
+    assert graph["md"] == set() and graph["launch"] == set()  # the leaves every report and worker uses
+    assert "memmeter" not in graph  # one memory meter: the library's
+
+
+def test_a_cycle_is_found_by_the_check():
+    """The check itself: a synthetic graph with a cycle fails it."""
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}}
+
+    def visit(name, stack):
+        if name in stack:
+            raise ValueError(" -> ".join([*stack, name]))
+        for dep in graph[name]:
+            visit(dep, [*stack, name])
+
+    with pytest.raises(ValueError, match="a -> b -> c -> a"):
+        visit("a", [])
+
+
+def test_one_provenance_header_names_date_commit_host_and_wall_time():
+    run = md.finish(md.provenance("python -m bench.example --flag"))
+    label = md.label(run)
+    for part in (run["date"], run["commit"].split("+")[0], run["host"], "`python -m bench.example --flag`",
+                 f"wall time {run['wall_s']:.0f} s"):  # fmt: skip
+        assert part in label, (part, label)
+    assert run["commit"] != "unknown" and run["wall_s"] >= 0
+    assert md.table(["a", "b"], [[1, "x|y"]]) == "| a | b |\n|---|---|\n| 1 | x\\|y |"
 
 
 def test_analytic_minimum_mha_matches_the_textbook_formula():
@@ -81,6 +139,20 @@ def test_longest_fit_ratio_is_ours_over_deepspeed_per_data_and_criterion():
     assert longest_fit_report.ratio(runs, "packed", "device") is None
 
 
+@pytest.mark.slow
+def test_ours_worker_step_loop_trains_as_the_single_process_oracle():
+    """bench/ours_worker.py through the shared step loop (bench/steploop.py), dp1 x sp2 ZeRO 1: the
+    same losses and step-1 gradient norm as ``spec.reference_run``, replicas equal, every meter filled."""
+    args = ["--dp", "1", "--sp", "2", "--zero", "1", "--steps", "3", "--seq-len", "64", "--lr", "1e-2"]
+    res, cmd, _ = run_worker("bench.ours_worker", 2, args, timeout=300)
+    ref = S.reference_run(S.ModelSpec(), steps=3, dp_size=1, sp_size=2, mb=1, seq_len=64, lr=1e-2)
+    torch.testing.assert_close(res["losses"], ref["losses"], rtol=1e-5, atol=1e-5)
+    assert res["grad_norm_step1"] == pytest.approx(ref["grad_norm_step1"], rel=1e-4)
+    assert res["param_spread_in_sp_group"] == 0.0 and "bench.ours_worker" in cmd
+    assert res["peak_bytes"] > res["param_numel"] * 4 * 3  # weights, gradients and AdamW's two moments
+    assert res["comm_bytes"]["forward/all_to_all_single"] > 0 and set(res["phase_s"]) == {"forward", "backward", "step"}
+
+
 def _comm_records():
     from bench.workers import task_comm
 
@@ -127,8 +199,8 @@ def test_smoke_run_writes_json_and_markdown_with_commands(smoke):
     assert {r["task"] for r in _records(smoke)} == {"comm", "flops", "memory", "throughput"}
     for r in _records(smoke):
         assert "torch.distributed.run" in r["command"] and "bench.workers" in r["command"]
-    assert "## Targets" in md and "## 1. Communication volume" in md and "## 6. Projection" in md
-    assert result["sections"]["projection"]["data"]["rows"][0]["max_seq"] > 0
+    assert "## Targets" in md and "## 1. Communication volume" in md and "## 4. Throughput" in md
+    assert set(result["sections"]) == {"comm", "flops", "memory", "throughput"}
 
 
 @pytest.mark.slow

@@ -184,6 +184,8 @@ def test_default_task_learns_and_eval_shows_late_positions(tmp_path):
             "eval",
             "--model",
             ckpt,
+            "--sp",
+            "1",
             "--seq-len",
             "64",
             "--num-samples",

@@ -39,4 +39,7 @@ def test_ring_size_that_cannot_split_the_heads_is_refused_before_start(two_heads
     assert "valid ring sizes for sequence_parallel_size 4: [2, 4]" in proc.stderr
     proc = cli("train", "--model", str(two_heads), "--seq-len", "36", "--sp", "4", "--nproc", "4",
                "--output-dir", str(tmp_path / "y"), check=False)  # fmt: skip
-    assert "--seq-len (36) is not divisible by 8" in proc.stderr
+    assert (
+        "--seq-len 36 is not divisible by 8 (sp 4 x 2 zigzag chunks per ring rank, ring size 2)"
+        in proc.stderr
+    )

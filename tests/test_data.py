@@ -102,7 +102,8 @@ def test_odd_length_is_padded_with_pad_id_ignore_labels_and_continuing_positions
 
 def test_strict_raises_with_length_sp_and_padded_length():
     with pytest.raises(
-        ValueError, match=r"^sequence length 1001 is not divisible by sequence_parallel_size 4; pad to 1004$"
+        ValueError,
+        match=r"^sequence length 1001 is not divisible by 4 \(sp 4\); pad to a multiple of 4, e.g. 1004$",
     ):
         prepare_batch({"input_ids": torch.zeros(1, 1001, dtype=torch.long)}, 4, strict=True)
     assert prepare_batch({"input_ids": torch.zeros(1, 1000, dtype=torch.long)}, 4, strict=True)[

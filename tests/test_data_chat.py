@@ -245,7 +245,7 @@ def test_eval_split_is_deterministic_disjoint_and_complete(tmp_path):
     assert not np.array_equal(held, split_samples(100, 0.1, seed=4)[1])
     with pytest.raises(ValueError, match="--eval-split must be a fraction in \\[0, 1\\)"):
         split_samples(10, 1.5, 0)
-    settings = DataSettings(eval_split=0.25, cache_dir=str(tmp_path / "c"))
+    settings = DataSettings(eval_split=0.25, data_cache=str(tmp_path / "c"))
     path = write_jsonl(tmp_path / "d.jsonl", ROWS)
     kw = dict(tokenizer=chat_tokenizer(), seq_len=64, seed=0, settings=settings)
     tr, ev = build_local_dataset(path, **kw), build_local_dataset(path, held_out=True, **kw)

@@ -24,7 +24,7 @@ VOCAB = 264  # the byte tokenizer's 259, padded
 def _chat_blocks(root: str, seq_len: int):
     rows = [{"messages": conversation(random.Random(i), turns=1 + i % 3)} for i in range(10)]
     path = write_jsonl(f"{root}/chat.jsonl", rows)
-    settings = DataSettings(cache_dir=f"{root}/cache", long_samples="split")
+    settings = DataSettings(data_cache=f"{root}/cache", long_samples="split")
     return build_local_dataset(path, tokenizer=chat_tokenizer(), seq_len=seq_len, seed=0, settings=settings)
 
 

@@ -68,7 +68,7 @@ def test_assistant_only_loss_learns_the_copy_where_scoring_all_tokens_cannot(tmp
     ids, scored = tokenize_record(_echo(rng), fmt="chat", loss_on="all", tokenizer=chat_tokenizer(),
                                   template=CHATML)  # fmt: skip
     settings = DataSettings(
-        loss_on="all", chat_template=template, cache_dir=str(tmp_path / "cache"), workers=1
+        loss_on="all", chat_template=template, data_cache=str(tmp_path / "cache"), data_workers=1
     )
     # the "all" run's blocks (tokenized by that run: read from the cache)
     st = build_local_dataset(data, tokenizer=chat_tokenizer(None), seq_len=SEQ_LEN, seed=0,

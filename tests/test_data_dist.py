@@ -131,7 +131,10 @@ def test_boundary_labels_across_ranks_and_padding_logged_once(pool):
         assert (right["input_ids"][:, -1] == 7).all()
     for _, records in res:
         assert len(records) == 1
-        assert "sequence length 9 is not divisible by sequence_parallel_size 2; padded to 10" in records[0]
+        assert (
+            "sequence length 9 is not divisible by 2 (sp 2); pad to a multiple of 2, e.g. 10: padded to 10"
+            in records[0]
+        )
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -171,7 +174,7 @@ BAD_CASES = {
     "no_input_ids": r"batch has no 'input_ids'",
     "batch_size": r"batch size differs between SP ranks: input_ids batch sizes \[2, 3",
     "position_ids": r"'position_ids' has shape \(1, \d+\) but input_ids is \[B, S\] = \(2, \d+\)",
-    "strict": r"sequence length (9|17) is not divisible by sequence_parallel_size (2|4); pad to (10|20)",
+    "strict": r"sequence length (9|17) is not divisible by (2|4) \(sp (2|4)\); pad to a multiple of (2|4), e.g. (10|20)",
     "sp_size_all": r"sp_world_size \((3|5)\) != size of sp_group \((2|4)\)",
     "sp_size_one": r"sp_world_size \(1\) != size of sp_group \((2|4)\)",
     "lengths": r"loaders have different lengths: rank\(s\) \[1\] of the group ran out",

@@ -103,3 +103,22 @@ def test_loading_refuses_missing_weights_and_meta_models_at_stage_0(pool, tmp_pa
 def _init_meta(directory: str, stage: int) -> None:
     initialize(init_empty_model(directory), {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}},
                mesh_param=(1, 1))  # fmt: skip
+
+
+def _load_in_blocks(directory: str, block_bytes: int) -> int:
+    from transformers import AutoModelForCausalLM
+
+    want = dict(AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).named_parameters())
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    engine, *_ = initialize(init_empty_model(directory), config, mpu=init_mesh((2, 1)).mpu)
+    load_pretrained_weights(engine.module, directory, block_bytes=block_bytes)
+    for name, p in engine.module.named_parameters():
+        assert torch.equal(_full(p.detach()), want[name].detach()), name
+    return len(want)
+
+
+@pytest.mark.parametrize("block_bytes", [1, 100])
+def test_reading_in_blocks_smaller_than_a_row_or_a_shard_equals_from_pretrained(pool, tmp_path, block_bytes):
+    d = str(tmp_path / "m")
+    _save(d, tied=True, shard=True, dtype=torch.bfloat16)  # rows of 64 bytes: 1 row per block, or 1 of several
+    assert pool.run(_load_in_blocks, 2, d, block_bytes)[0] > 0

@@ -66,10 +66,10 @@ def test_shards_cover_the_sequence_once_and_token_order_inverts_them(s, sp, ring
 
 def test_ring_needs_a_length_divisible_by_twice_the_sp_size():
     assert seq_multiple(4, 1) == 4 and seq_multiple(4, 2) == 8
-    with pytest.raises(ValueError, match=r"sequence length 12 is not divisible by 8 .*ring_size 2.*; pad to 16"):
+    with pytest.raises(ValueError, match=r"sequence length 12 is not divisible by 8 \(sp 4 x 2 zigzag chunks per ring rank, ring size 2\); pad to a multiple of 8, e.g. 16"):
         shard_spans(12, 0, 4, 2)
     batch = {"input_ids": torch.arange(12)[None]}
-    with pytest.raises(ValueError, match=r"not divisible by 8 \(2 zigzag chunks x sequence_parallel_size 4"):
+    with pytest.raises(ValueError, match=r"not divisible by 8 \(sp 4 x 2 zigzag chunks per ring rank, ring size 2\)"):
         prepare_batch(batch, 4, strict=True, ring_size=2)
     prepared = prepare_batch(batch, 4, ring_size=2)  # padded to 16
     assert prepared["input_ids"].shape == (1, 16)

@@ -2,9 +2,10 @@
 
 ``bench.model_sweep.compare`` on a 2-rank gloo group (per-position logits and every gradient, fp32,
 rtol 1e-4): dense (Llama), MoE (Qwen2-MoE), MLA (DeepSeek-V3), sliding window (Mistral, window 8 of
-32 tokens) are exact; LFM2 is refused naming its short convolution; a Llama hiding a running sum
-in its MLP is refused — and both are shown to be really wrong when the guard is skipped, so the
-refusals guard against a real error. A custom position-wise module declared with
+32 tokens) and a short-convolution hybrid (LFM2, its mixer sharded) are exact; MiniMax's lightning
+attention is refused naming it; a Llama hiding a running sum in its MLP is refused — and LFM2 and
+the hidden sum are shown to be really wrong without the guard (and the mixer handlers), so what the
+guard refuses is a real error. A custom position-wise module declared with
 ``declare_position_wise`` passes and is exact. The full sweep is ``python -m bench.model_sweep``.
 """
 
@@ -44,13 +45,17 @@ def test_dense_moe_mla_and_sliding_window_are_exact(pool, family):
     assert results == [{"verdict": "exact", "detail": ""}] * 2
 
 
-def test_lfm2_is_refused_and_would_be_silently_wrong(pool):
-    refused = pool.run(_family, 2, "lfm2")
-    for r in refused:
-        assert r["verdict"] == "refused"
-        assert r["detail"].startswith("layer 0: conv (Lfm2ShortConv) mixes tokens along the sequence (Conv1d, kernel 3")
-    unguarded = pool.run(_family, 2, "lfm2", False)
+def test_lfm2_is_exact_with_its_short_convolution_sharded_and_silently_wrong_without(pool):
+    assert pool.run(_family, 2, "lfm2") == [{"verdict": "exact", "detail": ""}] * 2
+    unguarded = pool.run(_family, 2, "lfm2", False)  # no guard, no mixer handler: what SP did before
     assert [r["verdict"] for r in unguarded] == ["wrong", "wrong"], unguarded
+
+
+def test_minimax_lightning_attention_is_refused_naming_it(pool):
+    for r in pool.run(_family, 2, "minimax"):
+        assert r["verdict"] == "refused"
+        assert "layer 1: MiniMaxDecoderLayer is a 'linear_attention' layer" in r["detail"]
+        assert "self_attn (MiniMaxLightningAttention)" in r["detail"]
 
 
 def test_a_hidden_running_sum_is_refused_and_would_be_silently_wrong(pool):

@@ -13,6 +13,7 @@ import errno
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -22,9 +23,9 @@ import torch
 from harness import WorkerError
 
 from ulysses_sp.engine.divergence import DivergenceError, DivergenceGuard
-from ulysses_sp.run.checks import validate
 from ulysses_sp.run.config import TrainConfig, config_from_dict
 from ulysses_sp.run.lock import RunLock, RunLockedError, check_unlocked
+from ulysses_sp.run.resolve import validate
 from ulysses_sp.run.rundir import prepare_output_dir, read_metrics_lines
 from ulysses_sp.state.checkpoint import FORMAT_VERSION
 
@@ -222,13 +223,16 @@ def test_resume_refuses_changed_data_unless_allowed(tmp_path):
     cfg = TrainConfig(data=str(data), seq_len=32, sp=1, steps=2, output_dir=str(tmp_path / "run"))
     _fake_checkpoint(cfg)
     resume = dataclasses.replace(cfg, resume="latest")
-    validate(resume, 1)  # unchanged: fine
+    no_state = r"checkpoint-1/training_state/dcp/.metadata is damaged"  # a manifest alone: checked last
+    with pytest.raises(ValueError, match=no_state):
+        validate(resume, 1)  # unchanged: passes the data check
     data.write_text("the quick brown fox jumps over the lazy cat. " * 40)  # same size, new content
     with pytest.raises(
         ValueError, match=r"the data changed since the checkpoint.*corpus.txt.*--allow-data-change"
     ):
         validate(resume, 1)
-    validate(dataclasses.replace(resume, allow_data_change=True), 1)
+    with pytest.raises(ValueError, match=no_state):
+        validate(dataclasses.replace(resume, allow_data_change=True), 1)
 
 
 def _save(tmp: str, case: str, simulate_full: bool = False):
@@ -300,6 +304,50 @@ def test_a_full_disk_is_a_clear_error_before_and_during_the_save(pool, small_fs,
     assert left == []  # the partial .tmp- checkpoint is removed
 
 
+def _save_zero3(tmp: str, simulate_full: bool):
+    """Two ranks at ZeRO 3 whose checkpoint write hits a full disk (each rank's DCP writer fails)."""
+    from models import tiny_model
+
+    from ulysses_sp import initialize
+    from ulysses_sp.run import rundir as rd
+    from ulysses_sp.tasks import byte_tokenizer
+
+    model = tiny_model("llama", hidden=64, layers=2)
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+              "zero_optimization": {"stage": 3}}  # fmt: skip
+    engine, *_ = initialize(model, config, mesh_param=(2, 1))
+    ids = torch.randint(0, 64, (1, 16))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    estimate, save = rd.checkpoint_bytes, torch.save
+    rd.checkpoint_bytes = lambda engine: 1  # the estimate passes; the write itself fails
+    if simulate_full:
+        torch.save = full
+    try:
+        rd.checked_save(engine, tmp, 1, last_good=None, tokenizer=byte_tokenizer(), manifest={},
+                        train_state={"step": 1}, core_attn="sdpa")  # fmt: skip
+    except Exception as e:
+        return type(e).__name__, str(e)
+    finally:
+        rd.checkpoint_bytes, torch.save = estimate, save
+    return None
+
+
+def test_a_full_disk_during_a_two_rank_save_is_one_line_without_the_writers_tracebacks(pool, small_fs):
+    path, mounted = small_fs
+    for kind, message in pool.run(_save_zero3, 2, path, not mounted):
+        assert kind == "NoSpaceError" and message.startswith(f"no space left on {path}: need ~"), message
+        assert "\n" not in message and "Traceback" not in message and "File " not in message, message
+        # the ranks whose writers failed, each in a few words (on a real small disk one rank's may fit)
+        assert re.search(
+            r"\(the write failed: rank [01]: \w+Error: [^;]*(; rank 1: \w+Error: [^;]*)?\); free", message
+        ), message
+
+
 def test_a_nonfinite_model_is_never_saved(pool, tmp_path):
     kind, message, left = pool.run(_save, 1, str(tmp_path), "nonfinite")[0]
     assert kind == "DivergenceError" and "not saving step 1: the model's weights hold NaN or inf" in message
@@ -364,6 +412,7 @@ def test_blame_names_the_rank_that_stopped_not_the_ones_that_waited():
     assert blame(waited, 4, 60).startswith("rank(s) 1 stopped answering: rank(s) 0, 2, 3 waited 60 s")
     assert blame({1: -9, 0: EXIT_PEER_LOST}, 2, 60) == "rank 1 was killed by SIGKILL (exit -9)"
     assert blame({1: 1}, 2, 60) == "rank 1 (exit 1); see the errors above"
+    assert blame({0: EXIT_PEER_LOST, 1: 143}, 2, 60) == "rank 1 was stopped by SIGTERM (exit 143)"
 
 
 def test_a_signal_during_a_weakref_callback_still_stops_the_rank_without_a_traceback(capsys):
@@ -387,3 +436,20 @@ def test_a_signal_during_a_weakref_callback_still_stops_the_rank_without_a_trace
             del obj  # the callback runs here; the Stopped raised inside it must not be lost
             time.sleep(5)  # the rank goes on working; the signal must still stop it
     assert "Exception ignored" not in capsys.readouterr().err
+
+
+def test_save_on_signal_takes_a_repeated_sigterm_as_the_same_stop_until_its_deadline():
+    """A process group's SIGTERM reaches a rank, then the launcher forwards it again: the save goes on;
+    past ``--save-on-signal`` seconds the rank stops anyway."""
+    import signal
+
+    from ulysses_sp.run.stops import Stopped, signal_handlers
+
+    with pytest.raises(Stopped, match="SIGTERM"):
+        with signal_handlers(1.0) as stop:
+            started = time.monotonic()
+            signal.raise_signal(signal.SIGTERM)
+            assert stop.is_set()
+            signal.raise_signal(signal.SIGTERM)  # the same stop again: ignored, the save goes on
+            time.sleep(10)  # the deadline's SIGTERM interrupts this
+    assert 1.0 <= time.monotonic() - started < 9

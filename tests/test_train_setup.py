@@ -13,8 +13,9 @@ from ulysses_sp.cli.evaluate import EvalConfig, validate_eval
 from ulysses_sp.cli.main import main
 from ulysses_sp.config import TrainingConfig
 from ulysses_sp.data import sp_data_sampler, sp_dataloader
-from ulysses_sp.run.checks import check_recipe, validate
+from ulysses_sp.run.checks import check_recipe
 from ulysses_sp.run.config import TrainConfig, config_from_dict
+from ulysses_sp.run.resolve import validate
 
 
 def _previous_recipe(steps: int, lr: float = 1e-2, warmup: int | None = None) -> dict:
@@ -136,7 +137,9 @@ def test_train_and_eval_share_their_checks():
         validate_eval(EvalConfig(models=("tiny-llama",), attn="flash"), 1)
     with pytest.raises(ValueError, match=r"--bins must be >= 1, got 0"):
         validate_eval(EvalConfig(models=("tiny-llama",), bins=0), 1)
-    with pytest.raises(ValueError, match=r"--seq-len \(30\) is not divisible by --sp \(4\)"):
+    with pytest.raises(
+        ValueError, match=r"^--seq-len 30 is not divisible by 4 \(sp 4\); use a multiple of 4, e.g. 32$"
+    ):
         validate_eval(EvalConfig(models=("tiny-llama",), seq_len=30, sp=4), 4)
     with pytest.raises(ValueError, match=r"--seq-len must be a positive int, got 1.5 \(float\)"):
         validate(TrainConfig(seq_len=1.5), 2)

@@ -39,3 +39,25 @@ def read_text_file(flag: str, path: str) -> str:
     if not content.strip():
         raise ValueError(f"{flag}: {path!r} is empty")
     return content
+
+
+def seq_len_multiple(sp_size: int, ring_size: int = 1) -> tuple[int, str]:
+    """``(m, why)``: the sequence length of sequence parallelism must be a multiple of ``m``: the SP
+    size ``P``, or ``2P`` with a ring (every ring rank holds two zigzag chunks)."""
+    if ring_size > 1:
+        return 2 * sp_size, f"sp {sp_size} x 2 zigzag chunks per ring rank, ring size {ring_size}"
+    return sp_size, f"sp {sp_size}"
+
+
+def check_seq_len_divisible(
+    seq_len: int, sp_size: int, ring_size: int = 1, *, name: str = "sequence length", fix: str = "use"
+) -> None:
+    """The one wording of the sequence-length divisibility rule (``seq_len_multiple``), for every
+    place that enforces it (CLI flags, batch preparation, sharding, ring spans):
+    ``"--seq-len 30 is not divisible by 4 (sp 4); use a multiple of 4, e.g. 32"``."""
+    multiple, why = seq_len_multiple(sp_size, ring_size)
+    if seq_len % multiple:
+        up = seq_len + multiple - seq_len % multiple
+        raise ValueError(
+            f"{name} {seq_len} is not divisible by {multiple} ({why}); {fix} a multiple of {multiple}, e.g. {up}"
+        )

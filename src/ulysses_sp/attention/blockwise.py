@@ -264,8 +264,10 @@ def default_scale(head_dim: int) -> float:
 
 
 class _BlockwiseAttention(torch.autograd.Function):
-    """Blockwise attention forward (online softmax over key chunks); backward recomputes each block
-    from the saved LSE. Saves ``q, out, lse`` and K/V (on the device, or as host chunks)."""
+    """Blockwise attention forward (online softmax over key chunks) returning ``(out, lse)``; backward
+    recomputes each block from the saved LSE (a gradient of the LSE, when it was used, folds into
+    ``delta``: ``dS = P * (dP - (delta - dlse))``). Saves ``q, out, lse`` and K/V (on the device, or
+    as host chunks)."""
 
     @staticmethod
     def forward(ctx, q, k, v, structure, scale, chunk, offload, counts):
@@ -286,14 +288,16 @@ class _BlockwiseAttention(torch.autograd.Function):
             offload.settle(q.device)
             # Through save_for_backward, so activation checkpointing drops and recomputes them too.
             ctx.save_for_backward(q, out, lse, *host)
-        return out
+        return out, lse
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, dlse):
         structure, scale, chunk, offload, counts, n, kv_shape = ctx.meta
         q, out, lse, *kv = ctx.saved_tensors
         dout = dout.contiguous()
         delta = (_acc(dout) * _acc(out)).sum(-1)  # [B, H, S]
+        if dlse is not None:  # the LSE was used (attention sinks): d lse_i / d s_ij = p_ij
+            delta = delta - dlse.to(delta.dtype)
         dq = torch.zeros_like(q, dtype=lse.dtype)
         dk = q.new_empty(kv_shape, dtype=lse.dtype)
         dv = torch.empty_like(dk)
@@ -320,7 +324,8 @@ def blockwise_attention(
     chunk: int | None = None,
     offload: KVOffload | None = None,
     counts: BlockCounts | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact causal attention of ``q [B, H, S, D]`` over ``k, v [B, Hkv, S, D]`` in blocks.
 
     Equals ``sdpa(q, repeat_kv(k), repeat_kv(v), attn_mask=<structure's dense mask>)`` without any
@@ -333,9 +338,10 @@ def blockwise_attention(
         chunk: tokens per query/key block (``None``: ``resolve_chunk``'s choice; capped at ``S``).
         offload: keep K/V on the host in chunks between forward and backward (Ulysses-Offload).
         counts: count computed/skipped blocks and FLOPs here.
+        return_lse: also return the differentiable ``[B, H, S]`` fp32 log-sum-exp (attention sinks).
 
     Returns:
-        ``[B, H, S, D]`` in ``q``'s dtype.
+        ``[B, H, S, D]`` in ``q``'s dtype (and the LSE with ``return_lse``).
     """
     check_gqa(q, k, v)
     if k.shape[2] != q.shape[2]:
@@ -345,4 +351,5 @@ def blockwise_attention(
     structure = structure or AttnStructure()
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     block = resolve_chunk(chunk, q.shape[2], q.shape[-1])
-    return _BlockwiseAttention.apply(q, k, v, structure, scale, block, offload, counts)
+    out, lse = _BlockwiseAttention.apply(q, k, v, structure, scale, block, offload, counts)
+    return (out, lse) if return_lse else out

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from ulysses_sp.attention.blockwise import AUTO_CHUNK, AttnStructure, BlockCounts, blockwise_attention
+from ulysses_sp.attention.heads import apply_sinks
 from ulysses_sp.attention.kv_offload import KVOffload
 from ulysses_sp.attention.masks import SeqLayout
 from ulysses_sp.attention.ring import RingStats, ring_attention
@@ -77,11 +78,14 @@ def check_ring_options(core: str, ring_size: int, offload_attention: bool) -> No
         )
 
 
-def attention_path(core: str, layout: SeqLayout, sliding_window: int | None, offload: bool) -> str:
+def attention_path(
+    core: str, layout: SeqLayout, sliding_window: int | None, offload: bool, *, sinks: bool = False
+) -> str:
     """The path that runs for ``core`` on this layout: ``"blockwise"``, ``"blockwise+offload"``,
-    ``"sdpa"`` (is_causal), ``"eager"`` (dense), ``"flash"`` or ``"flex"``."""
+    ``"sdpa"`` (is_causal), ``"eager"`` (dense), ``"flash"`` or ``"flex"``. Attention sinks on sdpa
+    (which has no sink input) run through the blockwise core, which applies them exactly."""
     if core == "sdpa":
-        structured = layout.doc_ids is not None or _windowed(layout, sliding_window)
+        structured = sinks or layout.doc_ids is not None or _windowed(layout, sliding_window)
         if offload:
             return "blockwise+offload"
         return "blockwise" if structured else "sdpa"
@@ -123,14 +127,19 @@ def core_function(name: str, module: torch.nn.Module) -> Callable[..., Any]:
     return ALL_ATTENTION_FUNCTIONS[name]
 
 
-def generic_eager(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """Plain softmax attention for models whose modeling file has no ``eager_attention_forward``."""
+def generic_eager(module, query, key, value, attention_mask, scaling, dropout=0.0, s_aux=None, **kwargs):
+    """Plain softmax attention for models whose modeling file has no ``eager_attention_forward``
+    (with per-head sinks ``s_aux [H_l]`` when given: one extra logit in every softmax, no value)."""
     n_rep = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(n_rep, 1), value.repeat_interleave(n_rep, 1)
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # [B, H_l, S, S]
     if attention_mask is not None:
         scores = scores + attention_mask
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if s_aux is not None:  # [B, H_l, S, S] + [B, H_l, S, 1] sink column, dropped after the softmax
+        sink = s_aux.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], -1), dim=-1, dtype=torch.float32)[..., :-1].to(query.dtype)
+    else:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     probs = torch.nn.functional.dropout(probs, p=dropout, training=module.training)
     return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs  # [B, S, H_l, D]
 
@@ -148,13 +157,16 @@ def run_blockwise(
     counts: BlockCounts | None,
 ) -> torch.Tensor:
     """The blockwise core with transformers' sdpa keyword arguments: ``[B, H_l, S, D] -> [B, S, H_l, D]``."""
-    _check_kwargs(module, kwargs)
+    _check_kwargs(module, kwargs, ring=False)
+    sinks = kwargs.get("s_aux")
     out = blockwise_attention(q, k, v, structure=structure, scale=kwargs.get("scaling"), chunk=chunk,
-                              offload=offload, counts=counts)  # fmt: skip
+                              offload=offload, counts=counts, return_lse=sinks is not None)  # fmt: skip
+    if sinks is not None:  # [B, H_l, S, D] rescaled by each head's sink
+        out = apply_sinks(*out, sinks)
     return out.transpose(1, 2).contiguous()  # [B, H_l, S, D] -> [B, S, H_l, D]
 
 
-def _check_kwargs(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+def _check_kwargs(module: torch.nn.Module, kwargs: dict[str, Any], *, ring: bool) -> None:
     """Refuse what the blockwise math (blockwise core, ring) does not implement."""
     dropout = kwargs.get("dropout") or 0.0
     if dropout and module.training:
@@ -162,12 +174,18 @@ def _check_kwargs(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
             f"attention dropout ({dropout}) is not supported by the blockwise core (packed documents, "
             "windows or offload_attention on sdpa, ring attention); set the model's attention_dropout to 0"
         )
-    for name in ("softcap", "s_aux"):
-        if kwargs.get(name) is not None:
-            raise ValueError(
-                f"the blockwise core and ring attention do not implement {name!r}; use core 'eager' or "
-                "'flex_attention' with ring_size 1"
-            )
+    if kwargs.get("softcap") is not None:
+        raise ValueError(
+            f"this model caps its attention logits (softcap {kwargs['softcap']}), which the blockwise core "
+            "(sdpa with packed documents, windows or offload_attention) and ring attention do not implement; "
+            "use core 'eager' (or 'flex_attention') with ring_size 1"
+        )
+    if ring and kwargs.get("s_aux") is not None:
+        raise ValueError(
+            "this model has attention sinks (a learned logit per head in every softmax, s_aux); ring "
+            "attention merges K/V chunks without them. Use ring_size 1 (Ulysses alone: sinks are exact on "
+            "cores 'sdpa' and 'eager'), which needs num_attention_heads divisible by the sp size"
+        )
 
 
 def run_ring(
@@ -185,7 +203,7 @@ def run_ring(
 ) -> torch.Tensor:
     """Ring attention over the ring group with transformers' keyword arguments:
     ``[B, H_l, S/R, D]`` (this ring rank's zigzag tokens) ``-> [B, S/R, H_l, D]``."""
-    _check_kwargs(module, kwargs)
+    _check_kwargs(module, kwargs, ring=True)
     out = ring_attention(q, k, v, group=group, structure=structure, scale=kwargs.get("scaling"), chunk=chunk,
                          counts=counts, stats=stats)  # fmt: skip
     return out.transpose(1, 2).contiguous()

@@ -14,11 +14,14 @@ Shape legend: ``B`` batch, ``S`` full sequence.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ulysses_sp.attention.positions import GIVEN, positions_problem
 from ulysses_sp.parallel.comm import all_gather_seq
 
 
@@ -44,28 +47,54 @@ class SeqLayout:
         return cls(positions.shape[-1], positions, doc_ids)
 
 
+@dataclass
+class ForwardState:
+    """What one forward derives from its ``position_ids``: the layout and its masks.
+
+    Held only while that ``position_ids`` tensor lives (a weak reference, released by its
+    callback): for the step's forward and, under activation checkpointing, its recompute in
+    backward; then freed, so a dense mask never outlives its step. The tensor's version counter
+    is in ``key`` so in-place edits invalidate. Hits depend only on the program, identically on
+    every rank.
+    """
+
+    source: weakref.ref
+    key: tuple[int, int, bool]
+    layout: SeqLayout
+    masks: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+
+
 def gather_positions(
-    position_ids: torch.Tensor, sp_group: dist.ProcessGroup, *, batch: int, expected_len: int | None
+    position_ids: torch.Tensor,
+    sp_group: dist.ProcessGroup,
+    *,
+    batch: int,
+    expected_len: int | None,
+    source: int = GIVEN,
 ) -> torch.Tensor:
     """``[B|1, S_l] -> [B|1, S]``: every rank's position ids of one sequence, checked.
 
-    Every shape the exchanges need (``S_l``, the batch ``B`` of q/k/v, the position ids' batch) is
-    agreed first in one small gather: the position-id gather and the all-to-alls would abort inside
-    the backend on a mismatch. Raises ``ValueError`` on every rank when the SP ranks' local lengths
-    or batch sizes differ, when ``S`` is not ``expected_len`` (fixed-length runs), or when the ids
-    are local (``0..S_l-1`` on every rank).
+    Every shape the exchanges need (``S_l``, the batch ``B`` of q/k/v, the position ids' batch) and
+    how each rank's ids arrived (``source``, a ``positions`` code) are agreed first in one small
+    gather: the position-id gather and the all-to-alls would abort inside the backend on a mismatch.
+    Raises ``ValueError`` on every rank when the SP ranks' local lengths or batch sizes differ, when
+    ``S`` is not ``expected_len`` (fixed-length runs), or when a rank's model was called without
+    ``position_ids`` (``positions.positions_problem``).
     """
     s_local, sp_size = position_ids.shape[-1], dist.get_world_size(sp_group)
-    # [1, 3] per rank -> [P, 3]: (S_l, B, position_ids batch)
-    mine = torch.tensor([[s_local, batch, position_ids.shape[0]]], device=position_ids.device)
+    # [1, 4] per rank -> [P, 4]: (S_l, B, position_ids batch, source)
+    mine = torch.tensor([[s_local, batch, position_ids.shape[0], source]], device=position_ids.device)
     shapes = all_gather_seq(mine, sp_group, dim=0)
+    problem = positions_problem(shapes[:, 3].tolist(), sp_size)
+    if problem is not None:
+        raise ValueError(problem)
     lengths = shapes[:, 0]
     if bool((lengths != s_local).any()):
         raise ValueError(
             f"local sequence lengths differ between SP ranks: {lengths.tolist()}; every rank of an SP "
             "group must hold S/P tokens of the same sequence (use UlyssesSPDataLoaderAdapter)"
         )
-    if bool((shapes[:, 1:] != shapes[0, 1:]).any()):
+    if bool((shapes[:, 1:3] != shapes[0, 1:3]).any()):
         raise ValueError(
             f"batch sizes differ between SP ranks: {shapes[:, 1].tolist()} (position_ids batch "
             f"{shapes[:, 2].tolist()}); every rank of an SP group must hold the same samples' shards "
@@ -77,17 +106,7 @@ def gather_positions(
             f"S_l ({s_local}) * sp_size ({sp_size}) = {total} != max_length ({expected_len}) "
             "with seq_length_is_variable=False; pad batches to that length or pass seq_length_is_variable=True"
         )
-    positions = all_gather_seq(position_ids, sp_group, dim=-1)  # [B|1, S_l] -> [B|1, S]
-    if (
-        sp_size > 1
-        and torch.equal(positions[:, :s_local].repeat(1, sp_size), positions)
-        and (positions[:, :s_local] == torch.arange(s_local, device=positions.device)).all()
-    ):
-        raise ValueError(
-            "position_ids are local (0..S_l-1 on every SP rank): pass the full-sequence positions of "
-            "the local tokens (UlyssesSPDataLoaderAdapter does), not let the model make them"
-        )
-    return positions
+    return all_gather_seq(position_ids, sp_group, dim=-1)  # [B|1, S_l] -> [B|1, S]
 
 
 def mask_for(layout: SeqLayout, core: str, dtype: torch.dtype, sliding_window: int | None):

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ulysses_sp.attention.positions import CallPositions, capture_call
 from ulysses_sp.parallel.mesh import Mpu, SPMesh
 
 ATTN_NAME = "ulysses_sp"
@@ -68,6 +69,18 @@ def num_attention_layers(config: Any) -> int:
     return int(config.num_hidden_layers)
 
 
+def attach_registered(model: Any) -> None:
+    """Attach ``model`` to the registration of the SP attention it dispatches to, if it is not
+    (a model loaded with ``attn_implementation="ulysses_sp"`` after registering from a directory)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) != ATTN_NAME:
+        return
+    registration = getattr(ALL_ATTENTION_FUNCTIONS.get(ATTN_NAME), "registration", None)
+    if isinstance(registration, SPRegistration):
+        registration.attach(model)
+
+
 def registered_layout(model: Any) -> SPMesh | None:
     """The layout of the SP attention ``model`` dispatches to, or ``None`` when it uses another one."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -89,6 +102,8 @@ class GuardedAttention(Protocol):
     core: str
     registration: SPRegistration | None
     """The registration whose registry entry this is (set by it; links the stack of entries)."""
+    call: CallPositions | None
+    """The positions of the most recent call of an attached model (set by the pre-hook)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
 
@@ -127,17 +142,25 @@ class SPRegistration(Mpu):
     def attach(self, model: torch.nn.Module) -> None:
         """Point ``model`` at the SP attention and install the guardrail: after every
         sequence-parallel forward, check that the SP attention ran in every attention layer (raises
-        with what to change otherwise). Several models may be attached; ``remove()`` restores all."""
+        with what to change otherwise). Before every forward the SP attention learns whether the
+        model was given ``position_ids`` (``attention/positions.py``). Several models may be
+        attached (attaching one twice does nothing); ``remove()`` restores all."""
+        if any(m is model for m, _, _ in self._attached):
+            return
         prev_impl = model.config._attn_implementation
         if prev_impl != ATTN_NAME:
             model.set_attn_implementation(ATTN_NAME)
         num_layers = num_attention_layers(model.config)
         hooks = [
-            model.register_forward_pre_hook(lambda *_: self.attention.reset_calls()),
+            model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(lambda module, *_: self._after_forward(module, num_layers)),
         ]
         self._attached.append((model, prev_impl, hooks))
         self.model = model
+
+    def _before_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        self.attention.reset_calls()
+        self.attention.call = capture_call(module, args, kwargs)
 
     def _after_forward(self, module: torch.nn.Module, num_layers: int) -> None:
         attn = self.attention

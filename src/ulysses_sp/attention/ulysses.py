@@ -13,7 +13,9 @@ sequence, so we never use it. We gather the full sequence's ``position_ids`` ove
 per forward) and run the path ``attention/core.py`` picks: plain causal through the kernel's own
 causal mode; packed documents (position ids restart at 0) and sliding windows through the blockwise
 core for sdpa (no ``S x S`` tensor), varlen for flash, a ``BlockMask`` for flex, a dense mask for eager.
-q, k and v cross the SP group in one packed all-to-all.
+q, k and v cross the SP group in one packed all-to-all. Where the positions come from, chunked
+attention layers and the query temperature of NoPE layers: ``attention/positions.py``; per-head
+parameters the core reads (attention sinks) cut to the rank's heads: ``attention/heads.py``.
 
 GQA/MQA: kv heads split over ranks like query heads when ``Hkv % P == 0``; when ``Hkv < P`` each kv
 head is replicated locally ``P/Hkv`` times *before* the all-to-all, so every rank receives exactly
@@ -28,7 +30,6 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,8 +48,18 @@ from ulysses_sp.attention.core import (
     structure_for,
     warn_dense,
 )
+from ulysses_sp.attention.heads import HeadView, local_view
 from ulysses_sp.attention.kv_offload import KVOffload
-from ulysses_sp.attention.masks import SeqLayout, gather_positions, mask_for
+from ulysses_sp.attention.layer_kinds import check_layer_kinds
+from ulysses_sp.attention.masks import ForwardState, SeqLayout, gather_positions, mask_for
+from ulysses_sp.attention.positions import (
+    CallPositions,
+    correct_query_temperature,
+    global_token_index,
+    layer_chunk,
+    local_positions,
+    split_at_chunks,
+)
 from ulysses_sp.attention.registration import SPRegistration, model_and_config
 from ulysses_sp.attention.ring import RingStats
 from ulysses_sp.parallel.comm import heads_to_seq, qkv_seq_to_heads
@@ -56,23 +67,6 @@ from ulysses_sp.parallel.mesh import SPMesh, as_sp_mesh, init_mesh, require_proc
 from ulysses_sp.parallel.mesh_shape import check_heads, resolve_ring_size, sp_token_order
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _ForwardState:
-    """What one forward derives from its ``position_ids``: the layout and its masks.
-
-    Held only while that ``position_ids`` tensor lives (a weak reference, released by its
-    callback): for the step's forward and, under activation checkpointing, its recompute in
-    backward; then freed, so a dense mask never outlives its step. The tensor's version counter
-    is in ``key`` so in-place edits invalidate. Hits depend only on the program, identically on
-    every rank.
-    """
-
-    source: weakref.ref
-    key: tuple[int, int, bool]
-    layout: SeqLayout
-    masks: dict[tuple[Any, ...], Any] = field(default_factory=dict)
 
 
 class UlyssesSPAttentionHF:
@@ -139,14 +133,15 @@ class UlyssesSPAttentionHF:
         """``S`` seen by the most recent call."""
         self.registration: SPRegistration | None = None
         """The registration whose registry entry this is (``register_with_transformers`` sets it)."""
-        self._forward: _ForwardState | None = None
+        self.call: CallPositions | None = None
+        """The positions of the most recent top-level model call (the registration's pre-hook)."""
+        self._forward: ForwardState | None = None
 
     # ------------------------------------------------------------------ per-forward layout
-    def _seq_layout(self, position_ids: torch.Tensor | None, s_local: int, batch: int, device, sp: bool):
+    def _seq_layout(self, passed: torch.Tensor | None, s_local: int, batch: int, device, sp: bool):
         """Gather the full position ids once per forward: every layer of one forward (and its
         checkpoint recompute) receives the same ``position_ids`` object."""
-        if position_ids is None:
-            position_ids = torch.arange(s_local, device=device)[None]
+        position_ids, source = local_positions(passed, self.call, s_local, device)
         key = (position_ids._version, s_local, sp)
         state = self._forward
         if state is not None and state.source() is position_ids and state.key == key:
@@ -163,7 +158,7 @@ class UlyssesSPAttentionHF:
         if sp:
             expected = None if self.seq_length_is_variable else self.max_length or self.seq_length
             positions = gather_positions(
-                position_ids, self.sp_group, batch=batch, expected_len=expected
+                position_ids, self.sp_group, batch=batch, expected_len=expected, source=source
             )  # [B|1, S] in SP-rank order
             order = sp_token_order(positions.shape[-1], self.sp_size, self.ring_size)
             if order is not None:  # zigzag shards (ring): back to global order
@@ -171,7 +166,7 @@ class UlyssesSPAttentionHF:
         else:
             positions = position_ids
         layout = SeqLayout.from_positions(positions)
-        self._forward = _ForwardState(weakref.ref(position_ids, self._release), key, layout)
+        self._forward = ForwardState(weakref.ref(position_ids, self._release), key, layout)
         return layout
 
     def _release(self, source: weakref.ref) -> None:
@@ -195,11 +190,18 @@ class UlyssesSPAttentionHF:
         hkv = key.shape[1]
         if sp:
             check_heads(h, hkv, self.ulysses_size)
-        layout = self._seq_layout(kwargs.pop("position_ids", None), s_local, b, query.device, sp)
+        base = layout = self._seq_layout(kwargs.pop("position_ids", None), s_local, b, query.device, sp)
         self.calls += 1
         self.last_seq_len = layout.seq_len
         kwargs.pop("is_causal", None)
+        chunk = layer_chunk(module)
+        if chunk is not None:  # chunked attention: segments end at documents and chunk boundaries
+            layout = self._per_forward(base, ("chunked", chunk), lambda: SeqLayout.from_positions(
+                split_at_chunks(base.positions, chunk)))  # fmt: skip
         a2a = sp and self.ulysses_size > 1
+        if sp:  # the model's token-index query scale used the shard's 0..S_l-1
+            index = global_token_index(self.sp_group, s_local, layout.seq_len, self.ring_size)
+            query = correct_query_temperature(module, query, index)
         if a2a:  # P below is the Ulysses size U (= sp size without a ring); S the ring rank's S/R tokens
             p = self.ulysses_size
             if hkv < p:
@@ -209,41 +211,36 @@ class UlyssesSPAttentionHF:
             # one all-to-all: [B, H, S_l, D] -> [B, H_l, S, D], [B, Hkv|P, S_l, D] -> [B, Hkv_l, S, D]
             query, key, value = qkv_seq_to_heads(query, key, value, self.ulysses_group)
         if sp and self.ring_size > 1:  # K/V around the ring: [B, H_l, S/R, D] -> [B, S/R, H_l, D]
-            structure = self._per_forward(layout, ("ring", kwargs.get("sliding_window")),
+            structure = self._per_forward(base, ("ring", kwargs.get("sliding_window"), chunk),
                                           lambda: structure_for(layout, kwargs.get("sliding_window")))  # fmt: skip
             self.last_path = "ring"
             out = run_ring(module, query, key, value, structure, kwargs, group=self.ring_group,
                            chunk=self.attn_chunk, counts=self.block_counts, stats=self.ring_stats)  # fmt: skip
         else:
-            out = self._core(module, query, key, value, layout, args, kwargs)  # [B, S, H_l, D]
+            view = local_view(module, kwargs, num_heads=h, local_heads=query.shape[1],
+                              local_kv_heads=key.shape[1], rank=dist.get_rank(self.ulysses_group) if a2a else 0)  # fmt: skip
+            out = self._core(view, query, key, value, (base, layout, chunk), args, kwargs)  # [B, S, H_l, D]
         if a2a:
             out = heads_to_seq(out, self.ulysses_group, head_dim=2, seq_dim=1)  # [B, S, H_l, D] -> [B, S_l, H, D]
         return out, None
 
-    def _core(self, module, q, k, v, layout: SeqLayout, args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
-        """The core attention over the full sequence: ``[B, H_l, S, D] -> [B, S, H_l, D]``."""
+    def _core(self, view: HeadView, q, k, v, layouts: tuple, args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
+        """The core attention over the full sequence: ``[B, H_l, S, D] -> [B, S, H_l, D]``.
+        ``layouts``: the forward's layout, this layer's (chunked or the same) and its chunk."""
+        base, layout, chunk = layouts
         window = kwargs.get("sliding_window")
-        path = self.last_path = attention_path(self.core, layout, window, self.offload_attention)
+        path = self.last_path = attention_path(self.core, layout, window, self.offload_attention,
+                                               sinks=kwargs.get("s_aux") is not None)  # fmt: skip
         if path.startswith("blockwise"):
-            structure = self._per_forward(
-                layout, ("blockwise", window), lambda: structure_for(layout, window)
-            )
-            return run_blockwise(module, q, k, v, structure, kwargs, chunk=self.attn_chunk,
+            structure = self._per_forward(base, ("blockwise", window, chunk), lambda: structure_for(layout, window))
+            return run_blockwise(view, q, k, v, structure, kwargs, chunk=self.attn_chunk,
                                  offload=self.kv_offload, counts=self.block_counts)  # fmt: skip
         mask = self._per_forward(
-            layout, (q.dtype, window), lambda: self._dense_or_sparse(layout, q.dtype, window)
+            base, (q.dtype, window, chunk), lambda: self._dense_or_sparse(layout, q.dtype, window)
         )
         if self.core.startswith("flash"):
             kwargs["position_ids"] = layout.positions  # varlen boundaries from the full sequence
-        prev = getattr(module, "num_key_value_groups", None)
-        module.num_key_value_groups = q.shape[1] // k.shape[1]  # the local ratio: differs when Hkv < P
-        try:
-            out, _ = core_function(self.core, module)(module, q, k, v, mask, *args, is_causal=True, **kwargs)
-        finally:
-            if prev is None:
-                del module.num_key_value_groups
-            else:
-                module.num_key_value_groups = prev
+        out, _ = core_function(self.core, view._module)(view, q, k, v, mask, *args, is_causal=True, **kwargs)
         return out
 
     def _dense_or_sparse(self, layout: SeqLayout, dtype: torch.dtype, window: int | None) -> Any:
@@ -319,6 +316,7 @@ class UlyssesSPAttentionHF:
         require_process_group("register_with_transformers")
         check_core(core_attn_implementation)
         model, config = model_and_config(model_name_or_path)
+        check_layer_kinds(config, sequence_parallel_size)
         num_heads = config.num_attention_heads
         num_kv = getattr(config, "num_key_value_heads", None) or num_heads
         ring = resolve_ring_size(sequence_parallel_size, num_heads, num_kv, ring_size)

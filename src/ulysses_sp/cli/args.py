@@ -5,13 +5,14 @@ from defaults <- ``--config`` JSON <- the flags given. Pure: no processes, no en
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Any
 
 from ulysses_sp.checks import positive_int
+from ulysses_sp.cli.flags import LAUNCH_KEYS, add_data_args, show_default
 
 DEFAULT_TIMEOUT_S = 300.0
-LAUNCH_KEYS = ("nproc", "timeout")
 
 
 def _tiles(value: str) -> str | int:
@@ -60,64 +61,93 @@ def _betas(value: str) -> tuple[float, float]:
     return b1, b2
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with each flag's default stated once: appended as ``(default X)`` unless the help
+    text states it itself, or there is none to state (``None``, a switch, a required flag). Flags
+    whose parser default is ``SUPPRESS`` (``train``'s: only given flags override ``--config``) show
+    the value of ``defaults`` (the config's field) instead."""
+
+    defaults: dict[str, Any] = {}
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        value = self.defaults.get(action.dest, action.default)
+        if "default" in text or action.nargs == 0 or action.required or value is None:
+            return text
+        if isinstance(value, bool) or value == argparse.SUPPRESS:
+            return text
+        return f"{text} (default {show_default(value)})"
+
+
 def _add_launch_args(p: argparse.ArgumentParser) -> None:
     s = argparse.SUPPRESS
-    p.add_argument(
-        "--nproc", type=int, default=s, help="local processes to launch (dp = nproc / sp); default 2"
-    )
-    p.add_argument("--timeout", type=float, default=s,
-                   help=f"collective timeout in seconds: a dead rank fails the others after it (default {DEFAULT_TIMEOUT_S:g})")  # fmt: skip
+    p.add_argument("--nproc", type=int, default=s, metavar="N",
+                   help="local processes to launch, dp = nproc / sp (default: --sp, i.e. dp 1); "
+                        "ignored under torchrun")  # fmt: skip
+    p.add_argument("--timeout", type=float, default=s, metavar="SECONDS",
+                   help=f"collective timeout: a dead rank fails the others after it (default {DEFAULT_TIMEOUT_S:g})")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ulysses_sp.run.config import TrainConfig
+
     s = argparse.SUPPRESS  # only flags actually given override --config and the defaults
+
+    class TrainHelp(HelpFormatter):
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+
     parser = argparse.ArgumentParser(
-        prog="ulysses-sp", description="Ulysses sequence-parallel training for HF models"
+        prog="ulysses-sp",
+        description="Ulysses sequence-parallel training for HF models: train, evaluate, plan the memory",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("train", help="train a model (default: the embedded recall task)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
-    t.add_argument("--config", default=s, help="JSON file with any of these options (flags override it)")
+    t = sub.add_parser("train", help="train a model (default: the embedded recall task)", formatter_class=TrainHelp,
+                       description="Train with Ulysses sequence parallelism on nproc local processes "
+                       "(or under torchrun). With no flags: the embedded recall task, tiny-llama, sp 2.")  # fmt: skip
+    t.add_argument("--config", default=s, metavar="FILE",
+                   help="JSON file with any of these options, underscored names (flags override it)")  # fmt: skip
     t.add_argument(
         "--model", default=s, help="preset (tiny-llama, tiny-qwen2, tiny-mistral) or local HF model dir"
     )
-    t.add_argument("--data", default=s, help="'recall' or a local .txt/.jsonl file or directory")
+    t.add_argument("--data", default=s,
+                   help="'recall' (the embedded task) or local data: a .txt, .jsonl, .json, .parquet or .arrow "
+                        "file, a directory of them, or a datasets save_to_disk directory")  # fmt: skip
     t.add_argument(
-        "--tokenizer", default=s, help="tokenizer directory (default: the model's, else byte-level)"
+        "--tokenizer", default=s, metavar="DIR", help="tokenizer directory (default: the model's, else byte-level)"
     )
-    t.add_argument("--seq-len", type=int, default=s, help="tokens per sample (default 256)")
-    t.add_argument("--sp", type=int, default=s, help="sequence-parallel size (default 2)")
+    t.add_argument("--seq-len", type=int, default=s, metavar="S",
+                   help="tokens per sample: a multiple of --sp, at most the model's max_position_embeddings")  # fmt: skip
+    t.add_argument("--sp", type=int, default=s, metavar="P", help="sequence-parallel size: ranks sharing each sequence")
     _add_launch_args(t)
-    t.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=s, help="ZeRO stage (default 0)")
-    t.add_argument(
-        "--micro-batch-size", type=int, default=s, help="samples per micro-step per dp replica (default 8)"
-    )
-    t.add_argument("--grad-accum", type=int, default=s, help="micro-steps per optimizer step (default 1)")
-    t.add_argument("--steps", type=int, default=s, help="optimizer steps (default 300)")
-    t.add_argument("--lr", type=float, default=s, help="peak learning rate (default 1e-2)")
-    t.add_argument("--warmup-steps", type=int, default=s, help="warmup steps (default min(20, steps/10))")
-    t.add_argument("--warmup-ratio", type=float, default=s,
-                   help="warmup as a fraction of --steps, ceil(ratio*steps); instead of --warmup-steps")  # fmt: skip
-    t.add_argument("--weight-decay", type=float, default=s, help="AdamW weight decay (default 0)")
-    t.add_argument("--betas", type=_betas, default=s, metavar="B1,B2", help="AdamW betas (default 0.9,0.95)")
-    t.add_argument("--grad-clip", type=float, default=s, help="max gradient norm, 0 = off (default 1.0)")
-    t.add_argument(
-        "--seed", type=int, default=s, help="seed for init, data order, recall samples (default 0)"
-    )
-    t.add_argument(
-        "--attn", default=s, help="core attention: sdpa, eager, flash_attention_2, ... (default sdpa)"
-    )
-    t.add_argument("--output-dir", default=s, help="checkpoints go here (default runs/ulysses-sp)")
-    t.add_argument("--save-every", type=int, default=s, help="checkpoint every N steps; 0 = at the end only")
-    t.add_argument("--resume", nargs="?", const="latest", default=s,
+    t.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=s,
+                   help="0 DDP, 1 + sharded optimizer state, 2 FSDP2 + sharded gradients, 3 + sharded parameters")  # fmt: skip
+    t.add_argument("--micro-batch-size", type=int, default=s, metavar="B",
+                   help="samples per micro-step per dp replica")  # fmt: skip
+    t.add_argument("--grad-accum", type=int, default=s, metavar="N", help="micro-steps per optimizer step")
+    t.add_argument("--steps", type=int, default=s, help="optimizer steps (in total, across resumes)")
+    t.add_argument("--lr", type=float, default=s, help="peak learning rate (AdamW, warmup then cosine)")
+    t.add_argument("--warmup-steps", type=int, default=s, metavar="N",
+                   help="warmup steps (default: --warmup-ratio's, else min(20, steps/10))")  # fmt: skip
+    t.add_argument("--warmup-ratio", type=float, default=s, metavar="R",
+                   help="warmup as a fraction of --steps, ceil(R*steps); instead of --warmup-steps")  # fmt: skip
+    t.add_argument("--weight-decay", type=float, default=s, help="AdamW weight decay")
+    t.add_argument("--betas", type=_betas, default=s, metavar="B1,B2", help="AdamW betas")
+    t.add_argument("--grad-clip", type=float, default=s, metavar="NORM", help="max gradient norm, 0 = off")
+    t.add_argument("--seed", type=int, default=s, help="seed for init, data order, recall samples")
+    t.add_argument("--attn", default=s, help="core attention: sdpa, eager, flash_attention_2, ...")
+    t.add_argument("--output-dir", default=s, metavar="DIR", help="checkpoints and metrics go here")
+    t.add_argument("--save-every", type=int, default=s, metavar="N",
+                   help="checkpoint every N steps; 0 = at the end only")  # fmt: skip
+    t.add_argument("--resume", nargs="?", const="latest", default=s, metavar="DIR",
                    help="resume the newest checkpoint in --output-dir, or the given checkpoint/run dir")  # fmt: skip
     t.add_argument("--overwrite", action="store_true", default=s, help="replace another run's checkpoints")
-    t.add_argument("--metrics-file", default=s, help="JSONL metrics (default <output-dir>/metrics.jsonl)")
-    t.add_argument("--tiled-mlp", nargs="?", const="auto", type=_tiles, default=s, help="tiled MLP [N tiles]")
-    t.add_argument(
-        "--tiled-loss", nargs="?", const="auto", type=_tiles, default=s, help="tiled logits+loss [N tiles]"
-    )
+    t.add_argument("--metrics-file", default=s, metavar="FILE",
+                   help="JSONL metrics (default <output-dir>/metrics.jsonl)")  # fmt: skip
+    t.add_argument("--tiled-mlp", nargs="?", const="auto", type=_tiles, default=s, metavar="N",
+                   help="tiled MLP, in N tiles (auto when N is omitted)")  # fmt: skip
+    t.add_argument("--tiled-loss", nargs="?", const="auto", type=_tiles, default=s, metavar="N",
+                   help="tiled logits+loss, in N tiles (auto when N is omitted)")  # fmt: skip
     t.add_argument(
         "--activation-checkpointing", action="store_true", default=s, help="recompute layers in backward"
     )
@@ -132,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--offload-attention", action="store_true", default=s,
                    help="Ulysses-Offload: attention K/V on the host between forward and backward (sdpa)")  # fmt: skip
     t.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=s,
-                   help="compute dtype; bf16/fp16 keep fp32 master weights and optimizer state (default fp32)")  # fmt: skip
+                   help="compute dtype; bf16/fp16 keep fp32 master weights and optimizer state")  # fmt: skip
     t.add_argument("--cpu-offload", action="store_true", default=s,
                    help="parameters, gradients and optimizer step in host memory (needs --zero-stage 3)")  # fmt: skip
     t.add_argument("--save-dtype", choices=("fp32", "bf16", "fp16"), default=s,
@@ -145,28 +175,32 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--profile-comm", action="store_true", default=s,
                    help="time collectives (device syncs): comm_s, dp_comm_s, compute_s per metrics line")  # fmt: skip
     t.add_argument("--zero-partition", choices=("data_parallel", "all"), default=s,
-                   help="ZeRO partitions over the DP axis or all dp*sp ranks (default data_parallel)")  # fmt: skip
-    from ulysses_sp.cli.evaluate import add_data_args
-
+                   help="ZeRO partitions over the DP axis or all dp*sp ranks")  # fmt: skip
     add_data_args(t, s)
-    t.add_argument("--max-nonfinite-steps", type=int, default=s,
-                   help="skip up to N steps in a row with a non-finite loss/gradient, then stop (default 3)")  # fmt: skip
+    t.add_argument("--max-nonfinite-steps", type=int, default=s, metavar="N",
+                   help="skip up to N steps in a row with a non-finite loss/gradient, then stop")  # fmt: skip
     t.add_argument("--save-on-signal", type=float, nargs="?", const=60.0, default=s, metavar="SECONDS",
-                   help="on SIGTERM, save a checkpoint within SECONDS (default 60) before stopping")  # fmt: skip
+                   help="on SIGTERM, finish the step, save it and exit once saved, the save given up to "
+                        "SECONDS (60 when omitted; default: off, SIGTERM stops at once)")  # fmt: skip
     t.add_argument("--allow-data-change", action="store_true", default=s,
                    help="--resume although the data's fingerprint differs from the checkpoint's")  # fmt: skip
 
     from ulysses_sp.cli.evaluate import add_eval_args
 
     e = sub.add_parser("eval", help="evaluate checkpoints: loss, accuracy, per-position loss (JSON + PNG)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+                       formatter_class=HelpFormatter,
+                       description="Loss, accuracy and per-position loss of each --model on held-out data. "
+                       "Unset, --data and its settings, --seq-len, --seed and --sp are the training run's "
+                       "(the manifest.json of the first --model that has one).")  # fmt: skip
     add_eval_args(e)
     _add_launch_args(e)
 
     from ulysses_sp.cli.plan import add_plan_args
 
     pl = sub.add_parser("plan", help="predict memory and speed per setting; recommend a train command line",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+                        formatter_class=HelpFormatter,
+                        description="Predict each setting's peak memory per device and speed from the model's "
+                        "config alone (nothing is built), and recommend a train command line that fits.")  # fmt: skip
     add_plan_args(pl)
     return parser
 

@@ -2,10 +2,12 @@
 
 Each ``--model`` (a checkpoint directory, any HF model directory, or a preset = its untrained
 initialisation from ``--seed``) is run over the same held-out samples — for ``recall`` samples the
-training run never saw (a disjoint seed), for local text the ``--data`` given here — with or
+training run never saw (a disjoint seed), for local data its ``--eval-split`` part — with or
 without sequence parallelism (``--sp``): the model is called on each rank's shard, and every rank
 bins the loss of its own tokens by their *global* position (the shard's ``position_ids``), so one
-all-reduce gives the per-position curve over the whole context. Output: a JSON report (stdout and
+all-reduce gives the per-position curve over the whole context. Unset, the data and its settings,
+``--seq-len``, ``--seed`` and ``--sp`` are the training run's (``eval_options``: the manifest of the
+first ``--model`` that has one). Output: a JSON report (stdout and
 ``--output-json``) and a PNG plot (``--plot``; needs matplotlib, ``pip install 'ulysses-sp[plot]'``).
 """
 
@@ -19,20 +21,21 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from ulysses_sp.cli.flags import LAUNCH_KEYS, add_data_args
 from ulysses_sp.state import checkpoint as ckpt
-from ulysses_sp.tasks import DataFlags
+from ulysses_sp.tasks import DataSettings
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
-class EvalConfig(DataFlags):
-    """The ``eval`` command's settings; the data flags (``DataFlags``) unset take the training run's."""
+class EvalConfig(DataSettings):
+    """The ``eval`` command's settings; the data flags (``DataSettings``) unset take the training run's."""
 
     models: tuple[str, ...] = ()
     """Checkpoint / model directories or presets; each becomes one curve."""
     data: str = "recall"
-    """``recall`` (held-out samples) or a local held-out ``.txt``/``.jsonl`` file or directory."""
+    """``recall`` (held-out samples) or local data as ``train`` reads it (its ``eval_split`` part)."""
     tokenizer: str | None = None
     """Tokenizer directory (default: each model directory's own, else byte-level)."""
     seq_len: int = 256
@@ -54,68 +57,56 @@ class EvalConfig(DataFlags):
     """PNG path; ``None`` = no plot."""
 
 
-DATA_KEYS = ("data_format", "loss_on", "chat_template", "packing", "long_samples", "eval_split")
-"""Data settings an eval takes from the training run's manifest unless given."""
-
-
-def add_data_args(p: argparse.ArgumentParser, default: Any) -> None:
-    """The fine-tuning data flags (``tasks.DataSettings``), shared by ``train`` and ``eval``."""
-    g = p.add_argument_group("fine-tuning data (chat, prompt/completion, datasets formats)")
-    g.add_argument("--data-format", choices=("auto", "text", "chat", "prompt-completion"), default=default,
-                   help="format of --data; auto decides from the columns (default auto)")  # fmt: skip
-    g.add_argument("--loss-on", choices=("all", "assistant", "completion"), default=default,
-                   help="tokens the loss scores (default: assistant for chat, completion, all for text)")  # fmt: skip
-    g.add_argument("--chat-template", default=default, metavar="FILE",
-                   help="Jinja chat template file (default: the tokenizer's own)")  # fmt: skip
-    g.add_argument("--packing", choices=("best-fit", "none"), default=default,
-                   help="best-fit-decreasing packing or one sample per block (default best-fit; "
-                        ".txt/.jsonl text: a continuous stream)")  # fmt: skip
-    g.add_argument("--long-samples", choices=("truncate", "split", "drop"), default=default,
-                   help="samples longer than --seq-len (default truncate)")  # fmt: skip
-    g.add_argument("--eval-split", type=float, default=default,
-                   help="fraction of samples held out for eval, chosen by --seed (default 0)")  # fmt: skip
-    g.add_argument("--data-cache", default=default, metavar="DIR",
-                   help="tokenization cache (default ~/.cache/ulysses-sp/data)")  # fmt: skip
-    g.add_argument("--data-workers", type=int, default=default,
-                   help="tokenizing processes (default min(8, cpus))")  # fmt: skip
+FROM_RUN = ("data", "seq_len", "seed", "data_format", "loss_on", "chat_template", "packing", "long_samples",
+            "eval_split")  # fmt: skip
+"""Settings an eval takes from the training run's manifest (its ``run`` section) unless given."""
 
 
 def add_eval_args(p: argparse.ArgumentParser) -> None:
     d = EvalConfig()
-    p.add_argument("--model", dest="models", nargs="+", required=True,
+    run = "the training run's, else"
+    p.add_argument("--model", dest="models", nargs="+", required=True, metavar="MODEL",
                    help="checkpoint dir(s), run dir(s) (newest checkpoint), HF model dir(s) or preset(s) "
                         "(a preset = its untrained init)")  # fmt: skip
-    p.add_argument("--data", default=d.data, help="'recall' or held-out .txt/.jsonl file or directory")
-    p.add_argument("--tokenizer", default=d.tokenizer, help="tokenizer directory")
-    p.add_argument(
-        "--seq-len", type=int, default=None, help="default: the training run's (manifest), else 256"
-    )
-    p.add_argument("--sp", type=int, default=d.sp)
-    p.add_argument("--num-samples", type=int, default=d.num_samples)
-    p.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
-    p.add_argument("--bins", type=int, default=d.bins)
-    p.add_argument("--seed", type=int, default=None, help="default: the training run's (manifest), else 0")
-    p.add_argument("--attn", default=d.attn)
-    p.add_argument("--output-json", default=d.output_json)
-    p.add_argument("--plot", default=d.plot, help="PNG path ('' or 'none' = no plot)")
-    add_data_args(p, None)
+    p.add_argument("--data", default=None,
+                   help=f"held-out data: 'recall', or local data as train's --data (its --eval-split part) "
+                        f"(default: {run} recall)")  # fmt: skip
+    p.add_argument("--tokenizer", default=d.tokenizer, metavar="DIR",
+                   help="tokenizer directory (default: each model's own, else byte-level)")  # fmt: skip
+    p.add_argument("--seq-len", type=int, default=None, metavar="S", help=f"tokens per sample (default: {run} 256)")
+    p.add_argument("--sp", type=int, default=None, metavar="P",
+                   help=f"sequence-parallel size (default: {run} 1; the run's only if it divides --nproc)")  # fmt: skip
+    p.add_argument("--num-samples", type=int, default=d.num_samples, metavar="N",
+                   help="recall samples to evaluate (rounded up to fill every rank's batches)")  # fmt: skip
+    p.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size, metavar="B",
+                   help="samples per forward per dp replica")  # fmt: skip
+    p.add_argument("--bins", type=int, default=d.bins, help="position bins across the context")
+    p.add_argument("--seed", type=int, default=None,
+                   help=f"the training run's seed: presets' init, the eval split (default: {run} 0)")  # fmt: skip
+    p.add_argument("--attn", default=d.attn, help="core attention: sdpa, eager, flash_attention_2, ...")
+    p.add_argument("--output-json", default=d.output_json, metavar="FILE", help="the JSON report")
+    p.add_argument("--plot", default=d.plot, metavar="FILE", help="PNG path ('' or 'none' = no plot)")
+    add_data_args(p, None, from_run=FROM_RUN)
 
 
 def eval_options(ns: argparse.Namespace) -> tuple[EvalConfig, dict[str, Any]]:
+    """``(EvalConfig, launch options)``: the flags given, the rest from the training run's manifest
+    (``FROM_RUN``, and ``sp`` from its layout), else ``EvalConfig``'s defaults."""
     values = {k: v for k, v in vars(ns).items() if k != "command"}
-    launch = {k: values.pop(k) for k in ("nproc", "timeout") if k in values}
+    launch = {k: values.pop(k) for k in LAUNCH_KEYS if k in values}
     values["models"] = tuple(_resolve_model(m) for m in values["models"])
     values["plot"] = None if values["plot"] in ("", "none") else values["plot"]
     manifests = [
         ckpt.read_manifest(m) for m in values["models"] if os.path.isfile(os.path.join(m, ckpt.MANIFEST))
     ]
-    trained = manifests[0]["run"] if manifests else {}
-    for key, fallback in (("seq_len", EvalConfig.seq_len), ("seed", EvalConfig.seed)):
-        if values[key] is None:
-            values[key] = trained.get(key, fallback)
-    for key in (*DATA_KEYS, "data_cache", "data_workers"):  # unset: the training run's, else the default
+    trained = manifests[0] if manifests else {}
+    for key in (*FROM_RUN, "data_cache", "data_workers"):  # unset: the training run's, else the default
         if values.get(key) is None:
-            values[key] = trained.get(key, getattr(EvalConfig, key))
+            values[key] = trained.get("run", {}).get(key, getattr(EvalConfig, key))
+    if values["sp"] is None:  # the run's layout, where it fits the processes asked for
+        sp = trained.get("world", {}).get("sp", EvalConfig.sp)
+        nproc = launch.get("nproc")
+        values["sp"] = sp if nproc is None or (isinstance(nproc, int) and nproc > 0 and nproc % sp == 0) else 1
     return EvalConfig(**values), launch
 
 
@@ -238,7 +229,12 @@ def run_eval(cfg: EvalConfig) -> list[dict[str, Any]]:
     """Evaluate every model (a collective); rank 0 writes the JSON and the plot."""
     import torch.distributed as dist
 
+    from ulysses_sp import tasks
+
     validate_eval(cfg, dist.get_world_size())
+    if cfg.data != tasks.RECALL and not cfg.eval_split and dist.get_rank() == 0:
+        logger.warning("--eval-split 0: no samples of %s are held out; evaluating on all of them (a run "
+                       "trained on them scores its training data)", cfg.data)  # fmt: skip
     reports = [_evaluate_model(cfg, m) for m in cfg.models]
     for r in reports:  # the same reduced numbers on every rank: every rank raises
         if r["loss"] is not None and not math.isfinite(r["loss"]):

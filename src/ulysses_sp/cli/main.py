@@ -15,6 +15,7 @@ before any process is started (exit code 2); a failed worker makes the command e
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -29,6 +30,12 @@ from ulysses_sp.checks import positive_int
 from ulysses_sp.cli.args import DEFAULT_TIMEOUT_S, build_parser, train_options
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def default_nproc(sp: object) -> int:
+    """``--nproc`` unset: one SP group (``dp = 1``), the layout ``--sp`` asks for; 1 when ``--sp`` is
+    itself bad (its own check then names it)."""
+    return sp if isinstance(sp, int) and not isinstance(sp, bool) and sp > 0 else 1
 
 
 def under_launcher() -> bool:
@@ -74,12 +81,14 @@ def _init_process_group(timeout_s: float, *, single: bool) -> None:
 
 
 def _run_rank(
-    command: str, options: Any, timeout_s: float, single: bool = False, launched: str | None = None
-) -> Any:
+    command: str, options: Any, timeout_s: float, single: bool = False, launched: str | None = None,
+    resolved: Any = None,
+) -> Any:  # fmt: skip
     """Body of one rank: process group, the command, teardown; ends reported by ``stops``.
 
     ``launched``: started by ``_launch`` (its ``FailureWatch`` directory), whose process reports a
-    stop; otherwise (one process, torchrun) rank 0 prints the stop line itself.
+    stop; otherwise (one process, torchrun) rank 0 prints the stop line itself. ``resolved``: the
+    ``train`` run as the launching process checked and resolved it (``None``: the rank resolves it).
     """
     from ulysses_sp.run.stops import run_reporting, signal_handlers, stop_line
 
@@ -88,7 +97,7 @@ def _run_rank(
     output_dir = getattr(options, "output_dir", None)
     report = None if launched or rank != 0 else (lambda signum: stop_line(command, signum, output_dir))
     with signal_handlers(getattr(options, "save_on_signal", 0.0)) as stop:
-        body = functools.partial(_run_command, command, options, timeout_s, single, stop)
+        body = functools.partial(_run_command, command, options, timeout_s, single, stop, resolved)
         result = run_reporting(rank, body, report, failed_dir=launched)
     if report is not None and isinstance(result, dict) and result.get("stopped"):
         print(report(signal.SIGTERM), file=sys.stderr)
@@ -96,13 +105,13 @@ def _run_rank(
     return result
 
 
-def _run_command(command: str, options: Any, timeout_s: float, single: bool, stop: Any) -> Any:
+def _run_command(command: str, options: Any, timeout_s: float, single: bool, stop: Any, resolved: Any) -> Any:
     _init_process_group(timeout_s, single=single)
     try:
         if command == "train":
             from ulysses_sp.run.loop import run
 
-            return run(options, stop=stop)
+            return run(options, stop=stop, resolved=resolved)
         from ulysses_sp.cli.evaluate import run_eval
 
         return run_eval(options)
@@ -112,31 +121,38 @@ def _run_command(command: str, options: Any, timeout_s: float, single: bool, sto
         shutdown()
 
 
-def _launch(command: str, options: Any, nproc: int, timeout_s: float) -> None:
+def _launch(command: str, options: Any, nproc: int, timeout_s: float, resolved: Any) -> None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from ulysses_sp.run.stops import (
         SHUTDOWN_GRACE_S,
+        SIGNALS_WITHOUT_SIGTERM,
         FailureWatch,
         blame,
         exit_code_of,
+        forward_sigterm,
         quiet_launcher_logs,
         stop_line,
     )
 
     quiet_launcher_logs()
-    grace = max(SHUTDOWN_GRACE_S, math.ceil(getattr(options, "save_on_signal", 0.0)))
+    save_on_signal = getattr(options, "save_on_signal", 0.0)
+    signals = {"signals_to_handle": SIGNALS_WITHOUT_SIGTERM} if save_on_signal > 0 else {}
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"ulysses-sp-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
-        start_method="spawn", shutdown_timeout=grace,
+        start_method="spawn", shutdown_timeout=SHUTDOWN_GRACE_S, **signals,
     )  # fmt: skip
     output_dir = getattr(options, "output_dir", None)
-    with FailureWatch() as watch:
+    # --save-on-signal: SIGTERM goes to the workers and the launch ends once they have saved
+    forwarding = forward_sigterm(save_on_signal) if save_on_signal > 0 else contextlib.nullcontext()
+    with FailureWatch() as watch, forwarding:
         try:
-            results = elastic_launch(config, _run_rank)(command, options, timeout_s, False, watch.path)
+            results = elastic_launch(config, _run_rank)(
+                command, options, timeout_s, False, watch.path, resolved
+            )
         except SignalException as e:
             print(stop_line(command, e.sigval, output_dir), file=sys.stderr)
             sys.exit(128 + e.sigval)
@@ -180,30 +196,32 @@ def main(argv: list[str] | None = None) -> None:
         if under_launcher():
             _run_rank(args.command, options, timeout_s)
             return
-        nproc = positive_int("--nproc", launch.get("nproc", 2 if args.command == "train" else 1))
-        _check_before_launch(args.command, options, nproc)
+        nproc = positive_int("--nproc", launch.get("nproc", default_nproc(options.sp)))
+        resolved = _check_before_launch(args.command, options, nproc)
     except ValueError as e:
         print(f"ulysses-sp {args.command}: error: {e}", file=sys.stderr)
         sys.exit(2)
     if nproc == 1:
-        _run_rank(args.command, options, timeout_s, single=True)
+        _run_rank(args.command, options, timeout_s, single=True, resolved=resolved)
     else:
-        _launch(args.command, options, nproc, timeout_s)
+        _launch(args.command, options, nproc, timeout_s, resolved)
 
 
-def _check_before_launch(command: str, options: Any, nproc: int) -> None:
+def _check_before_launch(command: str, options: Any, nproc: int) -> Any:
+    """Every check, once, before any worker starts; for ``train`` the resolved run the ranks get."""
     if command == "train":
-        from ulysses_sp.run.checks import validate
         from ulysses_sp.run.lock import check_unlocked
         from ulysses_sp.run.preflight import check_before_launch
+        from ulysses_sp.run.resolve import resolve_run
 
-        validate(options, nproc)
+        resolved = resolve_run(options, nproc)
         check_unlocked(options.output_dir)
-        check_before_launch(options, nproc)
-    else:
-        from ulysses_sp.cli.evaluate import validate_eval
+        check_before_launch(options, nproc, resolved.model_config)
+        return resolved
+    from ulysses_sp.cli.evaluate import validate_eval
 
-        validate_eval(options, nproc)
+    validate_eval(options, nproc)
+    return None
 
 
 if __name__ == "__main__":

@@ -3,9 +3,11 @@
 A thin layer over ``ulysses_sp.plan.model``: it reads the model's config (a preset, a local HF model
 directory, a ``config.json`` file, or a named shape such as ``llama-8b``), enumerates the candidate
 settings (every ``sp`` that divides the GPUs and that the heads allow, ZeRO stages 0-3, a ladder of
-memory techniques, optionally model-state offload), predicts each one's peak memory per rank and
-step time, and recommends the fastest setting that fits (with ``--max``: the one that allows the
-longest sequence) as the exact ``ulysses-sp train`` command line. ``--json`` prints one document
+memory techniques, model states on the host with ``--offload-states`` or when nothing fits on the
+devices alone), predicts each one's peak memory per rank and step time, and recommends the fastest
+setting that fits (with ``--max``: the one that allows the longest sequence, capped at the model's
+positions so that ``train`` accepts it) as the exact ``ulysses-sp train`` command line; ``notes``
+say how it was reached. ``--json`` prints one document
 (schema: README, "ulysses-sp plan")::
 
     ulysses-sp plan --model llama-8b --gpus 8 --gpu-memory 80GB --max --dtype bf16
@@ -34,33 +36,41 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="preset, local HF model dir, config.json file, or a named shape (llama-8b)")  # fmt: skip
     p.add_argument("--gpus", type=int, default=1, help="devices per node")
     p.add_argument("--nodes", type=int, default=1, help="nodes")
-    p.add_argument(
-        "--device", default=None, help="device kind from the table: h100 (default), h200, a100, cpu"
-    )
-    p.add_argument("--gpu-memory", default=None, help="memory per device, e.g. 80GB (overrides the table)")
+    p.add_argument("--device", default=None,
+                   help="device kind from the table: h100, h200, a100, cpu (default h100; cpu with --memory)")  # fmt: skip
+    p.add_argument("--gpu-memory", default=None, help="memory per device, e.g. 80GB (default: the device table's)")
     p.add_argument("--memory", default=None, help="with --device cpu: memory per rank, e.g. 20GB")
     length = p.add_mutually_exclusive_group()
-    length.add_argument("--seq-len", type=int, default=None, help="evaluate at this sequence length")
-    length.add_argument("--max", action="store_true", help="find each setting's longest sequence (default)")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                   help="fp32 (what `train` runs today) or bf16 mixed precision")  # fmt: skip
+    length.add_argument("--seq-len", type=int, default=None,
+                        help="evaluate every setting at this sequence length (without it: --max)")  # fmt: skip
+    length.add_argument("--max", action="store_true",
+                        help="find each setting's longest sequence, recommend the longest (what plan does "
+                             "without --seq-len); capped at the model's max_position_embeddings")  # fmt: skip
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="compute dtype, as train's --dtype: fp32, or bf16/fp16 mixed precision "
+                        "(fp32 master weights and optimizer state)")  # fmt: skip
     p.add_argument("--micro-batch-size", type=int, default=1, help="samples per micro-step per dp replica")
-    p.add_argument(
-        "--offload-states",
-        action="store_true",
-        help="also consider model states on the host (--cpu-offload, ZeRO 3)",
-    )
-    p.add_argument("--tflops", type=float, default=None, help="override the device's peak TFLOP/s (--dtype)")
-    p.add_argument("--mfu", type=float, default=None, help="override the achieved fraction of peak")
-    p.add_argument("--link-gbps", type=float, default=None, help="override intra-node GB/s per direction")
-    p.add_argument("--inter-gbps", type=float, default=None, help="override inter-node GB/s per direction")
-    p.add_argument("--reserve", default=None, help="override the reserve per device, e.g. 4GB")
+    p.add_argument("--offload-states", action="store_true",
+                   help="also consider model states on the host (train's --cpu-offload, ZeRO 3); without "
+                        "this flag only when nothing fits on the devices alone")  # fmt: skip
+    p.add_argument("--tflops", type=float, default=None,
+                   help="peak TFLOP/s of a device at --dtype (default: the device table's)")  # fmt: skip
+    p.add_argument("--mfu", type=float, default=None,
+                   help="achieved fraction of that peak, in (0, 1] (default: the device table's)")  # fmt: skip
+    p.add_argument("--link-gbps", type=float, default=None,
+                   help="intra-node GB/s per direction (default: the device table's)")  # fmt: skip
+    p.add_argument("--inter-gbps", type=float, default=None,
+                   help="inter-node GB/s per direction (default: the device table's)")  # fmt: skip
+    p.add_argument("--reserve", default=None,
+                   help="memory per device kept back for the runtime, e.g. 4GB (default: the device table's)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON document (schema in the README)")
 
 
 def load_shape(model: str):
-    """``ModelShape`` of a preset, named shape, model directory or ``config.json`` (``ValueError``)."""
+    """``ModelShape`` of a preset, named shape, model directory or ``config.json`` (``ValueError``),
+    with the positions limit ``train`` checks ``--seq-len`` against."""
     from ulysses_sp.plan.inputs import SHAPES, ModelShape
+    from ulysses_sp.run.prelaunch import max_trained_length
 
     if model in SHAPES:
         return SHAPES[model]
@@ -70,13 +80,15 @@ def load_shape(model: str):
         try:
             with open(model, encoding="utf-8") as f:
                 values = json.load(f)
-            return ModelShape.from_hf_config(AutoConfig.for_model(values.pop("model_type"), **values))
+            config = AutoConfig.for_model(values.pop("model_type"), **values)
         except (OSError, ValueError, KeyError) as e:
             raise ValueError(f"--model {model!r}: not a transformers config.json ({e})") from e
-    from ulysses_sp.run.checks import model_config
-    from ulysses_sp.tasks import load_tokenizer
+    else:
+        from ulysses_sp.run.checks import model_config
+        from ulysses_sp.tasks import load_tokenizer
 
-    return ModelShape.from_hf_config(model_config(model, len(load_tokenizer(None, model))))
+        config = model_config(model, len(load_tokenizer(None, model)))
+    return ModelShape.from_hf_config(config, max_positions=max_trained_length(config)[0])
 
 
 def hardware(ns: argparse.Namespace):
@@ -97,6 +109,11 @@ def hardware(ns: argparse.Namespace):
         if value is not None:
             if not value > 0:
                 raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {value}")
+            if flag == "mfu" and value > 1:
+                raise ValueError(
+                    f"--mfu is the achieved fraction of the device's peak, in (0, 1]; got {value} "
+                    "(a percentage? 40% is --mfu 0.4)"
+                )
             hw = (
                 replace(hw, tflops={**hw.tflops, ns.dtype: value})
                 if name is None
@@ -132,71 +149,107 @@ def train_args(model: str, s: Any, nodes: int) -> tuple[dict[str, Any], list[str
     return flags, args
 
 
-def _layouts(sps: list[int], world: int):
-    """``(sp, zero stage, partition)``: partitions over the DP axis, and over all ranks when SP
-    ranks exist (a DP axis of one rank partitions nothing)."""
+def _layouts(sps: list[int], world: int, offload: str):
+    """``(sp, zero stage, partition, states on the host)``. Partitions over the DP axis, and over
+    all ranks when SP ranks exist (a DP axis of one rank partitions nothing). ``offload``: ``"no"``,
+    ``"also"`` (ZeRO 3 rows with and without host states) or ``"only"`` (only host-state rows)."""
     for sp in sps:
-        for stage in (0, 1, 2, 3):
-            if stage == 0 or world // sp > 1:
-                yield sp, stage, "data_parallel"
-            if stage and sp > 1:
-                yield sp, stage, "all"
+        dp = world // sp
+        rows = [(stage, "data_parallel") for stage in (0, 1, 2, 3) if stage == 0 or dp > 1]
+        rows += [(stage, "all") for stage in (1, 2, 3) if sp > 1]
+        if world == 1:  # nothing to partition, but train's --cpu-offload runs at ZeRO 3
+            rows.append((3, "data_parallel"))
+        for stage, part in rows:
+            partitions = stage > 0 and (dp > 1 or part == "all")
+            if offload != "only" and (partitions or stage == 0):
+                yield sp, stage, part, False
+            if offload != "no" and stage == 3:
+                yield sp, stage, part, True
 
 
-def candidates(ns: argparse.Namespace) -> dict[str, Any]:
-    """The ``--json`` document: every candidate and the recommended one."""
-    from ulysses_sp.checks import positive_int
+def _evaluate(ns: argparse.Namespace, shape: Any, hw: Any, offload: str) -> list[dict[str, Any]]:
+    """One candidate per layout x technique: its prediction at ``--seq-len`` or, without it, at
+    its longest sequence capped at the model's positions limit."""
     from ulysses_sp.parallel.mesh_shape import resolve_ring_size
     from ulysses_sp.plan.inputs import Settings
     from ulysses_sp.plan.model import max_seq_len, predict
+
+    world = ns.gpus * ns.nodes
+    sps = [p for p in range(1, world + 1) if world % p == 0]  # beyond the heads: a ring (auto size)
+    out = []
+    for sp, stage, part, states_on_host in _layouts(sps, world, offload):
+        for tech in TECHNIQUES:
+            ring = resolve_ring_size(sp, shape.heads, shape.kv_heads)
+            multiple = sp * (2 if ring > 1 else 1)
+            if ns.seq_len is not None and ns.seq_len % multiple:
+                continue
+            s = Settings(seq_len=ns.seq_len or multiple, micro_batch_size=ns.micro_batch_size, dp=world // sp,
+                         sp=sp, ring_size=ring, zero_stage=stage, partition=part, dtype=ns.dtype,
+                         offload_states=states_on_host, device_type="cpu" if hw.name == "cpu" else "cuda", **tech)  # fmt: skip
+            longest = max_seq_len(shape, s, hw)
+            if ns.seq_len is None:
+                seq_len = max(longest - longest % multiple, multiple)
+                if shape.max_positions is not None:  # train refuses more: cap, "capped" says so
+                    seq_len = min(seq_len, max(shape.max_positions - shape.max_positions % multiple, multiple))
+                s = replace(s, seq_len=seq_len)
+            pred = predict(shape, s, hw)
+            settings, args = train_args(ns.model, s, ns.nodes)
+            out.append({
+                "settings": settings, "train_args": args, "peak_bytes_per_rank": pred.peak_bytes,
+                "breakdown": pred.breakdown, "host_bytes_per_rank": pred.host_bytes,
+                "fits": pred.peak_bytes <= hw.memory_bytes, "max_seq_len": longest,
+                "tokens_per_s": pred.tokens_per_s, "comm_share": pred.comm_share,
+            })  # fmt: skip
+    return out
+
+
+def candidates(ns: argparse.Namespace) -> dict[str, Any]:
+    """The ``--json`` document: every candidate, the recommended one, and notes on how it was chosen."""
+    from ulysses_sp.checks import positive_int
+    from ulysses_sp.plan.inputs import SHAPES
 
     for flag in ("gpus", "nodes", "micro_batch_size"):
         positive_int(f"--{flag.replace('_', '-')}", getattr(ns, flag))
     if ns.seq_len is not None:
         positive_int("--seq-len", ns.seq_len)
     shape, hw = load_shape(ns.model), hardware(ns)
-    world = ns.gpus * ns.nodes
-    sps = [p for p in range(1, world + 1) if world % p == 0]  # beyond the heads: a ring (auto size)
-    out = []
-    for sp, stage, part in _layouts(sps, world):
-        for tech in TECHNIQUES:
-            for offload in (False, True) if ns.offload_states and stage == 3 else (False,):
-                ring = resolve_ring_size(sp, shape.heads, shape.kv_heads)
-                multiple = sp * (2 if ring > 1 else 1)
-                if ns.seq_len is not None and ns.seq_len % multiple:
-                    continue
-                s = Settings(seq_len=ns.seq_len or multiple, micro_batch_size=ns.micro_batch_size, dp=world // sp,
-                             sp=sp, ring_size=ring, zero_stage=stage, partition=part, dtype=ns.dtype, offload_states=offload,
-                             device_type="cpu" if hw.name == "cpu" else "cuda", **tech)  # fmt: skip
-                longest = max_seq_len(shape, s, hw)
-                if ns.seq_len is None:
-                    s = replace(s, seq_len=max(longest - longest % multiple, multiple))
-                pred = predict(shape, s, hw)
-                settings, args = train_args(ns.model, s, ns.nodes)
-                out.append({
-                    "settings": settings, "train_args": args, "peak_bytes_per_rank": pred.peak_bytes,
-                    "breakdown": pred.breakdown, "host_bytes_per_rank": pred.host_bytes,
-                    "fits": pred.peak_bytes <= hw.memory_bytes, "max_seq_len": longest,
-                    "tokens_per_s": pred.tokens_per_s, "comm_share": pred.comm_share,
-                })  # fmt: skip
+    limit = shape.max_positions
+    if ns.seq_len is not None and limit is not None and ns.seq_len > limit:
+        raise ValueError(
+            f"--seq-len {ns.seq_len} is longer than model {ns.model!r} covers (max_position_embeddings "
+            f"{limit}, RoPE scaling included): `train` refuses it. Plan at --seq-len <= {limit}, or for a model "
+            "whose config.json extends its context (rope_scaling)"
+        )
+    offload = "also" if ns.offload_states else "no"
+    out, notes = _evaluate(ns, shape, hw, offload), []
+    if not ns.offload_states and not any(c["fits"] for c in out):
+        out += _evaluate(ns, shape, hw, "only")
+        offload = "auto"
+        notes.append("nothing fits on the devices alone: model states on the host considered too "
+                     "(--offload-states; train's --zero-stage 3 --cpu-offload)")  # fmt: skip
     fitting = [c for c in out if c["fits"]]
-    key = (
-        (lambda c: (c["max_seq_len"], c["tokens_per_s"]))
-        if ns.seq_len is None
-        else (lambda c: c["tokens_per_s"])
-    )
+    # --max: the longest sequence train accepts (capped), then the fastest at it
+    key = (lambda c: (c["settings"]["seq_len"], c["tokens_per_s"])) if ns.seq_len is None else (
+        lambda c: c["tokens_per_s"])  # fmt: skip
     best = max(fitting, key=key) if fitting else None
+    if best is not None and ns.seq_len is None and limit is not None and best["max_seq_len"] > limit:
+        notes.append(f"S capped at {best['settings']['seq_len']:,}: the model's positions end at {limit:,} "
+                     f"(max_position_embeddings, RoPE scaling included) and train refuses a longer --seq-len; "
+                     f"memory allows {best['max_seq_len']:,}")  # fmt: skip
+    if best is not None and ns.model in SHAPES:
+        notes.append(f"--model {ns.model} is a named shape: give train your local model directory as --model")
     return {
         "model": ns.model, "gpus": ns.gpus, "nodes": ns.nodes, "device": hw.name,
         "memory_bytes_per_rank": hw.memory_bytes, "dtype": ns.dtype, "seq_len": ns.seq_len,
-        "recommended": best, "candidates": out,
+        "max_positions": limit, "offload_states": offload, "recommended": best, "candidates": out,
+        "notes": notes,
     }  # fmt: skip
 
 
 def _label(c: dict[str, Any]) -> str:
     s = c["settings"]
     tech = [n for n, k in (("loss", "tiled_loss"), ("mlp", "tiled_mlp"), ("ckpt", "activation_checkpointing"),
-                           ("offload", "offload_activations"), ("states->host", "offload_states")) if s.get(k)]  # fmt: skip
+                           ("offload", "offload_activations"), ("states->host", "cpu_offload")) if s.get(k)]  # fmt: skip
     part = "/all" if s.get("zero_partition") == "all" else ""
     ring = f" (ring {s['ring_size']})" if s.get("ring_size", 1) > 1 else ""
     return f"sp {s['sp']}{ring} zero {s['zero_stage']}{part} " + ("+".join(tech) or "plain")
@@ -205,15 +258,17 @@ def _label(c: dict[str, Any]) -> str:
 def render(doc: dict[str, Any]) -> str:
     """The human table: one row per candidate, then the recommendation and its breakdown."""
     gib = 2**30
-    rows = [f"{'setting':<44} {'peak GiB':>9} {'fits':>5} {'max S':>11} {'tokens/s':>10} {'comm':>5}"]
+    rows = [f"{'setting':<50} {'peak GiB':>9} {'fits':>5} {'max S':>11} {'tokens/s':>10} {'comm':>5}"]
     for c in doc["candidates"]:
-        rows.append(f"{_label(c):<44} {c['peak_bytes_per_rank'] / gib:>9.2f} {'yes' if c['fits'] else 'no':>5} "
+        rows.append(f"{_label(c):<50} {c['peak_bytes_per_rank'] / gib:>9.2f} {'yes' if c['fits'] else 'no':>5} "
                     f"{c['max_seq_len']:>11,} {c['tokens_per_s']:>10,.0f} {c['comm_share']:>5.0%}")  # fmt: skip
     best = doc["recommended"]
+    rows += [""] + [f"note: {n}" for n in doc["notes"]]
     if best is None:
-        rows.append("\nnothing fits: more devices, a shorter --seq-len, or --offload-states")
+        host = "" if doc["offload_states"] == "no" else ", even with model states on the host"
+        rows.append(f"nothing fits{host}: more devices, a shorter --seq-len, or a smaller --micro-batch-size")
     else:
-        rows.append(f"\nrecommended: {_label(best)} at S = {best['settings']['seq_len']:,}")
+        rows.append(f"recommended: {_label(best)} at S = {best['settings']['seq_len']:,}")
         rows.append("  " + " ".join(best["train_args"]))
         rows.append(
             "  breakdown: " + ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in best["breakdown"].items() if v)

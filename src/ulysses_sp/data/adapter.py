@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ulysses_sp.checks import positive_int
+from ulysses_sp.checks import check_seq_len_divisible, positive_int
 from ulysses_sp.data.shard import _is_seq, prepare_batch, shard_batch
 from ulysses_sp.parallel.comm import all_gather_object, exchange_bytes, raise_if_any_rank_failed
 from ulysses_sp.parallel.mesh import ring_size_of
@@ -181,11 +181,11 @@ class UlyssesSPDataLoaderAdapter:
         s, padded = batch["input_ids"].shape[1], prepared["input_ids"].shape[1]
         if s != padded and not self._logged_padding:
             self._logged_padding = True
-            logger.warning(
-                "sequence length %d is not divisible by sequence_parallel_size %d; padded to %d "
-                "(pad id %d, labels -100); logged once, strict=True raises instead",
-                s, self.sp_world_size, padded, self.pad_token_id,
-            )  # fmt: skip
+            try:
+                check_seq_len_divisible(s, self.sp_world_size, fix="pad to")
+            except ValueError as e:  # the rule's own words, as a warning: padding makes it hold
+                logger.warning("%s: padded to %d (pad id %d, labels -100); logged once, strict=True raises instead",
+                               e, padded, self.pad_token_id)  # fmt: skip
 
     def _check_round(self, metas: list[dict[str, tuple] | None]) -> None:
         """Cross-rank checks on the gathered metadata: the same verdict on every rank, no collective."""

@@ -32,7 +32,13 @@ from functools import lru_cache
 import numpy as np
 
 from ulysses_sp.data import formats
-from ulysses_sp.data.chat import chat_template_of, resolve_loss_on, tokenize_record
+from ulysses_sp.data.chat import (
+    ChatTemplateError,
+    chat_template_of,
+    resolve_loss_on,
+    template_name,
+    tokenize_record,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +70,10 @@ class TokenizedCorpus:
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
 
+    def __reduce__(self):
+        # pickled (to the ranks) as its cache path: opened memory-mapped again, not copied
+        return (_open, (self.path,))
+
 
 def tokenizer_fingerprint(tokenizer) -> str:
     """A hash of the tokenizer's model, vocabulary and special tokens."""
@@ -91,7 +101,7 @@ def _worker_tokenizer(path: str):
 
 def _tokenize_rows(task: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Worker body: rows ``[lo, hi)`` of the table -> ``(ids, scored, lengths)``."""
-    data, cache_dir, tokenizer_dir, tokenizer, lo, hi, fmt, loss_on, template = task
+    data, cache_dir, tokenizer_dir, tokenizer, lo, hi, fmt, loss_on, template, template_file = task
     tokenizer = tokenizer or _worker_tokenizer(tokenizer_dir)
     table = formats.read_table(data, cache_dir=cache_dir)
     ids, scored, lengths = [], [], []
@@ -100,6 +110,8 @@ def _tokenize_rows(task: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             one, mask = tokenize_record(
                 record, fmt=fmt, loss_on=loss_on, tokenizer=tokenizer, template=template
             )
+        except ChatTemplateError as e:
+            raise ValueError(f"--data {data!r}, sample {i}: {template_name(template_file)} {e}") from None
         except ValueError as e:
             raise ValueError(f"--data {data!r}, sample {i}: {e}") from e
         ids += one
@@ -112,7 +124,9 @@ def _tokenize_rows(task: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     )
 
 
-def _tokenize_all(data, table, tokenizer, *, fmt, loss_on, template, cache_dir, workers, progress, tmp):
+def _tokenize_all(
+    data, table, tokenizer, *, fmt, loss_on, template, template_file, cache_dir, workers, progress, tmp
+):
     from tqdm import tqdm
 
     n = len(table)
@@ -126,7 +140,10 @@ def _tokenize_all(data, table, tokenizer, *, fmt, loss_on, template, cache_dir, 
 
             tok_dir = os.path.join(tmp, "tokenizer")
             tokenizer.save_pretrained(tok_dir)
-            tasks = [(data, cache_dir, tok_dir, None, lo, hi, fmt, loss_on, template) for lo, hi in bounds]
+            tasks = [
+                (data, cache_dir, tok_dir, None, lo, hi, fmt, loss_on, template, template_file)
+                for lo, hi in bounds
+            ]
             with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
                 for part in pool.map(_tokenize_rows, tasks):
                     parts.append(part)
@@ -134,7 +151,9 @@ def _tokenize_all(data, table, tokenizer, *, fmt, loss_on, template, cache_dir, 
         else:
             for lo, hi in bounds:
                 parts.append(
-                    _tokenize_rows((data, cache_dir, None, tokenizer, lo, hi, fmt, loss_on, template))
+                    _tokenize_rows(
+                        (data, cache_dir, None, tokenizer, lo, hi, fmt, loss_on, template, template_file)
+                    )
                 )
                 bar.update(hi - lo)
     finally:
@@ -145,11 +164,28 @@ def _tokenize_all(data, table, tokenizer, *, fmt, loss_on, template, cache_dir, 
 
 
 def _open(entry: str) -> TokenizedCorpus:
-    with open(os.path.join(entry, "meta.json"), encoding="utf-8") as f:
-        meta = json.load(f)
-    load = lambda name: np.load(os.path.join(entry, name), mmap_mode="r")  # noqa: E731
-    return TokenizedCorpus(ids=load("ids.npy"), scored=load("scored.npy"), offsets=load("offsets.npy"),
-                           meta=meta, path=entry)  # fmt: skip
+    """The cache entry ``entry``, memory-mapped; ``ValueError`` naming it (and to delete it) when a
+    file is missing, truncated or does not match the entry's counts (a disk that filled, a copy cut short)."""
+    try:
+        with open(os.path.join(entry, "meta.json"), encoding="utf-8") as f:
+            meta = json.load(f)
+        arrays = {
+            name: np.load(os.path.join(entry, f"{name}.npy"), mmap_mode="r")
+            for name in ("ids", "scored", "offsets")
+        }
+        ids, scored, offsets = arrays["ids"], arrays["scored"], arrays["offsets"]
+        if not (len(ids) == len(scored) == meta["tokens"] and len(offsets) == meta["samples"] + 1
+                and (not len(offsets) or int(offsets[-1]) == len(ids))):  # fmt: skip
+            raise ValueError(
+                f"{len(ids)} ids, {len(scored)} flags and {len(offsets)} offsets for {meta['tokens']} tokens "
+                f"of {meta['samples']} samples"
+            )
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(
+            f"the tokenization cache entry {entry} is damaged ({type(e).__name__}: {e}); delete that directory "
+            "(rm -r it) and run again: the data is then tokenized afresh"
+        ) from None
+    return TokenizedCorpus(ids=ids, scored=scored, offsets=offsets, meta=meta, path=entry)
 
 
 def tokenized_corpus(
@@ -159,6 +195,7 @@ def tokenized_corpus(
     data_format: str = "auto",
     loss_on: str | None = None,
     chat_template: str | None = None,
+    template_file: str | None = None,
     cache_dir: str | None = None,
     workers: int = 1,
     progress: bool = False,
@@ -171,6 +208,7 @@ def tokenized_corpus(
         data_format: ``auto`` (decided from the columns) or a format of ``formats.FORMATS``.
         loss_on: ``all`` / ``assistant`` / ``completion``; ``None``: the format's default.
         chat_template: a Jinja template (the text) overriding the tokenizer's.
+        template_file: the file ``chat_template`` was read from (named when it fails to render).
         cache_dir: the cache root; ``None``: ``default_cache_dir()``.
         workers: tokenizing processes (``1``: this process).
         progress: a progress bar while tokenizing.
@@ -194,7 +232,8 @@ def tokenized_corpus(
             tmp = tempfile.mkdtemp(prefix=digest + ".tmp-", dir=root)
             try:
                 ids, scored, lengths = _tokenize_all(data, table, tokenizer, fmt=fmt, loss_on=loss_on,
-                                                     template=template, cache_dir=hf_cache, workers=workers,
+                                                     template=template, template_file=template_file,
+                                                     cache_dir=hf_cache, workers=workers,
                                                      progress=progress, tmp=tmp)  # fmt: skip
                 offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
                 np.cumsum(lengths, out=offsets[1:])

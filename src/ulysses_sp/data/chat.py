@@ -60,10 +60,26 @@ def chat_template_of(tokenizer, template: str | None) -> str:
     return found
 
 
+class ChatTemplateError(ValueError):
+    """The chat template failed to render a sample: a Jinja syntax error, or its ``raise_exception``."""
+
+
+def template_name(path: str | None) -> str:
+    """How messages name the template chat data is rendered with: its file, or the tokenizer's."""
+    return f"the chat template {path}" if path else "the tokenizer's chat template"
+
+
 def _render(tokenizer, template: str, turns: list[dict[str, Any]], *, generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(
-        turns, chat_template=template, tokenize=False, add_generation_prompt=generation_prompt
-    )
+    from jinja2 import TemplateError, TemplateSyntaxError
+
+    try:
+        return tokenizer.apply_chat_template(
+            turns, chat_template=template, tokenize=False, add_generation_prompt=generation_prompt
+        )
+    except TemplateSyntaxError as e:
+        raise ChatTemplateError(f"has a Jinja syntax error at line {e.lineno}: {e.message}") from None
+    except TemplateError as e:  # what the template's own raise_exception(...) raises
+        raise ChatTemplateError(f"refused the sample (raise_exception): {e}") from None
 
 
 def chat_segments(tokenizer, template: str, messages: list[dict[str, Any]]) -> list[tuple[str, int]]:

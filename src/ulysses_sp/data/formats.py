@@ -152,7 +152,31 @@ def read_table(path: str, *, cache_dir: str | None = None):
     except ValueError:
         raise
     except Exception as e:  # the datasets library's parse errors carry the reason; name the input
+        where = _json_error(files) if kind == "json" else None
+        if where:  # datasets says only "An error occurred while generating the dataset"
+            raise ValueError(f"--data {path!r}: {where}; fix or remove that line") from None
         raise ValueError(f"--data {path!r}: cannot read it as {kind}: {type(e).__name__}: {e}") from e
+
+
+def _json_error(files: list[str]) -> str | None:
+    """``"<file>:<line>: <what>"`` for the first line of ``files`` that is not valid JSON (a
+    ``.jsonl`` line, or the position in a ``.json`` document); ``None`` if every file parses."""
+    for f in files:
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            if f.endswith(".jsonl"):
+                for lineno, line in enumerate(fh, start=1):
+                    if not line.strip():
+                        continue
+                    try:
+                        json.loads(line)
+                    except json.JSONDecodeError as e:
+                        return f"{f}:{lineno} is not valid JSON ({e.msg} at column {e.colno}): {line.strip()[:80]!r}"
+                continue
+            try:
+                json.load(fh)
+            except json.JSONDecodeError as e:
+                return f"{f}:{e.lineno} is not valid JSON ({e.msg} at column {e.colno})"
+    return None
 
 
 def resolve_format(columns: list[str], data_format: str, *, where: str) -> str:

@@ -14,6 +14,7 @@ Shape legend: ``S`` = ``seq_len``.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
@@ -24,6 +25,8 @@ from ulysses_sp.data.bestfit import PackingPlan, plan_blocks
 from ulysses_sp.data.cache import TokenizedCorpus
 from ulysses_sp.data.packing import PackingCollator
 from ulysses_sp.parallel.loss import IGNORE_INDEX
+
+logger = logging.getLogger(__name__)
 
 
 def split_samples(n: int, eval_split: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -122,3 +125,45 @@ def describe(stats: dict) -> str:
         f"of block tokens; long samples: {stats['truncated']} truncated, {stats['split']} split, "
         f"{stats['dropped']} dropped"
     )
+
+
+def scored_counts(dataset: PackedDataset) -> dict[str, int]:
+    """Per sample of ``dataset``: how many have scored tokens at all (``scored``), how many none
+    (``unscored``: e.g. chats without an assistant turn under ``--loss-on assistant``), how many lost
+    all of theirs to truncation (``truncated_away``: scored only past ``seq_len``), and the scored
+    tokens the blocks keep (``kept_tokens``; a document's first token has no label)."""
+    c, p, samples = dataset.corpus, dataset.plan, dataset.samples
+    flags = np.asarray(c.scored, dtype=np.int64)
+    cum = np.concatenate([[0], np.cumsum(flags)])
+    total = cum[c.offsets[samples + 1]] - cum[c.offsets[samples]]
+    base = c.offsets[samples[p.sample]] if len(p.sample) else np.zeros(0, np.int64)
+    starts, ends = base + p.start, base + p.end
+    piece = cum[ends] - cum[starts] - (flags[starts] if len(starts) else 0)
+    kept = np.bincount(p.sample, weights=piece, minlength=len(samples))
+    placed = np.bincount(p.sample, minlength=len(samples)) > 0  # not dropped (--long-samples drop)
+    return {"samples": len(samples), "scored": int((total > 0).sum()), "unscored": int((total == 0).sum()),
+            "truncated_away": int(((total > 0) & (kept == 0) & placed).sum()), "kept_tokens": int(kept.sum())}  # fmt: skip
+
+
+def check_scored(dataset: Dataset, *, seq_len: int, data: str) -> None:
+    """Refuse packed training data in which the loss scores no token (it would train to a loss of 0,
+    learning nothing); warn with the counts when some samples lose all their scored tokens to
+    truncation at ``seq_len``. Other datasets (recall, text blocks) score every token."""
+    if not isinstance(dataset, PackedDataset):
+        return
+    n = scored_counts(dataset)
+    cut = (
+        f"{n['truncated_away']} of {n['samples']} samples have their scored tokens only past --seq-len {seq_len} "
+        "(truncated away)"
+    )
+    if n["kept_tokens"] == 0:
+        raise ValueError(
+            f"--data {data!r}: no token is scored, so training would learn nothing (loss 0): "
+            f"{n['unscored']} of {n['samples']} samples have no scored token (--loss-on assistant/completion "
+            f"scores assistant turns / completions only: are there any?), {cut}. Use --loss-on all, a longer "
+            "--seq-len or --long-samples split, or data with assistant turns"
+        )
+    if n["truncated_away"]:
+        logger.warning(
+            "--data %r: %s and train nothing; raise --seq-len or use --long-samples split", data, cut
+        )

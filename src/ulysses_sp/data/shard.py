@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ulysses_sp.checks import check_seq_len_divisible
 from ulysses_sp.parallel.loss import IGNORE_INDEX
 from ulysses_sp.parallel.mesh_shape import seq_multiple, shard_spans
 
@@ -144,12 +145,8 @@ def prepare_batch(
     multiple = seq_multiple(sp_size, ring_size)
     padded = math.ceil(s / multiple) * multiple
     n = padded - s
-    if n and strict:
-        what = f"{multiple} (2 zigzag chunks x sequence_parallel_size {sp_size}, ring_size {ring_size})"
-        raise ValueError(
-            f"sequence length {s} is not divisible by "
-            f"{what if ring_size > 1 else f'sequence_parallel_size {sp_size}'}; pad to {padded}"
-        )
+    if strict:
+        check_seq_len_divisible(s, sp_size, ring_size, fix="pad to")
     if n:
         ids = F.pad(ids, (0, n), value=pad_token_id)
         labels = F.pad(labels, (0, n), value=IGNORE_INDEX)
@@ -177,11 +174,7 @@ def shard_batch(batch: Mapping[str, Any], sp_rank: int, sp_size: int, ring_size:
     per-token tensor (``[B, S, ...] -> [B, S_l, ...]``), or with a ring its zigzag tokens
     (``mesh_shape.shard_spans``); other tensors and non-tensors whole."""
     b, s = batch["input_ids"].shape
-    if s % seq_multiple(sp_size, ring_size):
-        raise ValueError(
-            f"sequence length {s} is not divisible by {seq_multiple(sp_size, ring_size)} (sp_size {sp_size}, "
-            f"ring_size {ring_size}); use prepare_batch first"
-        )
+    check_seq_len_divisible(s, sp_size, ring_size, fix="pad (prepare_batch) to")
     spans = shard_spans(s, sp_rank, sp_size, ring_size)
 
     def cut(v: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, Dataset
 
-from ulysses_sp.attention.registration import registered_layout
+from ulysses_sp.attention.registration import attach_registered, registered_layout
 from ulysses_sp.config import TrainingConfig, load_config
 from ulysses_sp.engine.data import build_dataloader, check_dataset
 from ulysses_sp.engine.engine import Engine, LossFn
@@ -36,6 +36,7 @@ from ulysses_sp.engine.optim import (
     remap_parameters,
 )
 from ulysses_sp.engine.sharding import apply_ddp, apply_fsdp, on_meta
+from ulysses_sp.mixers.apply import apply_mixers, has_unsharded_mixers
 from ulysses_sp.mixers.guard import check_sequence_mixing
 from ulysses_sp.parallel.comm import raise_if_any_rank_failed
 from ulysses_sp.parallel.mesh import LAUNCH_HINT, SPMesh, init_mesh
@@ -134,6 +135,10 @@ def initialize(
 
     # ---- collectives from here on ----
     mesh = _build_mesh(dp_size, sp_size, mpu, model)
+    attach_registered(model)  # its SP attention sees the position_ids of every call
+    # sequence mixers (short convolutions, Mamba-2, gated delta-net, KDA): head-sharded, with document boundaries from the
+    # batch's position ids — also at sp 1, so packed documents never leak whatever the sp size
+    mixers = apply_mixers(model, mesh) if has_unsharded_mixers(model) else None
     names = {id(p): n for n, p in model.named_parameters()}
     if stage <= 1:
         wrapper = apply_ddp(model, mesh)
@@ -159,6 +164,7 @@ def initialize(
         batch_sizes=batch_sizes,
         loss_fn=loss_fn,
     )
+    engine.mixers = mixers  # the MixerHandle (remove() restores the mixers), or None
     loader = None
     if training_data is not None:
         loader = build_dataloader(

@@ -38,6 +38,8 @@ from ulysses_sp.attention.registration import ATTN_NAME, SPRegistration
 from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
 from ulysses_sp.checks import positive_int
 from ulysses_sp.integrations._trainer import SPTrainerDataLoader, SPTrainerMixin
+from ulysses_sp.mixers.apply import apply_mixers, has_unsharded_mixers
+from ulysses_sp.mixers.base import MixerHandle
 from ulysses_sp.mixers.guard import check_sequence_mixing
 from ulysses_sp.parallel.mesh import SPMesh, init_mesh, require_process_group
 from ulysses_sp.parallel.mesh_shape import resolve_ring_size
@@ -64,10 +66,13 @@ class SPTrainerHandle:
         *,
         pad_token_id: int,
         strict: bool,
+        mixers: MixerHandle | None = None,
     ) -> None:
         self.trainer = trainer
         self.mesh = mesh
         self.registration = registration
+        self.mixers = mixers
+        """The model's sharded sequence mixers (``mixers.apply.apply_mixers``), or ``None``."""
         self.pad_token_id = pad_token_id
         self.strict = strict
         self.own_eval_loss: Any = None
@@ -85,6 +90,8 @@ class SPTrainerHandle:
             return
         self.trainer.__class__ = self._trainer_class
         del self.trainer._ulysses_sp
+        if self.mixers is not None:
+            self.mixers.remove()
         self.registration.remove()
 
     def __repr__(self) -> str:
@@ -141,8 +148,11 @@ def prepare(
         trainer.args.per_device_train_batch_size,
         mesh=mesh,
     )
+    mixers = apply_mixers(model, mesh) if has_unsharded_mixers(model) else None  # conv / Mamba-2 layers
     logger.info("sequence parallelism in %s: %r, core attention %r", type(trainer).__name__, mesh, core)
-    return SPTrainerHandle(trainer, mesh, registration, pad_token_id=_pad_token_id(trainer), strict=strict)
+    return SPTrainerHandle(
+        trainer, mesh, registration, pad_token_id=_pad_token_id(trainer), strict=strict, mixers=mixers
+    )
 
 
 def _model_attention(model: Any) -> str:

@@ -12,8 +12,8 @@ the same everywhere: no collective), every module that is not
 - the SP attention (its code dispatches through transformers' ``AttentionInterface``),
 - position-wise (linear, norm, activation, dropout, embedding, rotary table, MoE router/experts,
   or a class declared with ``declare_position_wise``), or
-- a sequence mixer claimed by one of ``handlers`` (``SUPPORTED_MIXERS``: empty until the mixer
-  handlers land).
+- a sequence mixer claimed by one of ``handlers`` (``SUPPORTED_MIXERS``: the handlers of
+  ``mixers.apply``, which ``initialize`` and ``prepare`` apply right after the check).
 
 The config's layer types (``layer_types``, ``layers_block_type``) are a second witness: a layer
 the config calls a mixer (``linear_attention``, ``conv``, ``mamba``, ...) must hold a claimed
@@ -35,6 +35,7 @@ from typing import Any
 from torch import nn
 
 from ulysses_sp.attention.registration import layer_kind
+from ulysses_sp.mixers.apply import HANDLERS
 from ulysses_sp.mixers.base import MixerHandler, claimed_by
 from ulysses_sp.mixers.classify import (
     ATTENTION,
@@ -48,8 +49,9 @@ from ulysses_sp.mixers.classify import (
     verdict,
 )
 
-SUPPORTED_MIXERS: tuple[MixerHandler, ...] = ()
-"""The mixer handlers SP applies by default (issue 23 adds gated delta-net, Mamba-2, short conv)."""
+SUPPORTED_MIXERS: tuple[MixerHandler, ...] = HANDLERS
+"""The mixers SP shards (``mixers.apply``: short convolution, Mamba-2, gated delta-net, KDA), which
+``initialize`` and ``prepare`` wrap right after this check."""
 
 
 @dataclass(frozen=True)
@@ -247,9 +249,7 @@ def _layer_type_findings(model: nn.Module, layers: nn.ModuleList, findings: list
             out.append(Finding(i, "", type(layers[i]).__name__, "refused",
                                f"is a {t!r} layer (the config's layer types), but none of its modules calls "
                                "transformers' attention interface, so the SP attention cannot run in it"))  # fmt: skip
-    if not any(f.kind == ATTENTION for f in findings) and not any(
-        f.kind == "refused" for f in findings + out
-    ):
+    if not any(f.kind in (ATTENTION, "mixer") or f.kind == "refused" for f in findings + out):
         out.append(Finding(None, "", type(model).__name__, "refused",
                            "has no layer whose attention calls transformers' attention interface, so the SP "
                            "attention cannot run in it"))  # fmt: skip

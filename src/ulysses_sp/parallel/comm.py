@@ -180,6 +180,19 @@ def qkv_seq_to_heads(
     return _AllToAllPacked.apply(1, 2, group, q, k, v)
 
 
+def seq_to_heads_packed(
+    xs: tuple[torch.Tensor, ...], group: dist.ProcessGroup, *, seq_dim: int = 1, head_dim: int = 2
+) -> tuple[torch.Tensor, ...]:
+    """``[B, S_l, H*, ...] -> [B, S, H*/P, ...]`` for several tensors in **one** all-to-all (the
+    sequence-mixer exchange: a Mamba-2 scan's x, dt, B, C; a short convolution's channels).
+
+    Forward: scatter ``head_dim`` (every tensor's own head-like dim, divisible by ``P``), gather
+    ``seq_dim``; backward: one inverse all-to-all of the gradients (``heads_to_seq`` of each).
+    """
+    # [B, S_l, H*, ...] -> [B, P*S_l, H*/P, ...] for each, packed per destination rank
+    return _AllToAllPacked.apply(head_dim, seq_dim, group, *xs)
+
+
 def ring_exchange(
     send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup, *, tag: int = 0
 ) -> list[dist.Work]:

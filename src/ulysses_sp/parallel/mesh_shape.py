@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ulysses_sp.checks import positive_int
+from ulysses_sp.checks import check_seq_len_divisible, positive_int, seq_len_multiple
 
 
 def resolve_mesh_shape(
@@ -161,7 +161,7 @@ def resolve_ring_size(sp_size: int, num_heads: int, num_kv_heads: int, ring_size
 
 def seq_multiple(sp_size: int, ring_size: int = 1) -> int:
     """What the sequence length must be a multiple of: ``P``, or ``2P`` with a ring (zigzag chunks)."""
-    return sp_size * (2 if ring_size > 1 else 1)
+    return seq_len_multiple(sp_size, ring_size)[0]
 
 
 def _check_ring(seq_len: int, ring_size: int, ring_rank: int) -> None:
@@ -212,13 +212,7 @@ def shard_spans(seq_len: int, sp_rank: int, sp_size: int, ring_size: int = 1) ->
     or two when a Ulysses piece straddles the two chunks). ``seq_len`` must be a multiple of
     ``seq_multiple(sp_size, ring_size)``.
     """
-    multiple = seq_multiple(sp_size, ring_size)
-    if seq_len % multiple:
-        padded = -(-seq_len // multiple) * multiple
-        raise ValueError(
-            f"sequence length {seq_len} is not divisible by {multiple} (sequence_parallel_size {sp_size}"
-            f"{f' x 2 zigzag chunks per ring rank, ring_size {ring_size}' if ring_size > 1 else ''}); pad to {padded}"
-        )
+    check_seq_len_divisible(seq_len, sp_size, ring_size, fix="pad to")
     local = seq_len // sp_size
     if ring_size == 1:
         return [(sp_rank * local, (sp_rank + 1) * local)]

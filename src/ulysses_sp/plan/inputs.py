@@ -33,16 +33,21 @@ class ModelShape:
     """``V``, vocabulary (embedding rows)."""
     tied: bool = False
     """Input and output embeddings share one matrix."""
+    max_positions: int | None = None
+    """The longest sequence the model's positions cover (``max_position_embeddings``, or more with
+    RoPE scaling: ``run.prelaunch.max_trained_length``); ``train`` refuses a longer ``--seq-len``.
+    ``None``: no limit known."""
 
     @classmethod
-    def from_hf_config(cls, config: Any) -> ModelShape:
-        """From a transformers ``PretrainedConfig`` (Llama, Qwen2, Mistral and their kin)."""
+    def from_hf_config(cls, config: Any, *, max_positions: int | None = None) -> ModelShape:
+        """From a transformers ``PretrainedConfig`` (Llama, Qwen2, Mistral and their kin);
+        ``max_positions``: the positions limit as the caller reads it off the config."""
         heads = config.num_attention_heads
         return cls(
             hidden=config.hidden_size, intermediate=config.intermediate_size, layers=config.num_hidden_layers,
             heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, vocab=config.vocab_size,
-            tied=bool(getattr(config, "tie_word_embeddings", False)),
+            tied=bool(getattr(config, "tie_word_embeddings", False)), max_positions=max_positions,
         )  # fmt: skip
 
     @property
@@ -59,9 +64,10 @@ class ModelShape:
 
 
 LLAMA_8B = ModelShape(
-    hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, head_dim=128, vocab=128256
+    hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, head_dim=128, vocab=128256,
+    max_positions=131072,
 )
-"""Llama-3.1-8B (8.03e9 parameters)."""
+"""Llama-3.1-8B (8.03e9 parameters; ``max_position_embeddings`` 131072)."""
 SHAPES = {"llama-8b": LLAMA_8B}
 
 
@@ -84,7 +90,8 @@ class Settings:
     partition: str = "data_parallel"
     """ZeRO partitions over the DP axis or ``"all"`` dp*sp ranks."""
     dtype: str = "fp32"
-    """Parameter/activation dtype: ``fp32`` (pure fp32 training) or ``bf16``/``fp16`` (mixed)."""
+    """Compute dtype, as ``train --dtype``: ``fp32``, or ``bf16``/``fp16`` mixed precision (fp32
+    master weights and optimizer state)."""
     tiled_mlp: bool = False
     tiled_mlp_shards: int | None = None
     """``None``: auto, tiles of about ``h`` tokens."""

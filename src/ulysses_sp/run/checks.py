@@ -1,10 +1,10 @@
-"""Everything the ``train`` command checks before any process starts.
+"""The component checks a run is made of, each raising ``ValueError`` naming the flag and the numbers.
 
-``validate(cfg, world_size)`` checks sizes, recipe, precision, model, tokenizer, data, output
-directory and resume compatibility without processes or collectives, so every rank (or the
-launching process) reaches the same verdict, and raises ``ValueError`` naming the numbers;
-``check_run`` is the part the ``eval`` command shares; ``model_config`` reads a model's
-transformers config without building weights.
+``check_train_options`` (sizes, recipe, precision, technique options: no model, no data),
+``check_layout`` (world size, sp, core attention, sequence length), ``check_model`` (a model with
+its tokenizer: vocabulary, heads over sp and ring, positions); ``check_run`` composes the last two
+with a data probe for ``eval``. ``run.resolve.resolve_run`` composes them all, once, for ``train``.
+``model_config`` reads a model's transformers config without building weights.
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ from typing import Any
 
 from ulysses_sp import tasks
 from ulysses_sp.attention.core import CORE_ATTENTIONS, check_blockwise_options
-from ulysses_sp.checks import optional_positive_int, positive_int
-from ulysses_sp.parallel.mesh_shape import resolve_ring_size, seq_multiple
+from ulysses_sp.checks import check_seq_len_divisible, optional_positive_int, positive_int
+from ulysses_sp.parallel.mesh_shape import resolve_ring_size
 from ulysses_sp.run.config import TrainConfig
 from ulysses_sp.run.prelaunch import check_attention_available, check_seq_len_fits
-from ulysses_sp.run.rundir import check_output_dir, manifest_for
 
 
 def _flag(name: str) -> str:
@@ -82,9 +81,9 @@ def model_config(model: str, vocab_size: int):
     if tasks.is_preset(model):
         return tasks.preset_config(model, vocab_size=vocab_size)
     tasks.check_model_dir(model)
-    from transformers import AutoConfig
+    from ulysses_sp.state.model_dir import check_model_dir
 
-    return AutoConfig.from_pretrained(model, local_files_only=True)
+    return check_model_dir(model)  # config, index, shards, their headers and shapes, naming the file
 
 
 def ring_size_for(mcfg: Any, sp: int, ring_size: int | str | None) -> int:
@@ -94,6 +93,42 @@ def ring_size_for(mcfg: Any, sp: int, ring_size: int | str | None) -> int:
     get = mcfg.get if isinstance(mcfg, dict) else lambda key: getattr(mcfg, key, None)
     heads = get("num_attention_heads")
     return resolve_ring_size(sp, heads, get("num_key_value_heads") or heads, ring_size)
+
+
+def check_layout(world_size: int, *, sp: int, seq_len: int, sizes: Mapping[str, Any], attn: str) -> None:
+    """Sizes (``sizes``: more positive ints, by option name), the ``(dp, sp)`` layout, the core
+    attention and the sequence length's divisibility by ``sp`` (by the ring's, once the model is known)."""
+    positive_int("--nproc", world_size)
+    for name, value in {"seq_len": seq_len, "sp": sp, **sizes}.items():
+        positive_int(_flag(name), value)
+    if world_size % sp:
+        raise ValueError(
+            f"--nproc / world size ({world_size}) is not divisible by --sp ({sp}): "
+            f"dp = world_size / sp must be an integer; use --sp in "
+            f"{[p for p in range(1, world_size + 1) if world_size % p == 0]}"
+        )
+    if attn not in CORE_ATTENTIONS:
+        raise ValueError(f"--attn must be one of {CORE_ATTENTIONS}, got {attn!r}")
+    check_attention_available(attn)
+    check_seq_len_divisible(seq_len, sp, name="--seq-len")
+
+
+def check_model(
+    model: str, tokenizer: Any, *, sp: int, seq_len: int, ring_size: int | str | None
+) -> tuple[Any, int]:
+    """``(model config, ring size)`` of ``model`` (preset or directory) with ``tokenizer`` (loaded):
+    the vocabulary fits, the heads split over ``sp`` (Ulysses, or Ulysses x Ring: ``ring_size``,
+    ``None`` = auto), ``seq_len`` divides into the ring's chunks and is within the model's positions."""
+    mcfg = model_config(model, len(tokenizer))
+    if len(tokenizer) > mcfg.vocab_size:
+        raise ValueError(
+            f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {mcfg.vocab_size}; "
+            "pass the model's own tokenizer with --tokenizer"
+        )
+    ring = ring_size_for(mcfg, sp, ring_size)
+    check_seq_len_divisible(seq_len, sp, ring, name="--seq-len")
+    check_seq_len_fits(seq_len, mcfg, model)
+    return mcfg, ring
 
 
 def check_run(
@@ -111,57 +146,22 @@ def check_run(
     data_settings: tasks.DataSettings | None = None,
     ring_size: int | str | None = None,
 ) -> list[Any]:
-    """The checks ``train`` and ``eval`` share: sizes (``sizes``: more positive ints, by option
-    name), the ``(dp, sp)`` layout, sequence length, core attention, each model with its tokenizer
-    (vocabulary, heads split over ``sp`` by Ulysses or Ulysses x Ring: ``ring_size``, ``None`` = auto)
-    and the data. Returns each model's transformers config.
-    """
-    positive_int("--nproc", world_size)
-    for name, value in {"seq_len": seq_len, "sp": sp, **sizes}.items():
-        positive_int(_flag(name), value)
-    if world_size % sp:
-        raise ValueError(
-            f"--nproc / world size ({world_size}) is not divisible by --sp ({sp}): "
-            f"dp = world_size / sp must be an integer; use --sp in "
-            f"{[p for p in range(1, world_size + 1) if world_size % p == 0]}"
-        )
-    if attn not in CORE_ATTENTIONS:
-        raise ValueError(f"--attn must be one of {CORE_ATTENTIONS}, got {attn!r}")
-    check_attention_available(attn)
-    if seq_len % sp:
-        raise ValueError(
-            f"--seq-len ({seq_len}) is not divisible by --sp ({sp}); "
-            f"use a multiple of {sp}, e.g. {seq_len + sp - seq_len % sp}"
-        )
-    configs = []
+    """The checks ``eval`` runs before launch (``train``'s are ``run.resolve.resolve_run``'s): the
+    layout, each model with its tokenizer, and the data (probed: its first sample tokenized).
+    Returns each model's transformers config."""
+    check_layout(world_size, sp=sp, seq_len=seq_len, sizes=sizes, attn=attn)
+    configs, first = [], None
     for model in models:
         tok = tasks.load_tokenizer(tokenizer, model)
-        mcfg = model_config(model, len(tok))
-        if len(tok) > mcfg.vocab_size:
-            raise ValueError(
-                f"tokenizer has {len(tok)} tokens but the model's vocab_size is {mcfg.vocab_size}; "
-                "pass the model's own tokenizer with --tokenizer"
-            )
-        ring = ring_size_for(mcfg, sp, ring_size)
-        if seq_len % seq_multiple(sp, ring):
-            m = seq_multiple(sp, ring)
-            raise ValueError(
-                f"--seq-len ({seq_len}) is not divisible by {m} (--sp {sp} x 2 zigzag chunks per ring rank, "
-                f"ring size {ring}); use a multiple of {m}, e.g. {seq_len + m - seq_len % m}"
-            )
-        check_seq_len_fits(seq_len, mcfg, model)
-        configs.append(mcfg)
-    tasks.build_dataset(data, tokenizer=tasks.load_tokenizer(tokenizer, models[0]), seq_len=seq_len,
-                        seed=seed, num_samples=1, held_out=held_out, settings=data_settings, probe=True)  # fmt: skip
+        first = first or tok
+        configs.append(check_model(model, tok, sp=sp, seq_len=seq_len, ring_size=ring_size)[0])
+    tasks.build_dataset(data, tokenizer=first, seq_len=seq_len, seed=seed, num_samples=1, held_out=held_out,
+                        settings=data_settings, probe=True)  # fmt: skip
     return configs
 
 
-def validate(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
-    """Check ``cfg`` for a run on ``world_size`` processes; return the run's manifest.
-
-    Deterministic and free of collectives: every rank (or the launching process) can call it and
-    all reach the same verdict. Raises ``ValueError`` naming what is wrong.
-    """
+def check_train_options(cfg: TrainConfig) -> None:
+    """Every ``train`` option that needs no model, tokenizer or data (``ValueError`` naming the flag)."""
     for name in ("micro_batch_size", "grad_accum", "steps"):
         positive_int(_flag(name), getattr(cfg, name))
     positive_int("--save-every", cfg.save_every, minimum=0)
@@ -183,12 +183,3 @@ def validate(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
             "nothing it could offload"
         )
     check_blockwise_options(cfg.attn, cfg.attn_chunk, cfg.offload_attention)
-    (mcfg,) = check_run(
-        world_size, sp=cfg.sp, seq_len=cfg.seq_len, sizes={}, attn=cfg.attn, models=[cfg.model],
-        tokenizer=cfg.tokenizer, data=cfg.data, seed=cfg.seed, data_settings=cfg.data_settings(),
-        ring_size=cfg.ring_size,
-    )  # fmt: skip
-    cfg.training_config()  # the engine's own checks, before any process starts
-    manifest = manifest_for(cfg, world_size, mcfg)
-    check_output_dir(cfg, manifest)
-    return manifest

@@ -31,13 +31,14 @@ from ulysses_sp.run.prelaunch import check_option_types
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainConfig(tasks.DataFlags):
+class TrainConfig(tasks.DataSettings):
     """Everything ``run`` needs; the CLI flags of the same names fill it."""
 
     model: str = "tiny-llama"
     """A preset (``tiny-llama``, ``tiny-qwen2``, ``tiny-mistral``) or a local HF model directory."""
     data: str = "recall"
-    """``recall`` (the embedded task) or a local ``.txt``/``.jsonl`` file or directory."""
+    """``recall`` (the embedded task) or local data: a ``.txt``/``.jsonl``/``.json``/``.parquet``/``.arrow``
+    file, a directory of them, or a ``datasets`` ``save_to_disk`` directory."""
     tokenizer: str | None = None
     """Tokenizer directory; ``None``: the model directory's own, else the byte-level tokenizer."""
     seq_len: int = 256
@@ -127,8 +128,8 @@ class TrainConfig(tasks.DataFlags):
     """Optimizer steps in a row with a non-finite loss or gradient norm that are skipped; the next
     one stops the run (the divergence guard)."""
     save_on_signal: float = 0.0
-    """Seconds: on SIGTERM (preemption) finish the current step and save a checkpoint within this
-    time before stopping (the launcher kills the workers after it); 0 = stop at once."""
+    """Seconds: on SIGTERM (preemption) finish the current step, save a checkpoint and stop once it
+    is saved; past this many seconds the ranks stop anyway. 0 = stop at once."""
     allow_data_change: bool = False
     """``--resume`` even though the data's fingerprint differs from the checkpoint's."""
 

@@ -1,10 +1,12 @@
 """The training loop behind ``ulysses-sp train``, as a library function over a typed config.
 
-``validate(cfg, world_size)`` (in ``train_setup``, with ``TrainConfig``) checks everything that can
-be checked without processes and raises ``ValueError`` naming the numbers; ``run(cfg)`` (every
-rank, process group initialised) then builds and trains:
+``run.resolve.resolve_run(cfg, world_size)`` checks everything that can be checked without
+processes (``ValueError`` naming the numbers) and resolves the run: model config, tokenizer, ring
+size, manifest, dataset. The CLI resolves once in the launching process and hands the result to
+``run(cfg, resolved=...)``; without one, every rank resolves it itself. ``run`` (every rank, process
+group initialised) then builds and trains:
 
-1. tokenizer, dataset, model (a preset from ``cfg.seed`` or a local HF directory; at ZeRO 2/3 a
+1. model (a preset from ``cfg.seed`` or a local HF directory; at ZeRO 2/3 a
    directory is built on the meta device and filled shard by shard after sharding, ``state/loading.py``;
    on resume the checkpoint's training state fills model and optimizer), ALST transforms (tiled MLP, activation checkpointing / offload);
 2. sequence parallelism (``sp > 1``): ``UlyssesSPAttentionHF.register_with_transformers`` ->
@@ -43,9 +45,9 @@ from ulysses_sp import tasks
 from ulysses_sp.engine.divergence import DivergenceError
 from ulysses_sp.parallel import comm_timing
 from ulysses_sp.parallel.comm import all_reduce_max, barrier, raise_if_any_rank_failed
-from ulysses_sp.run.checks import ring_size_for, validate
 from ulysses_sp.run.config import TrainConfig, startup_summary
 from ulysses_sp.run.lock import RunLock, RunLockedError
+from ulysses_sp.run.resolve import ResolvedRun, resolve_run
 from ulysses_sp.run.rundir import checked_save, prepare_output_dir
 from ulysses_sp.state import checkpoint as ckpt
 from ulysses_sp.state.precision import DTYPES
@@ -116,35 +118,41 @@ def _techniques(cfg: TrainConfig, model) -> tuple[list[Any], Any]:
     return handles, loss_fn
 
 
-def _num_samples(cfg: TrainConfig, dp: int) -> int:
-    # Recall samples are generated, not stored: exactly enough for every step, never repeated.
-    return cfg.steps * cfg.micro_batch_size * cfg.grad_accum * dp
-
-
 # ---------------------------------------------------------------- the loop
-def run(cfg: TrainConfig, *, stop: Any = None) -> dict[str, Any]:
+def run(cfg: TrainConfig, *, stop: Any = None, resolved: ResolvedRun | None = None) -> dict[str, Any]:
     """Train on every rank of the initialised process group; return a summary (same on every rank).
 
+    ``resolved``: ``cfg`` as ``resolve_run`` checked and resolved it in the launching process (the
+    ranks then check and load nothing again); ``None``: every rank resolves it here.
     A collective from start to end. Raises ``ValueError`` (on every rank) for bad input,
     ``RunLockedError`` when another run holds ``cfg.output_dir``, ``DivergenceError`` when the
     training diverged. ``stop``: an object with ``is_set()`` (a ``threading.Event``); once it is
     set on any rank, the run saves a checkpoint after the current step and returns early.
     """
+    world = dist.get_world_size()
+    if resolved is None:
+        resolved = resolve_run(cfg, world, progress=cfg.progress and dist.get_rank() == 0)
+    elif resolved.cfg != cfg or resolved.world_size != world:
+        raise ValueError(
+            f"run(): the resolved run is for {resolved.world_size} processes and its own config, this is "
+            f"{world} processes{'' if resolved.cfg == cfg else ' and another config'}; resolve_run(cfg, {world})"
+        )
     with ExitStack() as held:
-        return _run(cfg, stop, held)
+        return _run(resolved, stop, held)
 
 
-def _run(cfg: TrainConfig, stop: Any, held: ExitStack) -> dict[str, Any]:
+def _run(resolved: ResolvedRun, stop: Any, held: ExitStack) -> dict[str, Any]:
     from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
     from ulysses_sp.engine import initialize
     from ulysses_sp.memory.meter import track_peak_memory
     from ulysses_sp.parallel.mesh import init_mesh
     from ulysses_sp.state.loading import init_empty_model, load_pretrained_weights
 
+    cfg, manifest, tokenizer, dataset = resolved.cfg, resolved.manifest, resolved.tokenizer, resolved.dataset
     world, rank = dist.get_world_size(), dist.get_rank()
-    manifest = validate(cfg, world)
-    ring = ring_size_for(manifest["model_config"], cfg.sp, cfg.ring_size)
-    mesh = init_mesh(sp_size=cfg.sp, ring_size=ring)  # the run's layout: attention, engine and loop share it
+    mesh = init_mesh(
+        sp_size=cfg.sp, ring_size=resolved.ring_size
+    )  # the run's layout: attention, engine and loop share it
     resume_dir = ckpt.resolve_resume(cfg.resume, cfg.output_dir) if cfg.resume else None
     saved = ckpt.read_manifest(resume_dir) if resume_dir else {}
     resumed_step = saved.get("step")
@@ -164,23 +172,13 @@ def _run(cfg: TrainConfig, stop: Any, held: ExitStack) -> dict[str, Any]:
         prepare_output_dir(cfg, resumed_step)
     barrier(mesh.reduce_group)
 
-    tokenizer = tasks.load_tokenizer(cfg.tokenizer, cfg.model)
-    predicted = _preflight(cfg, world, len(tokenizer), mesh)  # before the data and the model exist
-    dataset = tasks.build_dataset(
-        cfg.data,
-        tokenizer=tokenizer,
-        seq_len=cfg.seq_len,
-        seed=cfg.seed,
-        num_samples=_num_samples(cfg, mesh.dp_size),
-        settings=cfg.data_settings(progress=cfg.progress and rank == 0),
-    )
+    predicted = _preflight(cfg, world, resolved.model_config, mesh)  # before the model exists
     sharded_load = cfg.zero_stage >= 2 and not tasks.is_preset(cfg.model)
     if sharded_load:  # parameters on meta; each rank fills only its shards after sharding
         model = init_empty_model(cfg.model, attn_implementation=cfg.attn)
     else:
-        model = tasks.build_model(
-            cfg.model, vocab_size=len(tokenizer), seed=cfg.seed, attn_implementation=cfg.attn
-        )
+        model = tasks.build_model(cfg.model, vocab_size=len(tokenizer), seed=cfg.seed, attn_implementation=cfg.attn,
+                                  config=resolved.model_config)  # fmt: skip
     handles, loss_fn = _techniques(cfg, model)
     mpu = None
     if cfg.sp > 1 or cfg.offload_attention or cfg.attn_chunk is not None:  # sp 1: for the blockwise core
@@ -210,13 +208,12 @@ def _run(cfg: TrainConfig, stop: Any, held: ExitStack) -> dict[str, Any]:
             mpu.remove()
 
 
-def _preflight(cfg: TrainConfig, world: int, vocab_size: int, mesh) -> str:
+def _preflight(cfg: TrainConfig, world: int, model_config: Any, mesh) -> str:
     """The planner's predicted peak (summary line); every rank refuses alike when it cannot fit."""
     from ulysses_sp.parallel.comm import raise_if_any_rank_failed
-    from ulysses_sp.run.checks import model_config
     from ulysses_sp.run.preflight import check_fits, prediction
 
-    pred = prediction(cfg, world, model_config(cfg.model, vocab_size), mesh.device)
+    pred = prediction(cfg, world, model_config, mesh.device)
     line, error = "", None
     try:
         line = check_fits(cfg, pred, mesh.device)

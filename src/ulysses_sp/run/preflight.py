@@ -83,14 +83,11 @@ def check_fits(cfg: TrainConfig, pred: Prediction, device: torch.device) -> str:
     return line
 
 
-def check_before_launch(cfg: TrainConfig, world_size: int) -> None:
+def check_before_launch(cfg: TrainConfig, world_size: int, model_config: Any) -> None:
     """In the launching process, with ``--memory`` given: the same verdict before any rank starts."""
     if cfg.memory is None:
         return
     from ulysses_sp.parallel.mesh import default_device_type
-    from ulysses_sp.run.checks import model_config
-    from ulysses_sp.tasks import load_tokenizer
 
     device = torch.device(default_device_type())
-    mcfg = model_config(cfg.model, len(load_tokenizer(cfg.tokenizer, cfg.model)))
-    check_fits(cfg, prediction(cfg, world_size, mcfg, device), device)
+    check_fits(cfg, prediction(cfg, world_size, model_config, device), device)

@@ -1,4 +1,4 @@
-"""Checks run in the launching process, before any worker starts (``train_checks.validate`` and the
+"""Checks run in the launching process, before any worker starts (``run.resolve.resolve_run`` and the
 ``eval`` command's validation call them): what would otherwise surface only after the workers
 start, as raw tracebacks from every rank.
 

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ulysses_sp.engine.divergence import HINT, DivergenceError, local_nonfinite
 from ulysses_sp.parallel.comm import all_reduce_max, all_reduce_sum, raise_if_any_rank_failed
+from ulysses_sp.run.resume import check_checkpoint_files, read_checkpoint
 from ulysses_sp.state import checkpoint as ckpt
 
 if TYPE_CHECKING:
@@ -90,17 +91,25 @@ def _file_digest(path: str, size: int) -> str:
 
 def data_fingerprint(data: str) -> dict[str, Any]:
     """What ``--data`` read: ``{"recall": ...}`` for the generated task (the seed fixes it), else
-    every file's path (relative to ``data``), size and content digest (``_file_digest``)."""
+    every file the data layer reads (``data.formats.data_files``: ``.txt``/``.jsonl``/``.json``/
+    ``.parquet``/``.arrow`` files, or all files of a ``save_to_disk`` directory) with its path
+    (relative to ``data``), size and content digest (``_file_digest``)."""
+    from ulysses_sp.data.formats import data_files
     from ulysses_sp.tasks import RECALL
-    from ulysses_sp.tasks.text import list_text_files
 
     if data == RECALL:
         return {"source": RECALL}
     root = data if os.path.isdir(data) else os.path.dirname(data)
     files = []
-    for path in list_text_files(data):
-        size = os.path.getsize(path)
-        files.append([os.path.relpath(path, root), size, _file_digest(path, size)])
+    for item in data_files(data):
+        inner = (
+            sorted(os.path.join(r, f) for r, _, names in os.walk(item) for f in names)
+            if os.path.isdir(item)
+            else [item]
+        )
+        for path in inner:
+            size = os.path.getsize(path)
+            files.append([os.path.relpath(path, root), size, _file_digest(path, size)])
     return {"source": "files", "files": files}
 
 
@@ -145,8 +154,7 @@ def check_output_dir(cfg: TrainConfig, manifest: dict[str, Any]) -> None:
         if cfg.overwrite:
             raise ValueError("--resume and --overwrite contradict each other; pass one of them")
         path = ckpt.resolve_resume(cfg.resume, cfg.output_dir)
-        saved = ckpt.read_manifest(path)
-        ckpt.check_format(saved, path)
+        saved = read_checkpoint(path, cfg.output_dir)  # damaged: named, with the previous checkpoint
         # the training state reshards: another nproc, sp or ZeRO stage is fine (dp fixes the data order)
         diffs = ckpt.compare_manifests(saved, manifest)
         if any(not d.startswith(RESHARDABLE) for d in diffs):
@@ -157,6 +165,7 @@ def check_output_dir(cfg: TrainConfig, manifest: dict[str, Any]) -> None:
                 "dp = nproc / sp as saved), or start a new run in another --output-dir"
             )
         _check_data_unchanged(cfg, saved, manifest, path)
+        check_checkpoint_files(path, cfg.output_dir)  # last: a mismatch says more than a damaged file
         return
     existing = ckpt.list_checkpoints(cfg.output_dir)
     if existing and not cfg.overwrite:
@@ -270,7 +279,7 @@ def checked_save(engine: Any, output_dir: str, step: int, *, last_good: str | No
         # torch.save says only "unexpected pos ..." / "iostream error": an (almost) full file system
         # right after the failure is the evidence
         full = shutil.disk_usage(output_dir).free < max(4 * 2**20, need // 100)
-        causes = [e, *getattr(e, "failures", {}).values()]  # a CheckpointException's per-rank errors
+        causes = [e, *_rank_errors(e).values()]
         if not (
             any(getattr(c, "errno", None) == errno.ENOSPC or "No space left" in str(c) for c in causes)
             or full
@@ -280,5 +289,23 @@ def checked_save(engine: Any, output_dir: str, step: int, *, last_good: str | No
         free = shutil.disk_usage(output_dir).free
         raise NoSpaceError(
             f"no space left on {output_dir}: need ~{_mib(need)} for checkpoint {step}, have {_mib(free)} "
-            f"(the write failed: {e}); free space or choose another --output-dir"
+            f"(the write failed: {_write_failure(e)}); free space or choose another --output-dir"
         ) from None
+
+
+def _rank_errors(e: BaseException) -> dict[int, BaseException]:
+    """A ``CheckpointException``'s per-rank errors (its ``failures`` hold ``(exception, stack)``)."""
+    failures = getattr(e, "failures", None) or {}
+    return {r: f[0] if isinstance(f, tuple) else f for r, f in failures.items()}
+
+
+def _write_failure(e: BaseException) -> str:
+    """One line for a failed write: each rank's error type and first line, never the writers'
+    tracebacks (a ``CheckpointException`` carries every rank's)."""
+    errors = _rank_errors(e) or {None: e}
+    parts = []
+    for rank, err in sorted(errors.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
+        text = (str(err).strip().splitlines() or [""])[0]
+        where = "" if rank is None else f"rank {rank}: "
+        parts.append(f"{where}{type(err).__name__}: {text}")
+    return "; ".join(parts)

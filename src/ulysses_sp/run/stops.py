@@ -49,12 +49,23 @@ class Stopped(BaseException):
 def signal_handlers(save_on_signal: float) -> Iterator[threading.Event]:
     """While inside: SIGINT / SIGTERM raise ``Stopped`` in this rank, except that with
     ``save_on_signal`` the first SIGTERM only sets the yielded event (the loop then saves and
-    returns). The previous handlers come back on exit. Main thread only."""
-    event = threading.Event()
+    returns) and starts the save's deadline: further SIGTERMs before it are the same stop again (a
+    process group's signal, then the launcher's forward of it) and are ignored; at the deadline the
+    rank stops anyway. The previous handlers come back on exit. Main thread only."""
+    event, expired = threading.Event(), threading.Event()
+    deadline: list[threading.Timer] = []
+
+    def expire() -> None:
+        expired.set()
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def handler(signum: int, _frame: Any) -> None:
-        if signum == signal.SIGTERM and save_on_signal > 0 and not event.is_set():
-            event.set()
+        if signum == signal.SIGTERM and save_on_signal > 0 and not expired.is_set():
+            if not event.is_set():
+                event.set()
+                deadline.append(threading.Timer(save_on_signal, expire))
+                deadline[0].daemon = True
+                deadline[0].start()
             return
         raise Stopped(signum)
 
@@ -74,9 +85,54 @@ def signal_handlers(save_on_signal: float) -> Iterator[threading.Event]:
     try:
         yield event
     finally:
+        for timer in deadline:
+            timer.cancel()
         sys.unraisablehook = previous_hook
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+SIGNALS_WITHOUT_SIGTERM = "SIGINT,SIGHUP,SIGQUIT"
+"""The elastic agent's ``signals_to_handle`` under ``forward_sigterm`` (its default adds SIGTERM)."""
+
+
+@contextlib.contextmanager
+def forward_sigterm(save_on_signal: float) -> Iterator[None]:
+    """In the launching process of a ``--save-on-signal`` run: the first SIGTERM is forwarded to the
+    workers, and the launcher goes on waiting for them — they finish the step, save it and return,
+    and the launch ends as soon as they have (the elastic agent's own SIGTERM handling would stop
+    collecting their results and wait out the whole grace period instead). A second SIGTERM, or the
+    save's deadline (``save_on_signal`` + ``SHUTDOWN_GRACE_S``) passing, raises the agent's
+    ``SignalException``: it then stops the workers as on any signal. Main thread only.
+
+    The agent installs its own handlers for the signals its ``LaunchConfig.signals_to_handle``
+    names when it starts the workers: leave SIGTERM out of them (``SIGNALS_WITHOUT_SIGTERM``).
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def expire() -> None:
+        expired.set()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def handler(signum: int, _frame: Any) -> None:
+        workers = _spawned_children()
+        if expired.is_set() or timers or not workers:
+            raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+        for pid in workers:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)
+        timers.append(threading.Timer(save_on_signal + SHUTDOWN_GRACE_S, expire))
+        timers[0].daemon = True
+        timers[0].start()
+
+    expired, timers = threading.Event(), []
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for timer in timers:
+            timer.cancel()
 
 
 def _classify(e: BaseException) -> tuple[int, str]:
@@ -110,35 +166,56 @@ def run_reporting(
     """Run ``body`` in a rank; on anything but success, report one line and ``sys.exit`` its code.
 
     A signal ends silently unless ``report_stop`` is given (then its line is printed): the process
-    that launched the ranks reports it once. On a failure, a file ``rank<r>`` is left in
-    ``failed_dir`` (when given) for the launching process's ``FailureWatch``.
+    that launched the ranks reports it once. On a failure, or a signal that stops this rank before
+    any other rank ended, a file ``rank<r>`` is left in ``failed_dir`` (when given) for the
+    launching process's ``FailureWatch``.
     """
     try:
         return body()
     except Stopped as s:
         if report_stop is not None:
             print(report_stop(s.signum), file=sys.stderr, flush=True)
+        # the first rank to end, stopped by a signal sent to it alone: the launcher names the signal
+        # (a rank stopped after another's failure, by the launcher's own SIGTERM, does not report)
+        if failed_dir is not None and not os.listdir(failed_dir):
+            _report(failed_dir, rank, 128 + s.signum)
         sys.exit(128 + s.signum)
     except Exception as e:
         code, message = _classify(e)
         print(f"[rank {rank}] {message}", file=sys.stderr, flush=True)
         if failed_dir is not None:
-            with open(os.path.join(failed_dir, f"rank{rank}"), "w") as f:
-                f.write(f"{code} {os.getpid()}")
+            _report(failed_dir, rank, code)
         sys.exit(code)
+
+
+def _report(failed_dir: str, rank: int, code: int) -> None:
+    with open(os.path.join(failed_dir, f"rank{rank}"), "w") as f:
+        f.write(f"{code} {os.getpid()}")
+
+
+def _signal_of(code: int) -> signal.Signals | None:
+    """The signal that ended a worker with exit code ``code``: ``-N`` (killed by it) or ``128 + N``
+    (it ran its handler, e.g. ``Stopped``, and exited with the shell's code for it); else ``None``."""
+    n = -code if code < 0 else code - 128 if code > 128 else 0
+    try:
+        return signal.Signals(n) if n else None
+    except ValueError:
+        return None
 
 
 def blame(failures: dict[int, int], nproc: int, timeout_s: float) -> str:
     """The launching process's line for failed workers: ``failures`` maps rank -> exit code
-    (negative: killed by that signal)."""
+    (negative: killed by that signal; ``128 + N``: stopped by signal ``N``). It points at "the errors
+    above" only for ranks that reported one (exit codes 1, 3, 4: ``run_reporting``'s)."""
 
     def ranks(rs: Any) -> str:
         return ", ".join(str(r) for r in sorted(rs))
 
-    killed = {r: c for r, c in failures.items() if c < 0}
-    if killed:
+    signalled = {r: (c, sig) for r, c in failures.items() if (sig := _signal_of(c)) is not None}
+    if signalled:
         return "; ".join(
-            f"rank {r} was killed by {signal.Signals(-c).name} (exit {c})" for r, c in killed.items()
+            f"rank {r} was {'killed' if c < 0 else 'stopped'} by {sig.name} (exit {c})"
+            for r, (c, sig) in sorted(signalled.items())
         )
     if failures and all(c == EXIT_TIMEOUT for c in failures.values()):
         silent = set(range(nproc)) - set(failures)
@@ -146,7 +223,9 @@ def blame(failures: dict[int, int], nproc: int, timeout_s: float) -> str:
             f"rank(s) {ranks(silent)} stopped answering: rank(s) {ranks(failures)} waited {timeout_s:g} s "
             "(--timeout) for them in a collective"
         )
-    return ", ".join(f"rank {r} (exit {c})" for r, c in sorted(failures.items())) + "; see the errors above"
+    line = ", ".join(f"rank {r} (exit {c})" for r, c in sorted(failures.items()))
+    reported = any(c in (EXIT_ERROR, EXIT_TIMEOUT, EXIT_PEER_LOST) for c in failures.values())
+    return line + ("; see the errors above" if reported else "; it exited without reporting an error")
 
 
 def stop_line(command: str, signum: int, output_dir: str | None) -> str:

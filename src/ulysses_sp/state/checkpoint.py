@@ -4,7 +4,7 @@ Layout of ``<output_dir>/checkpoint-<step>/``::
 
     config.json, generation_config.json                      # the model, as save_pretrained writes it:
     model.safetensors | model-0000k-of-0000n.safetensors     #   one file, or numbered files + index
-        + model.safetensors.index.json                       #   (hf_export: one tensor at a time)
+        + model.safetensors.index.json                       #   (hf_export: DCP's HF writer)
     tokenizer.json, tokenizer_config.json                    # the run's tokenizer
     manifest.json                                            # format, step, model config, layout, settings
     training_state/dcp/                                      # model + optimizer, torch.distributed.checkpoint
@@ -12,8 +12,8 @@ Layout of ``<output_dir>/checkpoint-<step>/``::
                                                              #   position, counters (small)
 
 The model files are the full weights in the dtype asked for (``save_dtype``; default the fp32
-master weights), gathered tensor by tensor from whatever the engine holds (DDP's replica at ZeRO
-0/1, FSDP2's ``DTensor`` shards at 2/3), with a config whose attention is the core
+master weights), written by every rank from what it holds (DDP's replica at ZeRO 0/1, FSDP2's
+``DTensor`` shards at 2/3) and consolidated by rank 0 (``hf_export``), with a config whose attention is the core
 implementation (never the ``ulysses_sp`` registry name, which plain transformers does not know).
 
 The training state is keyed by parameter name with global shapes (``dcp_state``): ``--resume`` on

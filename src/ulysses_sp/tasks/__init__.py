@@ -21,7 +21,7 @@ from torch.utils.data import Dataset
 
 from ulysses_sp.tasks.presets import PRESETS, build_model, check_model_dir, is_preset, preset_config
 from ulysses_sp.tasks.recall import CHANCE_LOSS, RecallDataset, recall_sample, recall_start
-from ulysses_sp.tasks.text import DataFlags, DataSettings, TextBlockDataset, build_local_dataset, data_summary
+from ulysses_sp.tasks.text import DataSettings, TextBlockDataset, build_local_dataset, data_summary
 from ulysses_sp.tasks.tokenizer import VOCAB_SIZE, byte_tokenizer
 
 RECALL = "recall"
@@ -30,7 +30,6 @@ EVAL_SEED_OFFSET = 1_000_000_007
 
 __all__ = [
     "CHANCE_LOSS",
-    "DataFlags",
     "DataSettings",
     "PRESETS",
     "RECALL",
@@ -67,14 +66,16 @@ def load_tokenizer(tokenizer: str | None, model: str):
 
 def build_dataset(
     data: str, *, tokenizer, seq_len: int, seed: int, num_samples: int, held_out: bool = False,
-    settings: DataSettings | None = None, probe: bool = False,
+    settings: DataSettings | None = None, probe: bool = False, progress: bool = False,
 ) -> Dataset | None:  # fmt: skip
     """``recall`` (``num_samples`` samples; ``held_out`` draws from a disjoint seed) or local data
     (``build_local_dataset``: ``held_out`` = the ``--eval-split`` part; ``probe``: checks only,
-    nothing tokenized into the cache, returns ``None`` for fine-tuning data)."""
+    nothing tokenized into the cache, returns ``None`` for fine-tuning data; ``progress``: a
+    progress bar while tokenizing)."""
     if data == RECALL:
         return RecallDataset(
             seq_len=seq_len, num_samples=num_samples, seed=seed + (EVAL_SEED_OFFSET if held_out else 0)
         )
     return build_local_dataset(data, tokenizer=tokenizer, seq_len=seq_len, seed=seed,
-                               settings=settings or DataSettings(), held_out=held_out, probe=probe)  # fmt: skip
+                               settings=settings or DataSettings(), held_out=held_out, probe=probe,
+                               progress=progress)  # fmt: skip

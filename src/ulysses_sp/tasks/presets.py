@@ -8,6 +8,7 @@ have 2 kv heads (GQA; at ``sp=4`` the attention replicates kv heads).
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import TYPE_CHECKING
 
@@ -61,22 +62,29 @@ def check_model_dir(path: str) -> None:
 
 
 def build_model(
-    name_or_path: str, *, vocab_size: int, seed: int, attn_implementation: str = "sdpa"
-) -> PreTrainedModel:
+    name_or_path: str, *, vocab_size: int, seed: int, attn_implementation: str = "sdpa",
+    config: PretrainedConfig | None = None,
+) -> PreTrainedModel:  # fmt: skip
     """A preset with weights drawn from ``seed`` (identical on every rank), or a local HF model.
 
+    ``config``: the model's config when the caller already has it (not read or built again).
     The model is fp32 on the CPU; the engine moves it to the run's device.
     """
     from transformers import AutoModelForCausalLM
 
     if is_preset(name_or_path):
-        config = preset_config(name_or_path, vocab_size=vocab_size)
+        config = (
+            copy.deepcopy(config)
+            if config is not None
+            else preset_config(name_or_path, vocab_size=vocab_size)
+        )
         config._attn_implementation = attn_implementation
         fork = torch.random.fork_rng(devices=[])
         with fork:
             torch.manual_seed(seed)
             return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     check_model_dir(name_or_path)
+    extra = {} if config is None else {"config": copy.deepcopy(config)}
     return AutoModelForCausalLM.from_pretrained(
-        name_or_path, attn_implementation=attn_implementation, dtype=torch.float32
+        name_or_path, attn_implementation=attn_implementation, dtype=torch.float32, **extra
     )

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch.utils.data import Dataset, Subset
@@ -27,7 +27,14 @@ from torch.utils.data import Dataset, Subset
 from ulysses_sp.checks import positive_int, read_text_file
 from ulysses_sp.data import formats
 from ulysses_sp.data.cache import default_cache_dir, tokenized_corpus
-from ulysses_sp.data.chat import chat_template_of, read_chat_template, resolve_loss_on, tokenize_record
+from ulysses_sp.data.chat import (
+    ChatTemplateError,
+    chat_template_of,
+    read_chat_template,
+    resolve_loss_on,
+    template_name,
+    tokenize_record,
+)
 from ulysses_sp.data.packed import PackedDataset, describe, packed_dataset, split_samples
 
 SUFFIXES = (".txt", ".jsonl")
@@ -101,7 +108,9 @@ class TextBlockDataset(Dataset):
 # ---------------------------------------------------------------- fine-tuning data (data/)
 @dataclass(frozen=True, kw_only=True)
 class DataSettings:
-    """How local data becomes training blocks (the ``--data-*`` / ``--loss-on`` / packing flags)."""
+    """How local data becomes training blocks: the fine-tuning data flags, one field per flag of the
+    same name (``data_format`` is ``--data-format``, ``data_cache`` is ``--data-cache``). The one
+    definition: ``TrainConfig`` and ``EvalConfig`` inherit it, ``--config`` files use these keys."""
 
     data_format: str = "auto"
     """``auto`` (from the columns), ``text``, ``chat`` or ``prompt-completion``."""
@@ -114,40 +123,16 @@ class DataSettings:
     long_samples: str = "truncate"
     """Samples longer than ``seq_len``: ``truncate``, ``split`` or ``drop``."""
     eval_split: float = 0.0
-    """Fraction of samples held out for ``eval`` (chosen by the seed); 0: none."""
-    cache_dir: str | None = None
-    """Root of the tokenization cache; ``None``: ``~/.cache/ulysses-sp/data``."""
-    workers: int | None = None
-    """Tokenizing processes; ``None``: ``min(8, cpu count)``."""
-    progress: bool = False
-    """A progress bar while tokenizing."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class DataFlags:
-    """The fine-tuning data flags as config fields, one definition for the ``train`` and ``eval``
-    configs (``TrainConfig``, ``EvalConfig`` inherit it); ``data_settings()`` turns them into a
-    ``DataSettings``. Defaults and meanings are ``DataSettings``'s."""
-
-    data_format: str = "auto"
-    loss_on: str | None = None
-    chat_template: str | None = None
-    packing: str | None = None
-    long_samples: str = "truncate"
-    eval_split: float = 0.0
-    """With ``eval``: the training run's ``--eval-split`` (and ``--seed``) evaluates exactly its held-out samples."""
+    """Fraction of samples held out for ``eval`` (chosen by the seed); 0: none. ``eval`` with the
+    training run's ``eval_split`` and seed scores exactly its held-out samples."""
     data_cache: str | None = None
-    """``DataSettings.cache_dir``."""
+    """Root of the tokenization cache; ``None``: ``~/.cache/ulysses-sp/data``."""
     data_workers: int | None = None
-    """``DataSettings.workers``."""
+    """Tokenizing processes; ``None``: ``min(8, cpu count)``."""
 
-    def data_settings(self, *, progress: bool = False) -> DataSettings:
-        """The data flags as ``DataSettings``."""
-        return DataSettings(
-            data_format=self.data_format, loss_on=self.loss_on, chat_template=self.chat_template,
-            packing=self.packing, long_samples=self.long_samples, eval_split=self.eval_split,
-            cache_dir=self.data_cache, workers=self.data_workers, progress=progress,
-        )  # fmt: skip
+    def data_settings(self) -> DataSettings:
+        """These fields alone, as a ``DataSettings`` (from a config that inherits them)."""
+        return DataSettings(**{f.name: getattr(self, f.name) for f in fields(DataSettings)})
 
 
 def _legacy_text(path: str, settings: DataSettings) -> bool:
@@ -181,14 +166,14 @@ def _check_settings(settings: DataSettings) -> None:
     if settings.long_samples not in LONG_SAMPLES:
         raise ValueError(f"--long-samples must be one of {LONG_SAMPLES}, got {settings.long_samples!r}")
     split_samples(2, settings.eval_split, 0)  # the fraction's range
-    if settings.workers is not None:
-        positive_int("--data-workers", settings.workers)
+    if settings.data_workers is not None:
+        positive_int("--data-workers", settings.data_workers)
 
 
 def _probe(path: str, tokenizer, settings: DataSettings) -> None:
     """The checks a run would fail on, without tokenizing the data: its format, loss mask, template."""
     table = formats.read_table(
-        path, cache_dir=os.path.join(settings.cache_dir or default_cache_dir(), "arrow")
+        path, cache_dir=os.path.join(settings.data_cache or default_cache_dir(), "arrow")
     )
     fmt = formats.resolve_format(table.column_names, settings.data_format, where=path)
     loss_on = resolve_loss_on(fmt, settings.loss_on)
@@ -200,15 +185,18 @@ def _probe(path: str, tokenizer, settings: DataSettings) -> None:
     try:
         tokenize_record(formats.records(table, 0, 1, fmt)[0], fmt=fmt, loss_on=loss_on, tokenizer=tokenizer,
                         template=template)  # fmt: skip
+    except ChatTemplateError as e:
+        raise ValueError(f"--data {path!r}, sample 0: {template_name(settings.chat_template)} {e}") from None
     except ValueError as e:
         raise ValueError(f"--data {path!r}, sample 0: {e}") from e
 
 
 def build_local_dataset(
     path: str, *, tokenizer, seq_len: int, seed: int, settings: DataSettings, held_out: bool = False,
-    probe: bool = False,
+    probe: bool = False, progress: bool = False,
 ) -> Dataset | None:  # fmt: skip
-    """The training (``held_out``: eval) blocks of local data, or with ``probe`` only its checks.
+    """The training (``held_out``: eval) blocks of local data, or with ``probe`` only its checks;
+    ``progress``: a progress bar while tokenizing.
 
     Every rank may call it: the first to reach the cache tokenizes, the others wait and share it.
     """
@@ -224,8 +212,9 @@ def build_local_dataset(
         return None
     corpus = tokenized_corpus(
         path, tokenizer, data_format=settings.data_format, loss_on=settings.loss_on,
-        chat_template=read_chat_template(settings.chat_template), cache_dir=settings.cache_dir,
-        workers=settings.workers or min(8, os.cpu_count() or 1), progress=settings.progress,
+        chat_template=read_chat_template(settings.chat_template), template_file=settings.chat_template,
+        cache_dir=settings.data_cache,
+        workers=settings.data_workers or min(8, os.cpu_count() or 1), progress=progress,
     )  # fmt: skip
     return packed_dataset(
         corpus, seq_len=seq_len, pad_id=tokenizer.pad_token_id or 0, packing=settings.packing or "best-fit",

@@ -1,0 +1,55 @@
+"""Which kinds of attention layer the Ulysses attention makes exact, and the refusal for the others.
+
+A model's ``config.layer_types`` names each layer's attention. The SP attention runs the model's
+own softmax attention over the full sequence after the all-to-all, so it is exact for kinds whose
+keys are the layer's own full-sequence keys: full, sliding-window and chunked attention (with
+per-head sinks). **Sparse and compressed attention** pick or build their keys from the sequence
+*before* the attention function is called: an indexer scores every earlier token and keeps each
+query's top-k (DeepSeek-V3.2 / GLM-5 ``indexed_attention``), or a compressor pools K/V along the
+sequence (DeepSeek-V4 ``compressed_sparse_attention`` / ``heavily_compressed_attention``). On a
+sequence shard those see only the rank's own tokens: refused before the first step
+(``check_layer_kinds``, called by ``register_with_transformers``), naming the layer and why.
+
+Judged from the config's layer types and the numbers that make the structure matter, not from the
+model's name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+REASONS = {
+    "indexed_attention": (
+        "an indexer scores every earlier token and keeps each query's top {index_topk} keys before the "
+        "attention runs; on a sequence shard the indexer sees only the rank's own tokens (and builds its "
+        "mask for them), so the keys it picks are not the ones the model picks without sequence parallelism"
+    ),
+    "compressed_sparse_attention": (
+        "K/V are pooled along the sequence (every {rate} tokens into one) and an indexer picks among the "
+        "pooled blocks before the attention runs; on a sequence shard both see only the rank's own tokens"
+    ),
+    "heavily_compressed_attention": (
+        "K/V are pooled along the sequence (every {rate} tokens into one) before the attention runs; on a "
+        "sequence shard the pooling sees only the rank's own tokens and its blocks do not line up with the "
+        "full sequence's"
+    ),
+}
+"""Attention layer kinds that mix tokens before the attention function, and why SP cannot shard them."""
+
+
+def check_layer_kinds(config: Any, sp_size: int) -> None:
+    """Raise ``ValueError`` naming the first layer whose attention kind sequence parallelism cannot
+    make exact (``REASONS``), when ``sp_size > 1``."""
+    types = getattr(config, "layer_types", None) or ()
+    if sp_size <= 1:
+        return
+    for i, kind in enumerate(types):
+        if kind not in REASONS:
+            continue
+        rates = getattr(config, "compress_rates", None) or {}
+        why = REASONS[kind].format(index_topk=getattr(config, "index_topk", "k"), rate=rates.get(kind, "n"))
+        raise ValueError(
+            f"layer {i}: {kind!r} ({type(config).__name__}) is sparse/compressed attention: {why}. Sequence "
+            f"parallelism (sp_size {sp_size}) does not shard it in this version; train this model with "
+            "sp_size 1 (tiled MLP/loss and activation offload still apply)"
+        )

@@ -1,0 +1,87 @@
+"""What every mixer handler shares: the model's own kernel functions, the wrapped-forward plumbing,
+and the checks every handler makes of the mesh and the call.
+
+Kernels are looked up at call time in the mixer's modeling module (``causal_conv1d_fn``,
+``mamba2_chunk_scan``, ``apply_mask_to_padding_states``): the very functions the model's forward
+calls, with their hub-kernel / package / torch fallback dispatch intact, never a copy.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def model_function(module: nn.Module, name: str) -> Callable[..., Any] | None:
+    """``name`` from the modeling module that defines ``type(module)``, or ``None``."""
+    fn = getattr(sys.modules.get(type(module).__module__), name, None)
+    return fn if callable(fn) else None
+
+
+def check_layout(mesh: Any, what: str) -> None:
+    """Refuse layouts the head-sharded exchange does not cover (the ring's zigzag token order)."""
+    if getattr(mesh, "ring_size", 1) > 1:
+        raise ValueError(
+            f"{what}: sequence mixers need the plain Ulysses layout (ring_size 1), got ring_size "
+            f"{mesh.ring_size}; use ring_size=1 (the mixer heads must divide sp_size)"
+        )
+
+
+def replace_forward(module: nn.Module, forward: Callable[..., Any]) -> Callable[[], None]:
+    """Point ``module.forward`` at ``forward(original, *args, **kwargs)``; returns the undo."""
+    if "forward" in vars(module):
+        raise ValueError(f"{type(module).__name__} already has a wrapped forward (sharded twice?)")
+    original = module.forward
+    wrapped = functools.wraps(original)(functools.partial(forward, original))
+    wrapped.ulysses_sp_mixer = True  # what is_sharded() looks for
+    module.forward = wrapped
+
+    def undo() -> None:
+        vars(module).pop("forward", None)
+
+    return undo
+
+
+def refuse_cache(cache: Any, sp_size: int, what: str) -> None:
+    """Cached decoding runs on one rank's tokens: not sequence-parallel."""
+    if cache is not None and sp_size > 1:
+        raise ValueError(
+            f"{what}: a cache (use_cache=True: generation) is not supported under sequence "
+            "parallelism; pass use_cache=False (training forwards in model.train() have none)"
+        )
+
+
+LOCAL_BOUNDARY_KWARGS = ("seq_idx", "cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k")
+"""Keyword arguments that would carry per-shard document boundaries into a kernel."""
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """True while ``module``'s forward is a mixer handler's sharded forward."""
+    return getattr(vars(module).get("forward"), "ulysses_sp_mixer", False) is True
+
+
+def refuse_local_boundaries(kwargs: dict[str, Any], what: str) -> None:
+    """Document boundaries come from the gathered ``position_ids``; a shard's own ``seq_idx`` or
+    ``cu_seqlens`` would describe the local tokens only."""
+    given = [k for k in LOCAL_BOUNDARY_KWARGS if kwargs.get(k) is not None]
+    if given:
+        raise ValueError(
+            f"{what}: {', '.join(given)} describe the local shard's documents; under sequence "
+            "parallelism pass position_ids that restart at 0 at each document instead"
+        )
+
+
+def local_span(n: int, sp_size: int, sp_rank: int) -> tuple[int, int]:
+    """``(start, length)`` of this rank's share of ``n`` heads/channels (``n % sp_size == 0``)."""
+    per = n // sp_size
+    return sp_rank * per, per
+
+
+def index_of(spans: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    """The concatenated ranges ``[(start, length), ...]`` as one index tensor."""
+    return torch.cat([torch.arange(s, s + n, device=device) for s, n in spans])

@@ -1,0 +1,113 @@
+"""Global document boundaries for sequence mixers: the batch's position ids, gathered over the SP
+group once per forward, and the model's own kernel run once per document.
+
+A mixer's forward does not receive ``position_ids`` (decoder layers keep them for attention), so
+``PositionTracker`` captures them where the batch enters the model: a forward pre-hook on the
+model's root records its ``position_ids`` argument (a weak reference: nothing outlives the step's
+batch; a checkpoint recompute in backward finds the same tensor). The first mixer of a forward asks
+for the full-sequence layout (``gather_positions``, one small all-gather per forward, cached on the
+tensor's identity and version); later mixers and recomputes reuse it.
+
+Packed documents (position ids restarting at 0): the models' torch kernels (``causal_conv1d_fn``,
+``mamba2_chunk_scan``) cannot reset their state at a boundary — without SP they let one document
+leak into the next. ``per_document`` runs the kernel on each document's span of the full sequence
+instead, so each document sees exactly what it would see alone (zero conv padding, zero initial
+state, its own chunk grid). No position ids: one document per row.
+
+Shape legend: ``B`` batch, ``S`` global sequence, ``S_l = S/P``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ulysses_sp.attention.masks import SeqLayout, gather_positions
+
+Segments = list[tuple[slice, list[tuple[int, int]]]]
+"""``(rows, [(start, end), ...])``: a group of batch rows and the document spans they share."""
+
+
+class PositionTracker:
+    """The current forward's ``position_ids``, captured at the model's root (see the module doc)."""
+
+    def __init__(self, mesh: Any) -> None:
+        self.mesh = mesh
+        self._source: weakref.ref | None = None
+        self._cache: tuple[weakref.ref, tuple[int, int, int], SeqLayout] | None = None
+        self._index: int | None = None
+
+    def install(self, model: nn.Module) -> Callable[[], None]:
+        """Record every forward's ``position_ids`` keyword on ``model``; returns the undo."""
+        names = list(inspect.signature(model.forward).parameters)
+        self._index = names.index("position_ids") if "position_ids" in names else None
+        handle = model.register_forward_pre_hook(self._capture, with_kwargs=True)
+
+        def undo() -> None:
+            handle.remove()
+            self._source = self._cache = None
+
+        return undo
+
+    def _capture(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        pos = kwargs.get("position_ids")
+        if pos is None and self._index is not None and self._index < len(args):  # passed by position
+            pos = args[self._index]
+        self._source = weakref.ref(pos) if isinstance(pos, torch.Tensor) else None
+
+    def layout(self, s_local: int, batch: int) -> SeqLayout | None:
+        """The full-sequence layout of the current forward, or ``None`` without position ids
+        (every row one document). A collective at ``sp_size > 1`` on a forward's first call."""
+        pos = self._source() if self._source is not None else None
+        if pos is None:
+            return None
+        if pos.dim() != 2 or pos.shape[-1] != s_local or pos.shape[0] not in (1, batch):
+            raise ValueError(
+                f"position_ids must be [B, S_l] = [{batch}, {s_local}] (or [1, {s_local}]) at the "
+                f"sequence mixers, got {tuple(pos.shape)}"
+            )
+        key = (pos._version, s_local, batch)
+        if self._cache is not None and self._cache[0]() is pos and self._cache[1] == key:
+            return self._cache[2]
+        if self.mesh.sp_size > 1:
+            full = gather_positions(pos, self.mesh.sp_group, batch=batch, expected_len=None)  # [B|1, S]
+        else:
+            full = pos
+        layout = SeqLayout.from_positions(full)
+        self._cache = (weakref.ref(pos), key, layout)
+        return layout
+
+
+def segments(layout: SeqLayout | None, batch: int, seq_len: int) -> Segments:
+    """The document spans of each row of ``[B, S]``: all rows together when they share them."""
+    if layout is None or layout.doc_ids is None:
+        return [(slice(None), [(0, seq_len)])]
+    out: Segments = []
+    rows = [slice(None)] if layout.doc_ids.shape[0] == 1 else [slice(b, b + 1) for b in range(batch)]
+    for i, row in enumerate(rows):
+        starts = [0] + (torch.nonzero(layout.positions[i, 1:] == 0).flatten() + 1).tolist()
+        out.append((row, list(zip(starts, starts[1:] + [seq_len]))))
+    return out
+
+
+def per_document(
+    fn: Callable[..., torch.Tensor],
+    xs: Sequence[torch.Tensor],
+    spans: Segments,
+    *,
+    seq_dim: int,
+) -> torch.Tensor:
+    """``fn(*xs)`` computed separately on every document span (``seq_dim`` of each ``x``), the
+    results put back in place: ``[B, ..., S, ...]`` in, ``fn``'s ``[B, ..., S, ...]`` out."""
+    if len(spans) == 1 and spans[0][1] == [(0, xs[0].shape[seq_dim])]:
+        return fn(*xs)
+    rows = []
+    for row, docs in spans:
+        parts = [fn(*(x[row].narrow(seq_dim, s, e - s) for x in xs)) for s, e in docs]
+        rows.append(torch.cat(parts, dim=seq_dim))  # the row's documents back in sequence order
+    return torch.cat(rows, dim=0)  # [B, ..., S, ...]

@@ -1,0 +1,84 @@
+"""The run-level check: a ``TrainConfig`` checked once and resolved into what every rank needs.
+
+``resolve_run(cfg, world_size)`` composes the components' own checks (``run.checks``: options,
+layout, model with tokenizer; the data layer's: formats, loss mask, template, scored tokens;
+``run.rundir``: output directory, resume, checkpoint files) and returns a ``ResolvedRun``: the
+model config, the tokenizer, the ring size, the manifest and the training dataset, each built
+once. ``ulysses-sp train`` calls it in the launching process and hands the result to its ranks
+(pickled: a tokenized corpus travels as its cache path, opened memory-mapped on arrival), so a
+rank neither validates again nor tokenizes: a run tokenizes its corpus once and loads its model
+config and tokenizer once. The library path (``run.loop.run(cfg)`` without a resolved run, e.g.
+under ``torchrun``) resolves on every rank; the same checks, the same verdict everywhere.
+
+No processes, no collectives; every check raises ``ValueError`` naming the value and the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from ulysses_sp import tasks
+from ulysses_sp.data.packed import check_scored
+from ulysses_sp.run.checks import check_layout, check_model, check_train_options
+from ulysses_sp.run.config import TrainConfig
+from ulysses_sp.run.rundir import check_output_dir, manifest_for
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResolvedRun:
+    """A checked run: what the ranks build from instead of checking and loading again."""
+
+    cfg: TrainConfig
+    """The run's settings."""
+    world_size: int
+    """Processes the run was checked for (a rank refuses a run resolved for another world size)."""
+    model_config: Any
+    """The model's transformers config (a preset's, or the directory's ``config.json``)."""
+    tokenizer: Any
+    """The tokenizer, loaded."""
+    ring_size: int
+    """Ring groups the SP axis factors into (1: Ulysses alone)."""
+    manifest: dict[str, Any]
+    """What the run's checkpoints record and a resume compares (``rundir.manifest_for``)."""
+    dataset: Dataset
+    """The training samples: recall, text blocks, or packed blocks over the memory-mapped token cache."""
+
+
+def num_samples(cfg: TrainConfig, dp: int) -> int:
+    """Recall samples are generated, not stored: exactly enough for every step, never repeated."""
+    return cfg.steps * cfg.micro_batch_size * cfg.grad_accum * dp
+
+
+def resolve_run(cfg: TrainConfig, world_size: int, *, progress: bool | None = None) -> ResolvedRun:
+    """Check ``cfg`` for ``world_size`` processes and resolve it (see the module docstring).
+
+    ``progress``: a tokenizing progress bar (``None``: ``cfg.progress``). Raises ``ValueError``.
+    """
+    check_train_options(cfg)
+    check_layout(world_size, sp=cfg.sp, seq_len=cfg.seq_len, sizes={}, attn=cfg.attn)
+    cfg.training_config()  # the engine's own checks
+    # The model directory's checks (config, safetensors index, shards, shapes: branch load21's
+    # state.model_dir.check_model_dir) run inside run.checks.model_config, called once by check_model.
+    tokenizer = tasks.load_tokenizer(cfg.tokenizer, cfg.model)
+    mcfg, ring = check_model(cfg.model, tokenizer, sp=cfg.sp, seq_len=cfg.seq_len, ring_size=cfg.ring_size)
+    manifest = manifest_for(cfg, world_size, mcfg)
+    check_output_dir(cfg, manifest)  # before the data: a refused output dir should not wait for tokenizing
+    dataset = tasks.build_dataset(
+        cfg.data, tokenizer=tokenizer, seq_len=cfg.seq_len, seed=cfg.seed,
+        num_samples=num_samples(cfg, world_size // cfg.sp),
+        settings=cfg.data_settings(), progress=cfg.progress if progress is None else progress,
+    )  # fmt: skip
+    check_scored(dataset, seq_len=cfg.seq_len, data=cfg.data)
+    return ResolvedRun(cfg=cfg, world_size=world_size, model_config=mcfg, tokenizer=tokenizer, ring_size=ring,
+                       manifest=manifest, dataset=dataset)  # fmt: skip
+
+
+def validate(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
+    """``resolve_run``'s checks; return the run's manifest."""
+    return resolve_run(cfg, world_size, progress=False).manifest

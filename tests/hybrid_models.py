@@ -1,0 +1,60 @@
+"""Tiny hybrid models for the mixer tests: transformers' own LFM2, Nemotron-H, Falcon-H1,
+GraniteMoeHybrid, Bamba and Mamba-2 code from local configs, random fp32 weights large enough that a wrong
+position shows (std 0.2, as ``models.tiny_model``)."""
+
+from __future__ import annotations
+
+import torch
+
+V = 64
+
+
+def hybrid_config(
+    arch: str, *, mamba_heads: int = 4, groups: int = 2, kv_heads: int = 2, vocab: int = V, **overrides
+):
+    """A tiny config of ``arch`` (``lfm2``, ``nemotron_h``, ``falcon_h1``, ``granitemoehybrid``, ``bamba``,
+    ``mamba2``); ``overrides`` go to the config's constructor."""
+    import transformers as tf
+
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                  num_key_value_heads=kv_heads, max_position_embeddings=512, tie_word_embeddings=False)  # fmt: skip
+    common.update(overrides)
+    if arch == "lfm2":
+        return tf.Lfm2Config(
+            num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, **common
+        )
+    if arch == "nemotron_h":
+        return tf.NemotronHConfig(
+            head_dim=8, mamba_num_heads=mamba_heads, mamba_head_dim=8, ssm_state_size=8, n_groups=groups,
+            chunk_size=8, conv_kernel=4, layers_block_type=["mamba", "attention", "mamba", "mlp"], **common,
+        )  # fmt: skip
+    mamba = dict(mamba_n_heads=mamba_heads, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=groups,
+                 mamba_chunk_size=8, mamba_d_conv=4)  # fmt: skip
+    if arch == "falcon_h1":
+        return tf.FalconH1Config(
+            num_hidden_layers=2, head_dim=8, mamba_d_ssm=8 * mamba_heads, **mamba, **common
+        )
+    if arch == "granitemoehybrid":
+        return tf.GraniteMoeHybridConfig(
+            # mamba layers only: its attention layers get no position_ids (refused under SP by the attention)
+            num_hidden_layers=2, layer_types=["mamba", "mamba"], mamba_expand=1, num_local_experts=4,
+            num_experts_per_tok=2, **mamba, **common,
+        )  # fmt: skip
+    if arch == "bamba":
+        return tf.BambaConfig(num_hidden_layers=2, attn_layer_indices=[1], mamba_expand=1, **mamba, **common)
+    if arch == "mamba2":  # Mamba-2 alone (no attention layers)
+        return tf.Mamba2Config(vocab_size=vocab, hidden_size=32, expand=2, num_heads=mamba_heads, head_dim=64 // mamba_heads,
+                               n_groups=groups, state_size=8, chunk_size=8, num_hidden_layers=2, tie_word_embeddings=False)  # fmt: skip
+    raise ValueError(arch)
+
+
+def hybrid_model(arch: str, seed: int = 0, **kw):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    attn = "eager" if arch == "mamba2" else "sdpa"  # no attention layers: transformers refuses sdpa
+    model = AutoModelForCausalLM.from_config(hybrid_config(arch, **kw), attn_implementation=attn)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model.float()

@@ -1,0 +1,206 @@
+"""Attention families with per-head or per-layer structure, sequence-parallel vs no SP (issue 22).
+
+Attention sinks (gpt-oss, MiMo-V2-Flash: one learned logit per query head, sliced to each rank's
+heads, also with fewer kv heads than ranks), chunked attention and the token-index query temperature
+(Llama 4 text), and the position contract (packed documents whose boundaries fall on the shard edges
+are valid data; a model called without ``position_ids`` or not attached is refused). Every case
+compares each rank's per-position logits and every parameter gradient with the same model run
+without SP (fp32, weights at std 0.2), or, where transformers' own no-SP model ignores packed
+position ids (gpt-oss builds its masks without them), with every document run on its own.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from family_models import family_model
+from models import global_batch, shift, tiny_model
+from oracle import assert_step_close
+
+from ulysses_sp.attention.blockwise import AttnStructure, blockwise_attention
+from ulysses_sp.attention.core import generic_eager, run_ring
+from ulysses_sp.attention.heads import apply_sinks, local_view
+from ulysses_sp.attention.layer_kinds import check_layer_kinds
+from ulysses_sp.attention.positions import capture_call, split_at_chunks
+from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
+from ulysses_sp.parallel.loss import sp_causal_lm_loss
+from ulysses_sp.parallel.mesh import init_mesh
+
+S = 32
+DOCS = (5, 7, 4, 9, 7)  # boundaries inside shards at sp 2 and 4
+
+
+def _positions(kind: str, sp: int) -> torch.Tensor:
+    if kind == "plain":
+        return torch.arange(S)[None]
+    if kind == "docs":
+        return torch.cat([torch.arange(n) for n in DOCS])[None]
+    return torch.arange(S // sp).repeat(1, sp)  # "edges": one document per shard, 0..S_l-1 on every rank
+
+
+def _reference(ref, ids, pos, labels, oracle):
+    """No-SP logits ``[1, S, V]`` and the token-mean loss: the packed call, or each document alone."""
+    if oracle == "model":
+        logits = ref(input_ids=ids, position_ids=pos, use_cache=False).logits
+    else:
+        starts = (pos[0] == 0).nonzero().flatten().tolist() + [S]
+        logits = torch.cat([ref(input_ids=ids[:, a:b], use_cache=False).logits for a, b in zip(starts, starts[1:])], 1)
+    return logits, F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def _cases(sp, cases):
+    mesh = init_mesh((1, sp))
+    done = []
+    for family, core, kv, kind, oracle in cases:
+        build = tiny_model if family == "llama" else family_model
+        ref = build(family, attn="eager", kv_heads=kv) if family == "llama" else build(family, num_key_value_heads=kv)
+        model = copy.deepcopy(ref)
+        reg = UlyssesSPAttentionHF.register_with_transformers(model, core, sp, 1, mesh=mesh)
+        ids, pos = global_batch(3, 1, S), _positions(kind, sp)
+        labels = shift(ids)
+        labels[0, :-1][pos[0, 1:] == 0] = -100  # no label across a document boundary
+        ref_logits, ref_loss = _reference(ref, ids, pos, labels, oracle)
+        ref_loss.backward()
+        cols = slice(mesh.sp_rank * S // sp, (mesh.sp_rank + 1) * S // sp)
+        out = model(input_ids=ids[:, cols], position_ids=pos[:, cols], use_cache=False)
+        loss = sp_causal_lm_loss(out.logits, labels[:, cols], mesh.sp_group)
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+        case = (family, core, kv, kind)
+        torch.testing.assert_close(out.logits, ref_logits[:, cols], rtol=1e-5, atol=1e-5, msg=lambda m, c=case: f"{c}: {m}")
+        ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+        assert_step_close(loss.detach(), {n: p.grad for n, p in model.named_parameters()}, ref_loss.detach(), ref_grads)
+        assert reg.attention.calls == model.config.num_hidden_layers
+        reg.remove()
+        done.append(case)
+    return done
+
+
+SP2 = [
+    ("gpt_oss", "eager", 2, "plain", "model"),  # sinks, sliding + full layers
+    ("gpt_oss", "sdpa", 2, "docs", "documents"),  # sinks through the blockwise core, documents + window
+    ("mimo_v2_flash", "sdpa", 2, "plain", "model"),  # sinks in the sliding layer only
+    ("llama4_text", "sdpa", 2, "docs", "model"),  # chunks + documents + NoPE temperature
+    ("llama4_text", "eager", 2, "edges", "model"),  # documents exactly on the shard edges
+    ("llama", "sdpa", 4, "edges", "documents"),
+    ("longcat_flash", "sdpa", 4, "plain", "model"),  # MLA twice per layer, identity experts
+]
+SP4 = [
+    ("gpt_oss", "eager", 2, "docs", "documents"),  # kv heads 2 < sp 4: replicated, sinks per query head
+    ("gpt_oss", "sdpa", 2, "plain", "model"),
+    ("llama4_text", "eager", 2, "docs", "model"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("sp, cases", [(2, SP2), (4, SP4)], ids=["sp2", "sp4"])
+def test_sinks_chunks_and_shard_edge_documents_equal_no_sp(pool, sp, cases):
+    assert pool.run(_cases, sp, sp, cases)[0] == [c[:4] for c in cases]
+
+
+def _unattached_refused(mesh) -> list[str]:
+    """A model pointed at the SP attention but never attached: refused naming why; attached: runs."""
+    ids, pos = global_batch(3, 1, S)[:, :16], torch.arange(16)[None] + 16 * mesh.sp_rank
+    found = []
+    reg = UlyssesSPAttentionHF.register_with_transformers(tiny_model("llama"), "sdpa", 2, 1, mesh=mesh)
+    for attach in (False, True):
+        other = tiny_model("llama", attn="sdpa")
+        other.set_attn_implementation("ulysses_sp")
+        if attach:
+            reg.attach(other)
+        try:
+            other(input_ids=ids, position_ids=pos)
+            found.append("ran")
+        except ValueError as e:
+            found.append(str(e))
+    reg.remove()
+    return found
+
+
+def test_unattached_model_is_refused_and_ring_refuses_sinks_naming_why(pool):
+    for unseen, attached in pool.run(_checked_refusals, 2):
+        assert "in a model whose call it did not see" in unseen and "mpu.attach(model)" in unseen
+        assert attached == "ran"
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match=r"attention sinks .* ring attention merges K/V chunks without them"):
+        run_ring(torch.nn.Module(), q, q, q, AttnStructure(), {"s_aux": torch.zeros(2)}, group=None, chunk=None,
+                 counts=None)  # fmt: skip
+
+
+def _checked_refusals():
+    return _unattached_refused(init_mesh((1, 2)))
+
+
+@pytest.mark.parametrize("kv", [1, 2, 4])
+def test_blockwise_with_sinks_equals_eager_softmax_with_a_sink_column(kv):
+    g = torch.Generator().manual_seed(kv)
+    q = torch.randn(2, 4, 24, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, kv, 24, 8, generator=g, requires_grad=True) for _ in range(2))
+    sinks = torch.randn(4, generator=g, requires_grad=True)
+    docs = torch.tensor([[0] * 9 + [1] * 15])
+    structure = AttnStructure.build(docs, 6)
+    got = apply_sinks(*blockwise_attention(q, k, v, structure=structure, chunk=5, return_lse=True), sinks)
+    i = torch.arange(24)
+    allowed = (i[None] <= i[:, None]) & (i[:, None] - i[None] < 6) & (docs[0][:, None] == docs[0][None])
+    mask = torch.where(allowed, 0.0, float("-inf"))
+    module = torch.nn.Module()
+    want, _ = generic_eager(module, q, k, v, mask, scaling=8**-0.5, s_aux=sinks)
+    torch.testing.assert_close(got.transpose(1, 2), want, rtol=1e-5, atol=1e-6)
+    w = torch.randn(want.shape, generator=g)
+    grads = [torch.autograd.grad((t * w).sum(), (q, k, v, sinks)) for t in (got.transpose(1, 2), want)]
+    for a, b in zip(*grads):
+        assert b.abs().max() > 0
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_chunk_segments_restart_at_documents_and_chunk_multiples():
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 5, 6]])
+    assert split_at_chunks(pos, 3).tolist() == [[0, 1, 2, 0, 1, 2, 0, 0, 1, 2, 0, 1, 2, 0]]
+    assert split_at_chunks(torch.arange(5)[None] + 4, 4).tolist() == [[0, 1, 2, 3, 0]]
+
+
+def test_call_capture_sees_keyword_and_positional_position_ids():
+    model = tiny_model("llama")
+    pos = torch.arange(4)[None]
+    assert capture_call(model, (), {"position_ids": pos}).tensor() is pos
+    assert capture_call(model, (torch.zeros(1, 4, dtype=torch.long), None, pos), {}).tensor() is pos
+    assert not capture_call(model, (), {"input_ids": pos}).given
+
+
+SPARSE = {
+    "deepseek_v32": (dict(index_topk=6), r"layer 0: 'indexed_attention' \(DeepseekV32Config\).*keeps each query's top 6 keys"),
+    "glm_moe_dsa": (dict(index_topk=6), r"layer 0: 'indexed_attention' \(GlmMoeDsaConfig\)"),
+    "deepseek_v4": (
+        dict(layer_types=["heavily_compressed_attention", "compressed_sparse_attention"],
+             compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}),
+        r"layer 0: 'heavily_compressed_attention'.*every 8 tokens into one",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(SPARSE))
+def test_sparse_and_compressed_attention_refused_before_any_step_naming_why(family):
+    from transformers import AutoConfig
+
+    overrides, match = SPARSE[family]
+    config = AutoConfig.for_model(family, num_hidden_layers=2, **overrides)
+    with pytest.raises(ValueError, match=match + r".*does not shard it in this version; train this model with sp_size 1"):
+        check_layer_kinds(config, 2)
+    check_layer_kinds(config, 1)  # without SP the model runs as it is
+
+
+def test_local_view_slices_sinks_to_the_rank_heads_and_refuses_per_query_inputs():
+    module = torch.nn.Module()
+    module.sinks = torch.nn.Parameter(torch.arange(8.0))
+    kwargs = {"s_aux": module.sinks}
+    view = local_view(module, kwargs, num_heads=8, local_heads=2, local_kv_heads=1, rank=2)
+    assert view.sinks.tolist() == kwargs["s_aux"].tolist() == [4.0, 5.0]
+    assert view.num_key_value_groups == 2 and not hasattr(module, "num_key_value_groups")
+    (view.sinks * 3).sum().backward()
+    assert module.sinks.grad.tolist() == [0, 0, 0, 0, 3, 3, 0, 0]  # full shape: the SP sum fills the rest
+    with pytest.raises(ValueError, match=r"per-query 'sinks' of shape \(1, 8, 4, 1\), computed from this rank's shard"):
+        local_view(module, {"sinks": torch.zeros(1, 8, 4, 1)}, num_heads=8, local_heads=2, local_kv_heads=1, rank=0)

@@ -1,0 +1,201 @@
+"""Short-convolution and Mamba-2 mixers under Ulysses SP equal the same model without SP.
+
+LFM2 (short conv), Nemotron-H, Falcon-H1 (Mamba-2 beside attention in every layer), Granite-4
+hybrid, Bamba and Mamba-2 alone at sp 2 and 4: every position's logits and every parameter's gradient (of a
+random projection of the logits, so each position weighs in) against the plain model, fp32.
+Packed documents: against the plain model run on each document alone (the mixers must not leak
+across a boundary, wherever it falls relative to the shards). Also: B/C groups fewer than sp
+(replicated), attention kv heads < sp, the undo, and refusals when heads do not divide.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from hybrid_models import V, hybrid_model
+from models import global_batch, tiny_model
+from oracle import assert_grads_close
+
+from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
+from ulysses_sp.mixers._kernels import refuse_local_boundaries
+from ulysses_sp.mixers.apply import HANDLERS, apply_mixers, has_unsharded_mixers, is_sharded
+from ulysses_sp.mixers.base import claimed_by, shard_mixers
+from ulysses_sp.parallel.mesh import init_mesh
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # bench/ is a top-level folder of the repository, not an installed package
+    sys.path.insert(0, str(ROOT))
+
+B, S = 2, 32
+DOCS = (5, 12, 9, 6)  # boundaries at 5, 17, 26: inside shards and across them at sp 2 and 4
+
+
+def _positions(packed: bool) -> torch.Tensor:
+    if not packed:
+        return torch.arange(S).expand(B, -1)
+    return torch.cat([torch.arange(n) for n in DOCS]).expand(B, -1)
+
+
+def _reference(ref, ids: torch.Tensor, packed: bool) -> torch.Tensor:
+    """Plain model logits ``[B, S, V]``: each document alone when packed."""
+    if not packed:
+        return ref(input_ids=ids, use_cache=False).logits
+    starts = torch.tensor((0,) + DOCS).cumsum(0).tolist()
+    return torch.cat(
+        [ref(input_ids=ids[:, s:e], use_cache=False).logits for s, e in zip(starts, starts[1:])], dim=1
+    )
+
+
+def _exact(sp: int, cases: list[tuple[str, bool, dict]]) -> list[str]:
+    mesh = init_mesh((1, sp))
+    s_l = S // sp
+    cols = slice(mesh.sp_rank * s_l, (mesh.sp_rank + 1) * s_l)
+    done = []
+    for arch, packed, kw in cases:
+        kw = dict(kw)
+        checkpointing = kw.pop("checkpointing", False)  # the mixers re-run in backward: same exchanges
+        pad = kw.pop("right_pad", 0)  # row 1's last tokens padding: only the last rank's mask is not all ones
+        ref = hybrid_model(arch, **kw)
+        if checkpointing:
+            ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            ref.train()
+        model = copy.deepcopy(ref)
+        ids = global_batch(3, B, S, vocab=V)
+        proj = torch.randn(B, S, V, generator=torch.Generator().manual_seed(4))
+        mask = torch.ones(B, S, dtype=torch.long)
+        mask[1, S - pad :] = 0
+        proj = proj * mask[..., None]  # the padded positions' logits carry no loss
+        if pad:
+            ref_logits = ref(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        else:
+            ref_logits = _reference(ref, ids, packed)
+        (ref_logits * proj).sum().backward()
+        reg = (
+            None
+            if arch == "mamba2"
+            else UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, B, mesh=mesh)
+        )
+        handle = apply_mixers(model, mesh)
+        assert handle.wrapped and all(is_sharded(model.get_submodule(n)) for n, _ in handle.wrapped), arch
+        wrapped = [model.get_submodule(n) for n, _ in handle.wrapped]
+        if arch == "granitemoehybrid":  # position ids passed by position: the tracker finds them there too
+            logits = model(ids[:, cols], None, _positions(packed)[:, cols], use_cache=False).logits
+        else:
+            extra = {"attention_mask": mask[:, cols]} if pad else {}
+            logits = model(
+                input_ids=ids[:, cols], position_ids=_positions(packed)[:, cols], use_cache=False, **extra
+            ).logits
+        real = mask[:, cols].bool()  # [B, S_l]: compared at the real tokens
+        torch.testing.assert_close(logits[real], ref_logits[:, cols][real].detach(), rtol=1e-4, atol=1e-5)
+        (logits * proj[:, cols]).sum().backward()
+        grads = {}
+        for n, p in model.named_parameters():
+            dist.all_reduce(p.grad, group=mesh.sp_group)  # each rank holds its tokens' share
+            grads[n] = p.grad
+        # atol 1e-5 x the largest reference gradient (the loss is a sum over B*S*V projected logits)
+        assert_grads_close(grads, {n: p.grad for n, p in ref.named_parameters()}, atol_cap=math.inf)
+        handle.remove()
+        if reg is not None:
+            reg.remove()
+        assert not any("forward" in vars(m) for m in model.modules()) and not model._forward_pre_hooks
+        assert not any(is_sharded(m) for m in wrapped)
+        done.append(f"{arch}{' packed' if packed else ''}")
+    return done
+
+
+FALCON_MUP = {"mamba_rms_norm": True, "ssm_in_multiplier": 0.7, "ssm_multipliers": [1.1, 0.9, 1.2, 0.8, 1.3]}
+CASES_SP2 = [(a, p, {}) for a in ("lfm2", "nemotron_h", "falcon_h1") for p in (False, True)] + [
+    ("falcon_h1", True, FALCON_MUP),  # its gated norm and muP multipliers (the defaults are off / 1)
+    ("nemotron_h", False, {"right_pad": 5}),  # a padding mask on one rank only
+    ("granitemoehybrid", True, {}),
+    ("bamba", True, {}),
+    ("mamba2", True, {}),  # Mamba-2 alone
+]
+CASES_SP4 = [
+    ("lfm2", True, {}),
+    ("nemotron_h", True, {"mamba_heads": 8, "groups": 2}),  # groups < sp: B/C replicated
+    ("falcon_h1", False, {"mamba_heads": 8, "groups": 4, "checkpointing": True}),
+    ("nemotron_h", False, {"mamba_heads": 4, "groups": 1, "kv_heads": 1}),  # attention kv heads < sp
+]
+
+
+@pytest.mark.parametrize("sp, cases", [(2, CASES_SP2), (4, CASES_SP4)], ids=["sp2", "sp4"])
+def test_mixers_equal_no_sp(pool, sp, cases):
+    assert pool.run(_exact, sp, sp, cases)[0] == [f"{a}{' packed' if p else ''}" for a, p, _ in cases]
+
+
+def test_every_mixer_is_claimed_and_nothing_else():
+    claimed = {}
+    for arch in ("lfm2", "nemotron_h", "falcon_h1", "granitemoehybrid", "bamba", "mamba2"):
+        model = hybrid_model(arch)
+        claimed[arch] = sorted(
+            {(type(m).__name__, h.name) for m in model.modules() if (h := claimed_by(m, HANDLERS))}
+        )
+        assert has_unsharded_mixers(model)
+    assert claimed == {
+        "lfm2": [("Lfm2ShortConv", "short_conv")],
+        "nemotron_h": [("NemotronHMamba2Mixer", "mamba2")],
+        "falcon_h1": [("FalconH1Mixer", "mamba2")],
+        "granitemoehybrid": [("GraniteMoeHybridMambaLayer", "mamba2")],
+        "bamba": [("BambaMixer", "mamba2")],
+        "mamba2": [("Mamba2Mixer", "mamba2")],
+    }
+    assert not has_unsharded_mixers(tiny_model("llama"))
+
+
+@pytest.mark.parametrize(
+    "arch, kw, sp, message",
+    [
+        (
+            "nemotron_h",
+            {"mamba_heads": 4, "groups": 2},
+            8,
+            r"NemotronHMamba2Mixer \(4 heads, 2 B/C groups\): the heads are not divisible by sp_size 8",
+        ),
+        (
+            "falcon_h1",
+            {"mamba_heads": 6, "groups": 2},
+            3,
+            r"FalconH1Mixer \(6 heads, 2 B/C groups\): sp_size 3 neither divides the groups",
+        ),
+        ("lfm2", {}, 3, r"Lfm2ShortConv: 32 convolution channels are not divisible by sp_size 3"),
+    ],
+)
+def test_refuses_when_heads_do_not_divide(arch, kw, sp, message):
+    model = hybrid_model(arch, **kw)
+    mesh = SimpleNamespace(sp_size=sp, sp_rank=0, ring_size=1)  # the check runs before any collective
+    with pytest.raises(
+        ValueError,
+        match=r"sequence parallelism cannot shard these mixers:\nmodel\.layers\.0\.\w+: " + message,
+    ):
+        shard_mixers(model, mesh, HANDLERS)
+    assert not any("forward" in vars(m) for m in model.modules())  # nothing wrapped
+
+
+def test_refuses_local_document_boundaries_and_unbound_handlers():
+    with pytest.raises(ValueError, match="seq_idx describe the local shard's documents"):
+        refuse_local_boundaries({"seq_idx": torch.zeros(1)}, "Lfm2ShortConv")
+    model = hybrid_model("lfm2")
+    with pytest.raises(ValueError, match="needs a PositionTracker: use mixers.apply.apply_mixers"):
+        shard_mixers(model, SimpleNamespace(sp_size=2, sp_rank=0, ring_size=1), HANDLERS)
+
+
+def _bytes(sp: int) -> list[dict]:
+    from bench.mixer_bench import mixer_bytes
+
+    return mixer_bytes(init_mesh((1, sp)), 64)
+
+
+def test_mixer_exchanges_are_the_analytic_minimum(pool):
+    """Two all-to-alls forward, two backward, per mixer layer; bytes = the head-sharded minimum."""
+    rows = pool.run(_bytes, 2, 2)[0]
+    assert [r["mixer"] for r in rows] == ["short_conv", "mamba2 G=2", "mamba2 G=8"]
+    for r in rows:
+        assert r["a2a_calls"] == 4 and r["bytes"] == r["analytic"] > 0, r

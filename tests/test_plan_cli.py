@@ -1,0 +1,117 @@
+"""``ulysses-sp plan`` as a new user meets it: host states on one GPU, host states considered by
+itself when nothing fits on the devices, ``--mfu`` refused outside ``(0, 1]``, and recommendations
+that ``train`` accepts (``--seq-len`` capped at the model's positions)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ulysses_sp.cli.args import build_parser, train_options
+from ulysses_sp.cli.main import main
+
+
+def _plan(capsys, *argv: str) -> dict:
+    main(["plan", *argv, "--json"])
+    return json.loads(capsys.readouterr().out)
+
+
+def _host_rows(doc: dict) -> list[dict]:
+    return [c for c in doc["candidates"] if c["settings"].get("cpu_offload")]
+
+
+def test_offload_states_on_one_gpu_considers_zero3_with_states_on_the_host(capsys):
+    """The README's "415K tokens on 1 GPU": this exact command, its full-technique host-state row."""
+    argv = ("--model", "llama-8b", "--gpus", "1", "--dtype", "bf16", "--offload-states", "--max")
+    doc = _plan(capsys, *argv)
+    host = _host_rows(doc)
+    assert host and all(c["settings"]["zero_stage"] == 3 and c["settings"]["nproc"] == 1 for c in host)
+    full = [c for c in host if c["settings"].get("offload_activations")]
+    assert len(full) == 1 and full[0]["max_seq_len"] // 1000 == 415 and full[0]["fits"]
+    best = doc["recommended"]
+    assert best["settings"]["cpu_offload"] and best["settings"]["zero_stage"] == 3
+    assert doc["offload_states"] == "also"
+    main(["plan", *argv])
+    table = capsys.readouterr().out
+    assert "sp 1 zero 3 loss+mlp+ckpt+offload+states->host" in table and "415,267" in table
+    assert "nothing fits" not in table
+
+
+def test_when_nothing_fits_on_the_devices_plan_considers_host_states_and_says_so(capsys):
+    doc = _plan(capsys, "--model", "llama-8b", "--gpus", "1", "--dtype", "bf16")
+    assert doc["offload_states"] == "auto"
+    assert not any(c["fits"] for c in doc["candidates"] if not c["settings"].get("cpu_offload"))
+    assert doc["recommended"]["settings"]["cpu_offload"]
+    assert any("nothing fits on the devices alone" in n for n in doc["notes"])
+    main(["plan", "--model", "llama-8b", "--gpus", "1", "--dtype", "bf16"])
+    assert "note: nothing fits on the devices alone: model states on the host considered too" in (
+        capsys.readouterr().out
+    )
+    # not even then: said without suggesting the flag that was already tried
+    main(["plan", "--model", "tiny-llama", "--device", "cpu", "--memory", "1KB", "--seq-len", "64"])
+    out = capsys.readouterr().out
+    assert "nothing fits, even with model states on the host" in out and "or --offload-states" not in out
+    # fits on the devices: no host rows unless asked for
+    doc = _plan(capsys, "--model", "tiny-llama", "--device", "cpu", "--memory", "1GB", "--seq-len", "64")
+    assert doc["offload_states"] == "no" and not _host_rows(doc) and doc["notes"] == []
+
+
+@pytest.mark.parametrize("mfu", ["1.5", "40", "0", "-0.2"])
+def test_mfu_must_be_a_fraction_in_0_1(capsys, mfu):
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--mfu", mfu])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--mfu" in err and mfu in err
+
+
+def _train_accepts(args: list[str], output_dir) -> None:
+    """``train``'s own validation of a recommended command line (before any process starts)."""
+    from ulysses_sp.run.resolve import validate
+
+    assert args[:2] == ["ulysses-sp", "train"]
+    cfg, launch = train_options(build_parser().parse_args([*args[1:], "--output-dir", str(output_dir)]))
+    validate(cfg, launch["nproc"])
+
+
+def test_the_recommended_command_passes_train_validation_seq_len_capped(capsys, tmp_path):
+    doc = _plan(capsys)  # the defaults: tiny-llama, one H100, --max
+    best = doc["recommended"]
+    assert doc["max_positions"] == 131072 and best["max_seq_len"] > 131072  # memory would allow more
+    assert best["settings"]["seq_len"] == 131072
+    assert any("S capped at 131,072" in n and "max_position_embeddings" in n for n in doc["notes"])
+    _train_accepts(best["train_args"], tmp_path / "a")
+    with pytest.raises(ValueError, match="longer than model 'tiny-llama' covers"):  # what plan avoided
+        args = best["train_args"]
+        _train_accepts([*args[: args.index("--seq-len") + 1], "131074", *args[args.index("--seq-len") + 2 :]],
+                       tmp_path / "b")  # fmt: skip
+    for i, c in enumerate(doc["candidates"]):  # not only the recommendation: every row's command
+        _train_accepts(c["train_args"], tmp_path / f"default-{i}")
+    doc = _plan(
+        capsys, "--device", "cpu", "--memory", "1GB", "--gpus", "2", "--seq-len", "4096", "--offload-states"
+    )
+    assert len(doc["candidates"]) > 40 and _host_rows(doc)
+    for i, c in enumerate(doc["candidates"]):
+        _train_accepts(c["train_args"], tmp_path / f"cpu-{i}")
+    # a --seq-len that train refuses is refused by plan too
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--seq-len", "262144"])
+    assert exc.value.code == 2 and "--seq-len 262144 is longer than model 'tiny-llama' covers" in (
+        capsys.readouterr().err
+    )
+
+
+def test_the_readme_alst_numbers_come_from_the_commands_next_to_them(capsys):
+    """Each ``ulysses-sp plan ... # N: ...`` line of the README: N is the longest S of a row of that
+    command with every technique and the model states on the host."""
+    import os
+    import re
+    import shlex
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8").read()
+    lines = re.findall(r"^ulysses-sp plan (--model llama-8b [^#\n]+?)\s+# ([\d,]+): ", readme, flags=re.M)
+    assert len(lines) == 3, lines
+    for argv, number in lines:
+        doc = _plan(capsys, *shlex.split(argv))
+        full = [c for c in _host_rows(doc) if c["settings"].get("offload_activations")]
+        assert int(number.replace(",", "")) in {c["max_seq_len"] for c in full}, (argv, number)
