@@ -199,20 +199,20 @@ def test_initialize_refuses_a_hidden_mixer_on_every_rank(pool):
         assert "layer 0: mlp (CumsumMLP) mixes tokens along the sequence" in msg
 
 
-def test_the_cli_refuses_a_local_model_with_a_linear_attention_layer(tmp_path):
+def test_the_cli_refuses_a_local_model_whose_attention_bypasses_the_registry(tmp_path):
     """``ulysses-sp train --model DIR --sp 2`` runs the guard (through ``initialize``) on every rank."""
     import subprocess
 
     from transformers import AutoModelForCausalLM
 
-    config = build("minimax").config
+    config = build("doge").config
     config.vocab_size = 512  # room for the CLI's byte-level tokenizer
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "minimax")
-    args = ["--model", str(tmp_path / "minimax"), "--seq-len", "32", "--micro-batch-size", "2", "--steps", "1",
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "doge")
+    args = ["--model", str(tmp_path / "doge"), "--seq-len", "32", "--micro-batch-size", "2", "--steps", "1",
             "--sp", "2", "--nproc", "2", "--no-progress", "--timeout", "60", "--output-dir", str(tmp_path / "out")]  # fmt: skip
     proc = subprocess.run([sys.executable, "-m", "ulysses_sp.cli.main", "train", *args],
                           capture_output=True, text=True, timeout=400)  # fmt: skip
     assert proc.returncode != 0
     for rank in (0, 1):
-        assert f"[rank {rank}] error: sequence parallelism (sp_size 2) cannot train MiniMaxForCausalLM" in proc.stderr
-    assert "self_attn (MiniMaxLightningAttention)" in proc.stderr
+        assert f"[rank {rank}] error: sequence parallelism (sp_size 2) cannot train DogeForCausalLM" in proc.stderr
+    assert "layer 0: self_attn (DogeAttention)" in proc.stderr
