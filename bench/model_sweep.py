@@ -129,7 +129,10 @@ def compare(model: Any, *, guard: bool = True, seed: int = 1) -> dict[str, Any]:
         F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(), ignore_index=-100).backward()
     except Exception as err:  # noqa: BLE001 - the tiny config does not run even without SP
         return {"verdict": "skipped", "detail": f"runs without SP neither: {type(err).__name__}: {err}"[:300]}
-    reg = UlyssesSPAttentionHF.register_with_transformers(model, "eager", sp, 1)
+    try:  # the registration refuses what the SP attention cannot run (sparse/compressed attention)
+        reg = UlyssesSPAttentionHF.register_with_transformers(model, "eager", sp, 1)
+    except ValueError as err:
+        return {"verdict": "refused", "detail": str(err).replace("\n", " ")[:400]}
     # the mixers SP shards (short conv, Mamba-2, gated delta-net, KDA), as initialize() applies them
     mixers = apply_mixers(model, reg.mesh) if guard and has_unsharded_mixers(model) else None
     try:
