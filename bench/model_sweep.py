@@ -38,6 +38,7 @@ SHRINK = dict(
     n_shared_experts=1, num_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
     qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=256, sliding_window=8,
     attention_chunk_size=8, initializer_range=0.1, use_cache=False, is_decoder=True, n_positions=256, n_ctx=256,
+    vocab_size_per_layer_input=128, hidden_size_per_layer_input=16,
 )  # fmt: skip
 """Config fields shrunk where the config class has them (others keep their defaults)."""
 LAYER_TYPES = {"lfm2": ["conv", "full_attention"], "lfm2_moe": ["conv", "full_attention"]}
@@ -63,7 +64,8 @@ def tiny_config(model_type: str) -> Any:
 
     cls = CONFIG_MAPPING[model_type]
     defaults = cls().to_dict()
-    kw = {k: v for k, v in SHRINK.items() if k in defaults}
+    # a per-layer input embedding (Gemma 3n/4) is shrunk where the family has one (default 0: it has none)
+    kw = {k: v for k, v in SHRINK.items() if k in defaults and not (k.endswith("_per_layer_input") and not defaults[k])}
     for key, token in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
         if isinstance(defaults.get(key), int) and defaults[key] >= SHRINK["vocab_size"]:
             kw[key] = token  # inside the tiny vocabulary (an embedding's padding_idx must be)

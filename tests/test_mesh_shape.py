@@ -84,3 +84,31 @@ def test_shard_batch_cuts_zigzag_tokens_with_labels_shifted_over_the_full_sequen
     # token t is labelled with t+1 of the full sequence, wherever the shard boundary falls
     assert shards[0]["shift_labels"].tolist() == [[1, 2, 3, 4, 13, 14, 15, -100]]
     assert shards[1]["shift_labels"].tolist() == [[5, 6, 7, 8, 9, 10, 11, 12]]
+
+
+class _PerLayerConfig:
+    """A config whose head counts differ by layer: reading the global count raises, as transformers'
+    heterogeneous configs do (``AmbiguousGlobalPerLayerAttributeError``, a ``RuntimeError``)."""
+
+    def __init__(self, pairs):
+        from types import SimpleNamespace
+
+        self.per_layer_config = [SimpleNamespace(num_attention_heads=h, num_key_value_heads=kv) for h, kv in pairs]
+
+    @property
+    def num_attention_heads(self):
+        raise RuntimeError("'num_attention_heads' is a per-layer attribute")
+
+
+def test_heads_of_a_per_layer_config_are_read_layer_by_layer_and_the_ring_splits_every_layer():
+    from ulysses_sp.parallel.mesh_shape import head_counts, resolve_ring_size_for_layers
+
+    cfg = _PerLayerConfig([(4, 4), (4, 4), (64, 64)])
+    assert head_counts(cfg) == [(4, 4), (64, 64)]
+    assert resolve_ring_size_for_layers(2, head_counts(cfg)) == 1
+    # 6 heads at sp 4 cannot split over 4 Ulysses ranks: the ring must take the layer that cannot
+    assert resolve_ring_size_for_layers(4, [(8, 8), (6, 6)]) == 2
+    with pytest.raises(ValueError, match="cannot split 6 attention heads"):
+        resolve_ring_size_for_layers(4, [(8, 8), (6, 6)], 1)
+    with pytest.raises(ValueError, match="names no attention heads"):
+        resolve_ring_size_for_layers(2, [])

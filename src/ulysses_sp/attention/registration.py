@@ -22,6 +22,7 @@ import torch
 
 from ulysses_sp.attention.positions import CallPositions, capture_call
 from ulysses_sp.parallel.mesh import Mpu, SPMesh
+from ulysses_sp.parallel.mesh_shape import head_counts
 
 ATTN_NAME = "ulysses_sp"
 """The name the SP attention is registered under (``attn_implementation="ulysses_sp"``)."""
@@ -39,7 +40,7 @@ def model_and_config(model_name_or_path: Any) -> tuple[Any | None, Any]:
 
         return None, AutoConfig.from_pretrained(path, local_files_only=True)
     config = getattr(model_name_or_path, "config", None)
-    if config is None or not hasattr(config, "num_attention_heads"):
+    if config is None or not head_counts(config):
         raise TypeError(
             f"expected a transformers model or a local model directory, got {type(model_name_or_path).__name__}"
         )

@@ -64,7 +64,12 @@ from ulysses_sp.attention.registration import SPRegistration, model_and_config
 from ulysses_sp.attention.ring import RingStats
 from ulysses_sp.parallel.comm import heads_to_seq, qkv_seq_to_heads
 from ulysses_sp.parallel.mesh import SPMesh, as_sp_mesh, init_mesh, require_process_group
-from ulysses_sp.parallel.mesh_shape import check_heads, resolve_ring_size, sp_token_order
+from ulysses_sp.parallel.mesh_shape import (
+    check_heads,
+    head_counts,
+    resolve_ring_size_for_layers,
+    sp_token_order,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -317,9 +322,8 @@ class UlyssesSPAttentionHF:
         check_core(core_attn_implementation)
         model, config = model_and_config(model_name_or_path)
         check_layer_kinds(config, sequence_parallel_size)
-        num_heads = config.num_attention_heads
-        num_kv = getattr(config, "num_key_value_heads", None) or num_heads
-        ring = resolve_ring_size(sequence_parallel_size, num_heads, num_kv, ring_size)
+        heads = head_counts(config)  # every layer's (query, kv) heads: per-layer configs may differ
+        ring = resolve_ring_size_for_layers(sequence_parallel_size, heads, ring_size)
         check_blockwise_options(core_attn_implementation, attn_chunk, offload_attention)
         check_ring_options(core_attn_implementation, ring, offload_attention)
         if mesh is None:
@@ -334,7 +338,7 @@ class UlyssesSPAttentionHF:
             if ring_size not in (None, "auto") and ring != mesh.ring_size:
                 raise ValueError(f"ring_size ({ring}) disagrees with the mesh's ring_size ({mesh.ring_size})")
             try:
-                resolve_ring_size(sequence_parallel_size, num_heads, num_kv, mesh.ring_size)
+                resolve_ring_size_for_layers(sequence_parallel_size, heads, mesh.ring_size)
             except ValueError as e:
                 raise ValueError(f"{e}; the mesh given has ring_size {mesh.ring_size}: init_mesh(..., ring_size=R)") from None
             check_ring_options(core_attn_implementation, mesh.ring_size, offload_attention)

@@ -42,7 +42,7 @@ from ulysses_sp.mixers.apply import apply_mixers, has_unsharded_mixers
 from ulysses_sp.mixers.base import MixerHandle
 from ulysses_sp.mixers.guard import check_sequence_mixing
 from ulysses_sp.parallel.mesh import SPMesh, init_mesh, require_process_group
-from ulysses_sp.parallel.mesh_shape import resolve_ring_size
+from ulysses_sp.parallel.mesh_shape import head_counts, resolve_ring_size_for_layers
 
 logger = logging.getLogger(__name__)
 
@@ -137,9 +137,8 @@ def prepare(
     check_sequence_mixing(model, sp_size=sp_size)  # the closed-world guard, before any collective
     require_process_group("ulysses_sp.integrations.transformers.prepare")
     config, ring = getattr(model, "config", None), ring_size
-    if hasattr(config, "num_attention_heads"):  # else registration refuses the model, naming why
-        heads = config.num_attention_heads
-        ring = resolve_ring_size(sp_size, heads, getattr(config, "num_key_value_heads", None) or heads, ring_size)
+    if head_counts(config):  # else registration refuses the model, naming why
+        ring = resolve_ring_size_for_layers(sp_size, head_counts(config), ring_size)
     mesh = init_mesh(sp_size=sp_size, ring_size=ring)
     registration = UlyssesSPAttentionHF.register_with_transformers(
         model,
@@ -158,7 +157,7 @@ def prepare(
 def _model_attention(model: Any) -> str:
     """The model's attention implementation, if the SP attention can run it over the full sequence."""
     config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "num_attention_heads"):
+    if config is None or not head_counts(config):
         raise ValueError(
             f"trainer.model is a {type(model).__name__}, not a transformers model with a config: "
             "sequence parallelism needs a transformers causal LM (or a PEFT model of one)"

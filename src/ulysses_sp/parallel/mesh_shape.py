@@ -159,6 +159,37 @@ def resolve_ring_size(sp_size: int, num_heads: int, num_kv_heads: int, ring_size
     return ring_size
 
 
+def head_counts(config: Any) -> list[tuple[int, int]]:
+    """The distinct ``(query heads, kv heads)`` of a transformers config's attention layers: one pair
+    for a homogeneous config; each layer's for a heterogeneous one (transformers' ``per_layer_config``,
+    whose global head count is ambiguous and raises when read). Empty when the config names no heads."""
+    per_layer = getattr(config, "per_layer_config", None)
+    pairs: list[tuple[int, int]] = []
+    for layer in list(per_layer) if per_layer is not None else [config]:
+        heads = getattr(layer, "num_attention_heads", None)
+        if heads:
+            pair = (heads, getattr(layer, "num_key_value_heads", None) or heads)
+            if pair not in pairs:
+                pairs.append(pair)
+    return pairs
+
+
+def resolve_ring_size_for_layers(
+    sp_size: int, pairs: list[tuple[int, int]], ring_size: int | str | None = None
+) -> int:
+    """``resolve_ring_size`` for every layer shape of ``head_counts`` at once: one ring size that lets
+    the Ulysses ranks split the heads of every layer (``ValueError`` naming the layer shape that fails)."""
+    if not pairs:
+        raise ValueError("the model's config names no attention heads (num_attention_heads)")
+    if ring_size is None or ring_size == "auto":
+        common = [r for r in valid_ring_sizes(sp_size, *pairs[0]) if all(
+            r in valid_ring_sizes(sp_size, *p) for p in pairs[1:])]  # fmt: skip
+        return common[0]  # never empty: R = sp_size gives U = 1
+    for heads, kv in pairs:
+        resolve_ring_size(sp_size, heads, kv, ring_size)
+    return int(ring_size)
+
+
 def seq_multiple(sp_size: int, ring_size: int = 1) -> int:
     """What the sequence length must be a multiple of: ``P``, or ``2P`` with a ring (zigzag chunks)."""
     return seq_len_multiple(sp_size, ring_size)[0]

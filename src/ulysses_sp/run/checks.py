@@ -16,7 +16,7 @@ from typing import Any
 from ulysses_sp import tasks
 from ulysses_sp.attention.core import CORE_ATTENTIONS, check_blockwise_options
 from ulysses_sp.checks import check_seq_len_divisible, optional_positive_int, positive_int
-from ulysses_sp.parallel.mesh_shape import resolve_ring_size
+from ulysses_sp.parallel.mesh_shape import head_counts, resolve_ring_size, resolve_ring_size_for_layers
 from ulysses_sp.run.config import TrainConfig
 from ulysses_sp.run.prelaunch import check_attention_available, check_seq_len_fits
 
@@ -90,9 +90,10 @@ def ring_size_for(mcfg: Any, sp: int, ring_size: int | str | None) -> int:
     """The ring size of a run of this model (a transformers config, or its dict as the manifest's
     ``model_config``) at ``sp``: ``ring_size``, or for ``None``/``"auto"`` the smallest that works.
     A layout choice, not a run setting: a resume may change it with ``--sp``."""
-    get = mcfg.get if isinstance(mcfg, dict) else lambda key: getattr(mcfg, key, None)
-    heads = get("num_attention_heads")
-    return resolve_ring_size(sp, heads, get("num_key_value_heads") or heads, ring_size)
+    if isinstance(mcfg, dict):
+        heads = mcfg.get("num_attention_heads")
+        return resolve_ring_size(sp, heads, mcfg.get("num_key_value_heads") or heads, ring_size)
+    return resolve_ring_size_for_layers(sp, head_counts(mcfg), ring_size)
 
 
 def check_layout(world_size: int, *, sp: int, seq_len: int, sizes: Mapping[str, Any], attn: str) -> None:
