@@ -258,7 +258,7 @@ def _save(tmp: str, case: str, simulate_full: bool = False):
 
     estimate, save = rd.checkpoint_bytes, torch.save
     if case == "inside_write":  # the estimate passes; the write itself hits ENOSPC
-        rd.checkpoint_bytes = lambda engine: 1
+        rd.checkpoint_bytes = lambda engine, **_: 1
         if simulate_full:  # no small file system to fill: the write fails as a full disk's does
             torch.save = full
     try:
@@ -324,7 +324,7 @@ def _save_zero3(tmp: str, simulate_full: bool):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     estimate, save = rd.checkpoint_bytes, torch.save
-    rd.checkpoint_bytes = lambda engine: 1  # the estimate passes; the write itself fails
+    rd.checkpoint_bytes = lambda engine, **_: 1  # the estimate passes; the write itself fails
     if simulate_full:
         torch.save = full
     try:
@@ -453,3 +453,35 @@ def test_save_on_signal_takes_a_repeated_sigterm_as_the_same_stop_until_its_dead
             signal.raise_signal(signal.SIGTERM)  # the same stop again: ignored, the save goes on
             time.sleep(10)  # the deadline's SIGTERM interrupts this
     assert 1.0 <= time.monotonic() - started < 9
+
+
+def _written_vs_estimate(tmp: str, save_dtype: str | None) -> tuple[int, int]:
+    """A real save (ZeRO 0, AdamW, one step): the bytes it wrote and what ``checkpoint_bytes`` asked
+    for. The estimate must cover the checkpoint (HF export + reshardable state), else a save can
+    pass the free-space check and still fill the disk."""
+    import torch
+    from models import tiny_model
+
+    from ulysses_sp import initialize
+    from ulysses_sp.run import rundir as rd
+    from ulysses_sp.tasks import byte_tokenizer
+
+    model = tiny_model("llama", hidden=256, layers=4)  # big enough that the 1 MiB of slack cannot hide a miss
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}
+    engine, *_ = initialize(model, config, mesh_param=(1, 1))
+    ids = torch.randint(0, 64, (1, 16))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    dtype = getattr(torch, save_dtype) if save_dtype else None
+    kw = {"tokenizer": byte_tokenizer(), "manifest": {}, "train_state": {"step": 1}, "core_attn": "sdpa"}
+    path = rd.checked_save(engine, tmp, 1, last_good=None, save_dtype=dtype, **kw)
+    written = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+    return written, rd.checkpoint_bytes(engine, save_dtype=dtype)
+
+
+@pytest.mark.parametrize("save_dtype", [None, "bfloat16"])
+def test_the_free_space_estimate_covers_what_a_save_writes(pool, tmp_path, save_dtype):
+    written, estimate = pool.run(_written_vs_estimate, 1, str(tmp_path), save_dtype)[0]
+    assert written <= estimate, (written, estimate)
+    # and it is an estimate, not a blanket: within 3x of the checkpoint (the 2x transient of the export)
+    assert estimate <= 3 * written + 2**20, (written, estimate)

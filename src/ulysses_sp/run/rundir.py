@@ -231,12 +231,17 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
 
 
-def checkpoint_bytes(engine: Any) -> int:
-    """An estimate of one checkpoint's size on disk (a collective over the run's ranks): the full
-    weights rank 0 writes plus every rank's optimizer state as it holds it, plus 5% and 1 MiB."""
+def checkpoint_bytes(engine: Any, *, save_dtype: torch.dtype | None = None) -> int:
+    """An estimate of the disk one checkpoint needs at its peak (a collective over the run's ranks):
+    the exported HF weights (in ``save_dtype``; ``None``: as held) twice — DCP's HF writer keeps
+    every rank's pieces until rank 0 has consolidated them into the full files — plus the
+    reshardable model state (the weights as held), every rank's optimizer state as it holds it,
+    5% and 1 MiB."""
     from torch.distributed.tensor import DTensor
 
-    weights = sum(p.numel() * p.element_size() for p in engine.module.parameters())
+    params = list(engine.module.parameters())  # DTensor.numel() is the global count
+    held = sum(p.numel() * p.element_size() for p in params)
+    exported = held if save_dtype is None else sum(p.numel() for p in params) * save_dtype.itemsize
     local = 0
     for state in engine.optimizer.state.values():
         for v in state.values():
@@ -244,7 +249,7 @@ def checkpoint_bytes(engine: Any) -> int:
                 v = v.to_local() if isinstance(v, DTensor) else v
                 local += v.numel() * v.element_size()
     states = all_reduce_sum(torch.tensor(float(local)), engine.mesh.reduce_group)
-    return int((weights + states.item()) * 1.05) + 2**20
+    return int((2 * exported + held + states.item()) * 1.05) + 2**20
 
 
 def checked_save(engine: Any, output_dir: str, step: int, *, last_good: str | None, **save_kw: Any) -> str:
@@ -266,7 +271,7 @@ def checked_save(engine: Any, output_dir: str, step: int, *, last_good: str | No
             step=step,
             bad_steps=0,
         )
-    need = checkpoint_bytes(engine)
+    need = checkpoint_bytes(engine, save_dtype=save_kw.get("save_dtype"))
     free = shutil.disk_usage(output_dir).free
     short = f"no space left on {output_dir}: need ~{_mib(need)} for checkpoint {step}, have {_mib(free)}"
     error = f"{short}; free space or choose another --output-dir" if need > free else None
