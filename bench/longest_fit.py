@@ -5,8 +5,7 @@
     bench/.venv-deepspeed/bin/python -m torch.distributed.run --nproc-per-node 2 -m bench.longest_fit \\
         --impl deepspeed --data packed --out /tmp/ds.json
 
-Run in either venv (gloo, sp = 2). Both sides build 3b's model (bench/alst_worker.py ``FULL``, same
-seed, sdpa) and get the same tensors (``make_data``: one causal sequence, or three packed documents),
+Run in either venv (gloo, sp = 2). Both sides build the same wide Llama (``MODEL``, same seed, sdpa) and get the same tensors (``make_data``: one causal sequence, or three packed documents),
 rank k holding tokens ``[k S/2, (k+1) S/2)``; one forward + backward per length (no optimizer: its
 states are the same on both sides), each side with every memory technique it runs on CPU
 (``deepspeed``: DeepSpeed's UlyssesSPAttentionHF, TiledMLP patched in as its docstring shows,
@@ -21,7 +20,6 @@ with the parameters, max over ranks): ``device`` leaves out what our offloads st
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
 import math
 import sys
@@ -35,6 +33,9 @@ from bench.launch import max_over_ranks as _max
 from bench.spec import IGNORE_INDEX as IGNORE
 from bench.spec import llama, packed_positions, sp_loss_combine
 
+MODEL = {"hidden": 64, "intermediate": 512, "layers": 4, "heads": 4}
+"""A small vocabulary-heavy Llama (``--vocab`` sets V): wide MLP, so the techniques each show."""
+
 
 def make_data(seq: int, vocab: int, packed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(input_ids, position_ids, shift_labels)``, each ``[1, S]``: the same tensors on both sides."""
@@ -43,12 +44,6 @@ def make_data(seq: int, vocab: int, packed: bool) -> tuple[torch.Tensor, torch.T
     shift = torch.cat([ids[:, 1:], torch.full((1, 1), IGNORE)], 1)
     shift[0, torch.cat([pos[0, 1:] == 0, torch.tensor([True])])] = IGNORE  # a document's last token predicts nothing
     return ids, pos, shift
-
-
-def build_model(setup, max_seq: int):
-    return llama(hidden_size=setup.hidden, intermediate_size=setup.intermediate, num_hidden_layers=setup.layers,
-                 num_attention_heads=setup.heads, num_key_value_heads=setup.heads, vocab_size=setup.vocab,
-                 max_position_embeddings=max_seq)  # fmt: skip
 
 
 def ours(model, world: int, tech: str):
@@ -205,7 +200,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--impl", choices=("ours", "deepspeed"), required=True)
     ap.add_argument("--tech", choices=("ckpt", "all"), default="all", help="ours: without / with the offloads")
     ap.add_argument("--data", choices=("causal", "packed"), required=True)
-    ap.add_argument("--vocab", type=int, default=2048, help="3b's model (alst_worker.FULL) with this vocabulary")
+    ap.add_argument("--vocab", type=int, default=2048, help="the vocabulary of MODEL")
     ap.add_argument("--budget-mib", type=float, default=24.0, help="per-rank budget (huge: a profile to --max-seq)")
     ap.add_argument("--start-seq", type=int, default=1024)
     ap.add_argument("--granularity", type=int, default=512)
@@ -220,24 +215,23 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if importlib.util.find_spec("ulysses_sp") is None:  # the DeepSpeed venv: the meter from this checkout
         sys.path.append(str(ROOT / "src"))
-    from bench.alst_worker import FULL
-
-    setup = dataclasses.replace(FULL, vocab=args.vocab)
     init_worker(1200, deepspeed=args.impl == "deepspeed")
-    world = dist.get_world_size()
-    model = build_model(setup, args.max_seq)
+    world, m, vocab = dist.get_world_size(), MODEL, args.vocab
+    model = llama(hidden_size=m["hidden"], intermediate_size=m["intermediate"], num_hidden_layers=m["layers"],
+                  num_attention_heads=m["heads"], num_key_value_heads=m["heads"], vocab_size=vocab,
+                  max_position_embeddings=args.max_seq)  # fmt: skip
     step = ours(model, world, args.tech) if args.impl == "ours" else deepspeed(model, world)
     packed, budget = args.data == "packed", args.budget_mib * 2**20
     probes: dict[int, dict] = {}
 
     def measure(seq: int) -> dict:
         if seq not in probes:
-            probes[seq] = probe(step, model, seq, setup.vocab, packed)
+            probes[seq] = probe(step, model, seq, vocab, packed)
         return probes[seq]
 
     fit = {c: search(measure, c, budget, args.start_seq, args.granularity, args.max_seq) for c in ("device", "total")}
-    step_s = timed(step, model, args.time_seq, setup.vocab, packed, args.time_steps)
-    finish_worker({"args": vars(args), "world": world, "torch": torch.__version__, "model": dataclasses.asdict(setup),
+    step_s = timed(step, model, args.time_seq, vocab, packed, args.time_steps)
+    finish_worker({"args": vars(args), "world": world, "torch": torch.__version__, "model": {**m, "vocab": vocab},
                    "budget_bytes": budget, "fit": fit, "probes": [probes[s] for s in sorted(probes)],
                    "step_seconds": step_s}, args.out)  # fmt: skip
 

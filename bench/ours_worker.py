@@ -6,7 +6,8 @@
 The loop is ulysses-sp's documented one: ``register_with_transformers`` (sdpa core) ->
 ``ulysses_sp.engine.initialize(model, config, mpu=..., optimizer=AdamW)`` ->
 ``UlyssesSPDataLoaderAdapter`` -> ``loss = engine(**batch).loss; engine.backward(loss); engine.step()``,
-timed and metered by bench/steploop.py exactly as DeepSpeed's. Rank 0 writes the same JSON keys.
+timed and metered by bench/steploop.py exactly as DeepSpeed's; ZeRO partitions over all dp*sp ranks,
+as DeepSpeed's does. Rank 0 writes the same JSON keys.
 """
 
 from __future__ import annotations
@@ -21,10 +22,7 @@ from bench.launch import finish_worker, init_worker
 
 
 def main(argv=None) -> None:
-    ap = steploop.parser()
-    ap.add_argument("--partition", choices=("all", "data_parallel"), default="all",
-                    help="ZeRO partition span; DeepSpeed partitions over all dp*sp ranks")  # fmt: skip
-    args = ap.parse_args(argv)
+    args = steploop.parser().parse_args(argv)
     from torch.distributed.tensor import DTensor
 
     from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
@@ -36,10 +34,9 @@ def main(argv=None) -> None:
     model = S.build_model(S.ModelSpec.from_json(args.model), seed=args.seed)
     mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", args.sp, args.micro_batch)
     config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
-              "gradient_clipping": args.clip, "zero_optimization": {"stage": args.zero, "partition": args.partition},
+              "gradient_clipping": 0.0, "zero_optimization": {"stage": args.zero, "partition": "all"},
               "sequence_parallel_size": args.sp}  # fmt: skip
-    opt = functools.partial(S.make_optimizer, args.optim, lr=args.lr)
-    engine, _, _, _ = initialize(model, config, mpu=mpu, optimizer=opt)
+    engine, _, _, _ = initialize(model, config, mpu=mpu, optimizer=functools.partial(S.make_optimizer, lr=args.lr))
     group = mpu.get_sequence_parallel_group()
     batches = UlyssesSPDataLoaderAdapter(batches, mpu.get_sequence_parallel_rank(), group, args.sp, torch.device("cpu"))
     full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731  (FSDP2 shards gathered)

@@ -4,22 +4,27 @@ Layout of a result: ``runs`` maps a run id to where and when it ran (date, commi
 invocation, wall time, launches); ``sections`` maps a section name to ``{"run": id, "data": ...}``. A
 full run carries the sections it did not run from the previous results file, each still naming the
 run that produced it, and every table here is printed under that run's label. The prose that explains
-the tables is written by hand in docs/readme/performance.md.
+the tables is written by hand in docs/readme/performance.md. Every number comes from the JSON.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections import defaultdict
 
-from bench import findings, longest_fit_report
 from bench.md import data, label, produced_by, table
 
 MIB = 2**20
 BUDGET_MIB = 64
 """Per-rank budget for the 'max S' column of section 3 (fitted; tiny model, fp32)."""
+SYSTEMS = {("deepspeed", None): ("DeepSpeed", "UlyssesSPAttentionHF (sdpa), TiledMLP, TiledFusedLogitsLoss, HF "
+                                 "checkpointing, checkpoint offload context (on; skips every tensor on CPU)"),
+           ("ours", "ckpt"): ("ulysses-sp, same techniques", "UlyssesSPAttentionHF (sdpa), tiled MLP, tiled loss, "
+                              "checkpointing"),
+           ("ours", "all"): ("ulysses-sp, all techniques", "the above + activation (checkpoint) offload + "
+                             "Ulysses-Offload (blockwise core, K/V on host)")}  # fmt: skip
+"""Section 7's systems (``longest_fit --impl --tech``): name and techniques."""
 
 
 # ---------------------------------------------------------------------------------------------- derived
@@ -45,8 +50,7 @@ def memory_fits(records: list[dict]) -> list[dict]:
         fits[(w, sp, tiled)] = {
             "world": w, "sp": sp, "tiled": tiled, "seqs": [r["seq"] for r in rs],
             "peak_mib": [round(r["peak_bytes"] / MIB, 2) for r in rs], "slope_bytes_per_token": a,
-            "max_seq_in_budget": int(budget / a) if a > 0 else None, "layers": rs[-1]["layers"],
-            "hidden": rs[-1]["hidden"], "command": rs[-1]["command"], "target_ratio": 1 / sp,
+            "max_seq_in_budget": int(budget / a) if a > 0 else None, "command": rs[-1]["command"],
         }  # fmt: skip
     for (w, _, tiled), f in fits.items():
         ref = fits.get((w, 1, tiled))
@@ -60,40 +64,32 @@ def throughput_rows(records: list[dict]) -> list[dict]:
             for r in records]  # fmt: skip
 
 
-def alst_rows(am: dict) -> list[dict]:
-    """Per configuration: longest S in budget, growth per token between the last two lengths, the S
-    where that (affine) growth meets the budget, and step time relative to the baseline and the row above."""
-    budget, cfgs = am["setup"]["budget_mib"] * MIB, am["configs"]
-    rows, prev = [], None
-    for name, c in cfgs.items():
-        fit = max((r["seq"] for r in c["rows"] if r["peak_bytes"] <= budget), default=None)
-        slope = proj = None
-        if len(c["rows"]) >= 2:
-            (s1, p1), (s2, p2) = ((r["seq"], r["peak_bytes"]) for r in c["rows"][-2:])
-            slope = (p2 - p1) / (s2 - s1)
-            proj = int(s1 + (budget - p1) / slope) if slope > 0 else None
-        base = cfgs["baseline"]["step_seconds"]
-        rows.append({"config": name, "rows": c["rows"], "fit": fit, "slope": slope, "proj": proj,
-                     "step_s": c["step_seconds"], "time_ratio": c["step_seconds"] / base if base > 0 else math.nan,
-                     "vs_above": c["step_seconds"] / (prev or c["step_seconds"])})  # fmt: skip
-        prev = c["step_seconds"]
-    return rows
-
-
 def ds_rows(pairs: list[dict]) -> list[dict]:
     rows = []
-    for p in pairs:
-        if "error" in p:
-            continue
-        o, d, ref = p["ours"], p["deepspeed"], p["reference"]
+    for p in (p for p in pairs if "error" not in p):
+        o, d = p["ours"], p["deepspeed"]
         rows.append({
-            **p["point"], "steps": p["steps"], "seq": p["seq"], "o": o, "d": d, "ref": ref,
+            **p["point"], "steps": p["steps"], "seq": p["seq"], "o": o, "d": d, "ref": p["reference"],
             "loss1_diff": abs(o["losses"][0] - d["losses"][0]), "lossN_diff": abs(o["losses"][-1] - d["losses"][-1]),
             "tps_ratio": o["tokens_per_s_per_rank"] / d["tokens_per_s_per_rank"],
             "peak_ratio": o["peak_bytes"] / d["peak_bytes"],
             "commands": f"`{p['ours_command']}`<br>`{p['deepspeed_command']}`",
         })  # fmt: skip
     return rows
+
+
+def lf_key(run: dict) -> tuple[str, str | None]:
+    a = run["args"]
+    return a["impl"], (a["tech"] if a["impl"] == "ours" else None)
+
+
+def lf_ratio(runs: list[dict], data: str, crit: str, system=("ours", "all")) -> float | None:
+    """Section 7: longest S of ``system`` over DeepSpeed's, same data and criterion (``None``: either found none)."""
+    by = {lf_key(r): r for r in runs if r["args"]["data"] == data}
+    if system not in by or ("deepspeed", None) not in by:
+        return None
+    ours, ds = by[system]["fit"][crit]["fit"], by[("deepspeed", None)]["fit"][crit]["fit"]
+    return ours / ds if ours and ds else None
 
 
 def targets(result: dict) -> list[list]:
@@ -109,8 +105,7 @@ def targets(result: dict) -> list[list]:
         worst = max(r["ratio_to_total_over_p"] for r in fl)
         out.append(["2. FLOPs per rank / (total / P), sp in {1,2,4}", "<= 1.02", f"max {worst:.4f}",
                     worst <= 1.02, "flops"])  # fmt: skip
-    fits = [f for f in memory_fits(data(result, "memory", [])) if f["sp"] > 1 and f["slope_ratio_to_sp1"]]
-    if fits:
+    if fits := [f for f in memory_fits(data(result, "memory", [])) if f["sp"] > 1 and f["slope_ratio_to_sp1"]]:
         top = max(f["world"] for f in fits)
         desc = ", ".join(f"sp={f['sp']}{' tiled' if f['tiled'] else ''}: {f['slope_ratio_to_sp1']:.3f}"
                          for f in fits if f["world"] == top)  # fmt: skip
@@ -133,7 +128,11 @@ def targets(result: dict) -> list[list]:
              all(r["peak_ratio"] <= 1.0 for r in rows), "deepspeed"],
         ]  # fmt: skip
     if lf := data(result, "longest_fit"):
-        out.append(longest_fit_report.target(lf))
+        got = {(d, c): lf_ratio(lf["search"], d, c) for d in ("causal", "packed") for c in ("device", "total")}
+        desc = "; ".join(f"{d}: device {_r(got[d, 'device'])}, all bytes {_r(got[d, 'total'])}"
+                         for d in ("causal", "packed"))  # fmt: skip
+        out.append(["7. longest S in the same budget, ulysses-sp (all techniques) / DeepSpeed", ">= 1.5", desc,
+                    all(x is not None and x >= 1.5 for x in got.values()), "longest_fit"])  # fmt: skip
     return out
 
 
@@ -146,12 +145,8 @@ def _pt(r: dict) -> str:
     return f"dp{r['dp']}xsp{r['sp']} z{r['zero']}"
 
 
-def _phases(p: dict) -> str:
-    return "/".join(f"{1000 * p[k]:.0f}" for k in ("forward", "backward", "step") if k in p)
-
-
-def _a2a(comm: dict) -> int:
-    return sum(v for k, v in comm.items() if k.endswith("/all_to_all_single"))
+def _r(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}x"
 
 
 def targets_md(result: dict) -> str:
@@ -184,30 +179,8 @@ def _sec_memory(mem: list[dict]) -> tuple[str, str]:
          f"max S in {BUDGET_MIB} MiB", "command"],
         [[f["world"], f["sp"], "yes" if f["tiled"] else "no", "/".join(map(str, f["seqs"])),
           "/".join(map(str, f["peak_mib"])), f"{f['slope_bytes_per_token']:.0f}",
-          "" if f["slope_ratio_to_sp1"] is None else f"{f['slope_ratio_to_sp1']:.3f}", f"{f['target_ratio']:.3f}",
+          "" if f["slope_ratio_to_sp1"] is None else f"{f['slope_ratio_to_sp1']:.3f}", f"{1 / f['sp']:.3f}",
           f["max_seq_in_budget"], f"`{f['command']}`"] for f in memory_fits(mem)])  # fmt: skip
-
-
-def _sec_alst(am: dict) -> tuple[str, str]:
-    setup, budget = am["setup"], am["setup"]["budget_mib"] * MIB
-    shown = [s for s in setup["seqs"] if s & (s - 1) == 0]  # the powers of two of the sweep
-    rows = []
-    for r in alst_rows(am):
-        by_seq = {x["seq"]: x["peak_bytes"] / MIB for x in r["rows"]}
-        cells = ["—" if s not in by_seq else f"{by_seq[s]:.1f}" if by_seq[s] * MIB <= budget else f"*{by_seq[s]:.1f}*"
-                 for s in shown]  # fmt: skip
-        last = r["fit"] == setup["seqs"][-1]
-        rows.append([r["config"], *cells, "none" if r["fit"] is None else f"≥ {r['fit']} (largest tried)" if last
-                     else r["fit"], f"{r['slope'] / 1024:.2f}", r["proj"] if last else "(measured)",
-                     f"{max(x['host_peak_bytes'] for x in r['rows']) / MIB:.1f}", f"{r['step_s']:.3f}",
-                     f"{r['time_ratio']:.2f}x", f"{r['vs_above']:.2f}x"])  # fmt: skip
-    head = (f"3b. The ALST techniques one at a time (h={setup['hidden']}, I={setup['intermediate']}, "
-            f"L={setup['layers']}, V={setup['vocab']}, budget {setup['budget_mib']:g} MiB per rank, "
-            f"time at S={setup['time_seq']}, best of {setup['time_steps']})")  # fmt: skip
-    return head, table(
-        ["config", *(f"S={s}" for s in shown), "longest S in budget", "KiB per token", "budget reached at S≈",
-         "host peak MiB", "step s", "time vs baseline", "vs row above"], rows) + \
-        f"\n\nLengths measured: {', '.join(map(str, setup['seqs']))}. Command: `{am['command']}`"  # fmt: skip
 
 
 def _sec_throughput(tp: list[dict]) -> tuple[str, str]:
@@ -219,8 +192,10 @@ def _sec_throughput(tp: list[dict]) -> tuple[str, str]:
 
 
 def _sec_deepspeed(pairs: list[dict]) -> tuple[str, str]:
-    rows = ds_rows(pairs)
+    rows, phases = ds_rows(pairs), ("forward", "backward", "step")
     f5 = lambda x: f"{x:.5f}"  # noqa: E731
+    ms = lambda p: "/".join(f"{1000 * p[k]:.0f}" for k in phases if k in p)  # noqa: E731
+    a2a = lambda c: sum(v for k, v in c.items() if k.endswith("/all_to_all_single"))  # noqa: E731
     main = table(
         ["point", "S", "steps", "loss1 ours / DS / ref", "lossN ours / DS / ref", "tok/s ours / DS", "tok/s ratio",
          "phases ms ours / DS", "peak MiB ours / DS", "peak ratio", "grad ours / DS",
@@ -228,25 +203,80 @@ def _sec_deepspeed(pairs: list[dict]) -> tuple[str, str]:
         [[_pt(r), r["seq"], r["steps"], " / ".join(f5(x["losses"][0]) for x in (r["o"], r["d"], r["ref"])),
           " / ".join(f5(x["losses"][-1]) for x in (r["o"], r["d"], r["ref"])),
           f"{r['o']['tokens_per_s_per_rank']:.0f} / {r['d']['tokens_per_s_per_rank']:.0f}", f"{r['tps_ratio']:.2f}",
-          f"{_phases(r['o'].get('phase_s', {}))} / {_phases(r['d'].get('phase_s', {}))}",
+          f"{ms(r['o'].get('phase_s', {}))} / {ms(r['d'].get('phase_s', {}))}",
           f"{r['o']['peak_bytes'] / MIB:.2f} / {r['d']['peak_bytes'] / MIB:.2f}", f"{r['peak_ratio']:.2f}",
           " / ".join(f"{x['grad_norm_step1'] / r['ref']['grad_norm_step1']:.3f}" for x in (r["o"], r["d"])),
-          f"{_a2a(r['o']['comm_bytes'])} / {_a2a(r['d']['comm_bytes'])}", r["commands"]] for r in rows])  # fmt: skip
-    phases = ("forward", "backward", "step")
+          f"{a2a(r['o']['comm_bytes'])} / {a2a(r['d']['comm_bytes'])}", r["commands"]] for r in rows])  # fmt: skip
     delta = table(["point", "tok/s ratio", "peak ratio", *(f"{k} ours − DS ms" for k in phases)],
                   [[_pt(r), f"{r['tps_ratio']:.2f}", f"{r['peak_ratio']:.2f}",
                     *(f"{1000 * (r['o']['phase_s'][k] - r['d']['phase_s'][k]):+.1f}" for k in phases)]
                    for r in rows])  # fmt: skip
-    failed = [
-        f"- **{_pt(p['point'])} failed**: `{p['error'].splitlines()[0]}`" for p in pairs if "error" in p
-    ]
+    failed = [f"- **{_pt(p['point'])} failed**: `{p['error'].splitlines()[0]}`" for p in pairs if "error" in p]
     return "5. Side by side with DeepSpeed Ulysses/ALST (same model, data, (dp, sp), ZeRO stage)", \
         "\n\n".join([main, "Per phase (fastest step of each side):", delta, *failed])  # fmt: skip
 
 
-SECTIONS_MD = {"comm": _sec_comm, "flops": _sec_flops, "memory": _sec_memory, "alst_memory": _sec_alst,
-               "throughput": _sec_throughput, "deepspeed": _sec_deepspeed,
-               "longest_fit": longest_fit_report.render}  # fmt: skip
+def _fit(f: dict) -> str:
+    if f["fit"] is None:
+        return f"none (over at {f['first_over']})"
+    return f"≥ {f['fit']} (largest tried)" if f["capped"] else str(f["fit"])
+
+
+def _lf_probes(runs: list[dict]) -> str:
+    """Peak per rank (MiB) at every power of two probed, device (all bytes where different), and the growth
+    (KiB per token) between the two longest."""
+    pow2 = lambda r: [p for p in r["probes"] if p["seq"] & (p["seq"] - 1) == 0]  # noqa: E731
+    seqs = sorted({p["seq"] for r in runs for p in pow2(r)})
+    rows = []
+    for r in runs:
+        by, pts = {p["seq"]: p for p in r["probes"]}, pow2(r)
+        cells = ["—" if s not in by else f"{by[s]['device'] / MIB:.2f}" + (
+            f" ({by[s]['total'] / MIB:.2f})" if by[s]["total"] != by[s]["device"] else "") for s in seqs]  # fmt: skip
+        sd, st = ((pts[-1][c] - pts[-2][c]) / (pts[-1]["seq"] - pts[-2]["seq"]) / 1024 if len(pts) > 1 else None
+                  for c in ("device", "total"))  # fmt: skip
+        rows.append([r["args"]["data"], SYSTEMS[lf_key(r)][0], *cells,
+                     "—" if sd is None else f"{sd:.2f}" + ("" if st == sd else f" ({st:.2f})")])  # fmt: skip
+    return table(["data", "system", *(f"S={s}" for s in seqs), "KiB/token (last two)"], rows)
+
+
+def _sec_longest_fit(d: dict) -> tuple[str, str]:
+    runs, prof = d["search"], d.get("profile", [])
+    a, m = runs[0]["args"], runs[0]["model"]
+    head = (f"7. Longest sequence in {a['budget_mib']:g} MiB per rank, side by side with DeepSpeed Ulysses/ALST "
+            f"(sp=2, h={m['hidden']}, I={m['intermediate']}, L={m['layers']}, H={m['heads']}, V={m['vocab']})")  # fmt: skip
+    rows = []
+    for data_ in ("causal", "packed"):
+        by = {lf_key(r): r for r in runs if r["args"]["data"] == data_}
+        ds_t = by.get(("deepspeed", None), {}).get("step_seconds")
+        for sysk in (k for k in SYSTEMS if k in by):
+            r, t = by[sysk], by[sysk]["step_seconds"]
+            rows.append([data_, SYSTEMS[sysk][0], _fit(r["fit"]["device"]), _fit(r["fit"]["total"]),
+                         f"{_r(lf_ratio(runs, data_, 'device', sysk))} / {_r(lf_ratio(runs, data_, 'total', sysk))}",
+                         f"{r['probes'][0]['loss']:.5f} (S={r['probes'][0]['seq']})", "—" if t is None else f"{t:.3f}",
+                         _r(t / ds_t if t and ds_t else None), f"`{r['command']}`"])  # fmt: skip
+    parts = [
+        "Meter (both sides): `ulysses_sp.memory.meter.track_peak_memory` (live tensor storages, parameters and "
+        "gradients included, max over ranks). *Device bytes* leave out what ulysses-sp's offloads stage on "
+        "the host (what would leave an accelerator); *all bytes* count every tensor.", "",
+        *(f"- {name}: {tech}" for name, tech in SYSTEMS.values()), "",
+        table(["data", "system", "longest S, device bytes", "longest S, all bytes", "vs DeepSpeed (device / all)",
+               "loss", f"step s at S={a['time_seq']}", "step vs DeepSpeed", "command"], rows), "",
+        "Peak per rank at each power of two probed, MiB, device (all bytes where different):", "", _lf_probes(runs),
+    ]  # fmt: skip
+    if ds := next((r for r in runs if lf_key(r)[0] == "deepspeed"), None):
+        p = ds["probes"][-1]
+        parts += ["", f"DeepSpeed {p.get('deepspeed_version', '?')} checkpoint offload at S={p['seq']}: "
+                  f"{p['ckpt_offload_marked']} inputs marked, {p['ckpt_offload_offloaded']} offloaded, "
+                  f"{p['ckpt_offload_skipped']} skipped."]  # fmt: skip
+    if prof:
+        parts += ["", f"Profile at V={prof[0]['model']['vocab']} (no budget, every power of two to "
+                  f"S={prof[0]['args']['max_seq']}):", "", _lf_probes(prof), "",
+                  "Commands: " + "; ".join(f"`{r['command']}`" for r in prof)]  # fmt: skip
+    return head, "\n".join(parts)
+
+
+SECTIONS_MD = {"comm": _sec_comm, "flops": _sec_flops, "memory": _sec_memory, "throughput": _sec_throughput,
+               "deepspeed": _sec_deepspeed, "longest_fit": _sec_longest_fit}  # fmt: skip
 
 
 def render(result: dict) -> str:
@@ -257,25 +287,21 @@ def render(result: dict) -> str:
         if data(result, name):
             head, body = fn(data(result, name))
             parts += ["", f"## {head}", "", produced_by(result, name), "", body]
-    launched = [r for r in result["runs"].values() if r.get("launches")]
-    if launched:
+    if launched := [r for r in result["runs"].values() if r.get("launches")]:
         parts += ["", "## Launches", "", table(["run", "command", "wall s"], [
             [f"`{r['id']}`", f"`{x['command']}`", f"{x['wall_s']:.0f}"] for r in launched for x in r["launches"]])]  # fmt: skip
     return "\n".join(parts) + "\n"
 
 
 def write(result: dict, out_dir: str, *, name: str) -> str:
-    """``{name}.json`` and ``{name}.md`` (and ``deepspeed_findings.md`` when findings are present)."""
+    """``{name}.json``, ``{name}.md`` and, with section 7, ``longest_fit.md``; returns the targets as text."""
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
     with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write(render(result))
-    if data(result, "findings"):
-        with open(os.path.join(out_dir, "deepspeed_findings.md"), "w") as f:
-            f.write(findings.render_findings(result))
-    if lf := data(result, "longest_fit"):  # also on its own page, as the findings are
-        head, body = longest_fit_report.render(lf)
+    if lf := data(result, "longest_fit"):  # also on its own page
+        head, body = _sec_longest_fit(lf)
         with open(os.path.join(out_dir, "longest_fit.md"), "w") as f:
             f.write(f"# {head}\n\n{produced_by(result, 'longest_fit')}\n\n{body}\n")
     return "\n".join(f"{t[0]}: target {t[1]}; measured {t[2]} [{_status(t[3])}]" for t in targets(result))

@@ -38,8 +38,6 @@ def parser() -> argparse.ArgumentParser:
                           ("--micro-batch", 1), ("--seed", 0)):  # fmt: skip
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--lr", type=float, default=1e-2)
-    ap.add_argument("--clip", type=float, default=0.0, help="gradient_clipping (0: off)")
-    ap.add_argument("--optim", choices=("adamw", "sgd"), default="adamw")
     ap.add_argument("--out", required=True)
     return ap
 

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # bench/ is a top-level folder of the repository, not an installed package
     sys.path.insert(0, str(ROOT))
 
-from bench import analytic, longest_fit, longest_fit_report, md  # noqa: E402
+from bench import analytic, longest_fit, md, report  # noqa: E402
 from bench import spec as S  # noqa: E402
 from bench.launch import run_worker  # noqa: E402
 
@@ -134,9 +134,9 @@ def test_longest_fit_ratio_is_ours_over_deepspeed_per_data_and_criterion():
         return {"args": {"impl": impl, "tech": tech, "data": data}, "fit": fit}
 
     runs = [run("deepspeed", "all", "causal", 4096, 4096), run("ours", "all", "causal", 6144, 3072)]
-    assert longest_fit_report.ratio(runs, "causal", "device") == 1.5
-    assert longest_fit_report.ratio(runs, "causal", "total") == 0.75
-    assert longest_fit_report.ratio(runs, "packed", "device") is None
+    assert report.lf_ratio(runs, "causal", "device") == 1.5
+    assert report.lf_ratio(runs, "causal", "total") == 0.75
+    assert report.lf_ratio(runs, "packed", "device") is None
 
 
 @pytest.mark.slow
