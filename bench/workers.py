@@ -76,6 +76,12 @@ def done(reg) -> None:
         reg.remove()
 
 
+def count_flops(fn) -> int:
+    with FlopCounterMode(display=False) as fc:
+        fn()
+    return fc.get_total_flops()
+
+
 def task_comm(smoke: bool) -> list[dict]:
     """Bytes per rank per attention layer vs the analytic minimum, MHA and GQA (deterministic)."""
     world = dist.get_world_size()
@@ -86,8 +92,7 @@ def task_comm(smoke: bool) -> list[dict]:
             spec = S.ModelSpec(hidden_size=h_q * d, num_attention_heads=h_q, num_key_value_heads=hkv)
             model, reg = sp_setup(spec, sp, core="sdpa", mb=b)
             local = local_batch(S.make_batch(list(range(b)), seq, spec.vocab_size), reg)
-            counter = CollectiveCounter()
-            with counter:
+            with CollectiveCounter() as counter:
                 with counter.label("forward"):
                     loss = loss_of(model, local, reg)
                 with counter.label("backward"):
@@ -110,12 +115,6 @@ def task_comm(smoke: bool) -> list[dict]:
                 "other_bwd_bytes_per_step": gather_max(counter.total("backward") - counter.total("backward", a2a)),
             })  # fmt: skip
     return records
-
-
-def count_flops(fn) -> int:
-    with FlopCounterMode(display=False) as fc:
-        fn()
-    return fc.get_total_flops()
 
 
 def task_flops(smoke: bool) -> list[dict]:
@@ -158,7 +157,6 @@ def task_memory(smoke: bool) -> list[dict]:
                     loss_of(model, local, reg, tiled=tiled).backward()
                 records.append({
                     "task": "memory", "sp": sp, "dp": world // sp, "tiled": tiled, "seq": seq,
-                    "layers": spec.num_hidden_layers, "hidden": spec.hidden_size,
                     "peak_bytes": gather_max(m.peak_bytes), "baseline_bytes": gather_max(m.baseline_bytes),
                 })  # fmt: skip
             if handle is not None:

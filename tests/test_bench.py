@@ -237,8 +237,9 @@ def test_smoke_flops_per_rank_is_total_over_p(smoke):
 
 @pytest.mark.slow
 def test_ring_bench_smoke_counts_the_analytic_bytes_and_balances_zigzag(tmp_path):
-    """``python -m bench.ring_bench --smoke`` runs (R = 2 and 4) and its tables say: bytes sent equal
-    the analytic ring volume, zigzag FLOPs equal across ranks, contiguous ones not."""
+    """``python -m bench.ring_bench --smoke`` runs (4 and 2 ranks) and its tables say: every rank of every
+    layout (Ulysses x Ring, ring alone, Ulysses alone), fp32 and bf16, sends exactly the analytic volume;
+    zigzag FLOPs are equal across ranks, contiguous ones not."""
     out = tmp_path / "ring.md"
     proc = subprocess.run(
         [sys.executable, "-m", "bench.ring_bench", "--smoke", "--out", str(out)],
@@ -249,12 +250,16 @@ def test_ring_bench_smoke_counts_the_analytic_bytes_and_balances_zigzag(tmp_path
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [
-        line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith(("| 2 |", "| 4 |"))
+        [c.strip() for c in line.split("|")[1:-1]]
+        for line in out.read_text().splitlines()
+        if line.startswith(("| 2 |", "| 4 |"))
     ]
-    byte_rows = [r for r in rows if r[1].strip() in ("float32", "bfloat16")]
-    assert len(byte_rows) == 4 and all(r[-1].strip() == "1.00x" for r in byte_rows)
-    balance = {
-        (r[0].strip(), r[1].strip()): float(r[3]) for r in rows if r[1].strip() in ("zigzag", "contiguous")
-    }
+    byte_rows = [r for r in rows if r[1] in ("float32", "bfloat16")]
+    layouts = {(r[1], r[2]) for r in byte_rows}
+    assert layouts == {(d, x) for d in ("float32", "bfloat16") for x in ("2 x 2", "1 x 4", "4 x 1", "1 x 2", "2 x 1")}
+    for r in byte_rows:  # one value on every rank, equal to the analytic one
+        assert r[3] == r[4] and r[5] == r[6] and r[7] == "1.00x", r
+    assert all(int(r[5]) > 0 for r in byte_rows if r[2] != "4 x 1" and r[2] != "2 x 1")
+    balance = {(r[0], r[1]): float(r[3]) for r in rows if r[1] in ("zigzag", "contiguous")}
     assert balance[("2", "zigzag")] == balance[("4", "zigzag")] == 1.0
     assert balance[("2", "contiguous")] > 1.5 and balance[("4", "contiguous")] > 3
