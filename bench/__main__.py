@@ -6,7 +6,7 @@
     python -m bench --render bench/results/bench.json      # re-render the tables only
 
 Sections: comm, flops, memory, throughput (bench/workers.py, one launch per world size), deepspeed
-(bench/ours_worker.py vs bench/ds_worker.py: one step loop, bench/steploop.py) and longest_fit
+(bench/steploop.py: one step loop, both sides) and longest_fit
 (bench/longest_fit.py on both sides; ~15 min, not in the default set); the last two need
 ``bash bench/setup_deepspeed.sh``. Every worker is launched by bench/launch.py.
 
@@ -52,8 +52,8 @@ def run_pair(point: dict, *, steps: int, seq: int, repeats: int, run: dict, lr: 
     sides: dict[str, list] = {"ours": [], "deepspeed": []}
     try:
         for _ in range(repeats):
-            for side, module, py in (("ours", "bench.ours_worker", None), ("deepspeed", "bench.ds_worker", DS_PYTHON)):
-                res, cmd = launch(run, module, point["dp"] * point["sp"], args, python=py)
+            for side, py in (("ours", None), ("deepspeed", DS_PYTHON)):
+                res, cmd = launch(run, "bench.steploop", point["dp"] * point["sp"], ["--impl", side, *args], python=py)
                 sides[side].append({**res, "command": cmd})
     except WorkerFailed as e:
         log(f"  {point}: FAILED {str(e).splitlines()[0]}")

@@ -140,15 +140,15 @@ def test_longest_fit_ratio_is_ours_over_deepspeed_per_data_and_criterion():
 
 
 @pytest.mark.slow
-def test_ours_worker_step_loop_trains_as_the_single_process_oracle():
-    """bench/ours_worker.py through the shared step loop (bench/steploop.py), dp1 x sp2 ZeRO 1: the
-    same losses and step-1 gradient norm as ``spec.reference_run``, replicas equal, every meter filled."""
-    args = ["--dp", "1", "--sp", "2", "--zero", "1", "--steps", "3", "--seq-len", "64", "--lr", "1e-2"]
-    res, cmd, _ = run_worker("bench.ours_worker", 2, args, timeout=300)
+def test_step_loop_ours_trains_as_the_single_process_oracle():
+    """ulysses-sp's side of the shared step loop (bench/steploop.py), dp1 x sp2 ZeRO 1: the same
+    losses and step-1 gradient norm as ``spec.reference_run``, replicas equal, every meter filled."""
+    args = ["--impl", "ours", "--dp", "1", "--sp", "2", "--zero", "1", "--steps", "3", "--seq-len", "64", "--lr", "1e-2"]
+    res, cmd, _ = run_worker("bench.steploop", 2, args, timeout=300)
     ref = S.reference_run(S.ModelSpec(), steps=3, dp_size=1, sp_size=2, mb=1, seq_len=64, lr=1e-2)
     torch.testing.assert_close(res["losses"], ref["losses"], rtol=1e-5, atol=1e-5)
     assert res["grad_norm_step1"] == pytest.approx(ref["grad_norm_step1"], rel=1e-4)
-    assert res["param_spread_in_sp_group"] == 0.0 and "bench.ours_worker" in cmd
+    assert res["param_spread_in_sp_group"] == 0.0 and "bench.steploop --impl ours" in cmd
     assert res["peak_bytes"] > res["param_numel"] * 4 * 3  # weights, gradients and AdamW's two moments
     assert res["comm_bytes"]["forward/all_to_all_single"] > 0 and set(res["phase_s"]) == {"forward", "backward", "step"}
 
