@@ -142,17 +142,20 @@ class _Total:
         mem._add, mem._free = _add, _free
 
 
+def local_data(seq: int, vocab: int, packed: bool) -> list[torch.Tensor]:
+    """This rank's ``[1, S/2]`` slices of ``make_data``."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return [t[:, rank * seq // world : (rank + 1) * seq // world] for t in make_data(seq, vocab, packed)]
+
+
 def probe(step, model, seq: int, vocab: int, packed: bool) -> dict:
     """One metered forward + backward at ``seq``: peaks (max over ranks), loss, time."""
     from ulysses_sp.memory.meter import track_peak_memory
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    ids, pos, shift = make_data(seq, vocab, packed)
-    cols = slice(rank * seq // world, (rank + 1) * seq // world)
-    t0 = time.perf_counter()
+    data, t0 = local_data(seq, vocab, packed), time.perf_counter()
     with track_peak_memory("cpu", include=model.parameters()) as mem:
         total = _Total(mem)
-        loss, notes = step(ids[:, cols], pos[:, cols], shift[:, cols])
+        loss, notes = step(*data)
     model.zero_grad(set_to_none=True)
     return {"seq": seq, "device": int(_max(mem.peak_bytes)), "host": int(_max(mem.host_peak_bytes)),
             "total": int(_max(total.peak)), "loss": float(loss), "seconds": _max(time.perf_counter() - t0),
@@ -163,7 +166,7 @@ def search(measure, criterion: str, budget: float, start: int, gran: int, max_se
     """Longest S (a multiple of ``gran``) with ``measure(S)[criterion] <= budget``: doubling, then bisection."""
     lo = hi = None
     s = start
-    while lo != max_seq:
+    while lo != max_seq:  # doubling
         if measure(s)[criterion] > budget:
             hi = s
             break
@@ -181,14 +184,11 @@ def search(measure, criterion: str, budget: float, start: int, gran: int, max_se
 
 def timed(step, model, seq: int, vocab: int, packed: bool, steps: int) -> float | None:
     """Best of ``steps`` unmetered forward + backward steps at ``seq`` (after one warm-up), max over ranks."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    ids, pos, shift = make_data(seq, vocab, packed)
-    cols = slice(rank * seq // world, (rank + 1) * seq // world)
-    times = []
+    data, times = local_data(seq, vocab, packed), []
     for i in range(steps + 1 if steps else 0):
         dist.barrier()
         t0 = time.perf_counter()
-        step(ids[:, cols], pos[:, cols], shift[:, cols])
+        step(*data)
         model.zero_grad(set_to_none=True)
         if i:
             times.append(_max(time.perf_counter() - t0))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from collections import defaultdict
 
 from bench.md import data, label, produced_by, table
@@ -28,15 +29,6 @@ SYSTEMS = {("deepspeed", None): ("DeepSpeed", "UlyssesSPAttentionHF (sdpa), Tile
 
 
 # ---------------------------------------------------------------------------------------------- derived
-def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares ``y = a x + c``; returns ``(a, c)``."""
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
-    return a, my - a * mx
-
-
 def memory_fits(records: list[dict]) -> list[dict]:
     """Per (world, sp, tiled): slope of activation bytes vs S over the three longest S, and ratios."""
     groups = defaultdict(list)
@@ -45,7 +37,7 @@ def memory_fits(records: list[dict]) -> list[dict]:
     fits = {}
     for (w, sp, tiled), rs in groups.items():
         rs = sorted(rs, key=lambda r: r["seq"])[-3:]
-        a, c = fit_line([r["seq"] for r in rs], [r["peak_bytes"] - r["baseline_bytes"] for r in rs])
+        a, c = statistics.linear_regression([r["seq"] for r in rs], [r["peak_bytes"] - r["baseline_bytes"] for r in rs])
         budget = BUDGET_MIB * MIB - rs[-1]["baseline_bytes"] - c
         fits[(w, sp, tiled)] = {
             "world": w, "sp": sp, "tiled": tiled, "seqs": [r["seq"] for r in rs],
