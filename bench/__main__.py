@@ -2,13 +2,12 @@
 
     python -m bench                 # the default sections (~7 min on a 2-core CPU machine)
     python -m bench --smoke         # tiny sizes, ulysses-sp only (< 1 min; CI) -> smoke.{json,md}
-    python -m bench --sections deepspeed,longest_fit
+    python -m bench --sections deepspeed
     python -m bench --render bench/results/bench.json      # re-render the tables only
 
-Sections: comm, flops, memory, throughput (bench/workers.py, one launch per world size), deepspeed
-(bench/steploop.py: one step loop, both sides) and longest_fit
-(bench/longest_fit.py on both sides; ~15 min, not in the default set); the last two need
-``bash bench/setup_deepspeed.sh``. Every worker is launched by bench/launch.py.
+Sections: comm, flops, memory, throughput (bench/workers.py, one launch per world size) and deepspeed
+(bench/steploop.py: one step loop, both sides; needs ``bash bench/setup_deepspeed.sh``). Every worker
+is launched by bench/launch.py.
 
 A run into bench/results carries every section it did not run from the previous bench.json, still
 labelled with the run that produced it, and refreshes the targets block of docs/readme/performance.md
@@ -28,7 +27,7 @@ from bench import spec as S
 from bench.launch import DS_PYTHON, ROOT, WorkerFailed, deepspeed_available, run_worker
 
 LIBRARY = ("comm", "flops", "memory", "throughput")
-SECTIONS = (*LIBRARY, "deepspeed", "longest_fit")
+SECTIONS = (*LIBRARY, "deepspeed")
 DS_POINTS = [{"dp": 1, "sp": 2, "zero": 1}, {"dp": 1, "sp": 2, "zero": 2}, {"dp": 2, "sp": 2, "zero": 1}]
 
 
@@ -68,22 +67,6 @@ def run_pair(point: dict, *, steps: int, seq: int, repeats: int, run: dict, lr: 
             "deepspeed_command": best["deepspeed"]["command"]}  # fmt: skip
 
 
-def run_longest_fit(run: dict) -> dict:
-    """bench/longest_fit.py per (data, system): the budget search, then a profile at a large vocabulary
-    (plain causal, every power of two to 8K, no budget: where the peak sits when the logits are big)."""
-    out: dict = {"search": [], "profile": []}
-    plan = [("search", data, ["--budget-mib", "24", "--max-seq", "12288"]) for data in ("causal", "packed")]
-    plan.append(("profile", "causal", ["--vocab", "16384", "--budget-mib", "1e6", "--max-seq", "8192",
-                                       "--time-steps", "0"]))  # fmt: skip
-    for part, data, extra in plan:
-        for impl, tech in report.SYSTEMS:
-            args = ["--impl", impl, *(["--tech", tech] if tech else []), "--data", data, *extra]
-            py = DS_PYTHON if impl == "deepspeed" else None
-            res, cmd = launch(run, "bench.longest_fit", 2, args, python=py, timeout=1800)
-            out[part].append({**res, "command": cmd})
-    return out
-
-
 def run_sections(sections: list[str], smoke: bool, run: dict) -> dict:
     """``{section: data}`` for the sections of this run."""
     out: dict = {t: [] for t in LIBRARY if t in sections}
@@ -95,8 +78,6 @@ def run_sections(sections: list[str], smoke: bool, run: dict) -> dict:
         steps, seq, repeats = (3, 32, 1) if smoke else (20, 256, 2)
         out["deepspeed"] = [run_pair(p, steps=steps, seq=seq, repeats=repeats, run=run)
                             for p in DS_POINTS[: 1 if smoke else 3]]  # fmt: skip
-    if "longest_fit" in sections:
-        out["longest_fit"] = run_longest_fit(run)
     return out
 
 
@@ -125,14 +106,15 @@ def main(argv=None) -> int:
         with open(args.render) as f:
             result = json.load(f)
         result["sections"] = {k: v for k, v in result["sections"].items() if k in SECTIONS}  # retired ones dropped
+        result["runs"] = {k: v for k, v in result["runs"].items() if k in {s["run"] for s in result["sections"].values()}}
     else:
         sections = list(SECTIONS if args.sections == "all" else args.sections.split(",") if args.sections
-                        else LIBRARY if args.smoke else SECTIONS[:-1])  # fmt: skip
+                        else LIBRARY if args.smoke else SECTIONS)  # fmt: skip
         if unknown := set(sections) - set(SECTIONS):
             ap.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
-        if (needs := {"deepspeed", "longest_fit"} & set(sections)) and not deepspeed_available():
-            log(f"bench: sections {sorted(needs)} need DeepSpeed: run `bash bench/setup_deepspeed.sh` first; skipping")
-            sections = [s for s in sections if s not in needs]
+        if "deepspeed" in sections and not deepspeed_available():
+            log("bench: section deepspeed needs DeepSpeed: run `bash bench/setup_deepspeed.sh` first; skipping")
+            sections.remove("deepspeed")
         run = md.provenance(" ".join(["python -m bench", *(argv if argv is not None else sys.argv[1:])]))
         found = run_sections(sections, args.smoke, run)
         md.finish(run)

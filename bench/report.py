@@ -19,13 +19,6 @@ from bench.md import data, label, produced_by, table
 MIB = 2**20
 BUDGET_MIB = 64
 """Per-rank budget for the 'max S' column of section 3 (fitted; tiny model, fp32)."""
-SYSTEMS = {("deepspeed", None): ("DeepSpeed", "UlyssesSPAttentionHF (sdpa), TiledMLP, TiledFusedLogitsLoss, HF "
-                                 "checkpointing, checkpoint offload context (on; skips every tensor on CPU)"),
-           ("ours", "ckpt"): ("ulysses-sp, same techniques", "UlyssesSPAttentionHF (sdpa), tiled MLP, tiled loss, "
-                              "checkpointing"),
-           ("ours", "all"): ("ulysses-sp, all techniques", "the above + activation (checkpoint) offload + "
-                             "Ulysses-Offload (blockwise core, K/V on host)")}  # fmt: skip
-"""Section 7's systems (``longest_fit --impl --tech``): name and techniques."""
 
 
 # ---------------------------------------------------------------------------------------------- derived
@@ -70,20 +63,6 @@ def ds_rows(pairs: list[dict]) -> list[dict]:
     return rows
 
 
-def lf_key(run: dict) -> tuple[str, str | None]:
-    a = run["args"]
-    return a["impl"], (a["tech"] if a["impl"] == "ours" else None)
-
-
-def lf_ratio(runs: list[dict], data: str, crit: str, system=("ours", "all")) -> float | None:
-    """Section 7: longest S of ``system`` over DeepSpeed's, same data and criterion (``None``: either found none)."""
-    by = {lf_key(r): r for r in runs if r["args"]["data"] == data}
-    if system not in by or ("deepspeed", None) not in by:
-        return None
-    ours, ds = by[system]["fit"][crit]["fit"], by[("deepspeed", None)]["fit"][crit]["fit"]
-    return ours / ds if ours and ds else None
-
-
 def targets(result: dict) -> list[list]:
     """``[measure, target, measured, status, section]`` per headline number."""
     out = []
@@ -119,12 +98,6 @@ def targets(result: dict) -> list[list]:
             ["5c. peak tensor memory ours / DeepSpeed", "<= 1.0", each(lambda r: f"{r['peak_ratio']:.2f}"),
              all(r["peak_ratio"] <= 1.0 for r in rows), "deepspeed"],
         ]  # fmt: skip
-    if lf := data(result, "longest_fit"):
-        got = {(d, c): lf_ratio(lf["search"], d, c) for d in ("causal", "packed") for c in ("device", "total")}
-        desc = "; ".join(f"{d}: device {_r(got[d, 'device'])}, all bytes {_r(got[d, 'total'])}"
-                         for d in ("causal", "packed"))  # fmt: skip
-        out.append(["7. longest S in the same budget, ulysses-sp (all techniques) / DeepSpeed", ">= 1.5", desc,
-                    all(x is not None and x >= 1.5 for x in got.values()), "longest_fit"])  # fmt: skip
     return out
 
 
@@ -135,10 +108,6 @@ def _status(ok) -> str:
 
 def _pt(r: dict) -> str:
     return f"dp{r['dp']}xsp{r['sp']} z{r['zero']}"
-
-
-def _r(x: float | None) -> str:
-    return "—" if x is None else f"{x:.2f}x"
 
 
 def targets_md(result: dict) -> str:
@@ -208,67 +177,8 @@ def _sec_deepspeed(pairs: list[dict]) -> tuple[str, str]:
         "\n\n".join([main, "Per phase (fastest step of each side):", delta, *failed])  # fmt: skip
 
 
-def _fit(f: dict) -> str:
-    if f["fit"] is None:
-        return f"none (over at {f['first_over']})"
-    return f"≥ {f['fit']} (largest tried)" if f["capped"] else str(f["fit"])
-
-
-def _lf_probes(runs: list[dict]) -> str:
-    """Peak per rank (MiB) at every power of two probed, device (all bytes where different), and the growth
-    (KiB per token) between the two longest."""
-    pow2 = lambda r: [p for p in r["probes"] if p["seq"] & (p["seq"] - 1) == 0]  # noqa: E731
-    seqs = sorted({p["seq"] for r in runs for p in pow2(r)})
-    rows = []
-    for r in runs:
-        by, pts = {p["seq"]: p for p in r["probes"]}, pow2(r)
-        cells = ["—" if s not in by else f"{by[s]['device'] / MIB:.2f}" + (
-            f" ({by[s]['total'] / MIB:.2f})" if by[s]["total"] != by[s]["device"] else "") for s in seqs]  # fmt: skip
-        sd, st = ((pts[-1][c] - pts[-2][c]) / (pts[-1]["seq"] - pts[-2]["seq"]) / 1024 if len(pts) > 1 else None
-                  for c in ("device", "total"))  # fmt: skip
-        rows.append([r["args"]["data"], SYSTEMS[lf_key(r)][0], *cells,
-                     "—" if sd is None else f"{sd:.2f}" + ("" if st == sd else f" ({st:.2f})")])  # fmt: skip
-    return table(["data", "system", *(f"S={s}" for s in seqs), "KiB/token (last two)"], rows)
-
-
-def _sec_longest_fit(d: dict) -> tuple[str, str]:
-    runs, prof = d["search"], d.get("profile", [])
-    a, m = runs[0]["args"], runs[0]["model"]
-    head = (f"7. Longest sequence in {a['budget_mib']:g} MiB per rank, side by side with DeepSpeed Ulysses/ALST "
-            f"(sp=2, h={m['hidden']}, I={m['intermediate']}, L={m['layers']}, H={m['heads']}, V={m['vocab']})")  # fmt: skip
-    rows = []
-    for data_ in ("causal", "packed"):
-        by = {lf_key(r): r for r in runs if r["args"]["data"] == data_}
-        ds_t = by.get(("deepspeed", None), {}).get("step_seconds")
-        for sysk in (k for k in SYSTEMS if k in by):
-            r, t = by[sysk], by[sysk]["step_seconds"]
-            rows.append([data_, SYSTEMS[sysk][0], _fit(r["fit"]["device"]), _fit(r["fit"]["total"]),
-                         f"{_r(lf_ratio(runs, data_, 'device', sysk))} / {_r(lf_ratio(runs, data_, 'total', sysk))}",
-                         f"{r['probes'][0]['loss']:.5f} (S={r['probes'][0]['seq']})", "—" if t is None else f"{t:.3f}",
-                         _r(t / ds_t if t and ds_t else None), f"`{r['command']}`"])  # fmt: skip
-    parts = [
-        "Meter (both sides): `ulysses_sp.memory.meter.track_peak_memory` (live tensor storages, parameters and "
-        "gradients included, max over ranks). *Device bytes* leave out what ulysses-sp's offloads stage on "
-        "the host (what would leave an accelerator); *all bytes* count every tensor.", "",
-        *(f"- {name}: {tech}" for name, tech in SYSTEMS.values()), "",
-        table(["data", "system", "longest S, device bytes", "longest S, all bytes", "vs DeepSpeed (device / all)",
-               "loss", f"step s at S={a['time_seq']}", "step vs DeepSpeed", "command"], rows), "",
-        "Peak per rank at each power of two probed, MiB, device (all bytes where different):", "", _lf_probes(runs),
-    ]  # fmt: skip
-    if ds := next((r for r in runs if lf_key(r)[0] == "deepspeed"), None):
-        p = ds["probes"][-1]
-        parts += ["", f"DeepSpeed {p.get('deepspeed_version', '?')} checkpoint offload at S={p['seq']}: "
-                  f"{p['ckpt_offload_marked']} inputs marked, {p['ckpt_offload_offloaded']} offloaded, "
-                  f"{p['ckpt_offload_skipped']} skipped."]  # fmt: skip
-    if prof:
-        parts += ["", f"Profile at V={prof[0]['model']['vocab']} (no budget, every power of two to "
-                  f"S={prof[0]['args']['max_seq']}):", "", _lf_probes(prof), "",
-                  "Commands: " + "; ".join(f"`{r['command']}`" for r in prof)]  # fmt: skip
-    return head, "\n".join(parts)
-
-
 SECTIONS_MD = {"comm": _sec_comm, "flops": _sec_flops, "memory": _sec_memory, "throughput": _sec_throughput,
-               "deepspeed": _sec_deepspeed, "longest_fit": _sec_longest_fit}  # fmt: skip
+               "deepspeed": _sec_deepspeed}  # fmt: skip
 
 
 def render(result: dict) -> str:
@@ -286,16 +196,12 @@ def render(result: dict) -> str:
 
 
 def write(result: dict, out_dir: str, *, name: str) -> str:
-    """``{name}.json``, ``{name}.md`` and, with section 7, ``longest_fit.md``; returns the targets as text."""
+    """``{name}.json`` and ``{name}.md``; returns the targets as text."""
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
     with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write(render(result))
-    if lf := data(result, "longest_fit"):  # also on its own page
-        head, body = _sec_longest_fit(lf)
-        with open(os.path.join(out_dir, "longest_fit.md"), "w") as f:
-            f.write(f"# {head}\n\n{produced_by(result, 'longest_fit')}\n\n{body}\n")
     return "\n".join(f"{t[0]}: target {t[1]}; measured {t[2]} [{_status(t[3])}]" for t in targets(result))
 
 

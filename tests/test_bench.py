@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # bench/ is a top-level folder of the repository, not an installed package
     sys.path.insert(0, str(ROOT))
 
-from bench import analytic, longest_fit, md, report  # noqa: E402
+from bench import analytic, md  # noqa: E402
 from bench import spec as S  # noqa: E402
 from bench.launch import run_worker  # noqa: E402
 
@@ -102,41 +102,6 @@ def test_analytic_minimum_rejects_unsplittable_heads():
         analytic.ulysses_min_bytes_per_layer(B=1, S=64, H=6, Hkv=3, D=8, P=4, b=4)
     with pytest.raises(ValueError, match="not divisible"):
         analytic.ulysses_min_bytes_per_layer(B=1, S=30, H=8, Hkv=8, D=8, P=4, b=4)
-
-
-def test_longest_fit_search_finds_the_boundary_with_doubling_then_bisection():
-    calls = []
-
-    def measure(s):  # peak = 1000 + 3 bytes/token: 1000 + 3 * 5000 = 16000 is the budget's boundary
-        calls.append(s)
-        return {"device": 1000 + 3 * s}
-
-    got = longest_fit.search(measure, "device", 16000, 512, 256, 65536)
-    assert got == {"fit": 4864, "first_over": 5120, "capped": False}  # 4864 = 19 * 256 <= 5000 < 5120
-    assert calls[:5] == [512, 1024, 2048, 4096, 8192]  # doubling until the first length over budget
-    assert longest_fit.search(measure, "device", 1e9, 512, 256, 3000) == {"fit": 3000, "first_over": None,
-                                                                           "capped": True}  # fmt: skip
-    assert longest_fit.search(measure, "device", 10, 512, 256, 4096)["fit"] is None
-
-
-def test_longest_fit_data_is_packed_documents_with_labels_ending_each_document():
-    ids, pos, shift = longest_fit.make_data(16, 100, packed=True)
-    assert pos.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 0, 1, 2, 3]]
-    assert [i for i, x in enumerate(shift[0].tolist()) if x == -100] == [7, 11, 15]
-    assert shift[0, :7].tolist() == ids[0, 1:8].tolist()
-    ids2, pos2, shift2 = longest_fit.make_data(16, 100, packed=False)
-    assert torch.equal(ids, ids2) and pos2.tolist() == [list(range(16))] and shift2[0, -1] == -100
-
-
-def test_longest_fit_ratio_is_ours_over_deepspeed_per_data_and_criterion():
-    def run(impl, tech, data, device, total):
-        fit = {"device": {"fit": device}, "total": {"fit": total}}
-        return {"args": {"impl": impl, "tech": tech, "data": data}, "fit": fit}
-
-    runs = [run("deepspeed", "all", "causal", 4096, 4096), run("ours", "all", "causal", 6144, 3072)]
-    assert report.lf_ratio(runs, "causal", "device") == 1.5
-    assert report.lf_ratio(runs, "causal", "total") == 0.75
-    assert report.lf_ratio(runs, "packed", "device") is None
 
 
 @pytest.mark.slow
