@@ -5,7 +5,7 @@
     python -m bench --sections deepspeed
     python -m bench --render bench/results/bench.json      # re-render the tables only
 
-Sections: comm, flops, memory, throughput (bench/workers.py, one launch per world size) and deepspeed
+Sections: comm, flops, memory (bench/workers.py, one launch per world size) and deepspeed
 (bench/steploop.py: one step loop, both sides; needs ``bash bench/setup_deepspeed.sh``). Every worker
 is launched by bench/launch.py.
 
@@ -26,7 +26,7 @@ from bench import md, report
 from bench import spec as S
 from bench.launch import DS_PYTHON, ROOT, WorkerFailed, deepspeed_available, run_worker
 
-LIBRARY = ("comm", "flops", "memory", "throughput")
+LIBRARY = ("comm", "flops", "memory")
 SECTIONS = (*LIBRARY, "deepspeed")
 DS_POINTS = [{"dp": 1, "sp": 2, "zero": 1}, {"dp": 1, "sp": 2, "zero": 2}, {"dp": 2, "sp": 2, "zero": 1}]
 

@@ -43,12 +43,6 @@ def memory_fits(records: list[dict]) -> list[dict]:
     return sorted(fits.values(), key=lambda f: (f["world"], f["tiled"], f["sp"]))
 
 
-def throughput_rows(records: list[dict]) -> list[dict]:
-    base = {r["world"]: r["tokens_per_s_per_rank"] for r in records if r["sp"] == 1}
-    return [{**r, "ratio_to_sp1": r["tokens_per_s_per_rank"] / base[r["world"]] if r["world"] in base else None}
-            for r in records]  # fmt: skip
-
-
 def ds_rows(pairs: list[dict]) -> list[dict]:
     rows = []
     for p in (p for p in pairs if "error" not in p):
@@ -82,11 +76,6 @@ def targets(result: dict) -> list[list]:
                          for f in fits if f["world"] == top)  # fmt: skip
         out.append(["3. activation slope ratio sp=P / sp=1 (fitted, long S)", "1/P (0.500, 0.250)", desc,
                     all(abs(f["slope_ratio_to_sp1"] * f["sp"] - 1) <= 0.15 for f in fits), "memory"])  # fmt: skip
-    if tp := [r for r in throughput_rows(data(result, "throughput", [])) if r["sp"] > 1]:
-        out.append(["4. tokens/s per rank, ratio to sp=1 (same world, equal tokens/rank)",
-                    "report (cost of all-to-all on this machine)",
-                    ", ".join(f"w={r['world']} sp={r['sp']}: {r['ratio_to_sp1']:.2f}" for r in tp), None,
-                    "throughput"])  # fmt: skip
     if rows := ds_rows(data(result, "deepspeed", [])):
         each = lambda f: "; ".join(f"{_pt(r)}: {f(r)}" for r in rows)  # noqa: E731
         out += [
@@ -144,14 +133,6 @@ def _sec_memory(mem: list[dict]) -> tuple[str, str]:
           f["max_seq_in_budget"], f"`{f['command']}`"] for f in memory_fits(mem)])  # fmt: skip
 
 
-def _sec_throughput(tp: list[dict]) -> tuple[str, str]:
-    return "4. Throughput (forward + backward, tokens/s per rank, equal tokens per rank)", table(
-        ["world", "dp", "sp", "tokens/rank", "S", "tokens/s/rank", "ratio to sp=1", "all-to-all share", "command"],
-        [[r["world"], r["dp"], r["sp"], r["tokens_per_rank"], r["seq"], f"{r['tokens_per_s_per_rank']:.0f}",
-          f"{r['ratio_to_sp1']:.2f}", f"{r['a2a_share']:.2f}", f"`{r['command']}`"]
-         for r in throughput_rows(tp)])  # fmt: skip
-
-
 def _sec_deepspeed(pairs: list[dict]) -> tuple[str, str]:
     rows, phases = ds_rows(pairs), ("forward", "backward", "step")
     f5 = lambda x: f"{x:.5f}"  # noqa: E731
@@ -177,8 +158,7 @@ def _sec_deepspeed(pairs: list[dict]) -> tuple[str, str]:
         "\n\n".join([main, "Per phase (fastest step of each side):", delta, *failed])  # fmt: skip
 
 
-SECTIONS_MD = {"comm": _sec_comm, "flops": _sec_flops, "memory": _sec_memory, "throughput": _sec_throughput,
-               "deepspeed": _sec_deepspeed}  # fmt: skip
+SECTIONS_MD = {"comm": _sec_comm, "flops": _sec_flops, "memory": _sec_memory, "deepspeed": _sec_deepspeed}
 
 
 def render(result: dict) -> str:

@@ -7,7 +7,6 @@ bit-identical models and batches from the same seed. Nothing here imports ulysse
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import torch
 
@@ -25,13 +24,6 @@ class ModelSpec:
     intermediate_size: int = 128
     vocab_size: int = 256
     max_position_embeddings: int = 65536
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> ModelSpec:
-        return cls(**json.loads(text))
 
 
 def llama(*, seed: int = 0, attn_implementation: str = "sdpa", **fields):

@@ -49,7 +49,6 @@ if importlib.util.find_spec("ulysses_sp") is None:  # the DeepSpeed venv: the me
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--impl", choices=("ours", "deepspeed"), required=True)
-    ap.add_argument("--model", default=S.ModelSpec().to_json(), help="ModelSpec JSON")
     for flag, default in (("--dp", 1), ("--sp", 2), ("--zero", 1), ("--steps", 4), ("--seq-len", 64),
                           ("--micro-batch", 1), ("--seed", 0)):  # fmt: skip
         ap.add_argument(flag, type=int, default=default)
@@ -63,8 +62,7 @@ def loader(args: argparse.Namespace) -> torch.utils.data.DataLoader:
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != args.dp * args.sp:
         raise ValueError(f"world size ({world}) != dp ({args.dp}) * sp ({args.sp})")
-    vocab = S.ModelSpec.from_json(args.model).vocab_size
-    stream = S.RankStream(rank, world, args.micro_batch, -(-args.steps // args.sp), args.seq_len, vocab)
+    stream = S.RankStream(rank, world, args.micro_batch, -(-args.steps // args.sp), args.seq_len, S.ModelSpec().vocab_size)
     return torch.utils.data.DataLoader(stream, batch_size=args.micro_batch)
 
 
@@ -198,7 +196,7 @@ def deepspeed(args, model) -> dict:
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
     init_worker(120, deepspeed=args.impl == "deepspeed")
-    model = S.build_model(S.ModelSpec.from_json(args.model), seed=args.seed)
+    model = S.build_model(S.ModelSpec(), seed=args.seed)
     numel = sum(p.numel() for p in model.parameters())
     out = (ours if args.impl == "ours" else deepspeed)(args, model)
     finish_worker({**out, "param_numel": numel}, args.out)

@@ -153,7 +153,7 @@ def smoke(tmp_path_factory):
 
 def _records(smoke_dir, task=None):
     sections = json.loads((smoke_dir / "smoke.json").read_text())["sections"]
-    tasks = [task] if task else ["comm", "flops", "memory", "throughput"]
+    tasks = [task] if task else ["comm", "flops", "memory"]
     return [r for t in tasks if t in sections for r in sections[t]["data"]]
 
 
@@ -161,11 +161,11 @@ def _records(smoke_dir, task=None):
 def test_smoke_run_writes_json_and_markdown_with_commands(smoke):
     result = json.loads((smoke / "smoke.json").read_text())
     md = (smoke / "smoke.md").read_text()
-    assert {r["task"] for r in _records(smoke)} == {"comm", "flops", "memory", "throughput"}
+    assert {r["task"] for r in _records(smoke)} == {"comm", "flops", "memory"}
     for r in _records(smoke):
         assert "torch.distributed.run" in r["command"] and "bench.workers" in r["command"]
-    assert "## Targets" in md and "## 1. Communication volume" in md and "## 4. Throughput" in md
-    assert set(result["sections"]) == {"comm", "flops", "memory", "throughput"}
+    assert "## Targets" in md and "## 1. Communication volume" in md and "## 3. Peak tensor memory" in md
+    assert set(result["sections"]) == {"comm", "flops", "memory"}
 
 
 @pytest.mark.slow
