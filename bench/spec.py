@@ -71,21 +71,12 @@ def make_batch(indices: list[int], seq_len: int, vocab: int) -> dict[str, torch.
     return {k: torch.cat([s[k] for s in samples], 0) for k in samples[0]}
 
 
-class RankStream(torch.utils.data.Dataset):
+def rank_samples(rank: int, world: int, mb: int, items: int, seq_len: int, vocab: int) -> list[dict]:
     """The samples one global rank's ordinary DataLoader yields (before any SP adapter): item ``j`` of
     rank ``r`` is sample ``(j * world + r) * mb + e`` for ``e`` in the micro-batch, so ranks never repeat
     each other's data."""
-
-    def __init__(self, rank: int, world: int, mb: int, items: int, seq_len: int, vocab: int) -> None:
-        self.rank, self.world, self.mb, self.items, self.seq_len, self.vocab = rank, world, mb, items, seq_len, vocab
-
-    def __len__(self) -> int:
-        return self.items * self.mb
-
-    def __getitem__(self, k: int) -> dict[str, torch.Tensor]:
-        j, e = divmod(k, self.mb)
-        s = make_sample((j * self.world + self.rank) * self.mb + e, self.seq_len, self.vocab)
-        return {key: v[0] for key, v in s.items()}
+    samples = (make_sample((j * world + rank) * mb + e, seq_len, vocab) for j in range(items) for e in range(mb))
+    return [{key: v[0] for key, v in s.items()} for s in samples]
 
 
 def adapter_sample_ids(step: int, dp_rank: int, dp_size: int, sp_size: int, mb: int) -> list[int]:

@@ -62,8 +62,8 @@ def loader(args: argparse.Namespace) -> torch.utils.data.DataLoader:
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != args.dp * args.sp:
         raise ValueError(f"world size ({world}) != dp ({args.dp}) * sp ({args.sp})")
-    stream = S.RankStream(rank, world, args.micro_batch, -(-args.steps // args.sp), args.seq_len, S.ModelSpec().vocab_size)
-    return torch.utils.data.DataLoader(stream, batch_size=args.micro_batch)
+    items = S.rank_samples(rank, world, args.micro_batch, -(-args.steps // args.sp), args.seq_len, S.ModelSpec().vocab_size)
+    return torch.utils.data.DataLoader(items, batch_size=args.micro_batch)
 
 
 def norm(grads) -> float:

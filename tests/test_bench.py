@@ -56,6 +56,13 @@ def test_bench_modules_import_without_a_cycle_and_md_is_a_leaf():
     assert "memmeter" not in graph  # one memory meter: the library's
 
 
+def test_bench_stays_lean():
+    """Issue 21: bench/*.py holds at most 2,500 lines in all; a new script makes room for itself."""
+    lines = {p.name: len(p.read_text().splitlines()) for p in (ROOT / "bench").glob("*.py")}
+    biggest = sorted(lines.items(), key=lambda kv: -kv[1])[:5]
+    assert sum(lines.values()) <= 2500, f"bench/*.py has {sum(lines.values())} lines (cap 2,500); biggest: {biggest}"
+
+
 def test_a_cycle_is_found_by_the_check():
     """The check itself: a synthetic graph with a cycle fails it."""
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}}
