@@ -1,9 +1,7 @@
 """The DeepSpeed comparison (section 5): one timed step loop, and both sides' training set-up around it.
 
-    python -m torch.distributed.run --nproc-per-node 2 -m bench.steploop --impl ours \\
-        --dp 1 --sp 2 --zero 1 --steps 4 --seq-len 64 --out /tmp/ours.json
-    bench/.venv-deepspeed/bin/python -m torch.distributed.run --nproc-per-node 2 -m bench.steploop \\
-        --impl deepspeed --dp 1 --sp 2 --zero 1 --steps 4 --seq-len 64 --out /tmp/ds.json
+    python -m torch.distributed.run --nproc-per-node 2 -m bench.steploop --impl ours --out /tmp/ours.json
+    (bench/.venv-deepspeed/bin/python for ``--impl deepspeed``; --dp --sp --zero --steps --seq-len ...)
 
 Both sides build the same model and per-rank data (bench/spec.py) and hand ``run`` their
 ``forward(batch) -> loss``, ``backward(loss)`` and ``step()``, each as its library documents it:
@@ -46,7 +44,7 @@ if importlib.util.find_spec("ulysses_sp") is None:  # the DeepSpeed venv: the me
     sys.path.append(str(ROOT / "src"))
 
 
-def parser() -> argparse.ArgumentParser:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--impl", choices=("ours", "deepspeed"), required=True)
     for flag, default in (("--dp", 1), ("--sp", 2), ("--zero", 1), ("--steps", 4), ("--seq-len", 64),
@@ -54,7 +52,12 @@ def parser() -> argparse.ArgumentParser:
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--out", required=True)
-    return ap
+    args = ap.parse_args(argv)
+    init_worker(120, deepspeed=args.impl == "deepspeed")
+    model = S.build_model(S.ModelSpec(), seed=args.seed)
+    numel = sum(p.numel() for p in model.parameters())
+    out = (ours if args.impl == "ours" else deepspeed)(args, model)
+    finish_worker({**out, "param_numel": numel}, args.out)
 
 
 def loader(args: argparse.Namespace) -> torch.utils.data.DataLoader:
@@ -191,15 +194,6 @@ def deepspeed(args, model) -> dict:
     out.update(impl="deepspeed", deepspeed_version=ds.__version__, loss_combine=combine,
                param_spread_in_sp_group=spread(fp32, group))  # fmt: skip
     return out
-
-
-def main(argv=None) -> None:
-    args = parser().parse_args(argv)
-    init_worker(120, deepspeed=args.impl == "deepspeed")
-    model = S.build_model(S.ModelSpec(), seed=args.seed)
-    numel = sum(p.numel() for p in model.parameters())
-    out = (ours if args.impl == "ours" else deepspeed)(args, model)
-    finish_worker({**out, "param_numel": numel}, args.out)
 
 
 if __name__ == "__main__":
