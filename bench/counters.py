@@ -1,4 +1,4 @@
-"""Instruments: bytes through collectives (deterministic), and wall time per phase or per function.
+"""Instruments: bytes through collectives (deterministic), and wall time per phase of a step.
 
 Pure torch (imported in both virtual environments). ``CollectiveCounter`` wraps the functions of
 ``torch.distributed`` that ulysses-sp's parallel/comm.py and DeepSpeed's comm layer both end up calling, looked
