@@ -64,7 +64,9 @@ def _train(name: str) -> dict:
             kv = attention.kv_offload
             result["kv_offloaded"] = kv.stats.offloaded_bytes if kv is not None else 0
             handle.remove()
-            result["restored"] = not any(getattr(m.forward, "_ulysses_sp_tiled", False) for m in model.modules())
+            result["restored"] = not any(
+                getattr(m.forward, "_ulysses_sp_tiled", False) for m in model.modules()
+            )
     return result
 
 
