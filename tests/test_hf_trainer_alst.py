@@ -15,14 +15,15 @@ import torch
 
 pytest.importorskip("accelerate", reason="the hf extra (pip install ulysses-sp[hf]) is not installed")
 
-from hf_runs import VOCAB, accelerate_env, right_pad_collator, token_rows  # noqa: E402
+from hf_runs import VOCAB, accelerate_env, right_pad_collator, text_rows, token_rows  # noqa: E402
 from models import tiny_model  # noqa: E402
 from test_hf_trainer import make_trainer  # noqa: E402, F401  (the fixture)
 from test_precision import BF16_RTOL  # noqa: E402
 
 from ulysses_sp.integrations.transformers import prepare  # noqa: E402
 
-RUNS = {  # name: (sp, prepare options, TrainingArguments fields)
+ALL = {"tiled_loss": 3, "tiled_mlp": 3, "offload_activations": True, "offload_attention": True}
+RUNS = {  # name: (sp, prepare options, TrainingArguments fields); "sft_"/"lora_": packed SFT / LoRA runs
     "ref": (0, {}, {}),
     "tiled_loss": (2, {"tiled_loss": 3}, {}),
     "tiled_mlp": (2, {"tiled_mlp": 3}, {}),
@@ -30,11 +31,16 @@ RUNS = {  # name: (sp, prepare options, TrainingArguments fields)
     "offload_attention": (2, {"offload_attention": True}, {}),
     "ref_bf16": (0, {}, {"bf16": True}),
     "bf16_all": (2, {"tiled_loss": 3, "tiled_mlp": 3}, {"bf16": True}),
+    "sft_ref": (0, {}, {}),
+    "sft_all": (2, ALL, {"gradient_checkpointing": True}),
+    "lora_ref": (0, {}, {}),
+    "lora_tiled": (2, {"tiled_loss": 3, "tiled_mlp": 3}, {}),
 }
 
 
 def _train(name: str) -> dict:
-    """One Trainer run (right-padded variable lengths, 3 steps, eval): logs, eval loss, effects."""
+    """One Trainer run, 3 steps and an eval: logs, eval loss, effects. Plain ``Trainer`` on right-padded
+    variable lengths; ``sft_``: TRL's ``SFTTrainer`` with BFD packing; ``lora_``: a LoRA model."""
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments
 
@@ -42,21 +48,49 @@ def _train(name: str) -> dict:
     model = tiny_model("llama", seed=0, vocab=VOCAB, kv_heads=2)
     head_seq: list[int] = []  # sequence lengths lm_head's own call saw (its hooks)
     model.get_output_embeddings().register_forward_hook(lambda m, a, out: head_seq.append(out.shape[1]))
+    if name.startswith("lora_"):  # lm_head frozen: the tiled loss back-propagates into the hidden states only
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(
+            model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
+        )
+        torch.manual_seed(1)
+        with torch.no_grad():  # non-zero B: every adapter weight has a gradient at step 1
+            for n, p in model.named_parameters():
+                p.normal_(0, 0.1) if "lora_B" in n else None
+    common = dict(
+        output_dir="", use_cpu=True, report_to=[], save_strategy="no", max_steps=3, seed=0,
+        per_device_train_batch_size=2, per_device_eval_batch_size=2, gradient_accumulation_steps=max(sp, 1),
+        learning_rate=1e-2, logging_steps=1, disable_tqdm=True, **fields,
+    )  # fmt: skip
     with accelerate_env(), tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(
-            output_dir=out, use_cpu=True, report_to=[], save_strategy="no", max_steps=3, seed=0,
-            per_device_train_batch_size=2, per_device_eval_batch_size=2, gradient_accumulation_steps=max(sp, 1),
-            learning_rate=1e-2, logging_steps=1, disable_tqdm=True, remove_unused_columns=False, **fields,
-        )  # fmt: skip
-        trainer = Trainer(
-            model=model, args=args, data_collator=right_pad_collator,
-            train_dataset=Dataset.from_list(token_rows(24, (13, 20, 7, 16), seed=1)),
-            eval_dataset=Dataset.from_list(token_rows(8, (11, 18), seed=2)),
-        )  # fmt: skip
+        common["output_dir"] = out
+        if name.startswith("sft_"):
+            from trl import SFTConfig, SFTTrainer
+
+            from ulysses_sp.tasks.tokenizer import byte_tokenizer
+
+            args = SFTConfig(packing=True, max_length=40, bf16=False, dataset_num_proc=None, **common)
+            trainer = SFTTrainer(
+                model=model, args=args, processing_class=byte_tokenizer(),
+                train_dataset=Dataset.from_list(text_rows(32, 1, completion=False)),
+                eval_dataset=Dataset.from_list(text_rows(8, 2, completion=False)),
+            )  # fmt: skip
+        else:
+            trainer = Trainer(
+                model=model, args=TrainingArguments(remove_unused_columns=False, **common),
+                data_collator=right_pad_collator,
+                train_dataset=Dataset.from_list(token_rows(24, (13, 20, 7, 16), seed=1)),
+                eval_dataset=Dataset.from_list(token_rows(8, (11, 18), seed=2)),
+            )  # fmt: skip
         handle = prepare(trainer, sp_size=sp, **options) if sp else None
         trainer.train()
         logs = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
-        result = {"logs": logs, "eval_loss": trainer.evaluate()["eval_loss"], "head_seq": max(head_seq)}
+        result = {
+            "logs": logs,
+            "eval_loss": trainer.evaluate()["eval_loss"],
+            "head_seq": max(head_seq, default=-1),
+        }
         if handle is not None:
             alst, attention = handle.alst, handle.registration.attention
             result["tiled_mlps"] = len(alst.mlp.module_names) if alst and alst.mlp else 0
@@ -95,6 +129,19 @@ def _assert_same(got: dict, want: dict, rtol_loss: float, rtol_norm: float) -> N
 def test_alst_technique_in_trainer_equals_trainer_without_sp(runs, name):
     _assert_same(runs[name], runs["ref"], 1e-5, 1e-4)
     assert runs[name]["restored"]  # handle.remove() undid the tiled MLP
+
+
+@pytest.mark.slow
+def test_all_techniques_with_packed_sft_and_with_lora_equal_runs_without_sp(runs):
+    """TRL's SFTTrainer with BFD packing (documents restart position_ids: the blockwise, offloaded
+    attention keeps them apart), every technique at once; and LoRA (frozen lm_head) with the tilings."""
+    _assert_same(runs["sft_all"], runs["sft_ref"], 1e-5, 1e-4)
+    _assert_same(runs["lora_tiled"], runs["lora_ref"], 1e-5, 1e-4)
+    assert (
+        runs["sft_all"]["head_seq"] == 0
+        and runs["sft_all"]["offloaded"] > 0
+        and runs["sft_all"]["kv_offloaded"] > 0
+    )
 
 
 @pytest.mark.slow
