@@ -103,15 +103,12 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
 
 def predict_case(case: dict[str, Any], world: int = 2) -> dict[str, Any]:
     """The planner's numbers for ``case``, and the part the CPU tracker can see."""
-    from ulysses_sp import tasks
+    from ulysses_sp.cli.plan import load_shape  # what `ulysses-sp plan` reads: layer kinds and mixers too
     from ulysses_sp.plan.hardware import DEVICES
-    from ulysses_sp.plan.inputs import ModelShape, Settings
+    from ulysses_sp.plan.inputs import Settings
     from ulysses_sp.plan.model import predict
-    from ulysses_sp.run.checks import model_config
 
-    shape = ModelShape.from_hf_config(
-        model_config(case["model"], len(tasks.load_tokenizer(None, case["model"])))
-    )
+    shape = load_shape(case["model"])
     settings = Settings(
         **{k: v for k, v in case.items() if k != "model"}, dp=world // case["sp"], device_type="cpu"
     )

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 from dataclasses import replace
 from typing import Any
@@ -88,7 +89,44 @@ def load_shape(model: str):
         from ulysses_sp.tasks import load_tokenizer
 
         config = model_config(model, len(load_tokenizer(None, model)))
-    return ModelShape.from_hf_config(config, max_positions=max_trained_length(config)[0])
+    shape = ModelShape.from_hf_config(config, max_positions=max_trained_length(config)[0])
+    return _with_layer_kinds(shape, config)
+
+
+def _with_layer_kinds(shape, config):
+    """``shape`` with each layer's kind (attention, MLP, which sequence mixer) and the exact
+    parameter count, read off the model built on the ``meta`` device (no memory, no weights);
+    unchanged for a model of attention + MLP layers only."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_sp.mixers.shapes import layer_kinds
+    from ulysses_sp.plan.inputs import LayerKind, MixerShape
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        kinds = layer_kinds(model)
+    except (ValueError, TypeError, KeyError) as e:  # not a decoder the mixers can read: plan it as Llama
+        logging.getLogger(__name__).info("plan: layer kinds not read (%s)", e)
+        return shape
+    if all(k["attention"] and k["mlp"] and k["mixer"] is None for k in kinds):
+        return shape
+    return replace(shape, param_count=sum(p.numel() for p in model.parameters()), layer_kinds=tuple(
+        LayerKind(attention=k["attention"], mlp=k["mlp"], mixer=MixerShape(**k["mixer"]) if k["mixer"] else None)
+        for k in kinds))  # fmt: skip
+
+
+def layer_notes(shape) -> list[str]:
+    """``layers 0-2, 4: mamba2 (...)`` lines: which layers are sequence mixers, which attention."""
+    from ulysses_sp.plan.mixers import describe
+
+    groups: dict[str, list[int]] = {}
+    for i, k in enumerate(shape.layer_kinds):
+        parts = ([describe(k.mixer)] if k.mixer else []) + (["attention"] if k.attention else [])
+        label = " + ".join(parts) or "MLP only"
+        groups.setdefault(label + ("" if k.mlp or not parts else ", no MLP"), []).append(i)
+    return [f"layers {', '.join(map(str, ids))}: {label}" for label, ids in groups.items()]
 
 
 def hardware(ns: argparse.Namespace):
@@ -221,7 +259,7 @@ def candidates(ns: argparse.Namespace) -> dict[str, Any]:
             "whose config.json extends its context (rope_scaling)"
         )
     offload = "also" if ns.offload_states else "no"
-    out, notes = _evaluate(ns, shape, hw, offload), []
+    out, notes = _evaluate(ns, shape, hw, offload), layer_notes(shape)
     if not ns.offload_states and not any(c["fits"] for c in out):
         out += _evaluate(ns, shape, hw, "only")
         offload = "auto"
@@ -242,7 +280,10 @@ def candidates(ns: argparse.Namespace) -> dict[str, Any]:
         "model": ns.model, "gpus": ns.gpus, "nodes": ns.nodes, "device": hw.name,
         "memory_bytes_per_rank": hw.memory_bytes, "dtype": ns.dtype, "seq_len": ns.seq_len,
         "max_positions": limit, "offload_states": offload, "recommended": best, "candidates": out,
-        "notes": notes,
+        "notes": notes, "layers": [
+            {"attention": k.attention, "mlp": k.mlp, "mixer": k.mixer.kind if k.mixer else None}
+            for k in shape.layer_kinds
+        ],
     }  # fmt: skip
 
 
