@@ -36,8 +36,8 @@ from ulysses_sp.mixers._kernels import (
     check_layout,
     index_of,
     model_function,
-    refuse_local_boundaries,
-    replace_forward,
+    require_positions,
+    wrap_sharded_forward,
 )
 from ulysses_sp.mixers.documents import PositionTracker, per_document, segments
 from ulysses_sp.parallel.comm import heads_to_seq, seq_to_heads_packed
@@ -96,22 +96,11 @@ class Mamba2Handler:
             )
 
     def wrap(self, module: nn.Module, mesh: Any) -> Callable[[], None]:
-        if self.positions is None:
-            raise ValueError(
-                "Mamba2Handler needs a PositionTracker: use mixers.apply.apply_mixers(model, mesh)"
-            )
+        positions = require_positions(self.positions, "Mamba2Handler")
         check_layout(mesh, type(module).__name__)
         self.check(module, mesh.sp_size)
-        positions = self.positions
-
-        def forward(original, hidden_states, cache=None, attention_mask=None, **kwargs):
-            refuse_local_boundaries(kwargs, type(module).__name__)
-            if cache is not None and mesh.sp_size == 1:  # generation: the model's own cached path
-                return original(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-            # under SP a cache (an eval forward's) is neither read nor filled, as attention's holds shards
-            return _sharded_forward(module, mesh, positions, hidden_states, attention_mask)
-
-        return replace_forward(module, forward)
+        return wrap_sharded_forward(module, mesh, type(module).__name__,
+                                    lambda _, hidden, mask, **__: _sharded_forward(module, mesh, positions, hidden, mask))  # fmt: skip
 
 
 def _local_groups(g: int, p: int, rank: int) -> tuple[int, int, torch.Tensor | None]:
