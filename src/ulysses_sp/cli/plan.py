@@ -117,6 +117,15 @@ def _with_layer_kinds(shape, config):
         for k in kinds))  # fmt: skip
 
 
+def mixers_shard(shape, sp: int, ring: int) -> bool:
+    """Whether the model's sequence mixers (if any) shard at ``sp`` (heads divide; Ulysses only:
+    the mixers refuse the ring layout)."""
+    from ulysses_sp.plan.mixers import shardable
+
+    mixers = [k.mixer for k in shape.layer_kinds if k.mixer is not None]
+    return not mixers or (ring == 1 and all(shardable(mx, sp) for mx in mixers))
+
+
 def layer_notes(shape) -> list[str]:
     """``layers 0-2, 4: mamba2 (...)`` lines: which layers are sequence mixers, which attention."""
     from ulysses_sp.plan.mixers import describe
@@ -216,8 +225,10 @@ def _evaluate(ns: argparse.Namespace, shape: Any, hw: Any, offload: str) -> list
     sps = [p for p in range(1, world + 1) if world % p == 0]  # beyond the heads: a ring (auto size)
     out = []
     for sp, stage, part, states_on_host in _layouts(sps, world, offload):
+        ring = resolve_ring_size(sp, shape.heads, shape.kv_heads)
+        if not mixers_shard(shape, sp, ring):
+            continue
         for tech in TECHNIQUES:
-            ring = resolve_ring_size(sp, shape.heads, shape.kv_heads)
             multiple = sp * (2 if ring > 1 else 1)
             if ns.seq_len is not None and ns.seq_len % multiple:
                 continue

@@ -71,6 +71,21 @@ def exchange_per_token(mx: MixerShape, sp: int) -> tuple[int, int]:
     raise ValueError(f"unknown mixer kind {mx.kind!r}")
 
 
+def shardable(mx: MixerShape, sp: int) -> bool:
+    """Whether ``mixers`` can shard ``mx`` at sp ``sp`` (its handler's ``check``: heads divide)."""
+
+    def splits(n: int) -> bool:  # divides by sp, or (replicated) divides it
+        return n % sp == 0 or (n > 0 and sp % n == 0)
+
+    if mx.kind == "mamba2":
+        return mx.heads % sp == 0 and splits(mx.groups)
+    if mx.kind == "gated_delta_net":
+        return mx.heads % sp == 0 and splits(mx.key_heads)
+    if mx.kind == "short_conv":
+        return mx.channels % sp == 0
+    return mx.heads % sp == 0
+
+
 def describe(mx: MixerShape) -> str:
     """A short label for tables: ``mamba2 (8 heads x 16, state 16, 2 groups)``."""
     if mx.kind == "mamba2":
