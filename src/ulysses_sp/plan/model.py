@@ -15,6 +15,10 @@ walked as the allocator sees it, in units of one element per *local* token (``T 
   the attention output ``q`` and the o-projection input ``q``; the residual sum and the post-norm's
   two tensors ``3h``; the MLP's gate, act, up and product ``4I`` (none with tiled MLP, which keeps
   only its input). Checkpointing keeps only the layer input (on the host when offloaded).
+* hybrid models (``ModelShape.layer_kinds``): a layer keeps only what it holds — the attention's
+  terms, the MLP's, a sequence mixer's (``plan.mixers``: measured bytes per local token, its input
+  norm added when no attention carries it) — and its backward's high point is the larger of the
+  MLP's and the mixer's (or attention's) workspace; the all-to-all bytes are each mixer's exchange.
 * the head: the final norm's input and its two tensors; untiled logits ``V`` (held by the model output), the fp32
   log-softmax ``V`` and, in the loss backward, two ``V`` gradients; tiled: the same for one tile.
 * backward walks the layers down: the layer's activations (recomputed when checkpointed), then
