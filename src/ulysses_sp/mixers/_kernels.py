@@ -113,3 +113,30 @@ def wrap_sharded_forward(
         return sharded(original, hidden_states, attention_mask, **kwargs)
 
     return replace_forward(module, forward)
+
+
+class ForwardHandler:
+    """What every handler shares (``mixers.base.MixerHandler``): the ``PositionTracker`` it is bound
+    to, and the wrap of a handler that replaces the mixer's whole forward with
+    ``sharded(module, mesh, positions, hidden [B, S_l, D], mask) -> [B, S_l, D]`` (short convolution,
+    Mamba-2; the linear-attention handlers override ``wrap``)."""
+
+    name = ""
+
+    def __init__(self, positions: Any = None) -> None:
+        self.positions = positions
+        """Where the forward's position ids come from (``apply_mixers`` binds a ``PositionTracker``)."""
+
+    def check(self, module: nn.Module, sp_size: int) -> None:
+        raise NotImplementedError
+
+    def sharded(self, module: nn.Module, mesh: Any, positions: Any, hidden: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        raise NotImplementedError
+
+    def wrap(self, module: nn.Module, mesh: Any) -> Callable[[], None]:
+        positions = require_positions(self.positions, type(self).__name__)
+        check_layout(mesh, type(module).__name__)
+        self.check(module, mesh.sp_size)
+        return wrap_sharded_forward(module, mesh, type(module).__name__,
+                                    lambda _, hidden, mask, **__: self.sharded(module, mesh, positions, hidden, mask))  # fmt: skip

@@ -15,7 +15,6 @@ from torch import nn
 
 from ulysses_sp.mixers.linear_attn import LinearAttentionHandler
 
-CONV_FN = "causal_conv1d_fn"
 SCAN_FN = "torch_chunk_gated_delta_rule"
 ATTRS = ("conv1d", "A_log", "dt_bias", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
 
@@ -26,7 +25,6 @@ class GatedDeltaNetHandler(LinearAttentionHandler):
     name = "gated_delta_net"
     label = "gated delta-net"
     attrs = ATTRS
-    conv_fn = CONV_FN
     scan_fn = SCAN_FN
 
     def heads(self, module: nn.Module) -> tuple[int, int]:

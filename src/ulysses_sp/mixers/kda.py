@@ -27,7 +27,6 @@ from torch.func import functional_call
 from ulysses_sp.mixers._kernels import replace_forward
 from ulysses_sp.mixers.linear_attn import LinearAttentionHandler, in_sharded_forward, wrap_linear_attention
 
-CONV_FN = "causal_conv1d_fn"
 SCAN_FN = "chunk_kimi_delta_attention"
 ATTRS = ("conv1d", "forget_gate", "num_heads", "head_dim", "b_proj")
 GATE_ATTRS = ("f_a_proj", "f_b_proj", "dt_bias", "A_log", "head_dim")
@@ -39,7 +38,6 @@ class KimiDeltaAttentionHandler(LinearAttentionHandler):
     name = "kimi_delta_attention"
     label = "KDA"
     attrs = ATTRS
-    conv_fn = CONV_FN
     scan_fn = SCAN_FN
 
     def heads(self, module: nn.Module) -> tuple[int, int]:
@@ -71,7 +69,7 @@ class KimiDeltaAttentionHandler(LinearAttentionHandler):
                 own[0] = prev
 
         undos = [replace_forward(gate, feature)]
-        undos.append(wrap_linear_attention(module, mesh, self.positions, conv_fn=CONV_FN, scan_fns=(SCAN_FN,),
+        undos.append(wrap_linear_attention(module, mesh, self.positions, conv_fn=self.conv_fn, scan_fns=(self.scan_fn,),
                                            what=what, local_decay=local_decay))  # fmt: skip
 
         def undo() -> None:

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ulysses_sp.attention.masks import SeqLayout
-from ulysses_sp.mixers._kernels import check_layout, wrap_sharded_forward
+from ulysses_sp.mixers._kernels import ForwardHandler, check_layout, wrap_sharded_forward
 from ulysses_sp.mixers.documents import PositionTracker, per_document, segments
 from ulysses_sp.mixers.halo import halo_from_previous
 from ulysses_sp.parallel.comm import heads_to_seq, seq_to_heads_packed
@@ -63,7 +63,7 @@ def check_heads(what: str, key_heads: int, value_heads: int, sp_size: int) -> No
         )
 
 
-class LinearAttentionHandler:
+class LinearAttentionHandler(ForwardHandler):
     """What the gated delta-net and KDA handlers share (``mixers.base.MixerHandler``): matching by
     structure (``attrs``, a depthwise ``conv1d``, a modeling module that defines ``conv_fn`` and
     ``scan_fn``), the heads check, and the plain wrap. Subclasses set the class attributes and
@@ -75,11 +75,6 @@ class LinearAttentionHandler:
     attrs: tuple[str, ...] = ()
     conv_fn = "causal_conv1d_fn"
     scan_fn = ""
-
-    def __init__(self, positions: PositionTracker | None = None) -> None:
-        self.positions = positions
-        """Where the forward's position ids come from (``apply_mixers`` binds one; ``None``: every
-        row one document)."""
 
     def heads(self, module: nn.Module) -> tuple[int, int]:
         """``(key heads, value heads)`` of ``module``."""
@@ -101,6 +96,7 @@ class LinearAttentionHandler:
         return f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
 
     def wrap(self, module: nn.Module, mesh: Any) -> Callable[[], None]:
+        """Unlike ``ForwardHandler.wrap``, works without a ``PositionTracker`` (every row one document)."""
         self.check(module, mesh.sp_size)
         return wrap_linear_attention(module, mesh, self.positions, conv_fn=self.conv_fn,
                                      scan_fns=(self.scan_fn,), what=self.what(module))  # fmt: skip

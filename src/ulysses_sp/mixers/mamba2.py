@@ -26,18 +26,15 @@ Shape legend: ``B`` batch, ``S`` global sequence, ``S_l = S/P``, ``H`` SSM heads
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from ulysses_sp.mixers._kernels import (
-    check_layout,
+    ForwardHandler,
     index_of,
     model_function,
-    require_positions,
-    wrap_sharded_forward,
 )
 from ulysses_sp.mixers.documents import PositionTracker, per_document, segments
 from ulysses_sp.parallel.comm import heads_to_seq, seq_to_heads_packed
@@ -53,14 +50,10 @@ _SIZES = (
 )
 
 
-class Mamba2Handler:
+class Mamba2Handler(ForwardHandler):
     """Shards a Mamba-2 mixer over the SP group by heads (see the module docstring)."""
 
     name = "mamba2"
-
-    def __init__(self, positions: PositionTracker | None = None) -> None:
-        self.positions = positions
-        """Where the forward's position ids come from (``apply_mixers`` installs one)."""
 
     def matches(self, module: nn.Module) -> bool:
         if not all(isinstance(getattr(module, a, None), int) for a in _SIZES):
@@ -95,12 +88,9 @@ class Mamba2Handler:
                 f"a rank's heads would straddle groups; choose an sp_size that divides {g} or is a multiple of it"
             )
 
-    def wrap(self, module: nn.Module, mesh: Any) -> Callable[[], None]:
-        positions = require_positions(self.positions, "Mamba2Handler")
-        check_layout(mesh, type(module).__name__)
-        self.check(module, mesh.sp_size)
-        return wrap_sharded_forward(module, mesh, type(module).__name__,
-                                    lambda _, hidden, mask, **__: _sharded_forward(module, mesh, positions, hidden, mask))  # fmt: skip
+    def sharded(self, module: nn.Module, mesh: Any, positions: PositionTracker, hidden: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        return _sharded_forward(module, mesh, positions, hidden, mask)
 
 
 def _local_groups(g: int, p: int, rank: int) -> tuple[int, int, torch.Tensor | None]:

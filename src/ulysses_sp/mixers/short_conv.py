@@ -21,31 +21,24 @@ hidden size), ``Hd_l = Hd/P``, ``P`` sp size.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from ulysses_sp.mixers._kernels import (
-    check_layout,
+    ForwardHandler,
     local_span,
     model_function,
-    require_positions,
-    wrap_sharded_forward,
 )
 from ulysses_sp.mixers.documents import PositionTracker, per_document, segments
 from ulysses_sp.parallel.comm import heads_to_seq, seq_to_heads_packed
 
 
-class ShortConvHandler:
+class ShortConvHandler(ForwardHandler):
     """Shards a gated short causal convolution over the SP group (see the module docstring)."""
 
     name = "short_conv"
-
-    def __init__(self, positions: PositionTracker | None = None) -> None:
-        self.positions = positions
-        """Where the forward's position ids come from (``apply_mixers`` installs one)."""
 
     def matches(self, module: nn.Module) -> bool:
         conv, in_proj = getattr(module, "conv", None), getattr(module, "in_proj", None)
@@ -68,12 +61,9 @@ class ShortConvHandler:
                 f"sp_size {sp_size}; choose an sp_size that divides {channels}"
             )
 
-    def wrap(self, module: nn.Module, mesh: Any) -> Callable[[], None]:
-        positions = require_positions(self.positions, "ShortConvHandler")
-        check_layout(mesh, type(module).__name__)
-        self.check(module, mesh.sp_size)
-        return wrap_sharded_forward(module, mesh, type(module).__name__,
-                                    lambda _, hidden, mask, **__: _sharded_forward(module, mesh, positions, hidden, mask))  # fmt: skip
+    def sharded(self, module: nn.Module, mesh: Any, positions: PositionTracker, hidden: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        return _sharded_forward(module, mesh, positions, hidden, mask)
 
 
 def _sharded_forward(
