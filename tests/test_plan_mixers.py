@@ -115,3 +115,19 @@ def test_plan_command_names_the_mixer_layers_of_a_hybrid_dir(capsys, tmp_path):
     main(["plan", "--model", str(tmp_path / "m"), "--device", "cpu", "--memory", "1GB", "--gpus", "2",
           "--seq-len", "4096"])  # fmt: skip
     assert "note: layers 3: attention" in capsys.readouterr().out
+
+
+def test_train_startup_prediction_reads_the_hybrid_layers():
+    """``train``'s fit check (``run.preflight``) plans the same layers as ``ulysses-sp plan``."""
+    from transformers import AutoModelForCausalLM, BambaConfig, LlamaConfig
+
+    from ulysses_sp.run.preflight import model_shape
+
+    config = BambaConfig(**_COMMON, **HYBRIDS["tiny-bamba"][1])
+    shape = model_shape(config)
+    assert [(k.attention, k.mixer.kind if k.mixer else None) for k in shape.layer_kinds] == [
+        (False, "mamba2")] * 3 + [(True, None)]  # fmt: skip
+    assert all(k.mlp for k in shape.layer_kinds)
+    assert shape.param_count == sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    llama = model_shape(LlamaConfig(**_COMMON))  # attention + MLP layers: the Llama terms, unchanged
+    assert llama.layer_kinds == () and llama.param_count is None

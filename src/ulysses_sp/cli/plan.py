@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 from dataclasses import replace
 from typing import Any
@@ -70,7 +69,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
 def load_shape(model: str):
     """``ModelShape`` of a preset, named shape, model directory or ``config.json`` (``ValueError``),
     with the positions limit ``train`` checks ``--seq-len`` against."""
-    from ulysses_sp.plan.inputs import SHAPES, ModelShape
+    from ulysses_sp.plan.inputs import SHAPES
+    from ulysses_sp.run.preflight import model_shape
     from ulysses_sp.run.prelaunch import max_trained_length
 
     if model in SHAPES:
@@ -89,32 +89,7 @@ def load_shape(model: str):
         from ulysses_sp.tasks import load_tokenizer
 
         config = model_config(model, len(load_tokenizer(None, model)))
-    shape = ModelShape.from_hf_config(config, max_positions=max_trained_length(config)[0])
-    return _with_layer_kinds(shape, config)
-
-
-def _with_layer_kinds(shape, config):
-    """``shape`` with each layer's kind (attention, MLP, which sequence mixer) and the exact
-    parameter count, read off the model built on the ``meta`` device (no memory, no weights);
-    unchanged for a model of attention + MLP layers only."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from ulysses_sp.mixers.shapes import layer_kinds
-    from ulysses_sp.plan.inputs import LayerKind, MixerShape
-
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-        kinds = layer_kinds(model)
-    except (ValueError, TypeError, KeyError) as e:  # not a decoder the mixers can read: plan it as Llama
-        logging.getLogger(__name__).info("plan: layer kinds not read (%s)", e)
-        return shape
-    if all(k["attention"] and k["mlp"] and k["mixer"] is None for k in kinds):
-        return shape
-    return replace(shape, param_count=sum(p.numel() for p in model.parameters()), layer_kinds=tuple(
-        LayerKind(attention=k["attention"], mlp=k["mlp"], mixer=MixerShape(**k["mixer"]) if k["mixer"] else None)
-        for k in kinds))  # fmt: skip
+    return model_shape(config, max_positions=max_trained_length(config)[0])
 
 
 def mixers_shard(shape, sp: int, ring: int) -> bool:
