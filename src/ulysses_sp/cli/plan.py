@@ -200,7 +200,8 @@ def _evaluate(ns: argparse.Namespace, shape: Any, hw: Any, offload: str) -> list
     sps = [p for p in range(1, world + 1) if world % p == 0]  # beyond the heads: a ring (auto size)
     out = []
     for sp, stage, part, states_on_host in _layouts(sps, world, offload):
-        ring = resolve_ring_size(sp, shape.heads, shape.kv_heads)
+        attention = any(k.attention for k in shape.kinds())  # none (Mamba-2 alone): no ring to choose
+        ring = resolve_ring_size(sp, shape.heads, shape.kv_heads) if attention else 1
         if not mixers_shard(shape, sp, ring):
             continue
         for tech in TECHNIQUES:

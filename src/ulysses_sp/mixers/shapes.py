@@ -52,23 +52,31 @@ def mixer_sizes(module: nn.Module, kind: str) -> dict[str, Any]:
 
 
 def layer_kinds(model: nn.Module) -> list[dict[str, Any]]:
-    """One dict per decoder layer: ``{"attention": bool, "mlp": bool, "mixer": sizes or None}``.
+    """One dict per decoder layer: ``{"attention": bool, "mlp": bool, "mixer": sizes or None,
+    "mlp_width": int or None}`` — ``mlp_width``: the widest linear layer fed by the hidden state
+    outside the mixer and the attention (the MLP's real width: LFM2 rounds its configured one up;
+    ``None`` when the MLP has no such linear layer, e.g. experts held as stacked parameters).
 
     A layer with two mixers (none in transformers 5.24) reports the first."""
     _, layers = decoder_layers(model)
+    width = getattr(getattr(model, "config", None), "hidden_size", 0) or 0
     out = []
     for layer in layers:
-        mixer, attention, owned = None, False, 0
+        mixer, attention, owned = None, False, set()
         for _, module in layer.named_modules():
+            if module in owned:
+                continue
             handler = claimed_by(module, HANDLERS)
             if handler is not None and mixer is None:
                 mixer = mixer_sizes(module, handler.name)
-                owned += sum(p.numel() for p in module.parameters())
+                owned.update(module.modules())
             elif handler is None and verdict(module).kind == ATTENTION and not attention:
                 attention = True
-                owned += sum(p.numel() for p in module.parameters())
-        total = sum(p.numel() for p in layer.parameters())
-        width = getattr(getattr(model, "config", None), "hidden_size", 0) or 0
+                owned.update(module.modules())
+        rest = [m for m in layer.modules() if m not in owned]
+        left = sum(p.numel() for m in rest for p in m.parameters(recurse=False))
+        widths = [m.out_features for m in rest if isinstance(m, nn.Linear) and m.in_features == width]
         # what is left beyond the mixer, the attention and a few norm vectors is an MLP (dense or experts)
-        out.append({"attention": attention, "mlp": total - owned > 4 * width, "mixer": mixer})
+        out.append({"attention": attention, "mlp": left > 4 * width, "mixer": mixer,
+                    "mlp_width": max(widths) if widths else None})  # fmt: skip
     return out

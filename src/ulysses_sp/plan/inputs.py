@@ -81,12 +81,15 @@ class ModelShape:
     def from_hf_config(cls, config: Any, *, max_positions: int | None = None) -> ModelShape:
         """From a transformers ``PretrainedConfig`` (Llama, Qwen2, Mistral and their kin);
         ``max_positions``: the positions limit as the caller reads it off the config. A config whose
-        head counts differ by layer is planned at its widest layer's."""
+        head counts differ by layer is planned at its widest layer's. A model without softmax attention
+        or MLP (Mamba-2 alone) gets 1 head and width 0: its ``layer_kinds`` say what the layers hold."""
         per_layer = getattr(config, "per_layer_config", None)
-        widest = max(per_layer, key=lambda c: c.num_attention_heads) if per_layer is not None else config
-        heads = widest.num_attention_heads
+        widest = (max(per_layer, key=lambda c: getattr(c, "num_attention_heads", 0) or 0) if per_layer
+                  else config)  # fmt: skip
+        heads = getattr(widest, "num_attention_heads", None) or 1
         return cls(
-            hidden=config.hidden_size, intermediate=config.intermediate_size, layers=config.num_hidden_layers,
+            hidden=config.hidden_size, intermediate=getattr(config, "intermediate_size", None) or 0,
+            layers=config.num_hidden_layers,
             heads=heads, kv_heads=getattr(widest, "num_key_value_heads", None) or heads,
             head_dim=getattr(widest, "head_dim", None) or config.hidden_size // heads, vocab=config.vocab_size,
             tied=bool(getattr(config, "tie_word_embeddings", False)), max_positions=max_positions,

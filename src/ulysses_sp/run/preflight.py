@@ -76,7 +76,10 @@ def model_shape(config: Any, *, max_positions: int | None = None) -> ModelShape:
         return shape
     if all(k["attention"] and k["mlp"] and k["mixer"] is None for k in kinds):
         return shape
-    return replace(shape, param_count=sum(p.numel() for p in model.parameters()), layer_kinds=tuple(
+    widths = [k["mlp_width"] for k in kinds if k["mlp"] and k["mlp_width"]]
+    intermediate = max(widths) if widths else shape.intermediate  # the MLP as built (LFM2 rounds it up)
+    return replace(shape, intermediate=intermediate, param_count=sum(p.numel() for p in model.parameters()),
+                   layer_kinds=tuple(
         LayerKind(attention=k["attention"], mlp=k["mlp"], mixer=MixerShape(**k["mixer"]) if k["mixer"] else None)
         for k in kinds))  # fmt: skip
 
