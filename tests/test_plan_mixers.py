@@ -131,3 +131,24 @@ def test_train_startup_prediction_reads_the_hybrid_layers():
     assert shape.param_count == sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     llama = model_shape(LlamaConfig(**_COMMON))  # attention + MLP layers: the Llama terms, unchanged
     assert llama.layer_kinds == () and llama.param_count is None
+
+
+def test_layer_kinds_of_the_other_hybrids():
+    """One-block layers (Nemotron-H), attention beside a mixer (Falcon-H1), no attention at all
+    (Mamba-2: planned at every sp its heads allow, no ring), and the MLP width as built (LFM2's
+    ``block_auto_adjust_ff_dim`` rounds 128 up to 256)."""
+    from hybrid_models import hybrid_config
+
+    from ulysses_sp.cli.plan import mixers_shard
+    from ulysses_sp.run.preflight import model_shape
+
+    def kinds(shape):
+        return [("A" if k.attention else "") + ("M" if k.mlp else "") + (":" + k.mixer.kind if k.mixer else "")
+                for k in shape.layer_kinds]  # fmt: skip
+
+    assert kinds(model_shape(hybrid_config("nemotron_h"))) == [":mamba2", "A", ":mamba2", "M"]
+    assert kinds(model_shape(hybrid_config("falcon_h1"))) == ["AM:mamba2"] * 2
+    mamba = model_shape(hybrid_config("mamba2"))
+    assert kinds(mamba) == [":mamba2"] * 2 and mixers_shard(mamba, 2, 1) and not mixers_shard(mamba, 8, 1)
+    lfm2 = model_shape(hybrid_config("lfm2", intermediate_size=128))
+    assert kinds(lfm2) == ["M:short_conv", "AM", "M:short_conv"] and lfm2.intermediate == 256
