@@ -79,9 +79,12 @@ def hybrid_dir(name: str, *, create: bool = False) -> str:
 
 
 def hybrid_grid(*, create: bool = False) -> list[dict[str, Any]]:
-    """Each hybrid at sp 1 (S 1024, 2048) and sp 2 (S 2048, 4096), DDP, no techniques."""
-    return [{"model": hybrid_dir(name, create=create), "seq_len": s, "sp": sp, "zero_stage": 0}
-            for name in HYBRIDS for sp, lengths in ((1, (1024, 2048)), (2, (2048, 4096))) for s in lengths]  # fmt: skip
+    """Each hybrid at sp 1 (S 1024, 2048) and sp 2 (S 2048, 4096), DDP; and at sp 2 with ZeRO 1,
+    checkpointing and the tiled loss."""
+    cases = [{"model": hybrid_dir(name, create=create), "seq_len": s, "sp": sp, "zero_stage": 0}
+             for name in HYBRIDS for sp, lengths in ((1, (1024, 2048)), (2, (2048, 4096))) for s in lengths]  # fmt: skip
+    return cases + [{"model": hybrid_dir(name), "seq_len": 2048, "sp": 2, "zero_stage": 1, "tiled_loss": True,
+                     "activation_checkpointing": True} for name in HYBRIDS]  # fmt: skip
 
 
 def _opt_tensors(optimizer) -> list:
@@ -114,6 +117,7 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
     handles, loss_fn = _techniques(cfg, model)
     mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1, seq_length=s, mesh=mesh) if sp > 1 else None
     engine, *_ = initialize(model, cfg.training_config(), mpu=mpu or mesh.mpu, loss_fn=loss_fn)
+    engine.train()  # as the training loop does (a model directory loads in eval mode: no checkpointing)
     ids = torch.randint(0, 250, (1, s), generator=torch.Generator().manual_seed(mesh.dp_rank))
     labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], 1)
     cols = slice(mesh.sp_rank * s // sp, (mesh.sp_rank + 1) * s // sp)
