@@ -132,6 +132,8 @@ def train_and_eval(
     packing: bool | None = None,
     padding_free: bool = False,
     eval_steps: int | None = None,
+    average_tokens: bool = True,
+    eval_lengths: tuple[int, ...] = (11, 18),
 ) -> dict[str, Any]:
     """Train ``steps`` optimizer steps and evaluate once; return the per-step logs and the eval loss.
 
@@ -140,6 +142,8 @@ def train_and_eval(
     ``chat`` (SFTTrainer, conversations with a system turn, ``assistant_only_loss``). ``packing`` /
     ``padding_free``: SFTConfig's (``packing`` defaults to ``kind == "packed"``). ``eval_steps``:
     evaluate during training every that many steps (the eval losses are in ``logs_eval``).
+    ``average_tokens``: ``TrainingArguments.average_tokens_across_devices``. ``eval_lengths``: the
+    ``plain`` eval rows' lengths (uneven ones give eval batches with different token counts).
     ``sp_size=0`` means no ``prepare`` call (the oracle). ``token_weighted=False``: the Trainer's
     per-batch-mean loss (what it does for models that take no ``num_items_in_batch``).
     """
@@ -172,12 +176,15 @@ def train_and_eval(
         seed=0,
         disable_tqdm=True,
         dataloader_num_workers=0,
+        average_tokens_across_devices=average_tokens,
     )
+    if eval_steps:
+        common.update(eval_strategy="steps", eval_steps=eval_steps)
     with accelerate_env(), tempfile.TemporaryDirectory() as out:
         if kind == "plain":
             args = TrainingArguments(output_dir=out, remove_unused_columns=False, **common)
             train = Dataset.from_list(token_rows(24, (13, 20, 7, 16), seed=1))
-            evals = Dataset.from_list(token_rows(8, (11, 18), seed=2))
+            evals = Dataset.from_list(token_rows(8, eval_lengths, seed=2))
             trainer = Trainer(
                 model=model,
                 args=args,
@@ -196,8 +203,6 @@ def train_and_eval(
                 completion = kind == "completion"
                 train_rows = text_rows(32, 1, completion=completion)
                 eval_rows = text_rows(8, 2, completion=completion)
-            if eval_steps:
-                common.update(eval_strategy="steps", eval_steps=eval_steps)
             packing = kind == "packed" if packing is None else packing
             args = SFTConfig(
                 output_dir=out,
