@@ -51,6 +51,39 @@ def accelerate_env() -> Iterator[None]:
                 os.environ[k] = v
 
 
+@contextlib.contextmanager
+def fsdp2_on_cpu() -> Iterator[None]:
+    """accelerate's own FSDP2 (``fsdp2_prepare_model``: ``fully_shard`` per decoder layer) on the CPU.
+
+    ``accelerate.state.AcceleratorState`` switches to ``DistributedType.FSDP`` only for accelerator
+    distributed types (``MULTI_GPU``, ``MULTI_XPU``, ...), never for ``MULTI_CPU``: on a CPU an FSDP
+    config (``accelerate launch --config_file``, ``TrainingArguments(fsdp=...)``) is dropped and the
+    Trainer runs DDP. FSDP2 itself runs on gloo, so here every ``Accelerator`` built inside the block
+    takes the branch accelerate takes on GPUs: the state becomes ``FSDP`` with an FSDP2 plugin
+    (transformer-layer wrapping, reshard after forward), everything after that is accelerate's code.
+    """
+    import accelerate.accelerator as acc
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    init = acc.Accelerator.__init__
+
+    def fsdp_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        state = AcceleratorState()
+        if state.distributed_type == DistributedType.MULTI_CPU:
+            state.distributed_type = DistributedType.FSDP
+            state.fsdp_plugin = FullyShardedDataParallelPlugin(
+                fsdp_version=2, auto_wrap_policy="transformer_based_wrap", reshard_after_forward=True
+            )
+
+    acc.Accelerator.__init__ = fsdp_init
+    try:
+        yield
+    finally:
+        acc.Accelerator.__init__ = init
+
+
 def right_pad_collator(examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     """Right-pad to the longest sample: attention_mask marks real tokens, labels -100 on padding."""
     s = max(len(e["input_ids"]) for e in examples)
@@ -134,6 +167,7 @@ def train_and_eval(
     eval_steps: int | None = None,
     average_tokens: bool = True,
     eval_lengths: tuple[int, ...] = (11, 18),
+    fsdp2: bool = False,
 ) -> dict[str, Any]:
     """Train ``steps`` optimizer steps and evaluate once; return the per-step logs and the eval loss.
 
@@ -144,6 +178,7 @@ def train_and_eval(
     evaluate during training every that many steps (the eval losses are in ``logs_eval``).
     ``average_tokens``: ``TrainingArguments.average_tokens_across_devices``. ``eval_lengths``: the
     ``plain`` eval rows' lengths (uneven ones give eval batches with different token counts).
+    ``fsdp2``: the Trainer's accelerate runs FSDP2 (``fsdp2_on_cpu``) instead of DDP.
     ``sp_size=0`` means no ``prepare`` call (the oracle). ``token_weighted=False``: the Trainer's
     per-batch-mean loss (what it does for models that take no ``num_items_in_batch``).
     """
@@ -180,7 +215,8 @@ def train_and_eval(
     )
     if eval_steps:
         common.update(eval_strategy="steps", eval_steps=eval_steps)
-    with accelerate_env(), tempfile.TemporaryDirectory() as out:
+    fsdp = fsdp2_on_cpu() if fsdp2 else contextlib.nullcontext()
+    with accelerate_env(), fsdp, tempfile.TemporaryDirectory() as out:
         if kind == "plain":
             args = TrainingArguments(output_dir=out, remove_unused_columns=False, **common)
             train = Dataset.from_list(token_rows(24, (13, 20, 7, 16), seed=1))
@@ -230,6 +266,7 @@ def train_and_eval(
         logs_eval = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
         eval_loss = trainer.evaluate()["eval_loss"]
         trained = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+        sharded = any(type(p).__name__ == "DTensor" for p in trainer.model.parameters())  # FSDP2
         saved = []
         if lora:  # rank 0 writes (each rank has its own temporary output_dir)
             trainer.save_model(os.path.join(out, "adapter"))
@@ -246,4 +283,5 @@ def train_and_eval(
         "name": name,
         "saved": saved,
         "restored": restored,
+        "fsdp2": sharded,
     }

@@ -75,3 +75,40 @@ def test_trainer_eval_loss_is_token_weighted_across_ranks(pool):
     """transformers.Trainer's own eval step divides each rank's token sum by the tokens of all ranks'
     batches of that step; eval batches of different token counts show it (was off by 1.3e-3)."""
     _assert_exact(pool, steps=2, kind="plain", eval_lengths=(11, 18, 5))
+
+
+# --------------------------------------------------------------------------- accelerate + FSDP2
+@pytest.mark.slow
+def test_fsdp2_through_accelerate_sp2_equals_fsdp2_without_sp(pool):
+    """accelerate's own FSDP2 (fully_shard per decoder layer, reduce-scatter averaging over all
+    ranks) under the Trainer, dp 2 x sp 2 vs dp 4: the SP loss scaling composes with it exactly.
+    On the CPU accelerate does not take the FSDP branch by itself (``hf_runs.fsdp2_on_cpu``)."""
+    got = _assert_exact(pool, steps=2, kind="chat", fsdp2=True)
+    assert got["fsdp2"]  # the parameters are FSDP2 DTensors
+
+
+@pytest.mark.slow
+def test_accelerate_launch_with_the_readme_fsdp2_config(pool):
+    """``accelerate launch --config_file examples/accelerate_fsdp2.yaml`` (the README's) on 2 CPU
+    processes with prepare(sp_size=2): the steps equal the run without SP; accelerate drops FSDP on
+    the CPU (DDP instead), which prepare() says in a warning."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
+    cmd += [os.path.join(root, "examples", "accelerate_fsdp2.yaml"), "--num_processes", "2"]
+    cmd += [os.path.join(root, "tests", "hf_accelerate_launch.py"), "2", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": "29517"}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))
+    got = json.loads(line[len("RESULT ") :])
+    assert got["use_fsdp"] == "true" and not got["fsdp2"] and got["name"] == "SequenceParallelSFTTrainer"
+    assert any("FSDP was requested but accelerate runs MULTI_CPU" in w for w in got["warnings"]), got
+    want = pool.run(train_and_eval, 2, 0, kind="chat", accum=1, steps=2)[0]
+    for (loss, norm), (ref_loss, ref_norm) in zip(got["logs"], want["logs"], strict=True):
+        assert math.isclose(loss, ref_loss, rel_tol=REL) and math.isclose(norm, ref_norm, rel_tol=REL)
+    assert math.isclose(got["eval_loss"], want["eval_loss"], rel_tol=REL)

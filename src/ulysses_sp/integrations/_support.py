@@ -23,11 +23,22 @@ from the shard's ``[B, S/P, V]`` logits with the SP-correct pre-shifted ``shift_
 SP loss would have to receive those ``shift_labels`` (never ``labels``, which Liger would shift
 again inside the shard, losing the label of each shard's last token) and return the token *sum* so
 the SP normalisation applies; that path, and every Liger kernel under SP, is untested.
+
+FSDP through accelerate (``accelerate launch --config_file`` with ``distributed_type: FSDP``, or
+``TrainingArguments(fsdp=...)``): accelerate 1.x turns an FSDP request into ``DistributedType.FSDP``
+only for accelerator distributed types (``MULTI_GPU``, ``MULTI_XPU``, ...; see
+``AcceleratorState.__init__``), never for ``MULTI_CPU``: on a CPU the config is dropped without a
+word and the Trainer wraps the model in DDP. The gradients are the same (both average over all
+ranks, which the SP loss scaling expects), the memory is not; ``prepare`` logs a warning.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 NLL_TRAINERS = ("Trainer", "SFTTrainer", "_BaseTrainer")
 """Classes whose ``compute_loss`` is the causal-LM NLL the SP loss reproduces (``_BaseTrainer`` is
@@ -74,3 +85,21 @@ def check_liger(trainer: Any) -> None:
             "set use_liger_kernel=False (the SP loss never builds [B, S, V] logits on one rank anyway: "
             "each rank holds [B, S/P, V])"
         )
+
+
+def fsdp_dropped(trainer: Any) -> str | None:
+    """The warning for an FSDP request accelerate dropped (CPU), logged; ``None`` when there is none."""
+    requested = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" or bool(
+        getattr(trainer.args, "fsdp", None)
+    )
+    distributed_type = getattr(getattr(trainer, "accelerator", None), "distributed_type", "")
+    kind = str(getattr(distributed_type, "value", distributed_type))  # "MULTI_CPU", "FSDP", ...
+    if not requested or kind.endswith("FSDP"):
+        return None
+    message = (
+        f"FSDP was requested but accelerate runs {kind or 'no FSDP'}: accelerate enables FSDP only on "
+        "accelerators (GPU, XPU, ...), not on the CPU, so the model is replicated (DDP) here; the steps "
+        "are the same, the memory is not sharded"
+    )
+    logger.warning(message)
+    return message

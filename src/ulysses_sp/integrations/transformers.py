@@ -39,7 +39,7 @@ from ulysses_sp.attention.core import CORE_ATTENTIONS
 from ulysses_sp.attention.registration import ATTN_NAME, SPRegistration
 from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
 from ulysses_sp.checks import positive_int
-from ulysses_sp.integrations._support import check_liger, check_trainer_loss
+from ulysses_sp.integrations._support import check_liger, check_trainer_loss, fsdp_dropped
 from ulysses_sp.integrations._trainer import SPTrainerDataLoader, SPTrainerMixin
 from ulysses_sp.mixers.apply import apply_mixers, has_unsharded_mixers
 from ulysses_sp.mixers.base import MixerHandle
@@ -151,6 +151,7 @@ def prepare(
         mesh=mesh,
     )
     mixers = apply_mixers(model, mesh) if has_unsharded_mixers(model) else None  # conv / Mamba-2 layers
+    fsdp_dropped(trainer)  # accelerate on a CPU: an FSDP config runs as DDP
     logger.info("sequence parallelism in %s: %r, core attention %r", type(trainer).__name__, mesh, core)
     return SPTrainerHandle(
         trainer, mesh, registration, pad_token_id=_pad_token_id(trainer), strict=strict, mixers=mixers
