@@ -96,3 +96,14 @@ def test_prepare_refuses_liger_kernels_on_cpu(single_process, tmp_path):
         match=r"use_liger_kernel=True: Liger's kernels are Triton, GPU only.*use_liger_kernel=False",
     ):
         prepare(trainer, sp_size=2)
+
+
+def test_readme_shows_the_fsdp2_config_file():
+    """README's accelerate + FSDP2 config is examples/accelerate_fsdp2.yaml (the file the launch test
+    runs), less its comment header."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    lines = (root / "examples" / "accelerate_fsdp2.yaml").read_text().splitlines(keepends=True)
+    body = "".join(line for line in lines if not line.startswith("#"))
+    assert f"```yaml\n{body}```" in (root / "README.md").read_text()
