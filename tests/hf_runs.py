@@ -51,6 +51,39 @@ def accelerate_env() -> Iterator[None]:
                 os.environ[k] = v
 
 
+@contextlib.contextmanager
+def fsdp2_on_cpu() -> Iterator[None]:
+    """accelerate's own FSDP2 (``fsdp2_prepare_model``: ``fully_shard`` per decoder layer) on the CPU.
+
+    ``accelerate.state.AcceleratorState`` switches to ``DistributedType.FSDP`` only for accelerator
+    distributed types (``MULTI_GPU``, ``MULTI_XPU``, ...), never for ``MULTI_CPU``: on a CPU an FSDP
+    config (``accelerate launch --config_file``, ``TrainingArguments(fsdp=...)``) is dropped and the
+    Trainer runs DDP. FSDP2 itself runs on gloo, so here every ``Accelerator`` built inside the block
+    takes the branch accelerate takes on GPUs: the state becomes ``FSDP`` with an FSDP2 plugin
+    (transformer-layer wrapping, reshard after forward), everything after that is accelerate's code.
+    """
+    import accelerate.accelerator as acc
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    init = acc.Accelerator.__init__
+
+    def fsdp_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        state = AcceleratorState()
+        if state.distributed_type == DistributedType.MULTI_CPU:
+            state.distributed_type = DistributedType.FSDP
+            state.fsdp_plugin = FullyShardedDataParallelPlugin(
+                fsdp_version=2, auto_wrap_policy="transformer_based_wrap", reshard_after_forward=True
+            )
+
+    acc.Accelerator.__init__ = fsdp_init
+    try:
+        yield
+    finally:
+        acc.Accelerator.__init__ = init
+
+
 def right_pad_collator(examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     """Right-pad to the longest sample: attention_mask marks real tokens, labels -100 on padding."""
     s = max(len(e["input_ids"]) for e in examples)
@@ -91,6 +124,33 @@ def text_rows(n: int, seed: int, *, completion: bool) -> list[dict[str, str]]:
     return rows
 
 
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<bos>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<eos>{% endgeneration %}"
+    "{% else %}{{ m['content'] }}<eos>{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<bos>assistant\n{% endif %}"
+)
+"""ChatML-like with ``{% generation %}`` tags around the assistant turns (TRL's ``assistant_only_loss``)."""
+
+
+def chat_rows(n: int, seed: int) -> list[dict[str, Any]]:
+    """Conversations with a system turn and 1-2 user/assistant exchanges of varied lengths."""
+    g = torch.Generator().manual_seed(seed)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+
+    def text(k: int) -> str:
+        return " ".join(words[int(i)] for i in torch.randint(0, len(words), (k,), generator=g))
+
+    rows = []
+    for i in range(n):
+        msgs = [{"role": "system", "content": text(1 + i % 2)}]
+        for t in range(1 + i % 2):
+            msgs += [{"role": "user", "content": text(1 + (i + t) % 3)}]
+            msgs += [{"role": "assistant", "content": text(1 + (i + 2 * t) % 3)}]
+        rows.append({"messages": msgs})
+    return rows
+
+
 def train_and_eval(
     sp_size: int,
     *,
@@ -102,11 +162,23 @@ def train_and_eval(
     kv_heads: int | None = None,
     token_weighted: bool = True,
     ring_size: int | None = None,
+    packing: bool | None = None,
+    padding_free: bool = False,
+    eval_steps: int | None = None,
+    average_tokens: bool = True,
+    eval_lengths: tuple[int, ...] = (11, 18),
+    fsdp2: bool = False,
 ) -> dict[str, Any]:
     """Train ``steps`` optimizer steps and evaluate once; return the per-step logs and the eval loss.
 
     ``kind``: ``plain`` (Trainer, right-padded variable lengths), ``packed`` (SFTTrainer, BFD
-    packing = padding-free), ``completion`` (SFTTrainer, prompt/completion: completion-only loss).
+    packing = padding-free), ``completion`` (SFTTrainer, prompt/completion: completion-only loss),
+    ``chat`` (SFTTrainer, conversations with a system turn, ``assistant_only_loss``). ``packing`` /
+    ``padding_free``: SFTConfig's (``packing`` defaults to ``kind == "packed"``). ``eval_steps``:
+    evaluate during training every that many steps (the eval losses are in ``logs_eval``).
+    ``average_tokens``: ``TrainingArguments.average_tokens_across_devices``. ``eval_lengths``: the
+    ``plain`` eval rows' lengths (uneven ones give eval batches with different token counts).
+    ``fsdp2``: the Trainer's accelerate runs FSDP2 (``fsdp2_on_cpu``) instead of DDP.
     ``sp_size=0`` means no ``prepare`` call (the oracle). ``token_weighted=False``: the Trainer's
     per-batch-mean loss (what it does for models that take no ``num_items_in_batch``).
     """
@@ -139,12 +211,16 @@ def train_and_eval(
         seed=0,
         disable_tqdm=True,
         dataloader_num_workers=0,
+        average_tokens_across_devices=average_tokens,
     )
-    with accelerate_env(), tempfile.TemporaryDirectory() as out:
+    if eval_steps:
+        common.update(eval_strategy="steps", eval_steps=eval_steps)
+    fsdp = fsdp2_on_cpu() if fsdp2 else contextlib.nullcontext()
+    with accelerate_env(), fsdp, tempfile.TemporaryDirectory() as out:
         if kind == "plain":
             args = TrainingArguments(output_dir=out, remove_unused_columns=False, **common)
             train = Dataset.from_list(token_rows(24, (13, 20, 7, 16), seed=1))
-            evals = Dataset.from_list(token_rows(8, (11, 18), seed=2))
+            evals = Dataset.from_list(token_rows(8, eval_lengths, seed=2))
             trainer = Trainer(
                 model=model,
                 args=args,
@@ -155,11 +231,22 @@ def train_and_eval(
         else:
             from trl import SFTConfig, SFTTrainer
 
-            completion = kind == "completion"
+            tokenizer = byte_tokenizer()
+            if kind == "chat":
+                tokenizer.chat_template = CHAT_TEMPLATE
+                train_rows, eval_rows = chat_rows(32, 1), chat_rows(8, 2)
+            else:
+                completion = kind == "completion"
+                train_rows = text_rows(32, 1, completion=completion)
+                eval_rows = text_rows(8, 2, completion=completion)
+            packing = kind == "packed" if packing is None else packing
             args = SFTConfig(
                 output_dir=out,
-                packing=not completion,
-                max_length=40,
+                packing=packing,
+                padding_free=padding_free,
+                assistant_only_loss=kind == "chat",
+                # TRL enforces no max_length on padding-free batches without packing (the rows are short)
+                max_length=None if padding_free and not packing else 160 if kind == "chat" else 40,
                 bf16=False,  # exact fp32 comparison (TRL defaults to bf16 autocast)
                 dataset_num_proc=None,
                 **common,
@@ -167,17 +254,19 @@ def train_and_eval(
             trainer = SFTTrainer(
                 model=model,
                 args=args,
-                processing_class=byte_tokenizer(),
-                train_dataset=Dataset.from_list(text_rows(32, 1, completion=completion)),
-                eval_dataset=Dataset.from_list(text_rows(8, 2, completion=completion)),
+                processing_class=tokenizer,
+                train_dataset=Dataset.from_list(train_rows),
+                eval_dataset=Dataset.from_list(eval_rows),
             )
         trainer.model_accepts_loss_kwargs = token_weighted
         handle = prepare(trainer, sp_size=sp_size, ring_size=ring_size) if sp_size else None
         name = type(trainer).__name__
         trainer.train()
         logs = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+        logs_eval = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
         eval_loss = trainer.evaluate()["eval_loss"]
         trained = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+        sharded = any(type(p).__name__ == "DTensor" for p in trainer.model.parameters())  # FSDP2
         saved = []
         if lora:  # rank 0 writes (each rank has its own temporary output_dir)
             trainer.save_model(os.path.join(out, "adapter"))
@@ -188,9 +277,11 @@ def train_and_eval(
         restored = (type(trainer).__name__, trainer.model.config._attn_implementation)
     return {
         "logs": logs,
+        "logs_eval": logs_eval,
         "eval_loss": eval_loss,
         "trained": trained,
         "name": name,
         "saved": saved,
         "restored": restored,
+        "fsdp2": sharded,
     }

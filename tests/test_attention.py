@@ -165,11 +165,17 @@ def _bad_input(kind):
 @pytest.mark.parametrize(
     "kind, match",
     [
-        ("heads", r"ulysses size sp/ring = 4 cannot split 6 attention heads.*\[2, 4\].*init_mesh\(\.\.\., ring_size=R\)"),
+        (
+            "heads",
+            r"ulysses size sp/ring = 4 cannot split 6 attention heads.*\[2, 4\].*init_mesh\(\.\.\., ring_size=R\)",
+        ),
         ("core", r"unknown core_attn_implementation 'flashy'"),
         ("lengths", r"local sequence lengths differ between SP ranks: \[8, 4, 4, 4\]"),
         ("max_length", r"S_l \(8\) \* sp_size \(4\) = 32 != max_length \(64\)"),
-        ("local_pos", r"the model was called without position_ids on SP rank\(s\) \[0, 1, 2, 3\] of a sequence-parallel forward"),
+        (
+            "local_pos",
+            r"the model was called without position_ids on SP rank\(s\) \[0, 1, 2, 3\] of a sequence-parallel forward",
+        ),
         ("bypass", r"sequence-parallel attention ran in 0 of 2 attention layers.*attn_implementation='sdpa'"),
     ],
 )

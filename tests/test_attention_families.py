@@ -48,7 +48,9 @@ def _reference(ref, ids, pos, labels, oracle):
         logits = ref(input_ids=ids, position_ids=pos, use_cache=False).logits
     else:
         starts = (pos[0] == 0).nonzero().flatten().tolist() + [S]
-        logits = torch.cat([ref(input_ids=ids[:, a:b], use_cache=False).logits for a, b in zip(starts, starts[1:])], 1)
+        logits = torch.cat(
+            [ref(input_ids=ids[:, a:b], use_cache=False).logits for a, b in zip(starts, starts[1:])], 1
+        )
     return logits, F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
 
 
@@ -57,7 +59,11 @@ def _cases(sp, cases):
     done = []
     for family, core, kv, kind, oracle in cases:
         build = tiny_model if family == "llama" else family_model
-        ref = build(family, attn="eager", kv_heads=kv) if family == "llama" else build(family, num_key_value_heads=kv)
+        ref = (
+            build(family, attn="eager", kv_heads=kv)
+            if family == "llama"
+            else build(family, num_key_value_heads=kv)
+        )
         model = copy.deepcopy(ref)
         reg = UlyssesSPAttentionHF.register_with_transformers(model, core, sp, 1, mesh=mesh)
         ids, pos = global_batch(3, 1, S), _positions(kind, sp)
@@ -72,9 +78,13 @@ def _cases(sp, cases):
         for p in model.parameters():
             dist.all_reduce(p.grad)
         case = (family, core, kv, kind)
-        torch.testing.assert_close(out.logits, ref_logits[:, cols], rtol=1e-5, atol=1e-5, msg=lambda m, c=case: f"{c}: {m}")
+        torch.testing.assert_close(
+            out.logits, ref_logits[:, cols], rtol=1e-5, atol=1e-5, msg=lambda m, c=case: f"{c}: {m}"
+        )
         ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-        assert_step_close(loss.detach(), {n: p.grad for n, p in model.named_parameters()}, ref_loss.detach(), ref_grads)
+        assert_step_close(
+            loss.detach(), {n: p.grad for n, p in model.named_parameters()}, ref_loss.detach(), ref_grads
+        )
         assert reg.attention.calls == model.config.num_hidden_layers
         reg.remove()
         done.append(case)
@@ -188,7 +198,9 @@ def test_sparse_and_compressed_attention_refused_before_any_step_naming_why(fami
 
     overrides, match = SPARSE[family]
     config = AutoConfig.for_model(family, num_hidden_layers=2, **overrides)
-    with pytest.raises(ValueError, match=match + r".*does not shard it in this version; train this model with sp_size 1"):
+    with pytest.raises(
+        ValueError, match=match + r".*does not shard it in this version; train this model with sp_size 1"
+    ):
         check_layer_kinds(config, 2)
     check_layer_kinds(config, 1)  # without SP the model runs as it is
 
@@ -202,5 +214,9 @@ def test_local_view_slices_sinks_to_the_rank_heads_and_refuses_per_query_inputs(
     assert view.num_key_value_groups == 2 and not hasattr(module, "num_key_value_groups")
     (view.sinks * 3).sum().backward()
     assert module.sinks.grad.tolist() == [0, 0, 0, 0, 3, 3, 0, 0]  # full shape: the SP sum fills the rest
-    with pytest.raises(ValueError, match=r"per-query 'sinks' of shape \(1, 8, 4, 1\), computed from this rank's shard"):
-        local_view(module, {"sinks": torch.zeros(1, 8, 4, 1)}, num_heads=8, local_heads=2, local_kv_heads=1, rank=0)
+    with pytest.raises(
+        ValueError, match=r"per-query 'sinks' of shape \(1, 8, 4, 1\), computed from this rank's shard"
+    ):
+        local_view(
+            module, {"sinks": torch.zeros(1, 8, 4, 1)}, num_heads=8, local_heads=2, local_kv_heads=1, rank=0
+        )

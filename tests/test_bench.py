@@ -122,7 +122,11 @@ def test_step_loop_ours_trains_as_the_single_process_oracle():
     assert res["grad_norm_step1"] == pytest.approx(ref["grad_norm_step1"], rel=1e-4)
     assert res["param_spread_in_sp_group"] == 0.0 and "bench.steploop --impl ours" in cmd
     assert res["peak_bytes"] > res["param_numel"] * 4 * 3  # weights, gradients and AdamW's two moments
-    assert res["comm_bytes"]["forward/all_to_all_single"] > 0 and set(res["phase_s"]) == {"forward", "backward", "step"}
+    assert res["comm_bytes"]["forward/all_to_all_single"] > 0 and set(res["phase_s"]) == {
+        "forward",
+        "backward",
+        "step",
+    }
 
 
 def _comm_records():

@@ -214,5 +214,8 @@ def test_the_cli_refuses_a_local_model_whose_attention_bypasses_the_registry(tmp
                           capture_output=True, text=True, timeout=400)  # fmt: skip
     assert proc.returncode != 0
     for rank in (0, 1):
-        assert f"[rank {rank}] error: sequence parallelism (sp_size 2) cannot train DogeForCausalLM" in proc.stderr
+        assert (
+            f"[rank {rank}] error: sequence parallelism (sp_size 2) cannot train DogeForCausalLM"
+            in proc.stderr
+        )
     assert "layer 0: self_attn (DogeAttention)" in proc.stderr

@@ -120,7 +120,9 @@ def _load_in_blocks(directory: str, block_bytes: int) -> int:
 @pytest.mark.parametrize("block_bytes", [1, 100])
 def test_reading_in_blocks_smaller_than_a_row_or_a_shard_equals_from_pretrained(pool, tmp_path, block_bytes):
     d = str(tmp_path / "m")
-    _save(d, tied=True, shard=True, dtype=torch.bfloat16)  # rows of 64 bytes: 1 row per block, or 1 of several
+    _save(
+        d, tied=True, shard=True, dtype=torch.bfloat16
+    )  # rows of 64 bytes: 1 row per block, or 1 of several
     assert pool.run(_load_in_blocks, 2, d, block_bytes)[0] > 0
 
 

@@ -59,17 +59,24 @@ def test_ring_ranks_hold_zigzag_chunks_split_contiguously_over_their_ulysses_ran
 def test_shards_cover_the_sequence_once_and_token_order_inverts_them(s, sp, ring):
     order = sp_token_order(s, sp, ring)
     assert sorted(order.tolist()) == list(range(s))
-    gathered = torch.cat([torch.arange(s)[[i for a, b in shard_spans(s, k, sp, ring) for i in range(a, b)]] for k in range(sp)])
+    gathered = torch.cat(
+        [torch.arange(s)[[i for a, b in shard_spans(s, k, sp, ring) for i in range(a, b)]] for k in range(sp)]
+    )
     restored = torch.empty_like(gathered).index_copy_(0, order, gathered)
     assert restored.tolist() == list(range(s))
 
 
 def test_ring_needs_a_length_divisible_by_twice_the_sp_size():
     assert seq_multiple(4, 1) == 4 and seq_multiple(4, 2) == 8
-    with pytest.raises(ValueError, match=r"sequence length 12 is not divisible by 8 \(sp 4 x 2 zigzag chunks per ring rank, ring size 2\); pad to a multiple of 8, e.g. 16"):
+    with pytest.raises(
+        ValueError,
+        match=r"sequence length 12 is not divisible by 8 \(sp 4 x 2 zigzag chunks per ring rank, ring size 2\); pad to a multiple of 8, e.g. 16",
+    ):
         shard_spans(12, 0, 4, 2)
     batch = {"input_ids": torch.arange(12)[None]}
-    with pytest.raises(ValueError, match=r"not divisible by 8 \(sp 4 x 2 zigzag chunks per ring rank, ring size 2\)"):
+    with pytest.raises(
+        ValueError, match=r"not divisible by 8 \(sp 4 x 2 zigzag chunks per ring rank, ring size 2\)"
+    ):
         prepare_batch(batch, 4, strict=True, ring_size=2)
     prepared = prepare_batch(batch, 4, ring_size=2)  # padded to 16
     assert prepared["input_ids"].shape == (1, 16)
@@ -93,7 +100,9 @@ class _PerLayerConfig:
     def __init__(self, pairs):
         from types import SimpleNamespace
 
-        self.per_layer_config = [SimpleNamespace(num_attention_heads=h, num_key_value_heads=kv) for h, kv in pairs]
+        self.per_layer_config = [
+            SimpleNamespace(num_attention_heads=h, num_key_value_heads=kv) for h, kv in pairs
+        ]
 
     @property
     def num_attention_heads(self):

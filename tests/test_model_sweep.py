@@ -61,7 +61,10 @@ def test_minimax_lightning_attention_is_refused_naming_it(pool):
 def test_a_hidden_running_sum_is_refused_and_would_be_silently_wrong(pool):
     refused = pool.run(_hidden, 2, "cumsum")
     assert [r["verdict"] for r in refused] == ["refused"] * 2
-    assert "layer 0: mlp (CumsumMLP) mixes tokens along the sequence (its code calls cumsum)" in refused[0]["detail"]
+    assert (
+        "layer 0: mlp (CumsumMLP) mixes tokens along the sequence (its code calls cumsum)"
+        in refused[0]["detail"]
+    )
     assert [r["verdict"] for r in pool.run(_hidden, 2, "cumsum", False)] == ["wrong", "wrong"]
 
 

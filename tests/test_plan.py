@@ -113,7 +113,9 @@ def test_plan_max_recommends_the_longest_sequence_and_prints_a_table(capsys):
     best = doc["recommended"]
     # the longest S train accepts: memory allows more, the model's positions end at 131072
     assert best["settings"]["seq_len"] == doc["max_positions"] == 131072 < best["max_seq_len"]
-    fastest = max(c["tokens_per_s"] for c in doc["candidates"] if c["fits"] and c["settings"]["seq_len"] == 131072)
+    fastest = max(
+        c["tokens_per_s"] for c in doc["candidates"] if c["fits"] and c["settings"]["seq_len"] == 131072
+    )
     assert best["tokens_per_s"] == fastest
     main(["plan", "--model", "llama-8b", "--gpus", "8", "--dtype", "bf16"])
     out = capsys.readouterr().out
@@ -197,7 +199,9 @@ def test_plan_goes_beyond_the_head_count_with_a_ring(capsys, tmp_path):
     path = tmp_path / "config.json"  # 2 heads: Ulysses alone stops at sp 2
     path.write_text(LlamaConfig(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                 num_attention_heads=2, num_key_value_heads=2).to_json_string())  # fmt: skip
-    doc = _plan(capsys, "--model", str(path), "--device", "cpu", "--memory", "1GB", "--gpus", "4", "--seq-len", "64")
+    doc = _plan(
+        capsys, "--model", str(path), "--device", "cpu", "--memory", "1GB", "--gpus", "4", "--seq-len", "64"
+    )
     sp4 = [c for c in doc["candidates"] if c["settings"]["sp"] == 4]
     assert sp4 and all(c["settings"]["ring_size"] == 2 for c in sp4)
     args = sp4[0]["train_args"]

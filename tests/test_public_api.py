@@ -67,7 +67,10 @@ DOCUMENTED = _documented()
 def test_the_readme_documents_the_tiling_api():
     # the parser must see the paths this suite exists to protect (a silent parse would test nothing)
     names = {(module, name) for module, name, _ in DOCUMENTED}
-    assert {("ulysses_sp.memory.tiling", "apply_tiled_mlp"), ("ulysses_sp.memory.tiling", "TiledCausalLMLoss")} <= names
+    assert {
+        ("ulysses_sp.memory.tiling", "apply_tiled_mlp"),
+        ("ulysses_sp.memory.tiling", "TiledCausalLMLoss"),
+    } <= names
     assert ("ulysses_sp.memory.tiling", "sequence_tiled_compute") in names
     assert ("ulysses_sp", "initialize") in names
     assert len(DOCUMENTED) >= 30, DOCUMENTED

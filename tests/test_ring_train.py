@@ -107,14 +107,20 @@ def _adapter_and_eval(ring):
             want = prepare_batch(_packed(7 + k), sp, ring_size=ring)
             assert torch.equal(shard["input_ids"], shard_batch(want, mesh.sp_rank, sp, ring)["input_ids"])
             logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
-            full = torch.cat([ref(input_ids=want["input_ids"][:, a:b]).logits for a, b in _doc_spans()], dim=1)
+            full = torch.cat(
+                [ref(input_ids=want["input_ids"][:, a:b]).logits for a, b in _doc_spans()], dim=1
+            )
             mine = torch.cat([full[:, a:b] for a, b in _spans(sp, ring, mesh.sp_rank)], dim=1)
             torch.testing.assert_close(logits, mine, rtol=1e-5, atol=1e-5)
     reg.remove()
-    reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1, mesh=mesh, disable_in_eval=True)
+    reg = UlyssesSPAttentionHF.register_with_transformers(
+        model, "sdpa", sp, 1, mesh=mesh, disable_in_eval=True
+    )
     with torch.no_grad():  # disable_in_eval: this rank's whole (unsharded) sequence, plain attention
         ids = _packed(9)["input_ids"][:, :8]
-        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5
+        )
     reg.remove()
     return True
 
@@ -184,7 +190,10 @@ def _two_runs_in_one_process(store_path):
 
     from ulysses_sp.parallel.mesh import shutdown
 
-    caches = (DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding, _redistribute._gen_transform_infos)
+    caches = (
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding,
+        _redistribute._gen_transform_infos,
+    )
     native = torch._C._get_DTensor_sharding_propagator_cache_stats  # the C++ dispatch fast path's cache
     rank, world = dist.get_rank(), dist.get_world_size()
     losses, cached = [], []
@@ -193,7 +202,9 @@ def _two_runs_in_one_process(store_path):
             cached.append([c.cache_info().currsize for c in caches] + [native()[1]])
             shutdown()
             cached.append([c.cache_info().currsize for c in caches] + [native()[1]])
-            dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+            dist.init_process_group(
+                "gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world
+            )
         mesh = init_mesh((2, 2), ring_size=ring)
         model = _model("llama", "sdpa")
         reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, 1, mesh=mesh)

@@ -169,19 +169,23 @@ class SPTrainerMixin:
     ) -> tuple[list[Any], torch.Tensor | None]:
         """The Trainer's batches of one optimizer step, and ``N`` for token-weighted losses.
 
-        The Trainer counts ``labels``, which SP shards do not carry: count ``shift_labels`` here, over
-        every rank (``average_tokens_across_devices``) or over the SP group. A collective on every
-        rank; every rank has the same number of batches (the adapter's contract).
+        The Trainer counts ``labels``, which SP shards do not carry: count ``shift_labels`` here.
+        ``average_tokens_across_devices``: ``N`` is the valid tokens of every rank (a scalar).
+        Otherwise a run without SP normalises each rank's batches by that rank's own count, so ``N``
+        is a ``[P]`` tensor: entry ``j`` counts the batches the group's rank ``j`` loaded (its
+        ``SOURCE_KEY``), summed over the group. A collective on every rank; every rank has the
+        same number of batches (the adapter's contract).
         """
         batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)  # type: ignore[misc]
         if not getattr(self, "model_accepts_loss_kwargs", False):
             return batches, None
-        local = torch.zeros((), dtype=torch.int64, device=device)
-        for batch in batches:
-            local += (batch["shift_labels"] != IGNORE_INDEX).sum().to(device)
         mesh = self._ulysses_sp.mesh
-        group = mesh.reduce_group if self.args.average_tokens_across_devices else mesh.sp_group  # type: ignore[attr-defined]
-        return batches, all_reduce_sum(local, group)
+        local = torch.zeros(mesh.sp_size, dtype=torch.int64, device=device)  # [P]: tokens per source rank
+        for batch in batches:
+            local[batch[SOURCE_KEY]] += (batch["shift_labels"] != IGNORE_INDEX).sum().to(device)
+        if self.args.average_tokens_across_devices:  # type: ignore[attr-defined]
+            return batches, all_reduce_sum(local.sum(), mesh.reduce_group)
+        return batches, all_reduce_sum(local, mesh.sp_group)
 
     def compute_loss(
         self,
@@ -192,7 +196,7 @@ class SPTrainerMixin:
     ) -> Any:
         """Causal-LM loss of this rank's shard, normalised as the class docstring of this module says."""
         inputs = dict(inputs)
-        inputs.pop(SOURCE_KEY, None)
+        source = inputs.pop(SOURCE_KEY, None)
         shift_labels = inputs.pop("shift_labels", None)
         if shift_labels is None:
             raise ValueError(
@@ -206,9 +210,10 @@ class SPTrainerMixin:
         mesh = self._ulysses_sp.mesh
         if num_items_in_batch is None:
             loss = group_mean_loss(total, count, mesh)
-        else:
-            scale = mesh.world_size if self.args.average_tokens_across_devices else mesh.sp_size  # type: ignore[attr-defined]
-            loss = total / num_items_in_batch * scale
+        elif self.args.average_tokens_across_devices:  # type: ignore[attr-defined]
+            loss = total / num_items_in_batch * mesh.world_size
+        else:  # N of the rank that loaded this batch; the W-average of the ranks' gradients as without SP
+            loss = total / torch.as_tensor(num_items_in_batch)[source].clamp(min=1)
         return (loss, outputs) if return_outputs else loss
 
     def prediction_step(
@@ -226,15 +231,44 @@ class SPTrainerMixin:
         (micro-step ``sp_rank`` of the round) and reports it at the round's last micro-step, ``None``
         before: the same gather, on every rank at the same step. Logits stay sharded (never
         ``[B, S, V]`` on one rank), so only the loss is returned.
+
+        What a rank reports is what the trainer's own ``prediction_step`` would: TRL's (and most
+        subclasses') the batch's token mean; ``transformers.Trainer``'s, for a model taking
+        ``num_items_in_batch`` with ``average_tokens_across_devices``, the batch's token sum over
+        the valid tokens of all ``W`` ranks' batches of that eval step, times ``W``
+        (``eval_tokens_across_ranks``).
         """
         inputs = dict(self._prepare_inputs(inputs))  # type: ignore[attr-defined]
         source = inputs.pop(SOURCE_KEY)
         handle = self._ulysses_sp
+        mesh = handle.mesh
         with torch.no_grad(), self.compute_loss_context_manager():  # type: ignore[attr-defined]
             loss = self.compute_loss(model, inputs).detach()
-        if source == handle.mesh.sp_rank:
-            handle.own_eval_loss = loss
-        if source < handle.mesh.sp_size - 1:
+        across = eval_tokens_across_ranks(self)
+        if across:  # the batch's valid tokens, summed over the group (one more collective)
+            count = all_reduce_sum((inputs["shift_labels"] != IGNORE_INDEX).sum(), mesh.sp_group)
+        if source == mesh.sp_rank:
+            handle.own_eval_loss = (loss, count) if across else loss
+        if source < mesh.sp_size - 1:
             return None, None, None
         own, handle.own_eval_loss = handle.own_eval_loss, None
+        if across:  # own batch's token sum / all W ranks' tokens * W
+            mean, count = own
+            total = all_reduce_sum(count, mesh.reduce_group).clamp(min=1)
+            own = (mean.double() * count / total * mesh.world_size).to(mean.dtype)
         return own, None, None
+
+
+def eval_tokens_across_ranks(trainer: Any) -> bool:
+    """Whether the trainer's own eval step (below the SP mixin) normalises a batch's loss by the
+    tokens of every rank's batch: ``transformers.Trainer.prediction_step`` does for a model taking
+    ``num_items_in_batch`` under ``average_tokens_across_devices``; TRL's trainers override it with a
+    per-batch mean."""
+    from transformers import Trainer
+
+    own_class = trainer._ulysses_sp._trainer_class
+    return (
+        own_class.prediction_step is Trainer.prediction_step
+        and bool(getattr(trainer, "model_accepts_loss_kwargs", False))
+        and bool(trainer.args.average_tokens_across_devices)
+    )

@@ -22,7 +22,9 @@ of a run without SP on the same number of processes.
 Refused, with the fix in the message (``ValueError`` on every rank, before any collective): a
 Trainer with DeepSpeed or with accelerate's own sequence/context/tensor parallelism, single-process
 multi-GPU ``DataParallel``, an attention implementation the SP attention cannot wrap, a model with a
-module that mixes tokens outside the SP attention (``mixers.guard``: a convolution, scan or linear attention), a custom
+module that mixes tokens outside the SP attention (``mixers.guard``: a convolution, scan or linear attention),
+a trainer with another objective (TRL's ``DPOTrainer`` and its other non-SFT trainers, any subclass with
+its own ``compute_loss``: ``_support``), Liger kernels on the CPU, a custom
 ``compute_loss_func``, label smoothing, TRL's ``loss_type="dft"`` or MoE auxiliary loss, ``compute_metrics`` (it needs full-sequence logits, which SP
 never gathers). Collator outputs the adapter cannot shard (left padding, a ``[B, S]`` tensor whose
 batch size differs, ...) raise at the first batch on every rank of the group.
@@ -37,6 +39,7 @@ from ulysses_sp.attention.core import CORE_ATTENTIONS
 from ulysses_sp.attention.registration import ATTN_NAME, SPRegistration
 from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
 from ulysses_sp.checks import positive_int
+from ulysses_sp.integrations._support import check_liger, check_trainer_loss, fsdp_dropped
 from ulysses_sp.integrations._trainer import SPTrainerDataLoader, SPTrainerMixin
 from ulysses_sp.integrations.alst import ALSTHandle, ALSTOptions
 from ulysses_sp.mixers.apply import apply_mixers, has_unsharded_mixers
@@ -167,6 +170,7 @@ def prepare(
         offload_attention=offload_attention,
     )
     mixers = apply_mixers(model, mesh) if has_unsharded_mixers(model) else None  # conv / Mamba-2 layers
+    fsdp_dropped(trainer)  # accelerate on a CPU: an FSDP config runs as DDP
     logger.info("sequence parallelism in %s: %r, core attention %r", type(trainer).__name__, mesh, core)
     alst = options.apply(model) if options != ALSTOptions() else None
     return SPTrainerHandle(
@@ -207,6 +211,8 @@ def _check_trainer(trainer: Any, core: str) -> None:
     """Refuse what cannot run with SP; every rank sees the same configuration, so every rank raises."""
     if core not in CORE_ATTENTIONS:
         raise ValueError(f"core_attn_implementation={core!r}; choose one of {list(CORE_ATTENTIONS)}")
+    check_trainer_loss(trainer)  # DPO and other objectives the SP loss does not compute
+    check_liger(trainer)
     args = trainer.args
     if getattr(trainer, "is_deepspeed_enabled", False) or getattr(args, "deepspeed", None):
         raise ValueError(

@@ -1,0 +1,109 @@
+"""Trainers and kernels the SP Trainer path does not reproduce are refused by ``prepare()`` with the
+reason (issue 25 item 5): TRL's ``DPOTrainer`` (a real one, built on a tiny model), any subclass
+with its own ``compute_loss``, Liger kernels on the CPU. No process group is needed: the checks run
+before any collective."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("accelerate", reason="the hf extra (pip install ulysses-sp[hf]) is not installed")
+pytest.importorskip("trl", reason="the hf extra (pip install ulysses-sp[hf]) is not installed")
+
+from hf_runs import VOCAB, right_pad_collator, token_rows  # noqa: E402
+from models import tiny_model  # noqa: E402
+from test_hf_trainer import _single_process_accelerate  # noqa: E402
+
+from ulysses_sp.integrations.transformers import prepare  # noqa: E402
+
+
+@pytest.fixture
+def single_process():
+    with _single_process_accelerate():
+        yield
+
+
+def test_prepare_refuses_dpo_trainer_naming_it_and_why(single_process, tmp_path):
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    from ulysses_sp.tasks.tokenizer import byte_tokenizer
+
+    rows = [
+        {"prompt": "say a", "chosen": " a", "rejected": " b"},
+        {"prompt": "say c", "chosen": " c", "rejected": " d"},
+    ]
+    args = DPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no")
+    trainer = DPOTrainer(
+        model=tiny_model("llama", vocab=VOCAB),
+        ref_model=tiny_model("llama", vocab=VOCAB),  # given: nothing is loaded from a hub
+        args=args,
+        processing_class=byte_tokenizer(),
+        train_dataset=Dataset.from_list(rows),
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"DPOTrainer \(through trl\.trainer\.dpo_trainer\.DPOTrainer\) cannot run with sequence "
+        r"parallelism: its loss compares each pair's summed log-probabilities.*SFTTrainer",
+    ):
+        prepare(trainer, sp_size=2)
+    assert type(trainer) is DPOTrainer  # untouched
+
+
+def test_prepare_refuses_a_subclass_with_its_own_loss(single_process, tmp_path):
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    class WeightedTrainer(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return 2 * super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    class LoggingTrainer(Trainer):  # overrides something else: accepted
+        def log(self, logs, start_time=None):
+            super().log(logs, start_time)
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], save_strategy="no")
+    data = Dataset.from_list(token_rows(4, (8,), seed=0))
+    model = tiny_model("llama", vocab=VOCAB)
+    weighted = WeightedTrainer(model=model, args=args, train_dataset=data, data_collator=right_pad_collator)
+    with pytest.raises(
+        ValueError, match=r"WeightedTrainer.*defines its own compute_loss, which prepare\(\) would replace"
+    ):
+        prepare(weighted, sp_size=2)
+    logging_trainer = LoggingTrainer(
+        model=model, args=args, train_dataset=data, data_collator=right_pad_collator
+    )
+    # passes the loss check; stops only at the missing process group
+    with pytest.raises(ValueError, match=r"needs an initialized torch.distributed process group"):
+        prepare(logging_trainer, sp_size=2)
+
+
+def test_prepare_refuses_liger_kernels_on_cpu(single_process, tmp_path):
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], save_strategy="no")
+    trainer = Trainer(
+        model=tiny_model("llama", vocab=VOCAB),
+        args=args,
+        train_dataset=Dataset.from_list(token_rows(4, (8,), seed=0)),
+        data_collator=right_pad_collator,
+    )
+    # set after construction: the Trainer itself refuses use_liger_kernel when liger_kernel is missing
+    trainer.args.use_liger_kernel = True
+    with pytest.raises(
+        ValueError,
+        match=r"use_liger_kernel=True: Liger's kernels are Triton, GPU only.*use_liger_kernel=False",
+    ):
+        prepare(trainer, sp_size=2)
+
+
+def test_readme_shows_the_fsdp2_config_file():
+    """README's accelerate + FSDP2 config is examples/accelerate_fsdp2.yaml (the file the launch test
+    runs), less its comment header."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    lines = (root / "examples" / "accelerate_fsdp2.yaml").read_text().splitlines(keepends=True)
+    body = "".join(line for line in lines if not line.startswith("#"))
+    assert f"```yaml\n{body}```" in (root / "README.md").read_text()
