@@ -22,7 +22,7 @@ One concern per module:
 Shape legend: ``B`` batch, ``S`` global (padded) sequence, ``S_l = S/P`` local sequence, ``P`` sp
 size, ``Hd`` hidden size, ``N_v`` visual tokens of the batch.
 
-May import: ``checks``, ``parallel``, ``data`` (the text batch logic).
+May import: ``checks``, ``parallel``, ``data`` (the text batch logic), ``attention`` (the registered core).
 """
 
 from __future__ import annotations

@@ -22,6 +22,18 @@ SUPPORTED_VLMS: dict[str, str] = {
 }
 """``config.model_type`` -> what the path handles for it (exact, tested)."""
 
+REFUSED_VLMS: dict[str, str] = {
+    "gemma3": "its image tokens attend to each other bidirectionally (token_type_ids in the model's mask), which "
+    "the SP attention's causal, position-built mask does not reproduce",
+    "gemma3n": "its image tokens attend to each other bidirectionally and its audio/vision towers need timm",
+    "paligemma": "its prefix (image + prompt) attends bidirectionally (a prefix-LM mask built from token_type_ids)",
+    "llama4": "its merge and chunked attention over image tokens have not been proven exact under this path",
+    "qwen2_vl": "the Qwen2.5-VL path very likely applies, but it has not been tested against the model without SP",
+    "qwen3_5": "its language model mixes gated delta-net and attention layers behind the vision merge, a "
+    "combination not yet tested against the model without SP",
+}
+"""``config.model_type`` -> the specific reason a known multimodal family is refused."""
+
 _ENCODER_KEYS = ("vision_config", "audio_config", "vision_tower", "audio_tower", "speech_config")
 
 
@@ -81,9 +93,11 @@ def multimodal_refusal(model: nn.Module) -> str | None:
     if not encoders or not has_encoder:
         return None
     admitted = ", ".join(sorted(SUPPORTED_VLMS))
+    why = REFUSED_VLMS.get(str(_model_type(model)), "")
     return (
         f"is a multimodal model ({_model_type(model)}: {', '.join(encoders)}) whose own forward merges the "
-        f"encoder's embeddings into the token sequence; ulysses-sp shards that merge exactly only for "
+        f"encoder's embeddings into the token sequence{'; ' + why if why else ''}; ulysses-sp shards that merge "
+        "exactly only for "
         f"{admitted} (ulysses_sp.vlm). Train its text model alone (the *ForCausalLM class of its text "
         "config) with SP, or this model with sp_size 1"
     )

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ulysses_sp.attention.registration import ATTN_NAME
 from ulysses_sp.parallel.mesh_shape import shard_spans
 from ulysses_sp.vlm.families import vlm_parts
 
@@ -51,11 +52,12 @@ class VLMShardHandle:
 
 
 def shard_vlm(
-    model: nn.Module, *, sp_rank: int, sp_size: int, ring_size: int = 1, core: str
+    model: nn.Module, *, sp_rank: int, sp_size: int, ring_size: int = 1, core: str | None = None
 ) -> VLMShardHandle:
     """Install the language-model pre-hook and keep the vision tower on ``core`` attention.
 
-    Call it after ``register_with_transformers`` (which points the whole model at the SP attention).
+    Call it after ``register_with_transformers`` (which points the whole model at the SP attention);
+    ``core=None``: the core attention of that registration. ``initialize`` and ``prepare`` call it.
 
     Raises:
         ValueError: ``model`` is not an admitted VLM (``families.SUPPORTED_VLMS``).
@@ -63,6 +65,12 @@ def shard_vlm(
     parts = vlm_parts(model)
     if parts is None:
         raise ValueError(f"{type(model).__name__} is not a VLM ulysses_sp.vlm supports (see SUPPORTED_VLMS)")
+    if core is None:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        core = getattr(ALL_ATTENTION_FUNCTIONS.get(ATTN_NAME), "core", None)
+        if core is None:
+            raise ValueError("shard_vlm needs register_with_transformers(...) first (or core='sdpa')")
     vision_config = parts.vision.config
     prev = vision_config._attn_implementation
     vision_config._attn_implementation = core  # the tower's own attention over its whole images
