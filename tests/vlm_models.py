@@ -96,3 +96,34 @@ def pack(docs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 def labels_for(ids: torch.Tensor) -> torch.Tensor:
     """Train on the text tokens: placeholders and vision markers ``-100``."""
     return ids.masked_fill((ids == IMAGE) | (ids == VIDEO) | (ids == V_START) | (ids == V_END), -100)
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for c in m['content'] %}{% if c['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ c['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endfor %}"
+)
+SPECIAL = {"<|im_start|>": 124, "<|im_end|>": 125, "<|vision_start|>": V_START, "<|vision_end|>": V_END,
+           "<|image_pad|>": IMAGE, "<|video_pad|>": VIDEO, "<|endoftext|>": 0}  # fmt: skip
+
+
+def save_vlm_dir(path: str, family: str = "qwen2_5_vl", *, processor: bool = True) -> None:
+    """A local VLM directory: the tiny model, a character-level tokenizer whose special tokens are
+    the model's ids, and (``processor``) a PIL image processor (4-pixel patches, at most 32x32)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tiny_vlm(family).save_pretrained(path)
+    vocab = {chr(i): i - 29 for i in range(32, 127)}  # ids 3..97: printable characters
+    vocab.update({"\n": 1, **SPECIAL})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=" "))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>")
+    fast.add_special_tokens({"additional_special_tokens": [t for t in SPECIAL if t != "<|endoftext|>"]})
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    if processor:
+        Qwen2VLImageProcessorPil(patch_size=PATCH, temporal_patch_size=TEMPORAL, merge_size=MERGE,
+                                 min_pixels=8 * 8, max_pixels=32 * 32).save_pretrained(path)  # fmt: skip
