@@ -103,3 +103,10 @@ def test_placeholders_that_do_not_match_the_grids_are_refused(vlm_dir):
         ValueError, match=r"8 image placeholder tokens but its image_grid_thw \(\[\[1, 4, 4\]\]\) makes 4"
     ):
         prepare_vlm_batch(model, s, sp_rank=0, sp_size=2)
+
+
+def test_the_cli_refuses_a_vlm_directory_pointing_to_the_python_path(vlm_dir):
+    from ulysses_sp.run.checks import model_config
+
+    with pytest.raises(ValueError, match=r"is a multimodal model \(qwen2_5_vl: vision_config\); `ulysses-sp train`"):
+        model_config(str(vlm_dir / "model"), 256)
