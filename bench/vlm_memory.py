@@ -1,8 +1,6 @@
 """Peak memory per rank of a Qwen2.5-VL step vs sp, at two lengths; the vision tower's own apart.
 
-Run (about 5 minutes on 2 CPU cores)::
-
-    python -m bench.vlm_memory [--out bench/results/vlm_memory.md]
+Run (about 5 minutes on 2 CPU cores): ``python -m bench.vlm_memory [--out bench/results/vlm_memory.md]``
 
 A random Qwen2.5-VL (text: hidden 256, 4 layers, 8 heads, vocab 1024; vision: hidden 128, depth 4)
 trains one fp32 step on one sample of 32x32-patch images (256 tokens each) and 256 text tokens,
