@@ -141,3 +141,48 @@ def _engine_step(sp, stage):
 @pytest.mark.parametrize("stage", [0, 3])
 def test_vlm_engine_step_equals_no_sp(pool, stage):
     assert all(m > 1e-3 for m in pool.run(_engine_step, 2, 2, stage))
+
+
+def _trainer_run(sp_size: int, accum: int, lr: float = 1e-2) -> dict:
+    """Two steps of ``transformers.Trainer`` on Qwen3-VL samples (batch 1 per rank), eval once;
+    ``sp_size=0``: no ``prepare`` (the oracle, data parallel over the same 2 processes). Unpacked
+    samples: transformers' own forward does not keep packed VLM documents apart (the model-path
+    test above checks packing against each document run alone)."""
+    import tempfile
+
+    from hf_runs import accelerate_env
+    from transformers import Trainer, TrainingArguments
+
+    from ulysses_sp.integrations.transformers import prepare
+
+    docs = [sample(DOC_A, "qwen3_vl", seed=1), sample(DOC_B, "qwen3_vl", seed=2), sample(DOC_C, "qwen3_vl", seed=3),
+            sample(DOC_C + DOC_B, "qwen3_vl", seed=4)]  # fmt: skip
+    rows = [{**d, "labels": labels_for(d["input_ids"])} for d in docs]
+    model = tiny_vlm("qwen3_vl")
+    with accelerate_env(), tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(output_dir=out, use_cpu=True, report_to=[], save_strategy="no", max_steps=2,
+                                 per_device_train_batch_size=1, per_device_eval_batch_size=1,
+                                 gradient_accumulation_steps=accum, learning_rate=lr, logging_steps=1, seed=0,
+                                 disable_tqdm=True, dataloader_num_workers=0, remove_unused_columns=False)  # fmt: skip
+        trainer = Trainer(model=model, args=args, train_dataset=rows * 2, eval_dataset=rows,
+                          data_collator=lambda examples: examples[0])  # fmt: skip
+        handle = prepare(trainer, sp_size=sp_size) if sp_size else None
+        trainer.train()
+        logs = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+        eval_loss = trainer.evaluate()["eval_loss"]
+        if handle is not None:
+            handle.remove()
+    return {"logs": logs, "eval_loss": eval_loss}
+
+
+def test_vlm_trainer_sp2_steps_and_eval_equal_trainer_without_sp(pool):
+    pytest.importorskip("accelerate", reason="the hf extra (pip install ulysses-sp[hf]) is not installed")
+    ref = pool.run(_trainer_run, 2, 0, 1)
+    sp = pool.run(_trainer_run, 2, 2, 2)
+    assert sp[0] == sp[1] and len(ref[0]["logs"]) == len(sp[0]["logs"]) == 2, (sp, ref)
+    for (loss, norm), (ref_loss, ref_norm) in zip(sp[0]["logs"], ref[0]["logs"]):
+        assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-4), (
+            sp,
+            ref,
+        )
+    assert sp[0]["eval_loss"] == pytest.approx(ref[0]["eval_loss"], rel=1e-5)

@@ -43,6 +43,7 @@ from ulysses_sp.mixers.base import MixerHandle
 from ulysses_sp.mixers.guard import check_sequence_mixing
 from ulysses_sp.parallel.mesh import SPMesh, init_mesh, require_process_group
 from ulysses_sp.parallel.mesh_shape import head_counts, resolve_ring_size_for_layers
+from ulysses_sp.vlm import VLMShardHandle, shard_vlm, vlm_parts
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +68,15 @@ class SPTrainerHandle:
         pad_token_id: int,
         strict: bool,
         mixers: MixerHandle | None = None,
+        vlm: VLMShardHandle | None = None,
     ) -> None:
         self.trainer = trainer
         self.mesh = mesh
         self.registration = registration
         self.mixers = mixers
         """The model's sharded sequence mixers (``mixers.apply.apply_mixers``), or ``None``."""
+        self.vlm = vlm
+        """A vision-language model's language-model pre-hook (``vlm.shard_vlm``), or ``None``."""
         self.pad_token_id = pad_token_id
         self.strict = strict
         self.own_eval_loss: Any = None
@@ -92,6 +96,8 @@ class SPTrainerHandle:
         del self.trainer._ulysses_sp
         if self.mixers is not None:
             self.mixers.remove()
+        if self.vlm is not None:
+            self.vlm.remove()
         self.registration.remove()
 
     def __repr__(self) -> str:
@@ -148,9 +154,12 @@ def prepare(
         mesh=mesh,
     )
     mixers = apply_mixers(model, mesh) if has_unsharded_mixers(model) else None  # conv / Mamba-2 layers
+    vlm = None  # Qwen-VL: whole batches to every rank, the language model's inputs cut after the merge
+    if vlm_parts(model) is not None:
+        vlm = shard_vlm(model, sp_rank=mesh.sp_rank, sp_size=mesh.sp_size, ring_size=mesh.ring_size, core=core)
     logger.info("sequence parallelism in %s: %r, core attention %r", type(trainer).__name__, mesh, core)
     return SPTrainerHandle(
-        trainer, mesh, registration, pad_token_id=_pad_token_id(trainer), strict=strict, mixers=mixers
+        trainer, mesh, registration, pad_token_id=_pad_token_id(trainer), strict=strict, mixers=mixers, vlm=vlm
     )
 
 

@@ -17,7 +17,9 @@ One concern per module:
 - ``positions``: ``vlm_position_ids``, full-sequence ``[4, B, S]`` positions (text row + mrope rows),
   packed documents restarting at 0;
 - ``shard``: ``shard_vlm``, the language model's pre-hook (and the vision tower's own attention);
-- ``batch``: ``prepare_vlm_batch``, one rank's model inputs from a full-sequence VLM batch.
+- ``batch``: ``prepare_vlm_batch``, one rank's model inputs from a full-sequence VLM batch;
+- ``adapter``: ``VLMDataLoaderAdapter``, the SP group's round over whole VLM batches;
+- ``data``: chat JSONL with local images through the model directory's tokenizer and image processor.
 
 Shape legend: ``B`` batch, ``S`` global (padded) sequence, ``S_l = S/P`` local sequence, ``P`` sp
 size, ``Hd`` hidden size, ``N_v`` visual tokens of the batch.
@@ -27,6 +29,7 @@ May import: ``checks``, ``parallel``, ``data`` (the text batch logic), ``attenti
 
 from __future__ import annotations
 
+from ulysses_sp.vlm.adapter import VLMDataLoaderAdapter, vlm_round
 from ulysses_sp.vlm.batch import prepare_vlm_batch
 from ulysses_sp.vlm.families import SUPPORTED_VLMS, multimodal_refusal, vlm_parts
 from ulysses_sp.vlm.positions import vlm_position_ids
@@ -34,10 +37,12 @@ from ulysses_sp.vlm.shard import VLMShardHandle, shard_vlm
 
 __all__ = [
     "SUPPORTED_VLMS",
+    "VLMDataLoaderAdapter",
     "VLMShardHandle",
     "multimodal_refusal",
     "prepare_vlm_batch",
     "shard_vlm",
     "vlm_parts",
     "vlm_position_ids",
+    "vlm_round",
 ]
