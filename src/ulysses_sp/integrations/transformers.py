@@ -14,6 +14,8 @@ files), and puts ``SPTrainerMixin`` in front of the trainer's class: train, eval
 through the SP data adapter, the loss is the SP causal-LM loss normalised exactly as the Trainer
 normalises the model's own, and the Trainer's own DDP or FSDP (through accelerate) reduces the
 gradients (see ``_trainer``'s module docstring for why that is the sum over SP and the mean over DP).
+A Qwen-VL model (``ulysses_sp.vlm``) gets its language-model hook, and its loaders exchange whole
+batches in the SP round (the merge and the 3-D positions need the full sample).
 
 What changes for the user: each rank runs ``sp_size`` times as many micro-steps per epoch (an SP
 group shares its ranks' batches), so ``gradient_accumulation_steps * sp_size`` keeps the global batch
