@@ -58,11 +58,12 @@ def _reference(ref, docs):
 def _cases(sp, cases):
     mesh = init_mesh((1, sp))
     done = []
-    for family, case in cases:
+    for family, case, split in cases:
         ref = tiny_vlm(family)
         model = copy.deepcopy(ref)
         reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1, mesh=mesh)
-        handle = shard_vlm(model, sp_rank=mesh.sp_rank, sp_size=sp, core="sdpa")
+        group = mesh.sp_group if split else None  # images split over the group (vlm.split)
+        handle = shard_vlm(model, sp_rank=mesh.sp_rank, sp_size=sp, core="sdpa", split_images_over=group)
         docs = _docs(family, case)
         _pad_last(docs)
         batch = pack(docs)
@@ -72,13 +73,20 @@ def _cases(sp, cases):
         ref_loss.backward()
         inputs = prepare_vlm_batch(model, batch, sp_rank=mesh.sp_rank, sp_size=sp)
         labels = inputs.pop("shift_labels")
+        seen: list[int] = []  # patch rows this rank's vision tower encodes
+        probe = model.model.visual.patch_embed.register_forward_pre_hook(
+            lambda m, a, seen=seen: seen.append(a[0].shape[0])
+        )
         out = model(**inputs, use_cache=False)
+        probe.remove()
+        total = sum(batch[k].shape[0] for k in ("pixel_values", "pixel_values_videos") if k in batch)
+        assert (sum(seen) < total) if split else (sum(seen) == total), (seen, total)
         loss = sp_causal_lm_loss(out.logits, labels, mesh.sp_group)
         loss.backward()
         for p in model.parameters():
             dist.all_reduce(p.grad, group=mesh.sp_group)
         cols = slice(mesh.sp_rank * s // sp, (mesh.sp_rank + 1) * s // sp)
-        tag = (family, case, sp)
+        tag = (family, case, split, sp)
         torch.testing.assert_close(
             out.logits, ref_logits[:, cols], rtol=1e-5, atol=1e-5, msg=lambda m, t=tag: f"{t}: {m}"
         )
@@ -95,19 +103,20 @@ def _cases(sp, cases):
     return done
 
 
-SP2 = [("qwen2_5_vl", "single"), ("qwen3_vl", "single"), ("qwen2_5_vl", "packed")]
-SP4 = [("qwen3_vl", "packed")]  # kv heads 2 < sp 4: replicated
+SP2 = [("qwen2_5_vl", "single", False), ("qwen3_vl", "single", False), ("qwen2_5_vl", "packed", False),
+       ("qwen2_5_vl", "single", True), ("qwen3_vl", "packed", True)]  # fmt: skip
+SP4 = [("qwen3_vl", "packed", False)]  # kv heads 2 < sp 4: replicated
 
 
 @pytest.mark.parametrize("sp, cases", [(2, SP2), (4, SP4)], ids=["sp2", "sp4"])
 def test_vlm_logits_loss_and_every_gradient_equal_no_sp(pool, sp, cases):
     results = pool.run(_cases, sp, sp, cases)
-    assert all(r == [(f, c, sp) for f, c in cases] for r in results)
+    assert all(r == [(f, c, split, sp) for f, c, split in cases] for r in results)
 
 
 def _engine_step(sp, stage):
-    """One SGD step through ``initialize`` (DDP at stage 0, FSDP2 at 3) against the same step
-    without SP; returns the largest parameter change so the test knows the step moved something."""
+    """One SGD step through ``initialize`` (DDP at stage 0, FSDP2 at 3 with the images split over the
+    group) against the same step without SP; returns the largest parameter change so the test knows the step moved something."""
     from ulysses_sp import initialize
 
     mesh = init_mesh((1, sp))
@@ -116,6 +125,8 @@ def _engine_step(sp, stage):
     reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1, mesh=mesh)
     cfg = {"train_batch_size": 1, "zero_optimization": {"stage": stage},
            "optimizer": {"type": "SGD", "params": {"lr": 0.5}}}  # fmt: skip
+    if stage == 3:  # images split over the group, installed before initialize (which keeps it)
+        shard_vlm(model, sp_rank=mesh.sp_rank, sp_size=sp, split_images_over=mesh.sp_group)
     engine, _, _, _ = initialize(model, cfg, mpu=reg)
     docs = _docs("qwen3_vl", "packed")
     _pad_last(docs)

@@ -15,9 +15,10 @@ vision tower and the token embeddings; summed over the SP group (the sharding en
 gradient over SP) that is the full-sequence gradient, as for the text embeddings.
 
 Where the vision tower runs: on every rank of the SP group, over all the sample's images. Its
-compute and activations are replicated ``P`` times (the alternative — images split over the group
-and the embeddings all-gathered — saves them at the price of an uneven split and a collective;
-not done here). ``bench/vlm_memory.py`` reports the tower's peak apart from the language model's.
+compute and activations are replicated ``P`` times. The alternative, ``split_images_over=``
+(``vlm.split``), splits whole images over the group and sums the embeddings over it: less compute
+and memory per rank, at the price of an uneven split and one collective per encoder call. ``bench/vlm_memory.py`` reports the tower's peak
+apart from the language model's.
 
 Shape legend: ``B`` batch, ``S`` global sequence, ``S_l = S/P``, ``Hd`` hidden, ``N_v`` visual tokens.
 """
@@ -32,32 +33,47 @@ from torch import nn
 from ulysses_sp.attention.registration import ATTN_NAME
 from ulysses_sp.parallel.mesh_shape import shard_spans
 from ulysses_sp.vlm.families import vlm_parts
+from ulysses_sp.vlm.split import split_vision
+
+INSTALLED = "_ulysses_sp_vlm_shard"
+"""The language model's attribute holding its ``VLMShardHandle`` while installed."""
 
 
 class VLMShardHandle:
     """What ``shard_vlm`` returns; ``remove()`` restores the language model and the vision attention."""
 
     def __init__(
-        self, model: nn.Module, language_model: nn.Module, hook: Any, vision_config: Any, prev: Any
+        self, model: nn.Module, language_model: nn.Module, hook: Any, vision_config: Any, prev: Any, undo: Any
     ) -> None:
         self.model, self.language_model = model, language_model
-        self._hook, self._vision_config, self._prev = hook, vision_config, prev
+        self._hook, self._vision_config, self._prev, self._undo = hook, vision_config, prev, undo
 
     def remove(self) -> None:
         if self._hook is None:
             return
+        if self._undo is not None:
+            self._undo()
         self._hook.remove()
+        self.language_model.__dict__.pop(INSTALLED, None)
         self._hook = None
         self._vision_config._attn_implementation = self._prev
 
 
 def shard_vlm(
-    model: nn.Module, *, sp_rank: int, sp_size: int, ring_size: int = 1, core: str | None = None
+    model: nn.Module,
+    *,
+    sp_rank: int,
+    sp_size: int,
+    ring_size: int = 1,
+    core: str | None = None,
+    split_images_over: Any = None,
 ) -> VLMShardHandle:
     """Install the language-model pre-hook and keep the vision tower on ``core`` attention.
 
     Call it after ``register_with_transformers`` (which points the whole model at the SP attention);
     ``core=None``: the core attention of that registration. ``initialize`` and ``prepare`` call it.
+    ``split_images_over``: the SP group, to split the sample's images over its ranks instead of
+    encoding all of them on every rank (``vlm.split``); ``None``: every rank encodes every image.
 
     Raises:
         ValueError: ``model`` is not an admitted VLM (``families.SUPPORTED_VLMS``).
@@ -71,6 +87,10 @@ def shard_vlm(
         core = getattr(ALL_ATTENTION_FUNCTIONS.get(ATTN_NAME), "core", None)
         if core is None:
             raise ValueError("shard_vlm needs register_with_transformers(...) first (or core='sdpa')")
+    if INSTALLED in parts.language_model.__dict__:
+        raise ValueError(
+            f"{type(model).__name__} is sharded for SP already (shard_vlm was called); remove() it first"
+        )
     vision_config = parts.vision.config
     prev = vision_config._attn_implementation
     vision_config._attn_implementation = core  # the tower's own attention over its whole images
@@ -81,7 +101,21 @@ def shard_vlm(
         )
 
     hook = parts.language_model.register_forward_pre_hook(before, with_kwargs=True)
-    return VLMShardHandle(model, parts.language_model, hook, vision_config, prev)
+    undo = None
+    if split_images_over is not None and sp_size > 1:
+        merge = int(vision_config.spatial_merge_size) ** 2
+        undo = split_vision(
+            parts.vision, group=split_images_over, sp_rank=sp_rank, sp_size=sp_size, merge=merge
+        )
+    handle = VLMShardHandle(model, parts.language_model, hook, vision_config, prev, undo)
+    parts.language_model.__dict__[INSTALLED] = handle
+    return handle
+
+
+def installed(model: nn.Module) -> VLMShardHandle | None:
+    """The ``shard_vlm`` handle installed on ``model`` (an admitted VLM), else ``None``."""
+    parts = vlm_parts(model)
+    return None if parts is None else parts.language_model.__dict__.get(INSTALLED)
 
 
 def shard_language_model_inputs(
