@@ -4,7 +4,8 @@ Run (about 5 minutes on 2 CPU cores): ``python -m bench.vlm_memory [--out bench/
 
 A random Qwen2.5-VL (text: hidden 256, 4 layers, 8 heads, vocab 1024; vision: hidden 128, depth 4)
 trains one fp32 step on one sample of 32x32-patch images (256 tokens each) and 256 text tokens,
-at sp 1, 2 and 4 (gloo ranks under bench/launch.py). Each rank measures with
+at sp 1, 2 and 4 (gloo ranks under bench/launch.py), the images encoded on every rank or split
+over the group (``shard_vlm(split_images_over=)``). Each rank measures with
 ``ulysses_sp.memory.track_peak_memory`` (CPU dispatch counter, parameters in the baseline): the
 whole step's extra bytes (forward, loss, backward), and the vision tower's forward + backward over
 the sample's images alone: it runs whole on every rank (``ulysses_sp.vlm.shard``).
@@ -47,7 +48,7 @@ def _sample(images: int) -> dict:
             "image_grid_thw": torch.tensor([[1, 32, 32]] * images)}  # fmt: skip
 
 
-def worker(images: int) -> dict:
+def worker(images: int, split: bool) -> dict:
     import torch.distributed as dist
 
     from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
@@ -61,7 +62,7 @@ def worker(images: int) -> dict:
     mesh = init_mesh((1, sp))
     if sp > 1:
         UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1, mesh=mesh)
-        shard_vlm(model, sp_rank=mesh.sp_rank, sp_size=sp)
+        shard_vlm(model, sp_rank=mesh.sp_rank, sp_size=sp, split_images_over=mesh.sp_group if split else None)
     inputs = prepare_vlm_batch(model, batch, sp_rank=mesh.sp_rank, sp_size=sp)
     labels = inputs.pop("shift_labels")
     with track_peak_memory("cpu", include=model.parameters()) as step:
@@ -70,29 +71,29 @@ def worker(images: int) -> dict:
     model.zero_grad(set_to_none=True)
     with track_peak_memory("cpu", include=model.parameters()) as vision:
         model.model.visual(batch["pixel_values"], grid_thw=batch["image_grid_thw"]).pooler_output.sum().backward()
-    return {"S": int(batch["input_ids"].shape[1]), "step": max_over_ranks(step.extra_bytes),
-            "vision": max_over_ranks(vision.extra_bytes)}  # fmt: skip
+    return {"S": int(batch["input_ids"].shape[1]), "step": max_over_ranks(step.extra_bytes), "vision": max_over_ranks(vision.extra_bytes)}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(md.ROOT / "bench" / "results" / "vlm_memory.md"))
     ap.add_argument("--images", type=int, help=argparse.SUPPRESS)  # the torchrun worker
+    ap.add_argument("--split", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if under_torchrun():
         init_worker()
-        return finish_worker(worker(args.images), args.out)
+        return finish_worker(worker(args.images, args.split), args.out)
     run = md.provenance(" ".join(["python -m bench.vlm_memory", *(argv if argv is not None else sys.argv[1:])]))
     rows = []
-    for images in (3, 7):
-        for sp in (1, 2, 4):
-            r = run_worker("bench.vlm_memory", sp, ["--images", str(images)])[0]
-            rows.append([r["S"], images * IMAGE_TOKENS, sp, f"{r['step'] / MIB:.1f}", f"{r['vision'] / MIB:.1f}",
+    for images in (4, 8):
+        for sp, split in ((1, False), (2, False), (4, False), (2, True), (4, True)):
+            r = run_worker("bench.vlm_memory", sp, ["--images", str(images)] + ["--split"] * split)[0]
+            rows.append([r["S"], images * IMAGE_TOKENS, sp, "split" if split else "every rank", f"{r['step'] / MIB:.1f}", f"{r['vision'] / MIB:.1f}",
                          f"{(r['step'] - r['vision']) / MIB:.1f}"])  # fmt: skip
     md.page(args.out, "vlm_memory: peak per rank of a Qwen2.5-VL step vs sp", run, [
         "Extra bytes over the parameters, max over ranks (CPU dispatch counter). The vision tower "
-        "column is its forward + backward over the sample's images alone: replicated on every rank.",
-        md.table(["S", "image tokens", "sp", "step peak MiB", "vision tower MiB", "step - vision MiB"], rows)])  # fmt: skip
+        "column is its forward + backward over the sample's images alone (this rank's share when split).",
+        md.table(["S", "image tokens", "sp", "images", "step peak MiB", "vision tower MiB", "step - vision MiB"], rows)])  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ One concern per module:
 - ``positions``: ``vlm_position_ids``, full-sequence ``[4, B, S]`` positions (text row + mrope rows),
   packed documents restarting at 0;
 - ``shard``: ``shard_vlm``, the language model's pre-hook (and the vision tower's own attention);
+- ``split``: optionally, the sample's images split over the SP group and their embeddings summed;
 - ``batch``: ``prepare_vlm_batch``, one rank's model inputs from a full-sequence VLM batch;
 - ``adapter``: ``VLMDataLoaderAdapter``, the SP group's round over whole VLM batches;
 - ``data``: chat JSONL with local images through the model directory's tokenizer and image processor.
