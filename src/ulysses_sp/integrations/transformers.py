@@ -46,6 +46,7 @@ from ulysses_sp.mixers.guard import check_sequence_mixing
 from ulysses_sp.parallel.mesh import SPMesh, init_mesh, require_process_group
 from ulysses_sp.parallel.mesh_shape import head_counts, resolve_ring_size_for_layers
 from ulysses_sp.vlm import VLMShardHandle, shard_vlm, vlm_parts
+from ulysses_sp.vlm.shard import installed
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +159,9 @@ def prepare(
     mixers = apply_mixers(model, mesh) if has_unsharded_mixers(model) else None  # conv / Mamba-2 layers
     vlm = None  # Qwen-VL: whole batches to every rank, the language model's inputs cut after the merge
     if vlm_parts(model) is not None:
-        vlm = shard_vlm(model, sp_rank=mesh.sp_rank, sp_size=mesh.sp_size, ring_size=mesh.ring_size, core=core)
+        vlm = installed(model) or shard_vlm(
+            model, sp_rank=mesh.sp_rank, sp_size=mesh.sp_size, ring_size=mesh.ring_size, core=core
+        )
     logger.info("sequence parallelism in %s: %r, core attention %r", type(trainer).__name__, mesh, core)
     return SPTrainerHandle(
         trainer, mesh, registration, pad_token_id=_pad_token_id(trainer), strict=strict, mixers=mixers, vlm=vlm
