@@ -63,7 +63,8 @@ def layer_kind(layer_type: str) -> str:
 def num_attention_layers(config: Any) -> int:
     """Layers that run attention: all of them, unless ``layer_types`` marks some as non-attention
     (a linear-attention, convolution or state-space layer does not call the SP attention; a
-    ``hybrid`` layer runs both)."""
+    ``hybrid`` layer runs both). A composite (vision-language) config: its text config's layers."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     types = getattr(config, "layer_types", None)
     if types:
         return sum(1 for t in map(str, types) if layer_kind(t) == "attention" or t == "hybrid")

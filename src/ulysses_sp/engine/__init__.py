@@ -8,7 +8,7 @@ Modules, one concern each: ``build`` (``initialize``), ``engine`` (``Engine``: f
 step), ``sharding`` (DDP / FSDP2 over the mesh), ``optim`` (optimizer and scheduler construction),
 ``schedulers`` (DeepSpeed's warmup schedules), ``data`` (the DataLoader over ``training_data``).
 
-May import: ``checks``, ``parallel``, ``attention``, ``memory``, ``data``, ``config``, ``mixers``, ``state``.
+May import: ``checks``, ``parallel``, ``attention``, ``memory``, ``data``, ``config``, ``mixers``, ``state``, ``vlm``.
 """
 
 from __future__ import annotations

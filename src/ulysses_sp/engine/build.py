@@ -42,6 +42,8 @@ from ulysses_sp.parallel.comm import raise_if_any_rank_failed
 from ulysses_sp.parallel.mesh import LAUNCH_HINT, SPMesh, init_mesh
 from ulysses_sp.parallel.mesh_shape import check_mesh_param, data_parallel_world_size, resolve_mesh_shape
 from ulysses_sp.state.precision import policy_for
+from ulysses_sp.vlm import shard_vlm, vlm_parts
+from ulysses_sp.vlm.shard import installed
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +141,9 @@ def initialize(
     # sequence mixers (short convolutions, Mamba-2, gated delta-net, KDA): head-sharded, with document boundaries from the
     # batch's position ids — also at sp 1, so packed documents never leak whatever the sp size
     mixers = apply_mixers(model, mesh) if has_unsharded_mixers(model) else None
+    vlm = None  # a VLM: the language model's inputs cut after the full-sequence merge (ulysses_sp.vlm)
+    if vlm_parts(model) is not None and mesh.sp_size > 1:  # unless installed already (split_images_over=...)
+        vlm = installed(model) or shard_vlm(model, sp_rank=mesh.sp_rank, sp_size=mesh.sp_size, ring_size=mesh.ring_size)
     names = {id(p): n for n, p in model.named_parameters()}
     if stage <= 1:
         wrapper = apply_ddp(model, mesh)
@@ -165,6 +170,7 @@ def initialize(
         loss_fn=loss_fn,
     )
     engine.mixers = mixers  # the MixerHandle (remove() restores the mixers), or None
+    engine.vlm = vlm  # the VLMShardHandle, or None
     loader = None
     if training_data is not None:
         loader = build_dataloader(

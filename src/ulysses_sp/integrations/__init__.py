@@ -6,5 +6,5 @@
 Importing this package imports nothing else (``transformers``, ``accelerate``, ``trl`` and ``peft``
 are imported by the submodule that uses them).
 
-May import: the library below ``run`` (``parallel``, ``attention``, ``mixers``, ``memory``, ``data``, ``engine``).
+May import: the library below ``run`` (``parallel``, ``attention``, ``mixers``, ``memory``, ``data``, ``vlm``, ``engine``).
 """

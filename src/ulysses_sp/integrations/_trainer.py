@@ -49,6 +49,7 @@ from ulysses_sp.integrations.alst import loss_parts
 from ulysses_sp.parallel.comm import all_reduce_sum
 from ulysses_sp.parallel.loss import IGNORE_INDEX, sp_mean_loss
 from ulysses_sp.parallel.mesh import SPMesh
+from ulysses_sp.vlm.adapter import vlm_round
 
 VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 """Padding-free collator outputs (TRL's) that describe the *unsharded* sequence for varlen kernels.
@@ -83,7 +84,9 @@ class SPTrainerDataLoader(UlyssesSPDataLoaderAdapter):
     at 0); the shards are ``{"input_ids", "position_ids", "shift_labels": [B, S_l], ...}``.
     """
 
-    def __init__(self, loader: Iterable[Any], mesh: SPMesh, *, pad_token_id: int, strict: bool) -> None:
+    def __init__(
+        self, loader: Iterable[Any], mesh: SPMesh, *, pad_token_id: int, strict: bool, vlm_model: Any = None
+    ) -> None:
         super().__init__(
             _WithoutVarlenKeys(loader),
             mesh.sp_rank,
@@ -95,6 +98,11 @@ class SPTrainerDataLoader(UlyssesSPDataLoaderAdapter):
         )
         self.loader = loader
         """The Trainer's own loader."""
+        self.vlm_model = vlm_model
+        """A vision-language model: whole batches to every rank (``vlm.adapter``), else ``None``."""
+
+    def _refill(self, it: Iterator[Any]) -> list[dict[str, Any]] | None:
+        return super()._refill(it) if self.vlm_model is None else vlm_round(self, it, self.vlm_model)
 
     @property
     def dataset(self) -> Any:
@@ -150,8 +158,9 @@ class SPTrainerMixin:
     # ------------------------------------------------------------------ loaders
     def _sp_loader(self, loader: Iterable[Any]) -> SPTrainerDataLoader:
         handle = self._ulysses_sp
+        vlm = None if handle.vlm is None else handle.vlm.model
         return SPTrainerDataLoader(
-            loader, handle.mesh, pad_token_id=handle.pad_token_id, strict=handle.strict
+            loader, handle.mesh, pad_token_id=handle.pad_token_id, strict=handle.strict, vlm_model=vlm
         )
 
     def get_train_dataloader(self) -> SPTrainerDataLoader:

@@ -14,6 +14,8 @@ files), and puts ``SPTrainerMixin`` in front of the trainer's class: train, eval
 through the SP data adapter, the loss is the SP causal-LM loss normalised exactly as the Trainer
 normalises the model's own, and the Trainer's own DDP or FSDP (through accelerate) reduces the
 gradients (see ``_trainer``'s module docstring for why that is the sum over SP and the mean over DP).
+A Qwen-VL model (``ulysses_sp.vlm``) gets its language-model hook, and its loaders exchange whole
+batches in the SP round (the merge and the 3-D positions need the full sample).
 
 What changes for the user: each rank runs ``sp_size`` times as many micro-steps per epoch (an SP
 group shares its ranks' batches), so ``gradient_accumulation_steps * sp_size`` keeps the global batch
@@ -47,6 +49,8 @@ from ulysses_sp.mixers.base import MixerHandle
 from ulysses_sp.mixers.guard import check_sequence_mixing
 from ulysses_sp.parallel.mesh import SPMesh, init_mesh, require_process_group
 from ulysses_sp.parallel.mesh_shape import head_counts, resolve_ring_size_for_layers
+from ulysses_sp.vlm import VLMShardHandle, shard_vlm, vlm_parts
+from ulysses_sp.vlm.shard import installed
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +76,7 @@ class SPTrainerHandle:
         strict: bool,
         mixers: MixerHandle | None = None,
         alst: ALSTHandle | None = None,
+        vlm: VLMShardHandle | None = None,
     ) -> None:
         self.trainer = trainer
         self.mesh = mesh
@@ -80,6 +85,8 @@ class SPTrainerHandle:
         """The model's sharded sequence mixers (``mixers.apply.apply_mixers``), or ``None``."""
         self.alst = alst
         """The ALST techniques applied to the model (``integrations.alst``), or ``None``."""
+        self.vlm = vlm
+        """A vision-language model's language-model pre-hook (``vlm.shard_vlm``), or ``None``."""
         self.pad_token_id = pad_token_id
         self.strict = strict
         self.own_eval_loss: Any = None
@@ -101,6 +108,8 @@ class SPTrainerHandle:
             self.mixers.remove()
         if self.alst is not None:
             self.alst.remove()
+        if self.vlm is not None:
+            self.vlm.remove()
         self.registration.remove()
 
     def __repr__(self) -> str:
@@ -171,6 +180,11 @@ def prepare(
     )
     mixers = apply_mixers(model, mesh) if has_unsharded_mixers(model) else None  # conv / Mamba-2 layers
     fsdp_dropped(trainer)  # accelerate on a CPU: an FSDP config runs as DDP
+    vlm = None  # Qwen-VL: whole batches to every rank, the language model's inputs cut after the merge
+    if vlm_parts(model) is not None:
+        vlm = installed(model) or shard_vlm(
+            model, sp_rank=mesh.sp_rank, sp_size=mesh.sp_size, ring_size=mesh.ring_size, core=core
+        )
     logger.info("sequence parallelism in %s: %r, core attention %r", type(trainer).__name__, mesh, core)
     alst = options.apply(model) if options != ALSTOptions() else None
     return SPTrainerHandle(
@@ -181,6 +195,7 @@ def prepare(
         strict=strict,
         mixers=mixers,
         alst=alst,
+        vlm=vlm,
     )
 
 

@@ -23,6 +23,10 @@ the module path and class, and why::
     layer 0: conv (Lfm2ShortConv) mixes tokens along the sequence (Conv1d, kernel 3), which
     sequence parallelism does not shard
 
+A vision-language model is checked through its language model when ``ulysses_sp.vlm`` admits its
+family (its vision tower runs whole on every rank, so it mixes nothing across shards); any other
+model with a vision or audio encoder is refused by name (``vlm.families.multimodal_refusal``).
+
 Runs in ``initialize()`` (the CLI's path too) and in ``integrations.transformers.prepare``.
 """
 
@@ -48,6 +52,7 @@ from ulysses_sp.mixers.classify import (
     code_names,
     verdict,
 )
+from ulysses_sp.vlm.families import multimodal_refusal, vlm_parts
 
 SUPPORTED_MIXERS: tuple[MixerHandler, ...] = HANDLERS
 """The mixers SP shards (``mixers.apply``: short convolution, Mamba-2, gated delta-net, KDA), which
@@ -147,8 +152,10 @@ def classify_model(model: nn.Module, handlers: Iterable[MixerHandler] = SUPPORTE
     Pure: reads the model's structure and classes, runs nothing; the same answer on every rank.
     """
     handlers = tuple(handlers)
-    stack, layers = decoder_layers(model)
-    findings = []
+    parts = vlm_parts(model)  # an admitted VLM: its vision tower runs whole on every rank; check the decoder
+    stack, layers = decoder_layers(model if parts is None else parts.language_model)
+    mm = multimodal_refusal(model)
+    findings = [] if mm is None else [Finding(None, "", type(model).__name__, "refused", mm)]
     for name, child in stack.named_children():
         if child is not layers:
             findings += _walk(child, name, None, handlers)

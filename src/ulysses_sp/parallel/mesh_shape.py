@@ -162,7 +162,9 @@ def resolve_ring_size(sp_size: int, num_heads: int, num_kv_heads: int, ring_size
 def head_counts(config: Any) -> list[tuple[int, int]]:
     """The distinct ``(query heads, kv heads)`` of a transformers config's attention layers: one pair
     for a homogeneous config; each layer's for a heterogeneous one (transformers' ``per_layer_config``,
-    whose global head count is ambiguous and raises when read). Empty when the config names no heads."""
+    whose global head count is ambiguous and raises when read). Empty when the config names no heads.
+    A composite (vision-language) config is read through its text config."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     per_layer = getattr(config, "per_layer_config", None)
     pairs: list[tuple[int, int]] = []
     for layer in list(per_layer) if per_layer is not None else [config]:

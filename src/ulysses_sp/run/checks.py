@@ -82,10 +82,23 @@ def model_config(model: str, vocab_size: int, *, sharded_load: bool = False):
     if tasks.is_preset(model):
         return tasks.preset_config(model, vocab_size=vocab_size)
     tasks.check_model_dir(model)
-    from ulysses_sp.state.model_dir import check_model_dir
+    from ulysses_sp.state.model_dir import check_model_dir, load_config
 
+    check_text_model(model, load_config(model))
     # config, index, shards, their headers and shapes, naming the file
     return check_model_dir(model, sharded_load=sharded_load)
+
+
+def check_text_model(path: str, config: Any) -> None:
+    """Refuse a vision-language model directory: the CLI's data and model loading are text-only."""
+    subs = [k for k in getattr(config, "sub_configs", {}) or {} if k in ("vision_config", "audio_config")]
+    if subs:
+        raise ValueError(
+            f"{path!r} is a multimodal model ({config.model_type}: {', '.join(subs)}); `ulysses-sp train` loads "
+            "causal LMs and text data only. Train a vision-language model from Python with ulysses_sp.vlm "
+            "(README, Vision-language models: Qwen2.5-VL and Qwen3-VL are exact under SP; chat JSONL with "
+            "images through ulysses_sp.vlm.data.load_vlm_chat)"
+        )
 
 
 def ring_size_for(mcfg: Any, sp: int, ring_size: int | str | None) -> int:

@@ -1,0 +1,100 @@
+"""Peak memory per rank of a Qwen2.5-VL step vs sp, at two lengths; the vision tower's own apart.
+
+Run (about 5 minutes on 2 CPU cores): ``python -m bench.vlm_memory [--out bench/results/vlm_memory.md]``
+
+A random Qwen2.5-VL (text: hidden 256, 4 layers, 8 heads, vocab 1024; vision: hidden 128, depth 4)
+trains one fp32 step on one sample of 32x32-patch images (256 tokens each) and 256 text tokens,
+at sp 1, 2 and 4 (gloo ranks under bench/launch.py), the images encoded on every rank or split
+over the group (``shard_vlm(split_images_over=)``). Each rank measures with
+``ulysses_sp.memory.track_peak_memory`` (CPU dispatch counter, parameters in the baseline): the
+whole step's extra bytes (forward, loss, backward), and the vision tower's forward + backward over
+the sample's images alone: it runs whole on every rank (``ulysses_sp.vlm.shard``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from bench import md
+from bench.launch import finish_worker, init_worker, max_over_ranks, run_worker, under_torchrun
+
+MIB, IMAGE_TOKENS, TEXT_TOKENS = 2**20, 256, 256
+
+
+def _model():
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    text = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                num_key_value_heads=4, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [4, 6, 6]})  # fmt: skip
+    vision = dict(depth=4, hidden_size=128, intermediate_size=256, num_heads=4, patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2, window_size=32, out_hidden_size=256, fullatt_block_indexes=[3])  # fmt: skip
+    cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=1000, video_token_id=1001,
+                           vision_start_token_id=1002, vision_end_token_id=1003)  # fmt: skip
+    torch.manual_seed(0)
+    return Qwen2_5_VLForConditionalGeneration._from_config(cfg, attn_implementation="sdpa").float()
+
+
+def _sample(images: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(3, 900, (TEXT_TOKENS // (images + 1),), generator=g)]
+    for _ in range(images):
+        ids += [torch.tensor([1000] * IMAGE_TOKENS), torch.randint(3, 900, (TEXT_TOKENS // (images + 1),), generator=g)]
+    ids = torch.cat(ids)[None]
+    ids = torch.cat([ids, torch.full((1, -ids.shape[1] % 4), 5)], dim=1)
+    return {"input_ids": ids, "pixel_values": torch.randn(images * 4 * IMAGE_TOKENS, 96, generator=g),
+            "image_grid_thw": torch.tensor([[1, 32, 32]] * images)}  # fmt: skip
+
+
+def worker(images: int, split: bool) -> dict:
+    import torch.distributed as dist
+
+    from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
+    from ulysses_sp.memory.meter import track_peak_memory
+    from ulysses_sp.parallel.loss import sp_causal_lm_loss
+    from ulysses_sp.parallel.mesh import init_mesh
+    from ulysses_sp.vlm import prepare_vlm_batch, shard_vlm
+
+    sp = dist.get_world_size()
+    model, batch = _model(), _sample(images)
+    mesh = init_mesh((1, sp))
+    if sp > 1:
+        UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1, mesh=mesh)
+        shard_vlm(model, sp_rank=mesh.sp_rank, sp_size=sp, split_images_over=mesh.sp_group if split else None)
+    inputs = prepare_vlm_batch(model, batch, sp_rank=mesh.sp_rank, sp_size=sp)
+    labels = inputs.pop("shift_labels")
+    with track_peak_memory("cpu", include=model.parameters()) as step:
+        loss = sp_causal_lm_loss(model(**inputs, use_cache=False).logits, labels, mesh.sp_group if sp > 1 else None)
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    with track_peak_memory("cpu", include=model.parameters()) as vision:
+        model.model.visual(batch["pixel_values"], grid_thw=batch["image_grid_thw"]).pooler_output.sum().backward()
+    return {"S": int(batch["input_ids"].shape[1]), "step": max_over_ranks(step.extra_bytes), "vision": max_over_ranks(vision.extra_bytes)}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(md.ROOT / "bench" / "results" / "vlm_memory.md"))
+    ap.add_argument("--images", type=int, help=argparse.SUPPRESS)  # the torchrun worker
+    ap.add_argument("--split", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if under_torchrun():
+        init_worker()
+        return finish_worker(worker(args.images, args.split), args.out)
+    run = md.provenance(" ".join(["python -m bench.vlm_memory", *(argv if argv is not None else sys.argv[1:])]))
+    rows = []
+    for images in (4, 8):
+        for sp, split in ((1, False), (2, False), (4, False), (2, True), (4, True)):
+            r = run_worker("bench.vlm_memory", sp, ["--images", str(images)] + ["--split"] * split)[0]
+            rows.append([r["S"], images * IMAGE_TOKENS, sp, "split" if split else "every rank", f"{r['step'] / MIB:.1f}", f"{r['vision'] / MIB:.1f}",
+                         f"{(r['step'] - r['vision']) / MIB:.1f}"])  # fmt: skip
+    md.page(args.out, "vlm_memory: peak per rank of a Qwen2.5-VL step vs sp", run, [
+        "Extra bytes over the parameters, max over ranks (CPU dispatch counter). The vision tower "
+        "column is its forward + backward over the sample's images alone (this rank's share when split).",
+        md.table(["S", "image tokens", "sp", "images", "step peak MiB", "vision tower MiB", "step - vision MiB"], rows)])  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

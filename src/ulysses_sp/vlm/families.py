@@ -1,0 +1,103 @@
+"""Which vision-language models the SP path is exact for, and why the others are refused.
+
+Closed world, like the guard (``mixers.guard``): the path of this package relies on what the
+model's own forward does between its vision tower and its language model — it merges the visual
+embeddings into ``inputs_embeds`` over the full sequence, takes (or computes) ``[3|4, B, S]``
+positions, and passes every other per-token input to the language model by keyword, where the
+pre-hook of ``shard`` can cut it. That is read from the model's code for the families below and
+tested against the same model without SP (``tests/test_vlm.py``); any other model with a vision or
+audio encoder is refused by name with the reason, before the first step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+SUPPORTED_VLMS: dict[str, str] = {
+    "qwen2_5_vl": "Qwen2.5-VL: window-attention vision tower, 3-D mrope",
+    "qwen3_vl": "Qwen3-VL: vision tower with deepstack features added in the first decoder layers, interleaved mrope",
+}
+"""``config.model_type`` -> what the path handles for it (exact, tested)."""
+
+REFUSED_VLMS: dict[str, str] = {
+    "gemma3": "its image tokens attend to each other bidirectionally (token_type_ids in the model's mask), which "
+    "the SP attention's causal, position-built mask does not reproduce",
+    "gemma3n": "its image tokens attend to each other bidirectionally and its audio/vision towers need timm",
+    "paligemma": "its prefix (image + prompt) attends bidirectionally (a prefix-LM mask built from token_type_ids)",
+    "llama4": "its merge and chunked attention over image tokens have not been proven exact under this path",
+    "qwen2_vl": "the Qwen2.5-VL path very likely applies, but it has not been tested against the model without SP",
+    "qwen3_5": "its language model mixes gated delta-net and attention layers behind the vision merge, a "
+    "combination not yet tested against the model without SP",
+}
+"""``config.model_type`` -> the specific reason a known multimodal family is refused."""
+
+_ENCODER_KEYS = ("vision_config", "audio_config", "vision_tower", "audio_tower", "speech_config")
+
+
+@dataclass(frozen=True)
+class VLMParts:
+    """The three modules of an admitted VLM the SP path works with."""
+
+    inner: nn.Module
+    """The module whose forward merges and positions (``Qwen2_5_VLModel``; has ``get_rope_index``)."""
+    vision: nn.Module
+    """The vision tower: runs whole (every image of the sample) on every rank of the SP group."""
+    language_model: nn.Module
+    """The decoder stack: runs on each rank's ``S_l`` tokens with the Ulysses attention."""
+
+
+def _model_type(model: Any) -> str | None:
+    return getattr(getattr(model, "config", None), "model_type", None)
+
+
+def vlm_parts(model: Any) -> VLMParts | None:
+    """The parts of an admitted VLM (``SUPPORTED_VLMS``), else ``None``. PEFT wrappers are looked
+    through: the first module of the model's tree that has ``visual``, ``language_model`` and
+    ``get_rope_index`` and whose config is of an admitted family."""
+    if not isinstance(model, nn.Module):
+        return None
+    for module in model.modules():
+        if _model_type(module) not in SUPPORTED_VLMS:
+            continue
+        vision, lm = getattr(module, "visual", None), getattr(module, "language_model", None)
+        if isinstance(vision, nn.Module) and isinstance(lm, nn.Module) and hasattr(module, "get_rope_index"):
+            return VLMParts(module, vision, lm)
+    return None
+
+
+def _encoders(model: nn.Module) -> list[str]:
+    """The model config's non-text sub-configs (vision, audio, ...) that hold parameters in the model."""
+    config = getattr(model, "config", None)
+    subs = [k for k in getattr(config, "sub_configs", {}) or {} if k != "text_config"]
+    return [k for k in subs if k in _ENCODER_KEYS or k.endswith(("vision_config", "audio_config"))]
+
+
+def multimodal_refusal(model: nn.Module) -> str | None:
+    """Why SP refuses ``model``'s multimodal path, or ``None`` (a text model, or an admitted VLM).
+
+    A model whose config has a vision/audio sub-config and whose modules hold that encoder, but
+    whose family is not in ``SUPPORTED_VLMS``, is refused: its own forward merges the encoder's
+    embeddings (and may build positions or masks from the token types) in ways this path has not
+    been proven exact for.
+    """
+    if vlm_parts(model) is not None:
+        return None
+    encoders = _encoders(model)
+    has_encoder = any(
+        name.split(".")[-1] in ("visual", "vision_tower", "vision_model", "audio_tower", "vision_encoder")
+        for name, _ in model.named_modules()
+    )
+    if not encoders or not has_encoder:
+        return None
+    admitted = ", ".join(sorted(SUPPORTED_VLMS))
+    why = REFUSED_VLMS.get(str(_model_type(model)), "")
+    return (
+        f"is a multimodal model ({_model_type(model)}: {', '.join(encoders)}) whose own forward merges the "
+        f"encoder's embeddings into the token sequence{'; ' + why if why else ''}; ulysses-sp shards that merge "
+        "exactly only for "
+        f"{admitted} (ulysses_sp.vlm). Train its text model alone (the *ForCausalLM class of its text "
+        "config) with SP, or this model with sp_size 1"
+    )
