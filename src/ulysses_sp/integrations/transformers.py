@@ -105,6 +105,7 @@ def prepare(
     core_attn_implementation: str | None = None,
     strict: bool = False,
     ring_size: int | str | None = None,
+    head_chunks: int = 1,
 ) -> SPTrainerHandle:
     """Make ``trainer`` (a ``transformers.Trainer`` or subclass, e.g. TRL's ``SFTTrainer``) train
     and evaluate with Ulysses sequence parallelism over groups of ``sp_size`` ranks.
@@ -120,6 +121,8 @@ def prepare(
         strict: refuse a sequence length not divisible by ``sp_size`` instead of padding it.
         ring_size: hybrid Ulysses x Ring (``register_with_transformers``'s ``ring_size``); ``None``:
             1 when the heads split over ``sp_size``, else the smallest ring that makes them.
+        head_chunks: exchange and attend the heads in this many groups, one at a time
+            (``register_with_transformers``'s ``head_chunks``: less peak memory, more compute).
 
     Returns:
         An ``SPTrainerHandle``; ``handle.remove()`` undoes the preparation.
@@ -146,6 +149,7 @@ def prepare(
         sp_size,
         trainer.args.per_device_train_batch_size,
         mesh=mesh,
+        head_chunks=head_chunks,
     )
     mixers = apply_mixers(model, mesh) if has_unsharded_mixers(model) else None  # conv / Mamba-2 layers
     logger.info("sequence parallelism in %s: %r, core attention %r", type(trainer).__name__, mesh, core)

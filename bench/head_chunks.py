@@ -1,0 +1,128 @@
+"""Head-chunked attention and the per-document packed path, sp 2 on CPU (gloo), in one run.
+
+    python -m bench.head_chunks                  # writes bench/results/head_chunks.md
+
+1. **Peak memory of one attention layer** (``LlamaAttention``: projections, rotary, the SP exchange
+   and core, output projection; forward + backward, ``memory.meter``, max over ranks) for head groups
+   1 / 2 / 4, overlap on and off, causal, at one length.
+2. **Step time** of a tiny Llama (forward + backward, median of timed steps after a warm-up) for the
+   same settings, causal; and for **packed documents** (three documents S/2, S/4, S/4) the blockwise
+   core (before: ``attn_chunk`` set to what auto picks) against one sdpa call per document (after).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from bench import md
+from bench.launch import finish_worker, init_worker, run_worker, under_torchrun
+
+HEADS, HIDDEN = 8, 128  # head dim 16; 8 heads: 4 head groups split over 2 ranks
+CHUNKS = [(1, True), (2, False), (2, True), (4, False), (4, True)]
+
+
+def _setup(seq: int, chunks: int, overlap: bool, attn_chunk: int | None = None):
+    from bench.spec import llama
+    from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
+    from ulysses_sp.parallel.mesh import init_mesh
+
+    mesh = init_mesh((1, 2))
+    model = llama(vocab_size=256, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=2,
+                  num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=2 * seq)  # fmt: skip
+    reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, 1, mesh=mesh, head_chunks=chunks,
+                                                          attn_chunk=attn_chunk)  # fmt: skip
+    reg.attention.head_chunk_overlap = overlap
+    return mesh, model, reg
+
+
+def layer_peak(seq: int, chunks: int, overlap: bool) -> int:
+    from ulysses_sp.attention.positions import capture_call
+    from ulysses_sp.memory.meter import track_peak_memory
+
+    mesh, model, reg = _setup(seq, chunks, overlap)
+    s_l = seq // 2
+    pos = torch.arange(mesh.sp_rank * s_l, (mesh.sp_rank + 1) * s_l)[None]
+    x = torch.randn(1, s_l, HIDDEN, requires_grad=True)
+    cos_sin = model.model.rotary_emb(x, pos)
+    attn = model.model.layers[0].self_attn
+    reg.attention.call = capture_call(model, (), {"position_ids": pos})  # what the model's pre-hook records
+    with track_peak_memory("cpu", include=[x]) as mem:
+        out, _ = attn(x, position_embeddings=cos_sin, attention_mask=None, position_ids=pos)
+        out.sum().backward()
+    reg.remove()
+    peak = torch.tensor([mem.peak_bytes])
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return int(peak)
+
+
+def step_time(seq: int, chunks: int, overlap: bool, packed: bool, attn_chunk: int | None, steps: int) -> float:
+    from bench.spec import packed_positions
+
+    mesh, model, reg = _setup(seq, chunks, overlap, attn_chunk)
+    s_l, r = seq // 2, mesh.sp_rank
+    pos = (packed_positions(seq) if packed else torch.arange(seq)[None])[:, r * s_l : (r + 1) * s_l]
+    ids = torch.randint(0, 256, (1, s_l), generator=torch.Generator().manual_seed(r))
+    times = []
+    for _ in range(steps + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        model(input_ids=ids, position_ids=pos).logits.float().logsumexp(-1).sum().backward()
+        times.append(time.perf_counter() - t0)
+    reg.remove()
+    return statistics.median(times[1:])
+
+
+def worker(args) -> dict:
+    from ulysses_sp.attention.blockwise import resolve_chunk
+
+    torch.manual_seed(0)
+    out = {"peak": {}, "causal": {}, "packed": {}}
+    for n, overlap in CHUNKS:
+        out["peak"][f"{n} {overlap}"] = layer_peak(args.peak_seq, n, overlap)
+        out["causal"][f"{n} {overlap}"] = step_time(args.time_seq, n, overlap, False, None, args.steps)
+    for seq in args.packed_seqs:
+        auto = resolve_chunk(None, seq, HIDDEN // HEADS)
+        out["packed"][seq] = {"blockwise (before)": step_time(seq, 1, True, True, auto, args.steps),
+                              "per-document sdpa (after)": step_time(seq, 1, True, True, None, args.steps)}  # fmt: skip
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--peak-seq", type=int, default=8192)
+    ap.add_argument("--time-seq", type=int, default=8192)
+    ap.add_argument("--packed-seqs", type=int, nargs="+", default=[4096, 8192])
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--out", default=str(md.ROOT / "bench" / "results" / "head_chunks.md"))
+    args = ap.parse_args(argv)
+    if under_torchrun():
+        init_worker()
+        return finish_worker(worker(args), args.out)
+    run = md.provenance("python -m bench.head_chunks " + " ".join(argv or sys.argv[1:]))
+    forward = ["--peak-seq", str(args.peak_seq), "--time-seq", str(args.time_seq), "--steps", str(args.steps),
+               "--packed-seqs", *map(str, args.packed_seqs)]  # fmt: skip
+    res, cmd, wall = run_worker("bench.head_chunks", 2, forward)
+    print(f"{cmd}: {wall:.0f} s", file=sys.stderr)
+    base_peak, base_t = res["peak"]["1 True"], res["causal"]["1 True"]
+    rows = [[n if n > 1 else "1 (unchunked)", "on" if o else "off", f"{res['peak'][f'{n} {o}'] / 2**20:.1f}",
+             f"{res['peak'][f'{n} {o}'] / base_peak:.2f}x", f"{res['causal'][f'{n} {o}']:.3f}",
+             f"{res['causal'][f'{n} {o}'] / base_t:.2f}x"] for n, o in CHUNKS]  # fmt: skip
+    packed = [[seq, f"{t['blockwise (before)']:.3f}", f"{t['per-document sdpa (after)']:.3f}",
+               f"{t['blockwise (before)'] / t['per-document sdpa (after)']:.1f}x"] for seq, t in res["packed"].items()]  # fmt: skip
+    md.page(args.out, "Head-chunked attention and the per-document packed path (sp 2, CPU)", run, [
+        f"Tiny Llama ({HEADS} heads, hidden {HIDDEN}, 2 layers, fp32), 2 ranks, gloo on a shared 2-core CPU. "
+        f"Attention-layer peak at S {args.peak_seq} (forward + backward of one `LlamaAttention`, max over "
+        f"ranks); step time (median of {args.steps}) at S {args.time_seq}, causal.",
+        md.table(["head groups", "overlap", "layer peak MiB", "vs unchunked", "step s", "vs unchunked"], rows),
+        "Packed documents (S/2, S/4, S/4), same model, step seconds (median):",
+        md.table(["S", "blockwise (before)", "per-document sdpa (after)", "speed-up"], packed)])  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
