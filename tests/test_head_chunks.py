@@ -170,3 +170,24 @@ def test_planner_exchange_buffers_scale_by_head_chunks():
     assert 0 < one.breakdown["backward_workspace"] - two.breakdown["backward_workspace"] <= 2 * q * tok * 4 // 2
     assert two.step_s > one.step_s  # one more q/k/v exchange and attention forward per layer
     assert max_seq_len(LLAMA_8B, replace(s, head_chunks=2), hw) > max_seq_len(LLAMA_8B, s, hw)
+
+
+def _register_refused(chunks):
+    model = tiny_model("llama", heads=4, kv_heads=2)
+    with pytest.raises(ValueError, match=rf"head_chunks {chunks}: .*valid head_chunks for 4 query / 2 kv heads over 2 "
+                       r"Ulysses ranks: \[1, 2\]"):  # fmt: skip
+        UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, 1, mesh=init_mesh((1, 2)), head_chunks=chunks)
+
+
+def test_bad_head_chunks_refused_at_registration_and_by_the_cli(pool):
+    from dataclasses import replace
+
+    from ulysses_sp.cli.args import build_parser, train_options
+    from ulysses_sp.run.checks import check_train_options
+
+    pool.run(_register_refused, 2, 4)  # each group's one query head cannot split over 2 ranks
+    cfg, _ = train_options(build_parser().parse_args(["train", "--head-chunks", "2"]))
+    assert cfg.head_chunks == 2
+    check_train_options(cfg)
+    with pytest.raises(ValueError, match="--head-chunks must be >= 1, got 0"):
+        check_train_options(replace(cfg, head_chunks=0))

@@ -113,7 +113,7 @@ class UlyssesSPAttentionHF:
         """The host K/V store and its streams (``offload_attention``), with byte counters."""
         self.head_chunks = head_chunks
         """Head groups exchanged and attended one at a time (``attention/head_chunks.py``); 1 = all at once."""
-        self.head_chunk_overlap = True
+        self.head_chunk_overlap = False
         """Post the next head group's exchange before attending the current one (two groups in flight)."""
         self.block_counts = BlockCounts()
         """Blocks computed / skipped and their FLOPs in the blockwise core and the ring (cumulative)."""
