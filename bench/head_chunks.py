@@ -2,12 +2,10 @@
 
     python -m bench.head_chunks                  # writes bench/results/head_chunks.md
 
-1. **Peak memory of one attention layer** (``LlamaAttention``: projections, rotary, the SP exchange
-   and core, output projection; forward + backward, ``memory.meter``, max over ranks) for head groups
-   1 / 2 / 4, overlap on and off, causal, at one length.
-2. **Step time** of a tiny Llama (forward + backward, median of timed steps after a warm-up) for the
-   same settings, causal; and for **packed documents** (three documents S/2, S/4, S/4) the blockwise
-   core (before: ``attn_chunk`` set to what auto picks) against one sdpa call per document (after).
+1. **Peak memory of one attention layer** (``LlamaAttention`` forward + backward, ``memory.meter``, max
+   over ranks) and the **step time** (median after a warm-up), head groups 1 / 2 / 4, overlap on/off.
+2. **Packed documents** (S/2, S/4, S/4), step time: the blockwise core (before: ``attn_chunk`` set to
+   what auto picks) against one sdpa call per document (after).
 """
 
 from __future__ import annotations
@@ -21,20 +19,20 @@ import torch
 import torch.distributed as dist
 
 from bench import md
-from bench.launch import finish_worker, init_worker, run_worker, under_torchrun
+from bench.launch import finish_worker, init_worker, max_over_ranks, run_worker, under_torchrun
+from bench.spec import llama, packed_positions
 
-HEADS, HIDDEN = 8, 128  # head dim 16; 8 heads: 4 head groups split over 2 ranks
+HEADS, KV_HEADS, HIDDEN = 8, 2, 128  # head dim 16; GQA 4:1 as Llama-3 8B; 4 head groups split over 2 ranks
 CHUNKS = [(1, True), (2, False), (2, True), (4, False), (4, True)]
 
 
 def _setup(seq: int, chunks: int, overlap: bool, attn_chunk: int | None = None):
-    from bench.spec import llama
     from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
     from ulysses_sp.parallel.mesh import init_mesh
 
     mesh = init_mesh((1, 2))
     model = llama(vocab_size=256, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=2,
-                  num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=2 * seq)  # fmt: skip
+                  num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=2 * seq)  # fmt: skip
     reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, 1, mesh=mesh, head_chunks=chunks,
                                                           attn_chunk=attn_chunk)  # fmt: skip
     reg.attention.head_chunk_overlap = overlap
@@ -46,9 +44,8 @@ def layer_peak(seq: int, chunks: int, overlap: bool) -> int:
     from ulysses_sp.memory.meter import track_peak_memory
 
     mesh, model, reg = _setup(seq, chunks, overlap)
-    s_l = seq // 2
-    pos = torch.arange(mesh.sp_rank * s_l, (mesh.sp_rank + 1) * s_l)[None]
-    x = torch.randn(1, s_l, HIDDEN, requires_grad=True)
+    pos = torch.arange(mesh.sp_rank * seq // 2, (mesh.sp_rank + 1) * seq // 2)[None]
+    x = torch.randn(1, seq // 2, HIDDEN, requires_grad=True)
     cos_sin = model.model.rotary_emb(x, pos)
     attn = model.model.layers[0].self_attn
     reg.attention.call = capture_call(model, (), {"position_ids": pos})  # what the model's pre-hook records
@@ -56,14 +53,10 @@ def layer_peak(seq: int, chunks: int, overlap: bool) -> int:
         out, _ = attn(x, position_embeddings=cos_sin, attention_mask=None, position_ids=pos)
         out.sum().backward()
     reg.remove()
-    peak = torch.tensor([mem.peak_bytes])
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return int(peak)
+    return int(max_over_ranks(mem.peak_bytes))
 
 
 def step_time(seq: int, chunks: int, overlap: bool, packed: bool, attn_chunk: int | None, steps: int) -> float:
-    from bench.spec import packed_positions
-
     mesh, model, reg = _setup(seq, chunks, overlap, attn_chunk)
     s_l, r = seq // 2, mesh.sp_rank
     pos = (packed_positions(seq) if packed else torch.arange(seq)[None])[:, r * s_l : (r + 1) * s_l]
@@ -81,7 +74,6 @@ def step_time(seq: int, chunks: int, overlap: bool, packed: bool, attn_chunk: in
 def worker(args) -> dict:
     from ulysses_sp.attention.blockwise import resolve_chunk
 
-    torch.manual_seed(0)
     out = {"peak": {}, "causal": {}, "packed": {}}
     for n, overlap in CHUNKS:
         out["peak"][f"{n} {overlap}"] = layer_peak(args.peak_seq, n, overlap)
@@ -109,16 +101,16 @@ def main(argv: list[str] | None = None) -> None:
                "--packed-seqs", *map(str, args.packed_seqs)]  # fmt: skip
     res, cmd, wall = run_worker("bench.head_chunks", 2, forward)
     print(f"{cmd}: {wall:.0f} s", file=sys.stderr)
-    base_peak, base_t = res["peak"]["1 True"], res["causal"]["1 True"]
-    rows = [[n if n > 1 else "1 (unchunked)", "on" if o else "off", f"{res['peak'][f'{n} {o}'] / 2**20:.1f}",
-             f"{res['peak'][f'{n} {o}'] / base_peak:.2f}x", f"{res['causal'][f'{n} {o}']:.3f}",
-             f"{res['causal'][f'{n} {o}'] / base_t:.2f}x"] for n, o in CHUNKS]  # fmt: skip
+    peak, step = (lambda n, o: res["peak"][f"{n} {o}"]), (lambda n, o: res["causal"][f"{n} {o}"])  # noqa: E731
+    rows = [[n if n > 1 else "1 (unchunked)", "-" if n == 1 else "on" if o else "off", f"{peak(n, o) / 2**20:.1f}",
+             f"{peak(n, o) / peak(1, True):.2f}x", f"{step(n, o):.3f}", f"{step(n, o) / step(1, True):.2f}x"]
+            for n, o in CHUNKS]  # fmt: skip
     packed = [[seq, f"{t['blockwise (before)']:.3f}", f"{t['per-document sdpa (after)']:.3f}",
                f"{t['blockwise (before)'] / t['per-document sdpa (after)']:.1f}x"] for seq, t in res["packed"].items()]  # fmt: skip
     md.page(args.out, "Head-chunked attention and the per-document packed path (sp 2, CPU)", run, [
-        f"Tiny Llama ({HEADS} heads, hidden {HIDDEN}, 2 layers, fp32), 2 ranks, gloo on a shared 2-core CPU. "
-        f"Attention-layer peak at S {args.peak_seq} (forward + backward of one `LlamaAttention`, max over "
-        f"ranks); step time (median of {args.steps}) at S {args.time_seq}, causal.",
+        f"Tiny Llama ({HEADS} heads, {KV_HEADS} kv heads, hidden {HIDDEN}, 2 layers, fp32), 2 ranks, gloo on a "
+        f"shared 2-core CPU. Attention-layer peak at S {args.peak_seq} (forward + backward of one `LlamaAttention`, "
+        f"max over ranks); step time (median of {args.steps}) at S {args.time_seq}, causal.",
         md.table(["head groups", "overlap", "layer peak MiB", "vs unchunked", "step s", "vs unchunked"], rows),
         "Packed documents (S/2, S/4, S/4), same model, step seconds (median):",
         md.table(["S", "blockwise (before)", "per-document sdpa (after)", "speed-up"], packed)])  # fmt: skip
