@@ -16,6 +16,7 @@ from models import global_batch, tiny_model
 from oracle import assert_grads_close
 
 from ulysses_sp.attention.head_chunks import (
+    HeadGroups,
     check_no_sinks,
     head_chunked_attention,
     plan_head_chunks,
@@ -78,8 +79,8 @@ def _compare(sp, ring, heads, kv, chunks, packed, offload=False):
 @pytest.mark.parametrize(
     "sp, ring, heads, kv, chunks, packed, offload, path",
     [
-        (2, 1, 8, 2, 4, False, False, "sdpa"),  # GQA: each group's one kv head replicated to P
-        (2, 1, 4, 4, 2, True, False, "segments"),  # packed documents, sdpa per document
+        (2, 1, 8, 2, 4, False, False, "sdpa"),  # GQA: a rank's 4 query heads share one kv head: K/V once
+        (2, 1, 4, 4, 2, True, False, "segments"),  # MHA: K/V travel with each group; sdpa per document
         (4, 2, 4, 2, 2, True, False, "ring"),  # hybrid: 2 Ulysses x 2 ring
         (2, 1, 4, 1, 2, True, True, "blockwise+offload"),  # MQA, Ulysses-Offload
     ],
@@ -105,7 +106,7 @@ def _function_level(chunks):
     results = {}
     for name, fn in [("plain", plain)] + [
         (f"overlap={o}", lambda q, k, v, o=o: head_chunked_attention(
-            q, k, v, attend=attend, chunks=plan_head_chunks(16, 8, chunks, 2), group=group, overlap=o))
+            q, k, v, attend=attend, groups=plan_head_chunks(16, 8, chunks, 2), group=group, overlap=o))
         for o in (True, False)
     ]:  # fmt: skip
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -131,18 +132,18 @@ def test_head_chunks_function_exact_overlap_bitwise_and_peak_falls(pool):
 
 
 def test_plan_head_chunks():
-    assert plan_head_chunks(8, 2, 4, 2) == [
-        plan_head_chunks(8, 2, 4, 2)[0].__class__(slice(2 * i, 2 * i + 2), slice(i // 2, i // 2 + 1), 2)
-        for i in range(4)
-    ]  # 2 query heads per group share kv head i // 2, replicated to the 2 ranks
-    (one,) = plan_head_chunks(4, 4, 1, 2)
-    assert (one.q, one.kv, one.repeat) == (slice(0, 4), slice(0, 4), 1)
+    # 8 heads over 2 ranks in 2 groups: 2 query heads and their 2 kv heads (MHA) of each rank per group
+    assert plan_head_chunks(8, 8, 2, 2) == HeadGroups(n=2, p=2, hc=2, span=1, kvs=2, repeat=1)
+    # GQA 16:4 over 2 ranks in 8 groups: a rank's 2 kv heads each serve 4 query heads, i.e. 4 groups
+    assert plan_head_chunks(16, 4, 8, 2) == HeadGroups(n=8, p=2, hc=1, span=4, kvs=1, repeat=1)
+    # MQA below P: the kv head replicated, one set for every group
+    assert plan_head_chunks(4, 1, 2, 2) == HeadGroups(n=2, p=2, hc=1, span=2, kvs=1, repeat=2)
     assert valid_head_chunks(8, 8, 2) == [1, 2, 4]
-    assert valid_head_chunks(12, 4, 2) == [1, 2]  # 3, 6 groups split a kv group; 4 leaves 3 heads for 2 ranks
-    with pytest.raises(ValueError, match=r"head_chunks 3: num_attention_heads \(8\) is not divisible.*\[1, 2, 4\]"):
+    assert valid_head_chunks(12, 4, 2) == [1, 2, 6]  # a rank's 6 heads, 3 per kv head: 4 would split one
+    with pytest.raises(ValueError, match=r"head_chunks 3: each rank's 4 query heads .* not divisible.*\[1, 2, 4\]"):
         plan_head_chunks(8, 8, 3, 2)
-    with pytest.raises(ValueError, match=r"do not split over 4 Ulysses ranks"):
-        plan_head_chunks(8, 8, 4, 4)
+    with pytest.raises(ValueError, match=r"would split a set of 3 query heads sharing a kv head"):
+        plan_head_chunks(12, 4, 3, 2)
     for bad in (0, True, 1.5):
         with pytest.raises(ValueError, match="head_chunks must be a positive number"):
             plan_head_chunks(8, 8, bad, 2)
@@ -185,7 +186,7 @@ def test_bad_head_chunks_refused_at_registration_and_by_the_cli(pool):
     from ulysses_sp.cli.args import build_parser, train_options
     from ulysses_sp.run.checks import check_train_options
 
-    pool.run(_register_refused, 2, 4)  # each group's one query head cannot split over 2 ranks
+    pool.run(_register_refused, 2, 4)  # a rank's 2 query heads cannot make 4 groups
     cfg, _ = train_options(build_parser().parse_args(["train", "--head-chunks", "2"]))
     assert cfg.head_chunks == 2
     check_train_options(cfg)

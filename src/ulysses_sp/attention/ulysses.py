@@ -203,9 +203,9 @@ class UlyssesSPAttentionHF:
         if sp and self.head_chunks > 1:  # one head group at a time: [B, H*, S_l, D] -> [B, S_l, H, D]
             check_no_sinks(module, kwargs, self.head_chunks)
             groups = plan_head_chunks(h, hkv, self.head_chunks, self.ulysses_size)
-            attend = lambda i, q, k, v: self._attend(module, q, k, v, layouts, args, dict(kwargs), h,  # noqa: E731
-                                                     i * self.ulysses_size + rank)  # fmt: skip
-            return head_chunked_attention(query, key, value, attend=attend, chunks=groups, group=self.ulysses_group,
+            attend = lambda g, q, k, v: self._attend(module, q, k, v, layouts, args, dict(kwargs), h,  # noqa: E731
+                                                     rank * groups.n + g)  # fmt: skip
+            return head_chunked_attention(query, key, value, attend=attend, groups=groups, group=self.ulysses_group,
                                           overlap=self.head_chunk_overlap), None  # fmt: skip
         if a2a:  # P below is the Ulysses size U (= sp size without a ring); S the ring rank's S/R tokens
             p = self.ulysses_size

@@ -102,34 +102,35 @@ def _all_to_all_packed(
     """``_all_to_all`` of several tensors in **one** collective: each tensor's chunk for rank ``j`` is
     packed into row ``j`` of one byte buffer (one copy in, one copy out per tensor; ``packing``). Dtypes
     may differ (under autocast, rotary leaves q/k in fp32 while v is bf16): each keeps its own bytes."""
-    if dist.get_world_size(group) == 1:
+    p = dist.get_world_size(group)
+    if p == 1:
         return xs
-    return start_all_to_all_packed(xs, scatter_dim, gather_dim, group, times, async_op=False)()
+    parts = rank_parts(xs, scatter_dim, p)  # [P, ..., n/P, ...] per tensor
+    return start_exchange(parts, [gather_dim] * len(xs), group, times, async_op=False)()
 
 
-def start_all_to_all_packed(
-    xs: tuple[torch.Tensor, ...],
-    scatter_dim: int,
-    gather_dim: int,
+def start_exchange(
+    parts: list[torch.Tensor],
+    gather_dims: list[int | None],
     group: dist.ProcessGroup,
     times: CommTimes | None = None,
     *,
     async_op: bool = True,
 ) -> Callable[[], tuple[torch.Tensor, ...]]:
-    """Post the packed all-to-all of ``xs`` (``[..., n, ...] -> [..., n/P, ...]`` on ``scatter_dim``,
-    ``x P`` on ``gather_dim``) and return the function that waits for it and unpacks the results.
+    """Post one all-to-all of several tensors' per-rank pieces and return the function that waits for
+    it and unpacks what arrived. ``parts[i]``: ``[P, ...]``, row ``j`` for rank ``j`` (any view);
+    arriving, row ``j`` came from rank ``j``: glued along ``gather_dims[i]`` of the piece (a copy), or
+    for ``None`` returned as ``[P(src), ...]`` (a view of the receive buffer).
 
     With ``async_op`` the collective runs while the caller computes (head-chunked attention posts the
     next head group's exchange before attending the current one); the wait is what ``times`` counts.
-    Not differentiable: the caller's autograd function owns the backward. ``P = 1``: ``xs`` as they are.
+    Not differentiable: the caller's autograd function owns the backward.
     """
-    p = dist.get_world_size(group)
-    if p == 1:
-        return lambda: xs
-    parts = rank_parts(xs, scatter_dim, p)  # [P, ..., n/P, ...] per tensor
     sizes, layouts = segment_sizes(parts), layout_of(parts)
     send = pack(parts, sizes)  # [P, bytes per rank]
     del parts  # the inputs are not kept alive by the exchange
+    if dist.get_world_size(group) == 1:
+        return lambda: unpack(send, layouts, sizes, gather_dims)
     recv = torch.empty_like(send)
     with _timed("sp", times) if not async_op else contextlib.nullcontext():
         work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
@@ -140,7 +141,7 @@ def start_all_to_all_packed(
             with _timed("sp", times):
                 work.wait()
         send = work = None  # (the work holds the buffers too) peak: inputs + recv + outputs, not + send
-        outs, recv = unpack(recv, layouts, sizes, gather_dim), None  # recv not kept by this closure
+        outs, recv = unpack(recv, layouts, sizes, gather_dims), None  # recv not kept by this closure
         return outs
 
     return finish

@@ -41,15 +41,17 @@ def pack(parts: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
     return send
 
 
-def unpack(recv: torch.Tensor, layouts: list[tuple[torch.Size, torch.dtype]], sizes: list[int], gather_dim: int
-           ) -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """The received rows back as tensors, each source rank's block glued along ``gather_dim`` (a copy).
-    ``layouts``: each part's ``[P, ...]`` shape and dtype (``layout_of``)."""
+def unpack(recv: torch.Tensor, layouts: list[tuple[torch.Size, torch.dtype]], sizes: list[int],
+           gather_dims: list[int | None]) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """The received rows back as tensors, each source rank's block glued along its gather dim (a copy),
+    or for ``None`` the ``[P(src), ...]`` view. ``layouts``: each part's ``[P, ...]`` shape and dtype."""
     outs, offset = [], 0
-    for (shape, dtype), n in zip(layouts, sizes):
-        g = gather_dim % (len(shape) - 1)
-        # [P(src), ..., g, ...] -> [..., P*g, ...]: the source rank's block goes before its elements.
-        outs.append(segment(recv, offset, shape, dtype).movedim(0, g).flatten(g, g + 1))
+    for (shape, dtype), n, g in zip(layouts, sizes, gather_dims):
+        piece = segment(recv, offset, shape, dtype)  # [P(src), ...]
+        if g is not None:  # [P(src), ..., g, ...] -> [..., P*g, ...]: the source rank's block goes first
+            g %= len(shape) - 1
+            piece = piece.movedim(0, g).flatten(g, g + 1)
+        outs.append(piece)
         offset += n
     return tuple(outs)
 
