@@ -122,18 +122,22 @@ def _replicated(k: torch.Tensor, hg: HeadGroups) -> torch.Tensor:
     return k.repeat_interleave(hg.repeat, 1) if hg.repeat > 1 else k
 
 
-def _group_in(q, k, v, dout, hg: HeadGroups, g: int, group) -> Callable:
-    """Post group ``g``'s exchange: q ``-> [B, H_c, S, D]``; the kv set it opens, k, v ``-> [B, kvs, S,
-    D]``; in backward the output gradient ``[B, S_l, H, D] -> [B, S, H_c, D]``."""
-    parts, dims = [_rows(q, hg, hg.n, hg.hc, g)], [2]
+def _group_in(q, k, v, dout, hg: HeadGroups, g: int, group, overlap: bool) -> Callable:
+    """Group ``g``'s exchange: q ``-> [B, H_c, S, D]``; the kv set it opens, k, v ``-> [B, kvs, S,
+    D]``; in backward the output gradient ``[B, S_l, H, D] -> [B, S, H_c, D]``. With ``overlap``: one
+    collective, posted now; without: one per kind of tensor, run in turn when waited for, so that
+    only one kind's buffers are alive at a time."""
+    pieces = []
     if g % hg.span == 0:
-        parts += [_rows(t, hg, hg.n // hg.span, hg.kvs, g // hg.span) for t in (k, v)]
-        dims += [2, 2]
+        pieces.append(([_rows(t, hg, hg.n // hg.span, hg.kvs, g // hg.span) for t in (k, v)], [2, 2]))
+    pieces.insert(0, ([_rows(q, hg, hg.n, hg.hc, g)], [2]))
     if dout is not None:  # [B, S_l, H, D] -> [P, B, S_l, H_c, D]
         b, s_l, _, d = dout.shape
-        parts.append(dout.view(b, s_l, hg.p, hg.n, hg.hc, d)[:, :, :, g].movedim(2, 0))
-        dims.append(1)
-    return start_exchange(parts, dims, group)
+        pieces.append(([dout.view(b, s_l, hg.p, hg.n, hg.hc, d)[:, :, :, g].movedim(2, 0)], [1]))
+    if overlap:
+        return start_exchange([p for parts, _ in pieces for p in parts], [d for _, dims in pieces for d in dims],
+                              group)  # fmt: skip
+    return lambda: tuple(t for parts, dims in pieces for t in start_exchange(parts, dims, group, async_op=False)())
 
 
 class _HeadChunkedAttention(torch.autograd.Function):
@@ -146,7 +150,7 @@ class _HeadChunkedAttention(torch.autograd.Function):
         b, h, s_l, d = q.shape
         out = q.new_empty((b, s_l, h, d))  # [B, S_l, H, D]
         kr, vr = _replicated(k, hg), _replicated(v, hg)  # [B, Hkv', S_l, D]
-        start = lambda g: _group_in(q, kr, vr, None, hg, g, group)  # noqa: E731
+        start = lambda g: _group_in(q, kr, vr, None, hg, g, group, overlap)  # noqa: E731
         back, pending, kv = None, start(0), ()
         for g in range(hg.n):
             qf, *new_kv = pending()  # [B, H_c, S, D] (+ a kv set's k, v [B, kvs, S, D])
@@ -183,7 +187,7 @@ class _HeadChunkedAttention(torch.autograd.Function):
         kr, vr = _replicated(k, hg), _replicated(v, hg)  # [B, Hkv', S_l, D]
         dq = q if ctx.reuse else torch.empty_like(q)
         dkr, dvr = torch.empty_like(kr), torch.empty_like(vr)
-        start = lambda g: _group_in(q, kr, vr, dout, hg, g, group)  # noqa: E731
+        start = lambda g: _group_in(q, kr, vr, dout, hg, g, group, ctx.overlap)  # noqa: E731
         back, pending, kv, dkv = None, start(0), (), ()
         for g in range(hg.n):
             qf, *got = pending()

@@ -67,11 +67,7 @@ from ulysses_sp.attention.ring import RingStats
 from ulysses_sp.attention.segments import segment_lengths
 from ulysses_sp.parallel.comm import heads_to_seq, qkv_seq_to_heads
 from ulysses_sp.parallel.mesh import SPMesh, require_process_group
-from ulysses_sp.parallel.mesh_shape import (
-    check_heads,
-    head_counts,
-    resolve_ring_size_for_layers,
-)
+from ulysses_sp.parallel.mesh_shape import check_heads, head_counts, resolve_ring_size_for_layers
 
 logger = logging.getLogger(__name__)
 

@@ -102,11 +102,10 @@ def _all_to_all_packed(
     """``_all_to_all`` of several tensors in **one** collective: each tensor's chunk for rank ``j`` is
     packed into row ``j`` of one byte buffer (one copy in, one copy out per tensor; ``packing``). Dtypes
     may differ (under autocast, rotary leaves q/k in fp32 while v is bf16): each keeps its own bytes."""
-    p = dist.get_world_size(group)
-    if p == 1:
+    if (p := dist.get_world_size(group)) == 1:
         return xs
-    parts = rank_parts(xs, scatter_dim, p)  # [P, ..., n/P, ...] per tensor
-    return start_exchange(parts, [gather_dim] * len(xs), group, times, async_op=False)()
+    # [P, ..., n/P, ...] per tensor
+    return start_exchange(rank_parts(xs, scatter_dim, p), [gather_dim] * len(xs), group, times, async_op=False)()
 
 
 def start_exchange(
@@ -127,8 +126,8 @@ def start_exchange(
     Not differentiable: the caller's autograd function owns the backward.
     """
     sizes, layouts = segment_sizes(parts), layout_of(parts)
-    send = pack(parts, sizes)  # [P, bytes per rank]
-    del parts  # the inputs are not kept alive by the exchange
+    send = pack(parts, sizes)  # [P, bytes per rank]; the inputs are not kept alive by the exchange
+    del parts
     if dist.get_world_size(group) == 1:
         return lambda: unpack(send, layouts, sizes, gather_dims)
     recv = torch.empty_like(send)
