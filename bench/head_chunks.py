@@ -2,10 +2,9 @@
 
     python -m bench.head_chunks                  # writes bench/results/head_chunks.md
 
-1. **Peak memory of one attention layer** (``LlamaAttention`` forward + backward, ``memory.meter``, max
-   over ranks) and the **step time** (median after a warm-up), head groups 1 / 2 / 4, overlap on/off.
-2. **Packed documents** (S/2, S/4, S/4), step time: the blockwise core (before: ``attn_chunk`` set to
-   what auto picks) against one sdpa call per document (after).
+1. One attention layer's **peak** and **kept** memory (``memory.meter``) and the **step time**, head groups
+   1 / 2 / 4, overlap on/off. 2. **Packed documents** (S/2, S/4, S/4), step time: the blockwise core
+   (before: ``attn_chunk`` as auto picks) against one sdpa call per document (after).
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ def _setup(seq: int, chunks: int, overlap: bool, attn_chunk: int | None = None):
     return mesh, model, reg
 
 
-def layer_peak(seq: int, chunks: int, overlap: bool) -> int:
+def layer_peak(seq: int, chunks: int, overlap: bool) -> list[int]:
     from ulysses_sp.attention.positions import capture_call
     from ulysses_sp.memory.meter import track_peak_memory
 
@@ -51,9 +50,10 @@ def layer_peak(seq: int, chunks: int, overlap: bool) -> int:
     reg.attention.call = capture_call(model, (), {"position_ids": pos})  # what the model's pre-hook records
     with track_peak_memory("cpu", include=[x]) as mem:
         out, _ = attn(x, position_embeddings=cos_sin, attention_mask=None, position_ids=pos)
+        kept = mem.current_bytes  # what the layer keeps for its backward (+ x and its output)
         out.sum().backward()
     reg.remove()
-    return int(max_over_ranks(mem.peak_bytes))
+    return [int(max_over_ranks(mem.peak_bytes)), int(max_over_ranks(kept))]
 
 
 def step_time(seq: int, chunks: int, overlap: bool, packed: bool, attn_chunk: int | None, steps: int) -> float:
@@ -94,24 +94,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=str(md.ROOT / "bench" / "results" / "head_chunks.md"))
     args = ap.parse_args(argv)
     if under_torchrun():
-        init_worker()
-        return finish_worker(worker(args), args.out)
+        return init_worker() or finish_worker(worker(args), args.out)
     run = md.provenance("python -m bench.head_chunks " + " ".join(argv or sys.argv[1:]))
     forward = ["--peak-seq", str(args.peak_seq), "--time-seq", str(args.time_seq), "--steps", str(args.steps),
                "--packed-seqs", *map(str, args.packed_seqs)]  # fmt: skip
     res, cmd, wall = run_worker("bench.head_chunks", 2, forward)
     print(f"{cmd}: {wall:.0f} s", file=sys.stderr)
-    peak, step = (lambda n, o: res["peak"][f"{n} {o}"]), (lambda n, o: res["causal"][f"{n} {o}"])  # noqa: E731
-    rows = [[n if n > 1 else "1 (unchunked)", "-" if n == 1 else "on" if o else "off", f"{peak(n, o) / 2**20:.1f}",
-             f"{peak(n, o) / peak(1, True):.2f}x", f"{step(n, o):.3f}", f"{step(n, o) / step(1, True):.2f}x"]
-            for n, o in CHUNKS]  # fmt: skip
+    mem, step = (lambda n, o, i=0: res["peak"][f"{n} {o}"][i]), (lambda n, o: res["causal"][f"{n} {o}"])  # noqa: E731
+    rows = [[n if n > 1 else "1 (unchunked)", "-" if n == 1 else "on" if o else "off", f"{mem(n, o) / 2**20:.1f}",
+             f"{mem(n, o) / mem(1, True):.2f}x", f"{mem(n, o, 1) / 2**20:.1f}", f"{mem(n, o, 1) / mem(1, True, 1):.2f}x",
+             f"{step(n, o):.3f}", f"{step(n, o) / step(1, True):.2f}x"] for n, o in CHUNKS]  # fmt: skip
     packed = [[seq, f"{t['blockwise (before)']:.3f}", f"{t['per-document sdpa (after)']:.3f}",
                f"{t['blockwise (before)'] / t['per-document sdpa (after)']:.1f}x"] for seq, t in res["packed"].items()]  # fmt: skip
     md.page(args.out, "Head-chunked attention and the per-document packed path (sp 2, CPU)", run, [
-        f"Tiny Llama ({HEADS} heads, {KV_HEADS} kv heads, hidden {HIDDEN}, 2 layers, fp32), 2 ranks, gloo on a "
-        f"shared 2-core CPU. Attention-layer peak at S {args.peak_seq} (forward + backward of one `LlamaAttention`, "
-        f"max over ranks); step time (median of {args.steps}) at S {args.time_seq}, causal.",
-        md.table(["head groups", "overlap", "layer peak MiB", "vs unchunked", "step s", "vs unchunked"], rows),
+        f"Tiny Llama ({HEADS}/{KV_HEADS} heads, hidden {HIDDEN}, fp32), sp 2, gloo, shared 2-core CPU. One `LlamaAttention`"
+        f" at S {args.peak_seq}: peak (forward + backward) and kept (live after its forward), max over ranks; "
+        f"step: median of {args.steps}, S {args.time_seq}, causal.",
+        md.table(["head groups", "overlap", "layer peak MiB", "vs unchunked", "kept MiB", "vs unchunked", "step s",
+                  "vs unchunked"], rows),
         "Packed documents (S/2, S/4, S/4), same model, step seconds (median):",
         md.table(["S", "blockwise (before)", "per-document sdpa (after)", "speed-up"], packed)])  # fmt: skip
 
