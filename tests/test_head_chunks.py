@@ -41,8 +41,11 @@ def _reference(ref, ids, docs, weight):
     return logits, (logits * weight).sum()
 
 
-def _sp_run(ref, mesh, sp, ring, chunks, ids, pos, weight, **opts):
+def _sp_run(ref, mesh, sp, ring, chunks, ids, pos, weight, ckpt=False, **opts):
     model = copy.deepcopy(ref)
+    if ckpt:  # every layer recomputed in backward: the head groups' forward runs again before theirs
+        model.gradient_checkpointing_enable()
+        model.train()
     reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1, mesh=mesh, head_chunks=chunks,
                                                           **opts)  # fmt: skip
     cols = torch.cat([torch.arange(a, b) for a, b in shard_spans(ids.shape[1], mesh.sp_rank, sp, ring)])
@@ -55,7 +58,7 @@ def _sp_run(ref, mesh, sp, ring, chunks, ids, pos, weight, **opts):
     return logits.detach(), {n: p.grad for n, p in model.named_parameters()}, cols, path
 
 
-def _compare(sp, ring, heads, kv, chunks, packed, offload=False):
+def _compare(sp, ring, heads, kv, chunks, packed, offload=False, ckpt=False):
     mesh = init_mesh((1, sp), ring_size=ring)
     ref = tiny_model("llama", heads=heads, kv_heads=kv, hidden=8 * heads)
     ids = global_batch(5, 1, sum(DOCS))
@@ -65,7 +68,7 @@ def _compare(sp, ring, heads, kv, chunks, packed, offload=False):
     ref_logits, ref_loss = _reference(ref, ids, docs, weight)
     ref_loss.backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-    logits, grads, cols, path = _sp_run(ref, mesh, sp, ring, chunks, ids, pos, weight, offload_attention=offload)
+    logits, grads, cols, path = _sp_run(ref, mesh, sp, ring, chunks, ids, pos, weight, ckpt, offload_attention=offload)
     plain_logits, plain_grads, _, plain_path = _sp_run(ref, mesh, sp, ring, 1, ids, pos, weight,
                                                        offload_attention=offload)  # fmt: skip
     assert path == plain_path
@@ -77,16 +80,17 @@ def _compare(sp, ring, heads, kv, chunks, packed, offload=False):
 
 
 @pytest.mark.parametrize(
-    "sp, ring, heads, kv, chunks, packed, offload, path",
+    "sp, ring, heads, kv, chunks, packed, offload, path, ckpt",
     [
-        (2, 1, 8, 2, 4, False, False, "sdpa"),  # GQA: a rank's 4 query heads share one kv head: K/V once
-        (2, 1, 4, 4, 2, True, False, "segments"),  # MHA: K/V travel with each group; sdpa per document
-        (4, 2, 4, 2, 2, True, False, "ring"),  # hybrid: 2 Ulysses x 2 ring
-        (2, 1, 4, 1, 2, True, True, "blockwise+offload"),  # MQA, Ulysses-Offload
+        (2, 1, 8, 2, 4, False, False, "sdpa", False),  # GQA: a rank's 4 query heads share one kv head: K/V once
+        (2, 1, 8, 2, 4, False, False, "sdpa", True),  # the same under activation checkpointing
+        (2, 1, 4, 4, 2, True, False, "segments", False),  # MHA: K/V travel with each group; sdpa per document
+        (4, 2, 4, 2, 2, True, False, "ring", False),  # hybrid: 2 Ulysses x 2 ring
+        (2, 1, 4, 1, 2, True, True, "blockwise+offload", False),  # MQA, Ulysses-Offload
     ],
 )
-def test_head_chunks_equal_unchunked_and_no_sp(pool, sp, ring, heads, kv, chunks, packed, offload, path):
-    assert set(pool.run(_compare, sp, sp, ring, heads, kv, chunks, packed, offload)) == {path}
+def test_head_chunks_equal_unchunked_and_no_sp(pool, sp, ring, heads, kv, chunks, packed, offload, path, ckpt):
+    assert set(pool.run(_compare, sp, sp, ring, heads, kv, chunks, packed, offload, ckpt)) == {path}
 
 
 def _function_level(chunks):
