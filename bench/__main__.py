@@ -2,13 +2,12 @@
 
     python -m bench                 # the default sections (~7 min on a 2-core CPU machine)
     python -m bench --smoke         # tiny sizes, ulysses-sp only (< 1 min; CI) -> smoke.{json,md}
-    python -m bench --sections alst_memory,deepspeed,findings
+    python -m bench --sections deepspeed
     python -m bench --render bench/results/bench.json      # re-render the tables only
 
-Sections: comm, flops, memory, throughput (bench/workers.py, one launch per world size),
-alst_memory (bench/alst_worker.py; ~8 min, not in the default set), deepspeed and findings
-(bench/ours_worker.py vs bench/ds_worker.py; need ``bash bench/setup_deepspeed.sh``), longest_fit (bench/longest_fit.py: the longest sequence
-in one budget, ulysses-sp vs DeepSpeed; ~10 min, needs DeepSpeed, not in the default set). Every worker is launched by bench/launch.py.
+Sections: comm, flops, memory (bench/workers.py, one launch per world size) and deepspeed
+(bench/steploop.py: one step loop, both sides; needs ``bash bench/setup_deepspeed.sh``). Every worker
+is launched by bench/launch.py.
 
 A run into bench/results carries every section it did not run from the previous bench.json, still
 labelled with the run that produced it, and refreshes the targets block of docs/readme/performance.md
@@ -27,10 +26,8 @@ from bench import md, report
 from bench import spec as S
 from bench.launch import DS_PYTHON, ROOT, WorkerFailed, deepspeed_available, run_worker
 
-LIBRARY = ("comm", "flops", "memory", "throughput")
-SECTIONS = (*LIBRARY, "alst_memory", "deepspeed", "findings", "longest_fit")
-DEFAULT_SECTIONS = tuple(x for x in SECTIONS if x not in ("alst_memory", "longest_fit"))
-SMOKE_SECTIONS = LIBRARY
+LIBRARY = ("comm", "flops", "memory")
+SECTIONS = (*LIBRARY, "deepspeed")
 DS_POINTS = [{"dp": 1, "sp": 2, "zero": 1}, {"dp": 1, "sp": 2, "zero": 2}, {"dp": 2, "sp": 2, "zero": 1}]
 
 
@@ -46,111 +43,42 @@ def launch(run: dict, module: str, nproc: int, args: list[str], **kw):
     return res, cmd
 
 
-def run_library(tasks: list[str], smoke: bool, run: dict) -> dict[str, list[dict]]:
-    out: dict[str, list[dict]] = {t: [] for t in tasks}
-    for world in ([2] if smoke else [2, 4]) if tasks else []:
-        recs, cmd = launch(run, "bench.workers", world, ["--tasks", ",".join(tasks)] + ["--smoke"] * smoke)
-        for r in recs:
-            out[r["task"]].append({**r, "command": cmd})
-    return out
-
-
-def _best(runs: list[dict]) -> dict:
-    """Repeated launches of one side: deterministic fields from the first, the best timings of all."""
-    return {**runs[0], "tokens_per_s_per_rank": max(r["tokens_per_s_per_rank"] for r in runs),
-            "phase_s": {k: min(r["phase_s"][k] for r in runs) for k in runs[0]["phase_s"]}, "repeats": len(runs)}  # fmt: skip
-
-
 def run_pair(point: dict, *, steps: int, seq: int, repeats: int, run: dict, lr: float = 1e-3) -> dict:
     """ulysses-sp and DeepSpeed on one (dp, sp, zero) point, alternating launches (so a burst of load from
     elsewhere hits neither side alone), each side's best timing; plus the single-process oracle."""
     args = ["--dp", str(point["dp"]), "--sp", str(point["sp"]), "--zero", str(point["zero"]), "--steps", str(steps),
-            "--seq-len", str(seq), "--micro-batch", "1", "--lr", str(lr), "--clip", "0.0"]  # fmt: skip
-    n, ours, ds = point["dp"] * point["sp"], [], []
+            "--seq-len", str(seq), "--micro-batch", "1", "--lr", str(lr)]  # fmt: skip
+    sides: dict[str, list] = {"ours": [], "deepspeed": []}
     try:
         for _ in range(repeats):
-            res, ours_cmd = launch(run, "bench.ours_worker", n, args)
-            ours.append(res)
-            res, ds_cmd = launch(run, "bench.ds_worker", n, args, python=DS_PYTHON)
-            ds.append(res)
+            for side, py in (("ours", None), ("deepspeed", DS_PYTHON)):
+                res, cmd = launch(run, "bench.steploop", point["dp"] * point["sp"], ["--impl", side, *args], python=py)
+                sides[side].append({**res, "command": cmd})
     except WorkerFailed as e:
         log(f"  {point}: FAILED {str(e).splitlines()[0]}")
-        return {"point": point, "error": str(e)[-2000:], "errors": e.errors}
-    ref = S.reference_run(
-        S.ModelSpec(), steps=steps, dp_size=point["dp"], sp_size=point["sp"], mb=1, seq_len=seq, lr=lr
-    )
-    return {"point": point, "steps": steps, "seq": seq, "micro_batch": 1, "lr": lr, "clip": 0.0, "ours": _best(ours),
-            "deepspeed": _best(ds), "reference": ref, "ours_command": ours_cmd, "deepspeed_command": ds_cmd}  # fmt: skip
-
-
-def run_findings(pairs: list[dict], run: dict) -> dict:
-    """DeepSpeed runs that check its known problems; each result or error is kept with its command."""
-    ref = lambda **kw: S.reference_run(S.ModelSpec(), **{"steps": 3, "dp_size": 1, "sp_size": 2, "mb": 1,  # noqa: E731
-                                                         "seq_len": 64, "lr": 1e-2, **kw})  # fmt: skip
-    adam = ref(steps=20, seq_len=256)
-    adam["losses_grad_x2"] = ref(steps=20, seq_len=256, grad_scale=2.0)["losses"]
-    base = ["--steps", "3", "--seq-len", "64", "--sp", "2", "--dp", "1"]
-    checks = [  # name, ranks, arguments, oracle
-        ("zero0", 2, [*base, "--zero", "0"], ref()),
-        ("mesh_param", 2, [*base, "--zero", "1", "--mesh-param"], ref()),
-        ("micro_batch_2", 2, [*base, "--zero", "1", "--micro-batch", "2"], ref(mb=2)),
-        ("unequal_lengths", 2, [*base, "--zero", "1", "--seq-lens", "64,32"], None),
-        ("dp2_all_gather_recipe", 4, ["--steps", "3", "--seq-len", "64", "--sp", "2", "--dp", "2", "--zero", "1",
-                                      "--loss-combine", "all_gather"], None),
-        ("adam_lr1e-2", 2, ["--steps", "20", "--seq-len", "256", "--sp", "2", "--dp", "1", "--zero", "1",
-                            "--lr", "0.01"], adam),
-        ("sgd", 2, [*base, "--zero", "1", "--optim", "sgd", "--lr", "0.1"], ref(lr=0.1, optim="sgd")),
-    ]  # fmt: skip
-    runs = []
-    for name, n, args, oracle in checks:
-        entry = {"name": name, "reference": oracle, "result": None, "error": None}
-        try:
-            entry["result"], entry["command"] = launch(
-                run, "bench.ds_worker", n, args, python=DS_PYTHON, timeout=300
-            )
-        except WorkerFailed as e:
-            entry["command"] = str(e).splitlines()[0].rsplit(" failed", 1)[0]
-            entry["error"] = e.errors or [str(e)]
-        runs.append(entry)
-    return {"runs": runs, "pairs": pairs}
-
-
-def run_longest_fit(run: dict) -> dict:
-    """bench/longest_fit.py per (data, system): the budget search, then a profile at 3b's vocabulary
-    (plain causal, every power of two to 8K, no budget: where the peak sits when the logits are big)."""
-    from bench.longest_fit_report import SYSTEMS
-
-    out: dict = {"search": [], "profile": []}
-    plan = [("search", data, ["--budget-mib", "24", "--max-seq", "12288"]) for data in ("causal", "packed")]
-    plan.append(("profile", "causal", ["--vocab", "16384", "--budget-mib", "1e6", "--max-seq", "8192",
-                                       "--time-steps", "0"]))  # fmt: skip
-    for part, data, extra in plan:
-        for impl, tech in SYSTEMS:
-            args = ["--impl", impl, *(["--tech", tech] if tech else []), "--data", data, *extra]
-            py = DS_PYTHON if impl == "deepspeed" else None
-            res, cmd = launch(run, "bench.longest_fit", 2, args, python=py, timeout=1800)
-            out[part].append({**res, "command": cmd})
-    return out
+        return {"point": point, "error": str(e)[-2000:]}
+    ref = S.reference_run(S.ModelSpec(), steps=steps, dp_size=point["dp"], sp_size=point["sp"], mb=1, seq_len=seq,
+                          lr=lr)  # fmt: skip
+    best = {side: {**runs[0], "tokens_per_s_per_rank": max(r["tokens_per_s_per_rank"] for r in runs), "repeats":
+                   len(runs), "phase_s": {k: min(r["phase_s"][k] for r in runs) for k in runs[0]["phase_s"]}}
+            for side, runs in sides.items()}  # deterministic fields from the first launch, the best timings of all
+    return {"point": point, "steps": steps, "seq": seq, "micro_batch": 1, "lr": lr, **best,
+            "reference": ref, "ours_command": best["ours"]["command"],
+            "deepspeed_command": best["deepspeed"]["command"]}  # fmt: skip
 
 
 def run_sections(sections: list[str], smoke: bool, run: dict) -> dict:
     """``{section: data}`` for the sections of this run."""
-    out: dict = run_library([s for s in LIBRARY if s in sections], smoke, run)
-    if "alst_memory" in sections:
-        res, cmd = launch(run, "bench.alst_worker", 2, ["--smoke"] * smoke, timeout=1800)
-        out["alst_memory"] = {**res, "command": cmd}
-    if {"deepspeed", "findings"} & set(sections):
+    out: dict = {t: [] for t in LIBRARY if t in sections}
+    for world in ([2] if smoke else [2, 4]) if out else []:
+        recs, cmd = launch(run, "bench.workers", world, ["--tasks", ",".join(out)] + ["--smoke"] * smoke)
+        for r in recs:
+            out[r["task"]].append({**r, "command": cmd})
+    if "deepspeed" in sections:
         steps, seq, repeats = (3, 32, 1) if smoke else (20, 256, 2)
-        pairs = [
-            run_pair(p, steps=steps, seq=seq, repeats=repeats, run=run)
-            for p in DS_POINTS[: 1 if smoke else 3]
-        ]
-        out["deepspeed"] = pairs
-        if "findings" in sections:
-            out["findings"] = run_findings(pairs, run)
-    if "longest_fit" in sections:
-        out["longest_fit"] = run_longest_fit(run)
-    return {k: v for k, v in out.items() if k in sections}
+        out["deepspeed"] = [run_pair(p, steps=steps, seq=seq, repeats=repeats, run=run)
+                            for p in DS_POINTS[: 1 if smoke else 3]]  # fmt: skip
+    return out
 
 
 def carry_previous(result: dict, path: str) -> None:
@@ -160,7 +88,7 @@ def carry_previous(result: dict, path: str) -> None:
     with open(path) as f:
         prev = json.load(f)
     for name, sec in prev.get("sections", {}).items():
-        if name not in result["sections"]:
+        if name in SECTIONS and name not in result["sections"]:
             result["sections"][name] = sec
             result["runs"].setdefault(sec["run"], prev["runs"][sec["run"]])
             log(f"bench: section {name} carried from run {sec['run']} ({os.path.relpath(path, ROOT)})")
@@ -177,18 +105,17 @@ def main(argv=None) -> int:
     if args.render:
         with open(args.render) as f:
             result = json.load(f)
+        result["sections"] = {k: v for k, v in result["sections"].items() if k in SECTIONS}  # retired ones dropped
+        result["runs"] = {k: v for k, v in result["runs"].items() if k in {s["run"] for s in result["sections"].values()}}
     else:
         sections = list(SECTIONS if args.sections == "all" else args.sections.split(",") if args.sections
-                        else SMOKE_SECTIONS if args.smoke else DEFAULT_SECTIONS)  # fmt: skip
+                        else LIBRARY if args.smoke else SECTIONS)  # fmt: skip
         if unknown := set(sections) - set(SECTIONS):
             ap.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
-        if (needs := {"deepspeed", "findings", "longest_fit"} & set(sections)) and not deepspeed_available():
-            log(
-                f"bench: sections {sorted(needs)} need DeepSpeed: run `bash bench/setup_deepspeed.sh` first; skipping"
-            )
-            sections = [s for s in sections if s not in needs]
-        invocation = " ".join(["python -m bench", *(argv if argv is not None else sys.argv[1:])])
-        run = md.provenance(invocation)
+        if "deepspeed" in sections and not deepspeed_available():
+            log("bench: section deepspeed needs DeepSpeed: run `bash bench/setup_deepspeed.sh` first; skipping")
+            sections.remove("deepspeed")
+        run = md.provenance(" ".join(["python -m bench", *(argv if argv is not None else sys.argv[1:])]))
         found = run_sections(sections, args.smoke, run)
         md.finish(run)
         result = {"smoke": args.smoke, "runs": {run["id"]: run},

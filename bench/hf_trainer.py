@@ -1,92 +1,119 @@
-"""Bench: a ``transformers.Trainer`` with and without ``integrations.transformers.prepare`` (sp=2).
+"""Bench: the HF Trainer path: step time vs a plain Trainer, and peak memory vs the CLI (ALST options).
 
-    python -m bench.hf_trainer [--seq 2048] [--steps 4] [--out bench/results/hf_trainer.md]
-
-Both runs train the same tiny Llama on the same fixed-length batches on 2 processes (bench/launch.py):
-without SP (DDP, each rank a whole sequence) and with ``prepare(trainer, sp_size=2)`` (each rank half of
-every sequence, gradient accumulation doubled so the global batch is the same). Reported per run: the
-busiest rank's peak tensor bytes during ``trainer.train()`` (``track_peak_memory``, parameters
-counted), the median optimizer-step time after the first step, and the last logged loss (equal between
-the runs: a sanity check, the tests assert it).
+``python -m bench.hf_trainer [--seq 2048] [--steps 6] [--rounds 3] [--mem-seq 1024]``, 2 processes. Time: plain
+``Trainer`` (dp 2) vs ``prepare(trainer, sp_size=2)`` (dp 1, accumulation 2), same batches and work per rank,
+alternating; per step wall, CPU, ``torch.distributed`` time and calls (Python-level: DDP's C++ ones unseen).
+Memory: per ALST technique, the busiest rank's peak per step, Trainer path vs the CLI's loop, same settings.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import shutil
 import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 from bench import md
+from bench.counters import SENT, CallTimer, CollectiveCounter
 from bench.launch import finish_worker, init_worker, max_over_ranks, run_worker, under_torchrun
+from bench.spec import llama
+from ulysses_sp.integrations.transformers import prepare
+from ulysses_sp.memory.meter import track_peak_memory
+from ulysses_sp.run.config import TrainConfig
+from ulysses_sp.run.loop import run as run_cli
+
+SMALL = dict(vocab_size=259, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+WIDE = dict(vocab_size=8192, hidden_size=64, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)
+CKPT, OFF = {"gradient_checkpointing": True}, {"activation_checkpointing": True, "offload_activations": True}
+ALL, TL, TM, UO = {"tiled_loss": True, "tiled_mlp": True, "offload_attention": True}, {"tiled_loss": True}, {"tiled_mlp": True}, {"offload_attention": True}
+TECHNIQUES = {  # name: (prepare() options, TrainingArguments fields, the CLI's TrainConfig fields)
+    "SP only": ({}, {}, {}), "tiled loss": (TL, {}, TL), "tiled MLP": (TM, {}, TM), "Ulysses-Offload": (UO, {}, UO),
+    "checkpointing": ({}, CKPT, {"activation_checkpointing": True}), "checkpointing + offload": ({"offload_activations": True}, CKPT, OFF),
+    "bf16": ({}, {"bf16": True}, {"dtype": "bf16"}), "all, fp32": ({**ALL, "offload_activations": True}, CKPT, {**ALL, **OFF})}  # fmt: skip
 
 
-def worker(seq: int, steps: int) -> list:
-    import torch
-    from datasets import Dataset
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-
-    from bench.spec import llama
-    from ulysses_sp.integrations.transformers import prepare
-    from ulysses_sp.memory.meter import track_peak_memory
-
-    class StepTimer(TrainerCallback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
+def train(model, rows, *, sp: int, steps: int, options: dict, fields: dict, meter: bool) -> dict:
+    class Probe(TrainerCallback):  # (wall, CPU, in collectives) at each step's end; each step's peak
+        ends, peaks = [], []  # a class per train() call
         def on_step_begin(self, args, state, control, **kw):
-            self.t0 = time.perf_counter()
+            self.cm = track_peak_memory(args.device) if meter else contextlib.nullcontext()
+            self.mem = self.cm.__enter__()
 
         def on_step_end(self, args, state, control, **kw):
-            self.times.append(time.perf_counter() - self.t0)
+            self.ends.append((time.perf_counter(), time.process_time(), sum(t.seconds for t in timers)))
+            self.cm.__exit__(None, None, None)
+            self.peaks += [self.mem.peak_bytes] if meter else []
 
-    g = torch.Generator().manual_seed(0)
-    rows = [{"input_ids": x, "labels": x} for x in (torch.randint(0, 256, (seq,), generator=g).tolist()
-                                                     for _ in range(8 * steps))]  # fmt: skip
-    results = []
-    for sp in (1, 2):
-        model = llama(vocab_size=259, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq)  # fmt: skip
-        with tempfile.TemporaryDirectory() as out:
-            args = TrainingArguments(
-                output_dir=out, use_cpu=not torch.accelerator.is_available(), report_to=[], save_strategy="no",
-                max_steps=steps, per_device_train_batch_size=1, gradient_accumulation_steps=sp,
-                logging_steps=1, learning_rate=1e-3, disable_tqdm=True, seed=0)  # fmt: skip
-            timer = StepTimer()
-            trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows), callbacks=[timer])
-            if sp == 2:
-                prepare(trainer, sp_size=2)
-            with track_peak_memory(include=model.parameters()) as mem:
-                trainer.train()
-            loss = [h["loss"] for h in trainer.state.log_history if "loss" in h][-1]
-            results.append([sp, int(max_over_ranks(mem.peak_bytes)), statistics.median(timer.times[1:]), loss])
-    return results
+    with tempfile.TemporaryDirectory() as out, contextlib.ExitStack() as stack:
+        args = TrainingArguments(output_dir=out, use_cpu=not torch.accelerator.is_available(), report_to=[], seed=0,
+            save_strategy="no", max_steps=steps, per_device_train_batch_size=1, gradient_accumulation_steps=sp,
+            logging_steps=1, learning_rate=1e-3, disable_tqdm=True, optim="adamw_torch",  # the CLI's AdamW, unfused
+            gradient_checkpointing_kwargs={"use_reentrant": False}, **fields)  # fmt: skip
+        trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows), callbacks=[probe := Probe()])
+        handle = prepare(trainer, sp_size=sp, **options) if sp > 1 else None
+        counter, timers = stack.enter_context(CollectiveCounter()), [stack.enter_context(CallTimer(dist, op)) for op in SENT]
+        trainer.train()
+        _ = handle and handle.remove()
+    return {"times": [[b - a for a, b in zip(x, y)] for x, y in zip(probe.ends, probe.ends[1:])], "peak": max(probe.peaks, default=0),
+            "calls": {op: n / steps for (_, op), n in counter.calls.items()}, "loss": trainer.state.log_history[-2]["loss"]}  # fmt: skip
+
+
+def worker(seq: int, steps: int, rounds: int, mem_seq: int) -> dict:
+    g, runs, res = torch.Generator().manual_seed(0), {1: [], 2: []}, {"memory": {}}
+    rows = lambda n, s: [{"input_ids": x, "labels": x} for x in torch.randint(0, 256, (n, s), generator=g).tolist()]  # noqa: E731
+    data = rows(2 * steps + 2, seq)  # the same batches for both runs
+    for sp in [1, 2] * rounds:
+        runs[sp].append(train(llama(**SMALL, max_position_embeddings=seq), data, sp=sp, steps=steps, options={}, fields={}, meter=False))
+    med = lambda rs: [statistics.median(t[i] for r in rs for t in r["times"]) for i in range(3)]  # noqa: E731
+    res["time"] = {sp: {"step_s": med(rs), "calls": rs[0]["calls"], "loss": rs[0]["loss"]} for sp, rs in runs.items()}
+    dist.broadcast_object_list(tmp := [tempfile.mkdtemp(prefix="hf-trainer-bench-") if dist.get_rank() == 0 else None])
+    _ = dist.get_rank() == 0 and llama(**WIDE, max_position_embeddings=mem_seq).save_pretrained(f"{tmp[0]}/model")
+    dist.barrier()
+    for i, (name, (options, fields, cli)) in enumerate(TECHNIQUES.items()):
+        cfg = TrainConfig(model=f"{tmp[0]}/model", seq_len=mem_seq, sp=2, steps=3, micro_batch_size=1, grad_accum=2, output_dir=f"{tmp[0]}/cli{i}", progress=False, **cli)  # fmt: skip
+        run_cli(cfg)
+        cli_peak = max(json.loads(line)["peak_mem_bytes"] for line in Path(cfg.metrics_path).read_text().splitlines())
+        model = AutoModelForCausalLM.from_pretrained(f"{tmp[0]}/model", attn_implementation="sdpa")  # the CLI's weights
+        got = train(model, rows(8, mem_seq), sp=2, steps=3, options=options, fields=fields, meter=True)
+        res["memory"][name] = [int(max_over_ranks(got["peak"])), cli_peak]  # the last collective of both ranks
+    _ = dist.get_rank() == 0 and shutil.rmtree(tmp[0])
+    return res
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--steps", type=int, default=4)
+    for flag, default in (("--seq", 2048), ("--steps", 6), ("--rounds", 3), ("--mem-seq", 1024)):
+        ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--out", default=str(md.ROOT / "bench" / "results" / "hf_trainer.md"))
     a = ap.parse_args(argv)
+    flags = [x for f in ("seq", "steps", "rounds", "mem_seq") for x in (f"--{f.replace('_', '-')}", str(getattr(a, f)))]
     if under_torchrun():
         init_worker()
-        return finish_worker(worker(a.seq, a.steps), a.out)
-    run = md.provenance(f"python -m bench.hf_trainer --seq {a.seq} --steps {a.steps}")
-    results, _, _ = run_worker("bench.hf_trainer", 2, ["--seq", str(a.seq), "--steps", str(a.steps)])
-    (_, base_peak, base_t, _), rows = results[0], []
-    for sp, peak, t, loss in results:
-        rows.append(["Trainer" if sp == 1 else "Trainer + prepare(sp_size=2)", a.seq // sp, f"{peak / 2**20:.1f}",
-                     f"{peak / base_peak:.2f}", f"{t * 1e3:.0f}", f"{t / base_t:.2f}", f"{loss:.4f}"])  # fmt: skip
-    md.page(a.out, "HF Trainer with and without sequence parallelism", run, [
-        f"2 processes, tiny Llama h=128, 2 layers, sdpa, batch 1 x {a.seq} tokens per rank-batch.",
-        md.table(["run", "tokens per rank per micro-step", "peak MiB (busiest rank)", "peak vs no SP",
-                  "step ms (median)", "step time vs no SP", "last loss"], rows),
-        "A step is the same global batch in both runs; with SP each rank runs 2 micro-steps of half a "
-        "sequence instead of 1 of a whole one, plus the attention all-to-alls and the loader's exchange "
-        "over gloo. Timings on a shared 2-core CPU machine are not a GPU projection; the peak is "
-        "deterministic (tensor bytes, parameters and optimizer state included)."])  # fmt: skip
+        return finish_worker(worker(a.seq, a.steps, a.rounds, a.mem_seq), a.out)
+    run = md.provenance("python -m bench.hf_trainer " + " ".join(flags))
+    t, mem = (res := run_worker("bench.hf_trainer", 2, flags, timeout=1800)[0])["time"], res["memory"]
+    base, ops = t["1"]["step_s"], sorted({op for r in t.values() for op in r["calls"]})  # JSON keys: "1", "2"
+    trows = [[("Trainer (dp 2)", "Trainer + prepare(sp_size=2) (dp 1)")[sp == "2"], a.seq // int(sp), *(f"{x * 1e3:.0f} ({x / b:.2f}x)" for x, b in zip(r["step_s"], base)),
+              *(f"{r['calls'].get(op, 0):g}" for op in ops), f"{r['loss']:.4f}"] for sp, r in t.items()]  # fmt: skip
+    md.page(a.out, "HF Trainer path: overhead and ALST memory", run, [
+        f"## Step time\n\nLlama h=128, 2 layers, fp32, 2 x {a.seq} tokens per step; medians over {a.rounds} alternating "
+        f"rounds of {a.steps} steps (each run's first dropped); a shared 2-core CPU machine, not a GPU projection.",
+        md.table(["run", "tokens per rank per micro-step", "step ms, wall (vs plain)", "CPU ms (vs plain)",
+                  "ms in collectives (vs plain)", *(f"{op} per step" for op in ops), "last loss"], trows),
+        f"## Peak memory per rank, Trainer path vs CLI\n\nsp 2, dp 1, Llama h=64, MLP 512, 2 layers, vocab 8192, "
+        f"2 x {a.mem_seq} tokens per step (accumulation 2), AdamW; max over 3 steps (host copies not counted).",
+        md.table(["technique", "Trainer + prepare() MiB", "CLI (ulysses-sp train) MiB", "Trainer / CLI"],
+                 [[k, f"{p / 2**20:.1f}", f"{c / 2**20:.1f}", f"{p / c:.2f}"] for k, (p, c) in mem.items()])])  # fmt: skip
 
 
 if __name__ == "__main__":

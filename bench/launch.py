@@ -9,7 +9,6 @@ repository root to reproduce the row. Torch only: the DeepSpeed venv imports it 
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import os
@@ -25,11 +24,7 @@ DS_PYTHON = ROOT / "bench" / ".venv-deepspeed" / "bin" / "python"
 
 
 class WorkerFailed(RuntimeError):
-    """A worker exited non-zero; ``.errors`` holds what each rank recorded (if anything)."""
-
-    def __init__(self, message: str, errors: list[str]) -> None:
-        super().__init__(message)
-        self.errors = errors
+    """A worker exited non-zero (the message holds the command and the tail of its stderr)."""
 
 
 def _shown(python: str) -> str:
@@ -45,11 +40,10 @@ def run_worker(
 ) -> tuple[dict | list, str, float]:
     """``python -m torch.distributed.run --nproc-per-node N -m MODULE ARGS --out TMP``.
 
-    Returns ``(result, command, wall_seconds)``; raises ``WorkerFailed`` with the ranks' error notes.
+    Returns ``(result, command, wall_seconds)``; raises ``WorkerFailed`` when the worker fails.
     """
     python = str(python or sys.executable)
-    os.makedirs(ROOT / "bench" / "results", exist_ok=True)
-    fd, out = tempfile.mkstemp(prefix="tmp-", suffix=".json", dir=ROOT / "bench" / "results")
+    fd, out = tempfile.mkstemp(prefix="bench-", suffix=".json")
     os.close(fd)
     os.unlink(out)
     base = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m", module]
@@ -60,17 +54,11 @@ def run_worker(
     try:
         proc = subprocess.run([python, *base, *args, "--out", out], cwd=ROOT, env=env, capture_output=True,
                               text=True, timeout=timeout)  # fmt: skip
-        wall = time.perf_counter() - t0
-        errors = []
-        for r in range(nproc):
-            if (err := Path(f"{out}.rank{r}.err")).exists():
-                errors.append(f"rank {r}: {err.read_text()}")
-                err.unlink()
         if proc.returncode != 0 or not Path(out).exists():
             tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
-            raise WorkerFailed(f"{shown} failed (exit {proc.returncode}):\n{tail}", errors)
+            raise WorkerFailed(f"{shown} failed (exit {proc.returncode}):\n{tail}")
         with open(out) as f:
-            return json.load(f), shown, wall
+            return json.load(f), shown, time.perf_counter() - t0
     finally:
         if os.path.exists(out):
             os.unlink(out)
@@ -107,17 +95,6 @@ def max_over_ranks(x: float, group=None) -> float:
     t = torch.tensor([float(x)], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.item()
-
-
-@contextlib.contextmanager
-def recorded_errors(out: str):
-    """A rank's exception, also written to ``OUT.rankR.err`` (``WorkerFailed.errors`` reads it back)."""
-    try:
-        yield
-    except Exception as e:
-        with open(f"{out}.rank{os.environ.get('RANK', '0')}.err", "w") as f:
-            f.write(f"{type(e).__name__}: {e}"[:4000])
-        raise
 
 
 def finish_worker(result, out: str | None) -> None:

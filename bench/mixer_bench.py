@@ -1,8 +1,8 @@
 """Sequence mixers under Ulysses SP: exchanges and bytes per mixer layer, step time, memory growth.
 
-    python -m bench.mixer_bench [--smoke] [--out bench/results/mixer_bench.md]
+    python -m bench.mixer_bench [--smoke] [--sp 1 2 4] [--out bench/results/mixer_bench.md]
 
-Gloo ranks on CPU (``bench.launch.run_worker``: ``torch.distributed.run``, one world per sp size).
+Gloo ranks on CPU (bench/launch.py: one world per sp size, one thread per rank).
 
 * **Bytes**: one forward + backward of a single mixer module (LFM2's short conv; a Nemotron-H
   Mamba-2 mixer with ``G < P`` and ``G >= P``), sharded by ``mixers.apply.apply_mixers``; every
@@ -11,28 +11,33 @@ Gloo ranks on CPU (``bench.launch.run_worker``: ``torch.distributed.run``, one w
   ``4 B S_l Hd (P-1)/P b``; Mamba-2 ``2 B S_l (P-1) b [I/P + H/P + 2 G_l N] + 2 B S_l I (P-1)/P b``
   (in: x, dt and the B/C groups each destination needs; out: y).
 * **Step time**: forward + backward of a whole model on one sequence of ``S`` tokens (the same
-  global batch at every sp): a Nemotron-H hybrid (mamba, attention, mamba, mlp) beside a dense
-  Llama of the same width and depth; fastest of 5 steps after a warm-up; max over ranks.
-* **Memory**: the hybrid's peak tensor bytes per rank (``memory.meter.track_peak_memory``, CPU
-  storage tracking, parameters included) at two lengths; the growth between them per rank.
+  global batch at every sp): a Nemotron-H hybrid (mamba, attention, mamba, mlp), a Qwen3-Next hybrid
+  (two gated delta-net layers, one attention) and a dense Llama of the same width; fastest of 5 steps
+  after a warm-up; max over ranks.
+* **Memory**: peak tensor bytes per rank (``memory.meter.track_peak_memory``, CPU storage tracking,
+  parameters included, max over ranks) of the Nemotron-H hybrid and of a Qwen3-Next made only of gated
+  delta-net layers, at two lengths; the growth between them should fall as 1/sp (the scan runs over the
+  full sequence for ``H/P`` of the heads, the projections and the halo convolution on ``S/P`` tokens).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 
+from bench import md
+from bench.launch import finish_worker, init_worker, max_over_ranks, run_worker, under_torchrun
+
 WIDTH = {"hidden": 64, "heads": 4, "mamba_heads": 8, "head_dim": 8, "state": 16, "groups": 2}
 
 
 def hybrid(kind: str, groups: int = WIDTH["groups"]):
-    """A small model of ``kind`` (``lfm2``, ``nemotron_h``, ``llama``), fp32, seeded."""
+    """A small fp32 seeded model of ``kind``: ``lfm2``, ``nemotron_h``, ``llama``, ``gated_deltanet`` (a
+    Qwen3-Next of two gated delta-net layers) or ``qwen3_next`` (the same plus one attention layer)."""
     import transformers as tf
 
     torch.manual_seed(0)
@@ -40,13 +45,17 @@ def hybrid(kind: str, groups: int = WIDTH["groups"]):
     common = dict(vocab_size=256, hidden_size=h, intermediate_size=2 * h, num_attention_heads=WIDTH["heads"],
                   num_key_value_heads=WIDTH["heads"], max_position_embeddings=1 << 16)  # fmt: skip
     if kind == "lfm2":
-        cfg = tf.Lfm2Config(
-            num_hidden_layers=2, layer_types=["conv", "full_attention"], conv_L_cache=3, **common
-        )
+        cfg = tf.Lfm2Config(num_hidden_layers=2, layer_types=["conv", "full_attention"], conv_L_cache=3, **common)
     elif kind == "nemotron_h":
         cfg = tf.NemotronHConfig(mamba_num_heads=WIDTH["mamba_heads"], mamba_head_dim=WIDTH["head_dim"],
                                  ssm_state_size=WIDTH["state"], n_groups=groups, chunk_size=64, conv_kernel=4,
                                  layers_block_type=["mamba", "attention", "mamba", "mlp"], **common)  # fmt: skip
+    elif kind in ("gated_deltanet", "qwen3_next"):
+        types = ["linear_attention"] * 2 + ["full_attention"] * (kind == "qwen3_next")
+        cfg = tf.Qwen3NextConfig(**{**common, "num_key_value_heads": 2}, num_hidden_layers=len(types),
+                                 layer_types=types, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                                 linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                                 num_experts=0, tie_word_embeddings=False)  # fmt: skip
     else:
         cfg = tf.LlamaConfig(num_hidden_layers=4, **common)
     return tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float()
@@ -57,8 +66,7 @@ def analytic_bytes(kind: str, mixer, b: int, s_local: int, p: int, itemsize: int
     if kind == "short_conv":
         return 4 * b * s_local * mixer.conv.in_channels * (p - 1) // p * itemsize
     i, h, g, n = mixer.intermediate_size, mixer.num_heads, mixer.n_groups, mixer.ssm_state_size
-    g_l = max(g // p, 1)
-    return 2 * b * s_local * (p - 1) * itemsize * (i // p + h // p + 2 * g_l * n + i // p)
+    return 2 * b * s_local * (p - 1) * itemsize * (i // p + h // p + 2 * max(g // p, 1) * n + i // p)
 
 
 def mixer_bytes(mesh, s: int) -> list[dict]:
@@ -77,10 +85,9 @@ def mixer_bytes(mesh, s: int) -> list[dict]:
         with CollectiveCounter() as counter:
             mixer(x).square().sum().backward()
         handle.remove()
-        sent = counter.total("other", "all_to_all_single")
-        want = analytic_bytes(kind.split()[0], mixer, b, s // p, p)
         rows.append({"mixer": kind, "sp": p, "a2a_calls": counter.ncalls("other", "all_to_all_single"),
-                     "bytes": sent, "analytic": want})  # fmt: skip
+                     "bytes": counter.total("other", "all_to_all_single"),
+                     "analytic": analytic_bytes(kind.split()[0], mixer, b, s // p, p)})  # fmt: skip
     return rows
 
 
@@ -99,6 +106,7 @@ def step(mesh, kind: str, s: int, repeats: int, memory: bool) -> dict:
 
     def run() -> None:
         model(input_ids=ids, position_ids=pos, use_cache=False).logits.float().square().mean().backward()
+        model.zero_grad(set_to_none=True)
 
     run()  # warm-up
     best = float("inf")
@@ -107,82 +115,57 @@ def step(mesh, kind: str, s: int, repeats: int, memory: bool) -> dict:
         t0 = time.perf_counter()
         run()
         best = min(best, time.perf_counter() - t0)
-    out = {"model": kind, "sp": p, "S": s, "step_s": _max(best)}
+    out = {"model": kind, "sp": p, "S": s, "step_s": max_over_ranks(best)}
     if memory:
         with track_peak_memory("cpu", include=list(model.parameters())) as peak:
             run()
-        out["peak_mib"] = _max(peak.peak_bytes) / 2**20
+        out["peak_mib"] = max_over_ranks(peak.peak_bytes) / 2**20
     handle.remove()
     reg.remove()
     return out
 
 
-def _max(x: float) -> float:
-    t = torch.tensor([float(x)], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
-def worker(out: str, smoke: bool) -> None:
+def worker(smoke: bool) -> dict:
     from ulysses_sp.parallel.mesh import init_mesh
 
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)  # every rank alike: sp 1 and sp 2 compare at one thread per rank
     mesh = init_mesh((1, dist.get_world_size()))
     s_time, s_mem = (256, (512, 1024)) if smoke else (2048, (8192, 16384))
-    res = {"bytes": mixer_bytes(mesh, 256) if mesh.sp_size > 1 else []}
-    res["time"] = [step(mesh, k, s_time, 1 if smoke else 5, memory=False) for k in ("nemotron_h", "llama")]
-    res["memory"] = [step(mesh, "nemotron_h", s, 0, memory=True) for s in s_mem]
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(res, f)
-    dist.destroy_process_group()
-
-
-def report(results: dict[int, dict]) -> str:
-    lines = ["## Mixer exchanges per layer (forward + backward, bytes this rank sends)", "",
-             "| mixer | sp | all-to-alls | bytes | analytic minimum |", "|---|---|---|---|---|"]  # fmt: skip
-    for res in results.values():
-        lines += [
-            f"| {r['mixer']} | {r['sp']} | {r['a2a_calls']} | {r['bytes']} | {r['analytic']} |"
-            for r in res["bytes"]
-        ]
-    lines += ["", "## Step time (forward + backward, one sequence, same global batch)", "",
-              "| model | S | " + " | ".join(f"sp {p}" for p in results) + " |", "|---|---|" + "---|" * len(results)]  # fmt: skip
-    for i, row in enumerate(next(iter(results.values()))["time"]):
-        cells = " | ".join(f"{res['time'][i]['step_s']:.3f} s" for res in results.values())
-        lines.append(f"| {row['model']} | {row['S']} | {cells} |")
-    lines += ["", "## Hybrid memory per rank (peak tensor MiB, parameters included)", "",
-              "| sp | " + " | ".join(f"S {m['S']}" for m in next(iter(results.values()))["memory"]) + " | growth |",
-              "|---|---|---|---|"]  # fmt: skip
-    for p, res in results.items():
-        mem = [m["peak_mib"] for m in res["memory"]]
-        lines.append(f"| {p} | " + " | ".join(f"{m:.1f}" for m in mem) + f" | {mem[-1] - mem[0]:.1f} |")
-    return "\n".join(lines) + "\n"
+    return {"bytes": mixer_bytes(mesh, 256) if mesh.sp_size > 1 else [],
+            "time": [step(mesh, k, s_time, 1 if smoke else 5, memory=False) for k in ("nemotron_h", "qwen3_next",
+                                                                                      "llama")],
+            "memory": [step(mesh, k, s, 0, memory=True) for k in ("nemotron_h", "gated_deltanet") for s in s_mem]}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--worker"]:
-        return worker(argv[argv.index("--out") + 1], "--smoke" in argv)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/results/mixer_bench.md")
-    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", default=str(md.ROOT / "bench" / "results" / "mixer_bench.md"))
+    ap.add_argument("--smoke", action="store_true", help="short sequences (seconds)")
     ap.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4])
     args = ap.parse_args(argv)
-    from bench.launch import run_worker
-
-    results = {}
+    if under_torchrun():
+        init_worker(3600)
+        return finish_worker(worker(args.smoke), args.out)
+    run, res = md.provenance(" ".join(["python -m bench.mixer_bench", *(argv if argv is not None else sys.argv[1:])])), {}
     for p in args.sp:
-        results[p], cmd, wall = run_worker(
-            "bench.mixer_bench", p, ["--worker"] + ["--smoke"] * args.smoke, timeout=3600
-        )
+        res[p], cmd, wall = run_worker("bench.mixer_bench", p, ["--smoke"] * args.smoke, timeout=3600)
         print(f"{cmd}: {wall:.0f} s", file=sys.stderr)
-    text = report(results)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(text)
-    print(text)
+    first = next(iter(res.values()))
+    mem = {(m["model"], m["S"]): i for i, m in enumerate(first["memory"])}
+    seqs = sorted({s for _, s in mem})
+    md.page(args.out, "Sequence mixers under Ulysses SP: bytes, step time, memory", run, [
+        "Gloo on CPU, one thread per rank (on a shared 2-core machine times are noisy, and sp 4 runs 4 ranks on "
+        "2 cores).", "## Mixer exchanges per layer (forward + backward, bytes this rank sends)",
+        md.table(["mixer", "sp", "all-to-alls", "bytes", "analytic minimum"],
+                 [[r["mixer"], r["sp"], r["a2a_calls"], r["bytes"], r["analytic"]] for x in res.values()
+                  for r in x["bytes"]]),
+        "## Step time (forward + backward, one sequence, same global batch)",
+        md.table(["model", "S", *(f"sp {p}" for p in res)], [[row["model"], row["S"], *(
+            f"{x['time'][i]['step_s']:.3f} s" for x in res.values())] for i, row in enumerate(first["time"])]),
+        "## Memory per rank (peak tensor MiB, parameters included)",
+        md.table(["model", "sp", *(f"S {s}" for s in seqs), "growth"], [[k, p, *(
+            f"{x['memory'][mem[k, s]]['peak_mib']:.1f}" for s in seqs),
+            f"{x['memory'][mem[k, seqs[-1]]]['peak_mib'] - x['memory'][mem[k, seqs[0]]]['peak_mib']:.1f}"]
+            for k in ("nemotron_h", "gated_deltanet") for p, x in res.items()])])  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -23,11 +23,14 @@ import json
 import multiprocessing as mp
 import os
 import resource
+import sys
 import tempfile
 import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from bench import md
 
 SEQ = 32
 """Tokens per sequence (rank holds 16): longer than the tiny sliding window and attention chunk (8)."""
@@ -239,30 +242,17 @@ def _run_once(model_type: str, *, timeout: float, mem_gb: float) -> dict[str, An
     return {"family": model_type, **worst}
 
 
-def write_table(rows: list[dict[str, Any]], path: Path, note: str = "") -> str:
-    """The markdown table (counts first, then ``note``), written to ``path``; returns the text."""
+def write_table(rows: list[dict[str, Any]], path: Path, run: dict, note: str = "") -> str:
+    """The results page (the run's header, the counts, ``note``, one row per family); returns the text."""
     import transformers
 
     counts = {v: sum(r["verdict"] == v for r in rows) for v in ("exact", "refused", "skipped", "crash", "wrong")}
-    lines = [
-        "# Model coverage sweep",
-        "",
+    return md.page(path, "Model coverage sweep", run, [
         f"transformers {transformers.__version__}: {len(rows)} decoder-only causal-LM families from its auto "
         "registry, each at sp=2 against the same model without SP (per-position logits and every "
         "gradient, fp32, rtol 1e-4). `python -m bench.model_sweep` regenerates this file.",
-        "",
-        "**" + ", ".join(f"{n} {v}" for v, n in counts.items()) + "**",
-        "",
-        *([note, ""] if note else []),
-        "| family | verdict | reason |",
-        "|---|---|---|",
-    ]
-    for r in rows:
-        detail = r["detail"].replace("|", "/").replace("\n", " ")
-        lines.append(f"| {r['family']} | {r['verdict']} | {detail[:400]} |")
-    text = "\n".join(lines) + "\n"
-    path.write_text(text)
-    return text
+        "**" + ", ".join(f"{n} {v}" for v, n in counts.items()) + "**", *([note] if note else []),
+        md.table(["family", "verdict", "reason"], [[r["family"], r["verdict"], r["detail"][:400]] for r in rows])])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -276,6 +266,7 @@ def main(argv: list[str] | None = None) -> None:
                     "(JSON lines; a later row of a family replaces an earlier one)")  # fmt: skip
     ap.add_argument("--note", default="", help="a line under the counts (with --table-from: which runs)")
     args = ap.parse_args(argv)
+    run = md.provenance(" ".join(["python -m bench.model_sweep", *(argv if argv is not None else sys.argv[1:])]))
     if args.table_from:
         latest = {}
         for log in args.table_from:
@@ -283,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
                 if line.startswith("{"):
                     row = json.loads(line)
                     latest[row["family"]] = row
-        print(write_table([latest[f] for f in sorted(latest)], Path(args.out), args.note))
+        write_table([latest[f] for f in sorted(latest)], Path(args.out), run, args.note)
         return
     # imported once here, shared by every forked family run (and fixed for the whole run)
     import transformers
@@ -311,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     with ThreadPoolExecutor(args.jobs) as pool:  # threads only wait on their families' processes
         rows = list(pool.map(one, todo))
     if not args.only:
-        write_table(rows, Path(args.out))
+        write_table(rows, Path(args.out), run)
 
 
 if __name__ == "__main__":

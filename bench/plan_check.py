@@ -9,7 +9,10 @@ less what the CPU tracker cannot see: DDP's gradient buckets (allocated at const
 aten op) and the reserve. FSDP2 (ZeRO 2-3) is left out on CPU: its unsharded parameters are
 allocated with ``UntypedStorage.resize_``, invisible to the tracker (``memory.py``'s blind spots).
 
-    python -m bench.plan_check [--cases N] [--out bench/results/plan_check.md]    # ~1-2 min
+Hybrid models (``HYBRIDS``: a Mamba-2 and a gated delta-net hybrid) are checked the same way, at
+sp 1 and 2, two lengths each (``hybrid_grid``).
+
+    python -m bench.plan_check [--cases N] [--out bench/results/plan_check.md]    # ~2-3 min
 """
 
 from __future__ import annotations
@@ -44,6 +47,46 @@ def grid() -> list[dict[str, Any]]:
     return cases
 
 
+_COMMON = dict(vocab_size=264, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
+               max_position_embeddings=1 << 17, tie_word_embeddings=False)  # fmt: skip
+HYBRIDS: dict[str, tuple[str, dict[str, Any]]] = {
+    # Mamba-2 hybrid: 3 Mamba-2 layers (8 heads x 16, state 16, 2 groups, chunk 64) and 1 attention layer
+    "tiny-bamba": ("BambaConfig", dict(num_hidden_layers=4, attn_layer_indices=[3], mamba_expand=2, mamba_n_heads=8,
+                   mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=64, mamba_d_conv=4)),
+    # gated delta-net hybrid: 3 linear layers (2 key / 4 value heads x 16) and 1 gated attention layer
+    "tiny-qwen3.5": ("Qwen3_5TextConfig", dict(num_hidden_layers=4, layer_types=["linear_attention"] * 3 +
+                     ["full_attention"], head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                     linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)),
+}  # fmt: skip
+"""Hybrid models (transformers' own Bamba and Qwen3.5 code), saved as local model directories."""
+
+
+def hybrid_dir(name: str, *, create: bool = False) -> str:
+    """The local model directory of ``HYBRIDS[name]`` (under the temp dir; written when ``create``)."""
+    import os
+    import tempfile
+
+    path = os.path.join(tempfile.gettempdir(), "ulysses-sp-plan-check", name)
+    if create and not os.path.isfile(os.path.join(path, "config.json")):
+        import torch
+        import transformers
+        from transformers import AutoModelForCausalLM
+
+        cls, kw = HYBRIDS[name]
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(getattr(transformers, cls)(**_COMMON, **kw)).save_pretrained(path)
+    return path
+
+
+def hybrid_grid(*, create: bool = False) -> list[dict[str, Any]]:
+    """Each hybrid at sp 1 (S 1024, 2048) and sp 2 (S 2048, 4096), DDP; and at sp 2 with ZeRO 1,
+    checkpointing and the tiled loss."""
+    cases = [{"model": hybrid_dir(name, create=create), "seq_len": s, "sp": sp, "zero_stage": 0}
+             for name in HYBRIDS for sp, lengths in ((1, (1024, 2048)), (2, (2048, 4096))) for s in lengths]  # fmt: skip
+    return cases + [{"model": hybrid_dir(name), "seq_len": 2048, "sp": 2, "zero_stage": 1, "tiled_loss": True,
+                     "activation_checkpointing": True} for name in HYBRIDS]  # fmt: skip
+
+
 def _opt_tensors(optimizer) -> list:
     import torch
 
@@ -74,6 +117,7 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
     handles, loss_fn = _techniques(cfg, model)
     mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1, seq_length=s, mesh=mesh) if sp > 1 else None
     engine, *_ = initialize(model, cfg.training_config(), mpu=mpu or mesh.mpu, loss_fn=loss_fn)
+    engine.train()  # as the training loop does (a model directory loads in eval mode: no checkpointing)
     ids = torch.randint(0, 250, (1, s), generator=torch.Generator().manual_seed(mesh.dp_rank))
     labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], 1)
     cols = slice(mesh.sp_rank * s // sp, (mesh.sp_rank + 1) * s // sp)
@@ -103,15 +147,12 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
 
 def predict_case(case: dict[str, Any], world: int = 2) -> dict[str, Any]:
     """The planner's numbers for ``case``, and the part the CPU tracker can see."""
-    from ulysses_sp import tasks
+    from ulysses_sp.cli.plan import load_shape  # what `ulysses-sp plan` reads: layer kinds and mixers too
     from ulysses_sp.plan.hardware import DEVICES
-    from ulysses_sp.plan.inputs import ModelShape, Settings
+    from ulysses_sp.plan.inputs import Settings
     from ulysses_sp.plan.model import predict
-    from ulysses_sp.run.checks import model_config
 
-    shape = ModelShape.from_hf_config(
-        model_config(case["model"], len(tasks.load_tokenizer(None, case["model"])))
-    )
+    shape = load_shape(case["model"])
     settings = Settings(
         **{k: v for k, v in case.items() if k != "model"}, dp=world // case["sp"], device_type="cpu"
     )
@@ -131,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cases", type=int, help="only the first N settings of the grid (a quick check)")
     ap.add_argument("--out", default=str(md.ROOT / "bench" / "results" / "plan_check.md"))
     args = ap.parse_args(argv)
-    cases = grid()[: args.cases]
+    cases = (grid() + hybrid_grid(create=not under_torchrun()))[: args.cases]
     if under_torchrun():
         init_worker()
         return finish_worker(measure_all(cases), args.out)
@@ -142,7 +183,8 @@ def main(argv: list[str] | None = None) -> None:
         pred = predict_case(case)
         ratio = pred["trackable_bytes"] / got["peak_bytes"]
         worst = max(worst, abs(ratio - 1))
-        rows.append([case["model"], case["seq_len"], case["sp"], case["zero_stage"],
+        name = next((n for n in HYBRIDS if case["model"] == hybrid_dir(n)), case["model"])
+        rows.append([name, case["seq_len"], case["sp"], case["zero_stage"],
                      "+".join(v for k, v in SHORT.items() if case.get(k)) or "plain",
                      f"{pred['trackable_bytes'] / 2**20:.2f}", f"{got['peak_bytes'] / 2**20:.2f}", f"{ratio:.3f}",
                      f"{pred['host_bytes'] / 2**20:.2f} / {got['host_peak_bytes'] / 2**20:.2f}",
@@ -151,7 +193,9 @@ def main(argv: list[str] | None = None) -> None:
         "2 gloo ranks on CPU, fp32, micro-batch 1, second optimizer step (AdamW state exists). Predicted = "
         "`plan.predict` less DDP's gradient buckets (invisible to the CPU tracker); measured = "
         "`track_peak_memory` (busiest rank). comm share: measured with `record_comm_times` on gloo/CPU "
-        "vs the planner's CPU row of `plan.hardware.DEVICES` (a rough guess: not expected to agree).",
+        "vs the planner's CPU row of `plan.hardware.DEVICES` (a rough guess: not expected to agree). "
+        "tiny-bamba (Mamba-2 hybrid) and tiny-qwen3.5 (gated delta-net hybrid): `HYBRIDS`, the planner reading "
+        "their layer kinds as `ulysses-sp plan` does (`plan.mixers`: the measured mixer terms).",
         md.table(["model", "S", "sp", "zero", "techniques", "predicted MiB", "measured MiB", "pred/meas",
                   "host MiB pred/meas", "comm share pred", "comm share meas"], rows),
         f"Largest deviation: {worst:.1%} over {len(cases)} settings."])  # fmt: skip

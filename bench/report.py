@@ -4,17 +4,16 @@ Layout of a result: ``runs`` maps a run id to where and when it ran (date, commi
 invocation, wall time, launches); ``sections`` maps a section name to ``{"run": id, "data": ...}``. A
 full run carries the sections it did not run from the previous results file, each still naming the
 run that produced it, and every table here is printed under that run's label. The prose that explains
-the tables is written by hand in docs/readme/performance.md.
+the tables is written by hand in docs/readme/performance.md. Every number comes from the JSON.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
+import statistics
 from collections import defaultdict
 
-from bench import findings, longest_fit_report
 from bench.md import data, label, produced_by, table
 
 MIB = 2**20
@@ -23,15 +22,6 @@ BUDGET_MIB = 64
 
 
 # ---------------------------------------------------------------------------------------------- derived
-def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares ``y = a x + c``; returns ``(a, c)``."""
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
-    return a, my - a * mx
-
-
 def memory_fits(records: list[dict]) -> list[dict]:
     """Per (world, sp, tiled): slope of activation bytes vs S over the three longest S, and ratios."""
     groups = defaultdict(list)
@@ -40,13 +30,12 @@ def memory_fits(records: list[dict]) -> list[dict]:
     fits = {}
     for (w, sp, tiled), rs in groups.items():
         rs = sorted(rs, key=lambda r: r["seq"])[-3:]
-        a, c = fit_line([r["seq"] for r in rs], [r["peak_bytes"] - r["baseline_bytes"] for r in rs])
+        a, c = statistics.linear_regression([r["seq"] for r in rs], [r["peak_bytes"] - r["baseline_bytes"] for r in rs])
         budget = BUDGET_MIB * MIB - rs[-1]["baseline_bytes"] - c
         fits[(w, sp, tiled)] = {
             "world": w, "sp": sp, "tiled": tiled, "seqs": [r["seq"] for r in rs],
             "peak_mib": [round(r["peak_bytes"] / MIB, 2) for r in rs], "slope_bytes_per_token": a,
-            "max_seq_in_budget": int(budget / a) if a > 0 else None, "layers": rs[-1]["layers"],
-            "hidden": rs[-1]["hidden"], "command": rs[-1]["command"], "target_ratio": 1 / sp,
+            "max_seq_in_budget": int(budget / a) if a > 0 else None, "command": rs[-1]["command"],
         }  # fmt: skip
     for (w, _, tiled), f in fits.items():
         ref = fits.get((w, 1, tiled))
@@ -54,40 +43,12 @@ def memory_fits(records: list[dict]) -> list[dict]:
     return sorted(fits.values(), key=lambda f: (f["world"], f["tiled"], f["sp"]))
 
 
-def throughput_rows(records: list[dict]) -> list[dict]:
-    base = {r["world"]: r["tokens_per_s_per_rank"] for r in records if r["sp"] == 1}
-    return [{**r, "ratio_to_sp1": r["tokens_per_s_per_rank"] / base[r["world"]] if r["world"] in base else None}
-            for r in records]  # fmt: skip
-
-
-def alst_rows(am: dict) -> list[dict]:
-    """Per configuration: longest S in budget, growth per token between the last two lengths, the S
-    where that (affine) growth meets the budget, and step time relative to the baseline and the row above."""
-    budget, cfgs = am["setup"]["budget_mib"] * MIB, am["configs"]
-    rows, prev = [], None
-    for name, c in cfgs.items():
-        fit = max((r["seq"] for r in c["rows"] if r["peak_bytes"] <= budget), default=None)
-        slope = proj = None
-        if len(c["rows"]) >= 2:
-            (s1, p1), (s2, p2) = ((r["seq"], r["peak_bytes"]) for r in c["rows"][-2:])
-            slope = (p2 - p1) / (s2 - s1)
-            proj = int(s1 + (budget - p1) / slope) if slope > 0 else None
-        base = cfgs["baseline"]["step_seconds"]
-        rows.append({"config": name, "rows": c["rows"], "fit": fit, "slope": slope, "proj": proj,
-                     "step_s": c["step_seconds"], "time_ratio": c["step_seconds"] / base if base > 0 else math.nan,
-                     "vs_above": c["step_seconds"] / (prev or c["step_seconds"])})  # fmt: skip
-        prev = c["step_seconds"]
-    return rows
-
-
 def ds_rows(pairs: list[dict]) -> list[dict]:
     rows = []
-    for p in pairs:
-        if "error" in p:
-            continue
-        o, d, ref = p["ours"], p["deepspeed"], p["reference"]
+    for p in (p for p in pairs if "error" not in p):
+        o, d = p["ours"], p["deepspeed"]
         rows.append({
-            **p["point"], "steps": p["steps"], "seq": p["seq"], "o": o, "d": d, "ref": ref,
+            **p["point"], "steps": p["steps"], "seq": p["seq"], "o": o, "d": d, "ref": p["reference"],
             "loss1_diff": abs(o["losses"][0] - d["losses"][0]), "lossN_diff": abs(o["losses"][-1] - d["losses"][-1]),
             "tps_ratio": o["tokens_per_s_per_rank"] / d["tokens_per_s_per_rank"],
             "peak_ratio": o["peak_bytes"] / d["peak_bytes"],
@@ -109,18 +70,12 @@ def targets(result: dict) -> list[list]:
         worst = max(r["ratio_to_total_over_p"] for r in fl)
         out.append(["2. FLOPs per rank / (total / P), sp in {1,2,4}", "<= 1.02", f"max {worst:.4f}",
                     worst <= 1.02, "flops"])  # fmt: skip
-    fits = [f for f in memory_fits(data(result, "memory", [])) if f["sp"] > 1 and f["slope_ratio_to_sp1"]]
-    if fits:
+    if fits := [f for f in memory_fits(data(result, "memory", [])) if f["sp"] > 1 and f["slope_ratio_to_sp1"]]:
         top = max(f["world"] for f in fits)
         desc = ", ".join(f"sp={f['sp']}{' tiled' if f['tiled'] else ''}: {f['slope_ratio_to_sp1']:.3f}"
                          for f in fits if f["world"] == top)  # fmt: skip
         out.append(["3. activation slope ratio sp=P / sp=1 (fitted, long S)", "1/P (0.500, 0.250)", desc,
                     all(abs(f["slope_ratio_to_sp1"] * f["sp"] - 1) <= 0.15 for f in fits), "memory"])  # fmt: skip
-    if tp := [r for r in throughput_rows(data(result, "throughput", [])) if r["sp"] > 1]:
-        out.append(["4. tokens/s per rank, ratio to sp=1 (same world, equal tokens/rank)",
-                    "report (cost of all-to-all on this machine)",
-                    ", ".join(f"w={r['world']} sp={r['sp']}: {r['ratio_to_sp1']:.2f}" for r in tp), None,
-                    "throughput"])  # fmt: skip
     if rows := ds_rows(data(result, "deepspeed", [])):
         each = lambda f: "; ".join(f"{_pt(r)}: {f(r)}" for r in rows)  # noqa: E731
         out += [
@@ -132,8 +87,6 @@ def targets(result: dict) -> list[list]:
             ["5c. peak tensor memory ours / DeepSpeed", "<= 1.0", each(lambda r: f"{r['peak_ratio']:.2f}"),
              all(r["peak_ratio"] <= 1.0 for r in rows), "deepspeed"],
         ]  # fmt: skip
-    if lf := data(result, "longest_fit"):
-        out.append(longest_fit_report.target(lf))
     return out
 
 
@@ -144,14 +97,6 @@ def _status(ok) -> str:
 
 def _pt(r: dict) -> str:
     return f"dp{r['dp']}xsp{r['sp']} z{r['zero']}"
-
-
-def _phases(p: dict) -> str:
-    return "/".join(f"{1000 * p[k]:.0f}" for k in ("forward", "backward", "step") if k in p)
-
-
-def _a2a(comm: dict) -> int:
-    return sum(v for k, v in comm.items() if k.endswith("/all_to_all_single"))
 
 
 def targets_md(result: dict) -> str:
@@ -184,43 +129,15 @@ def _sec_memory(mem: list[dict]) -> tuple[str, str]:
          f"max S in {BUDGET_MIB} MiB", "command"],
         [[f["world"], f["sp"], "yes" if f["tiled"] else "no", "/".join(map(str, f["seqs"])),
           "/".join(map(str, f["peak_mib"])), f"{f['slope_bytes_per_token']:.0f}",
-          "" if f["slope_ratio_to_sp1"] is None else f"{f['slope_ratio_to_sp1']:.3f}", f"{f['target_ratio']:.3f}",
+          "" if f["slope_ratio_to_sp1"] is None else f"{f['slope_ratio_to_sp1']:.3f}", f"{1 / f['sp']:.3f}",
           f["max_seq_in_budget"], f"`{f['command']}`"] for f in memory_fits(mem)])  # fmt: skip
 
 
-def _sec_alst(am: dict) -> tuple[str, str]:
-    setup, budget = am["setup"], am["setup"]["budget_mib"] * MIB
-    shown = [s for s in setup["seqs"] if s & (s - 1) == 0]  # the powers of two of the sweep
-    rows = []
-    for r in alst_rows(am):
-        by_seq = {x["seq"]: x["peak_bytes"] / MIB for x in r["rows"]}
-        cells = ["—" if s not in by_seq else f"{by_seq[s]:.1f}" if by_seq[s] * MIB <= budget else f"*{by_seq[s]:.1f}*"
-                 for s in shown]  # fmt: skip
-        last = r["fit"] == setup["seqs"][-1]
-        rows.append([r["config"], *cells, "none" if r["fit"] is None else f"≥ {r['fit']} (largest tried)" if last
-                     else r["fit"], f"{r['slope'] / 1024:.2f}", r["proj"] if last else "(measured)",
-                     f"{max(x['host_peak_bytes'] for x in r['rows']) / MIB:.1f}", f"{r['step_s']:.3f}",
-                     f"{r['time_ratio']:.2f}x", f"{r['vs_above']:.2f}x"])  # fmt: skip
-    head = (f"3b. The ALST techniques one at a time (h={setup['hidden']}, I={setup['intermediate']}, "
-            f"L={setup['layers']}, V={setup['vocab']}, budget {setup['budget_mib']:g} MiB per rank, "
-            f"time at S={setup['time_seq']}, best of {setup['time_steps']})")  # fmt: skip
-    return head, table(
-        ["config", *(f"S={s}" for s in shown), "longest S in budget", "KiB per token", "budget reached at S≈",
-         "host peak MiB", "step s", "time vs baseline", "vs row above"], rows) + \
-        f"\n\nLengths measured: {', '.join(map(str, setup['seqs']))}. Command: `{am['command']}`"  # fmt: skip
-
-
-def _sec_throughput(tp: list[dict]) -> tuple[str, str]:
-    return "4. Throughput (forward + backward, tokens/s per rank, equal tokens per rank)", table(
-        ["world", "dp", "sp", "tokens/rank", "S", "tokens/s/rank", "ratio to sp=1", "all-to-all share", "command"],
-        [[r["world"], r["dp"], r["sp"], r["tokens_per_rank"], r["seq"], f"{r['tokens_per_s_per_rank']:.0f}",
-          f"{r['ratio_to_sp1']:.2f}", f"{r['a2a_share']:.2f}", f"`{r['command']}`"]
-         for r in throughput_rows(tp)])  # fmt: skip
-
-
 def _sec_deepspeed(pairs: list[dict]) -> tuple[str, str]:
-    rows = ds_rows(pairs)
+    rows, phases = ds_rows(pairs), ("forward", "backward", "step")
     f5 = lambda x: f"{x:.5f}"  # noqa: E731
+    ms = lambda p: "/".join(f"{1000 * p[k]:.0f}" for k in phases if k in p)  # noqa: E731
+    a2a = lambda c: sum(v for k, v in c.items() if k.endswith("/all_to_all_single"))  # noqa: E731
     main = table(
         ["point", "S", "steps", "loss1 ours / DS / ref", "lossN ours / DS / ref", "tok/s ours / DS", "tok/s ratio",
          "phases ms ours / DS", "peak MiB ours / DS", "peak ratio", "grad ours / DS",
@@ -228,25 +145,20 @@ def _sec_deepspeed(pairs: list[dict]) -> tuple[str, str]:
         [[_pt(r), r["seq"], r["steps"], " / ".join(f5(x["losses"][0]) for x in (r["o"], r["d"], r["ref"])),
           " / ".join(f5(x["losses"][-1]) for x in (r["o"], r["d"], r["ref"])),
           f"{r['o']['tokens_per_s_per_rank']:.0f} / {r['d']['tokens_per_s_per_rank']:.0f}", f"{r['tps_ratio']:.2f}",
-          f"{_phases(r['o'].get('phase_s', {}))} / {_phases(r['d'].get('phase_s', {}))}",
+          f"{ms(r['o'].get('phase_s', {}))} / {ms(r['d'].get('phase_s', {}))}",
           f"{r['o']['peak_bytes'] / MIB:.2f} / {r['d']['peak_bytes'] / MIB:.2f}", f"{r['peak_ratio']:.2f}",
           " / ".join(f"{x['grad_norm_step1'] / r['ref']['grad_norm_step1']:.3f}" for x in (r["o"], r["d"])),
-          f"{_a2a(r['o']['comm_bytes'])} / {_a2a(r['d']['comm_bytes'])}", r["commands"]] for r in rows])  # fmt: skip
-    phases = ("forward", "backward", "step")
+          f"{a2a(r['o']['comm_bytes'])} / {a2a(r['d']['comm_bytes'])}", r["commands"]] for r in rows])  # fmt: skip
     delta = table(["point", "tok/s ratio", "peak ratio", *(f"{k} ours − DS ms" for k in phases)],
                   [[_pt(r), f"{r['tps_ratio']:.2f}", f"{r['peak_ratio']:.2f}",
                     *(f"{1000 * (r['o']['phase_s'][k] - r['d']['phase_s'][k]):+.1f}" for k in phases)]
                    for r in rows])  # fmt: skip
-    failed = [
-        f"- **{_pt(p['point'])} failed**: `{p['error'].splitlines()[0]}`" for p in pairs if "error" in p
-    ]
+    failed = [f"- **{_pt(p['point'])} failed**: `{p['error'].splitlines()[0]}`" for p in pairs if "error" in p]
     return "5. Side by side with DeepSpeed Ulysses/ALST (same model, data, (dp, sp), ZeRO stage)", \
         "\n\n".join([main, "Per phase (fastest step of each side):", delta, *failed])  # fmt: skip
 
 
-SECTIONS_MD = {"comm": _sec_comm, "flops": _sec_flops, "memory": _sec_memory, "alst_memory": _sec_alst,
-               "throughput": _sec_throughput, "deepspeed": _sec_deepspeed,
-               "longest_fit": longest_fit_report.render}  # fmt: skip
+SECTIONS_MD = {"comm": _sec_comm, "flops": _sec_flops, "memory": _sec_memory, "deepspeed": _sec_deepspeed}
 
 
 def render(result: dict) -> str:
@@ -257,27 +169,19 @@ def render(result: dict) -> str:
         if data(result, name):
             head, body = fn(data(result, name))
             parts += ["", f"## {head}", "", produced_by(result, name), "", body]
-    launched = [r for r in result["runs"].values() if r.get("launches")]
-    if launched:
+    if launched := [r for r in result["runs"].values() if r.get("launches")]:
         parts += ["", "## Launches", "", table(["run", "command", "wall s"], [
             [f"`{r['id']}`", f"`{x['command']}`", f"{x['wall_s']:.0f}"] for r in launched for x in r["launches"]])]  # fmt: skip
     return "\n".join(parts) + "\n"
 
 
 def write(result: dict, out_dir: str, *, name: str) -> str:
-    """``{name}.json`` and ``{name}.md`` (and ``deepspeed_findings.md`` when findings are present)."""
+    """``{name}.json`` and ``{name}.md``; returns the targets as text."""
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
     with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write(render(result))
-    if data(result, "findings"):
-        with open(os.path.join(out_dir, "deepspeed_findings.md"), "w") as f:
-            f.write(findings.render_findings(result))
-    if lf := data(result, "longest_fit"):  # also on its own page, as the findings are
-        head, body = longest_fit_report.render(lf)
-        with open(os.path.join(out_dir, "longest_fit.md"), "w") as f:
-            f.write(f"# {head}\n\n{produced_by(result, 'longest_fit')}\n\n{body}\n")
     return "\n".join(f"{t[0]}: target {t[1]}; measured {t[2]} [{_status(t[3])}]" for t in targets(result))
 
 

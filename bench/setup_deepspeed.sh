@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create bench/.venv-deepspeed: a SEPARATE virtual environment holding DeepSpeed (from PyPI), the same
 # torch and transformers as the main venv, used only by the side-by-side benchmark
-# (bench/ds_worker.py). DeepSpeed is never a dependency of ulysses-sp.
+# (bench/steploop.py --impl deepspeed). DeepSpeed is never a dependency of ulysses-sp.
 #
 #   bash bench/setup_deepspeed.sh            # idempotent; a stamp skips the install when done
 #

@@ -7,7 +7,6 @@ bit-identical models and batches from the same seed. Nothing here imports ulysse
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import torch
 
@@ -25,17 +24,6 @@ class ModelSpec:
     intermediate_size: int = 128
     vocab_size: int = 256
     max_position_embeddings: int = 65536
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> ModelSpec:
-        return cls(**json.loads(text))
 
 
 def llama(*, seed: int = 0, attn_implementation: str = "sdpa", **fields):
@@ -74,8 +62,7 @@ def make_sample(index: int, seq_len: int, vocab: int, *, seed: int = 1234) -> di
         ids[t] = (ids[t - 1] * a + 7 + (noise[t] == 0) * noise[t - 1]) % vocab
     labels = ids.clone()
     labels[0] = IGNORE_INDEX
-    pos = torch.arange(seq_len)
-    return {"input_ids": ids[None], "labels": labels[None], "position_ids": pos[None]}
+    return {"input_ids": ids[None], "labels": labels[None], "position_ids": torch.arange(seq_len)[None]}
 
 
 def make_batch(indices: list[int], seq_len: int, vocab: int) -> dict[str, torch.Tensor]:
@@ -84,23 +71,12 @@ def make_batch(indices: list[int], seq_len: int, vocab: int) -> dict[str, torch.
     return {k: torch.cat([s[k] for s in samples], 0) for k in samples[0]}
 
 
-class RankStream(torch.utils.data.Dataset):
-    """The samples one global rank's ordinary DataLoader yields (before any SP adapter).
-
-    Item ``j`` of rank ``r`` is sample ``(j * world + r) * mb + e`` for ``e`` in the micro-batch, so ranks
-    never repeat each other's data. ``seq_lens`` may give each rank its own length (unequal lengths test).
-    """
-
-    def __init__(self, rank: int, world: int, mb: int, items: int, seq_len: int, vocab: int) -> None:
-        self.rank, self.world, self.mb, self.items, self.seq_len, self.vocab = rank, world, mb, items, seq_len, vocab
-
-    def __len__(self) -> int:
-        return self.items * self.mb
-
-    def __getitem__(self, k: int) -> dict[str, torch.Tensor]:
-        j, e = divmod(k, self.mb)
-        s = make_sample((j * self.world + self.rank) * self.mb + e, self.seq_len, self.vocab)
-        return {key: v[0] for key, v in s.items()}
+def rank_samples(rank: int, world: int, mb: int, items: int, seq_len: int, vocab: int) -> list[dict]:
+    """The samples one global rank's ordinary DataLoader yields (before any SP adapter): item ``j`` of
+    rank ``r`` is sample ``(j * world + r) * mb + e`` for ``e`` in the micro-batch, so ranks never repeat
+    each other's data."""
+    samples = (make_sample((j * world + rank) * mb + e, seq_len, vocab) for j in range(items) for e in range(mb))
+    return [{key: v[0] for key, v in s.items()} for s in samples]
 
 
 def adapter_sample_ids(step: int, dp_rank: int, dp_size: int, sp_size: int, mb: int) -> list[int]:
@@ -110,24 +86,13 @@ def adapter_sample_ids(step: int, dp_rank: int, dp_size: int, sp_size: int, mb: 
     consecutive steps: step ``s`` uses item ``s // P`` of group rank ``s % P`` (global rank
     ``dp_rank * P + s % P``) when ranks are laid out dp-major, as both DeepSpeed and ulysses-sp do.
     """
-    world = dp_size * sp_size
-    rank = dp_rank * sp_size + step % sp_size
-    j = step // sp_size
-    return [(j * world + rank) * mb + e for e in range(mb)]
+    rank, j = dp_rank * sp_size + step % sp_size, step // sp_size
+    return [(j * dp_size * sp_size + rank) * mb + e for e in range(mb)]
 
 
-def reference_step_batches(step: int, dp_size: int, sp_size: int, mb: int, seq_len: int, vocab: int):
-    """The batches of all dp replicas at ``step``: what the oracle trains on (one list entry per replica)."""
-    return [make_batch(adapter_sample_ids(step, d, dp_size, sp_size, mb), seq_len, vocab) for d in range(dp_size)]
-
-
-def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
-    """``adamw`` (no weight decay) or plain ``sgd``: the same optimizer on every side of a comparison."""
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    raise ValueError(f"unknown optimizer {name!r}: adamw or sgd")
+def make_optimizer(params, lr: float) -> torch.optim.Optimizer:
+    """AdamW without weight decay: the same optimizer on every side of a comparison."""
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
 
 
 def causal_lm_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -141,8 +106,6 @@ def causal_lm_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def sp_loss_combine(loss_sum, good, group, combine: str = "all_gather") -> torch.Tensor:
     """The global token mean over the SP group from each rank's loss sum and scored-token count."""
-    if group is None:
-        return loss_sum / max(int(good), 1)
     import torch.distributed.nn.functional as dnn
 
     if combine == "all_gather":  # DeepSpeed's documented recipe: differentiable all-gather of sums and counts
@@ -152,38 +115,23 @@ def sp_loss_combine(loss_sum, good, group, combine: str = "all_gather") -> torch
     return dnn.all_reduce(loss_sum, group=group) / max(int(goods), 1)
 
 
-def reference_run(
-    spec: ModelSpec,
-    *,
-    steps: int,
-    dp_size: int,
-    sp_size: int,
-    mb: int,
-    seq_len: int,
-    lr: float,
-    seed: int = 0,
-    attn_implementation: str = "sdpa",
-    grad_scale: float = 1.0,
-    clip: float = 0.0,
-    optim: str = "adamw",
-) -> dict:
+def reference_run(spec: ModelSpec, *, steps: int, dp_size: int, sp_size: int, mb: int, seq_len: int, lr: float,
+                  seed: int = 0) -> dict:  # fmt: skip
     """The oracle: the same optimizer steps in one process without parallelism.
 
     Each step averages the dp replicas' mean losses (equal token counts, so this is the global token mean),
-    as DP gradient averaging does. ``grad_scale`` multiplies the gradient (to model an engine that
-    over-counts it), ``clip`` is ``gradient_clipping``. Returns per-step losses and the step-1 gradient norm.
+    as DP gradient averaging does. Returns per-step losses and the step-1 gradient norm.
     """
-    model = build_model(spec, seed=seed, attn_implementation=attn_implementation)
-    opt = make_optimizer(optim, model.parameters(), lr)
+    model = build_model(spec, seed=seed)
+    opt = make_optimizer(model.parameters(), lr)
     losses, grad_norm = [], None
     for step in range(steps):
-        batches = reference_step_batches(step, dp_size, sp_size, mb, seq_len, spec.vocab_size)
+        batches = [make_batch(adapter_sample_ids(step, d, dp_size, sp_size, mb), seq_len, spec.vocab_size)
+                   for d in range(dp_size)]  # fmt: skip
         loss = sum(causal_lm_loss(model, b) for b in batches) / dp_size
-        (loss * grad_scale if grad_scale != 1.0 else loss).backward()
+        loss.backward()
         if step == 0:
             grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])))
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))

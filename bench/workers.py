@@ -1,7 +1,7 @@
 """Tasks of the ulysses-sp side: one launch runs a list of measurements on W ranks.
 
     python -m torch.distributed.run --nproc-per-node 2 -m bench.workers \\
-        --tasks comm,flops,memory,throughput --out bench/results/tmp-w2.json [--smoke]
+        --tasks comm,flops,memory --out /tmp/w2.json [--smoke]
 
 Every task loops over the sequence-parallel sizes ``sp`` that divide W, on the layout ``(W/sp, sp)``
 (so ``sp=1`` runs W independent replicas under the same CPU contention as ``sp=W``) and returns
@@ -14,8 +14,6 @@ records (plain dicts) with the per-rank values reduced (max over ranks); rank 0 
   SP on the full sequence. Core attention ``eager``: the counter has no formula for CPU sdpa.
 * ``memory``: peak tensor bytes (``ulysses_sp.memory.track_peak_memory``, parameters included) of
   forward+backward vs sequence length, with and without tiling (tiled MLP + tiled loss).
-* ``throughput``: seconds per forward+backward at equal tokens per rank, and the share of it spent
-  inside ``all_to_all_single``.
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from bench import analytic
 from bench import spec as S
-from bench.counters import CallTimer, CollectiveCounter
+from bench.counters import CollectiveCounter
 from bench.launch import finish_worker, init_worker, max_over_ranks
 
 
@@ -76,6 +74,12 @@ def done(reg) -> None:
         reg.remove()
 
 
+def count_flops(fn) -> int:
+    with FlopCounterMode(display=False) as fc:
+        fn()
+    return fc.get_total_flops()
+
+
 def task_comm(smoke: bool) -> list[dict]:
     """Bytes per rank per attention layer vs the analytic minimum, MHA and GQA (deterministic)."""
     world = dist.get_world_size()
@@ -86,8 +90,7 @@ def task_comm(smoke: bool) -> list[dict]:
             spec = S.ModelSpec(hidden_size=h_q * d, num_attention_heads=h_q, num_key_value_heads=hkv)
             model, reg = sp_setup(spec, sp, core="sdpa", mb=b)
             local = local_batch(S.make_batch(list(range(b)), seq, spec.vocab_size), reg)
-            counter = CollectiveCounter()
-            with counter:
+            with CollectiveCounter() as counter:
                 with counter.label("forward"):
                     loss = loss_of(model, local, reg)
                 with counter.label("backward"):
@@ -110,12 +113,6 @@ def task_comm(smoke: bool) -> list[dict]:
                 "other_bwd_bytes_per_step": gather_max(counter.total("backward") - counter.total("backward", a2a)),
             })  # fmt: skip
     return records
-
-
-def count_flops(fn) -> int:
-    with FlopCounterMode(display=False) as fc:
-        fn()
-    return fc.get_total_flops()
 
 
 def task_flops(smoke: bool) -> list[dict]:
@@ -158,7 +155,6 @@ def task_memory(smoke: bool) -> list[dict]:
                     loss_of(model, local, reg, tiled=tiled).backward()
                 records.append({
                     "task": "memory", "sp": sp, "dp": world // sp, "tiled": tiled, "seq": seq,
-                    "layers": spec.num_hidden_layers, "hidden": spec.hidden_size,
                     "peak_bytes": gather_max(m.peak_bytes), "baseline_bytes": gather_max(m.baseline_bytes),
                 })  # fmt: skip
             if handle is not None:
@@ -167,36 +163,7 @@ def task_memory(smoke: bool) -> list[dict]:
     return records
 
 
-def task_throughput(smoke: bool) -> list[dict]:
-    """Seconds per forward+backward at equal tokens per rank (median step), and the all-to-all share."""
-    world = dist.get_world_size()
-    tokens, steps = (64, 2) if smoke else (1024, 4)
-    spec = S.ModelSpec(hidden_size=64, num_attention_heads=8, num_key_value_heads=8, intermediate_size=256)
-    records = []
-    for sp in sp_sizes(world):
-        model, reg = sp_setup(spec, sp, core="sdpa", mb=1)
-        local = local_batch(S.make_batch([dist.get_rank() // sp], tokens * sp, spec.vocab_size), reg)
-        times = []
-        with CallTimer(dist, "all_to_all_single") as a2a:
-            for i in range(steps + 1):
-                dist.barrier()
-                a2a.seconds = 0.0
-                t0 = time.perf_counter()
-                loss_of(model, local, reg).backward()
-                model.zero_grad(set_to_none=True)
-                if i:  # the first step warms up
-                    times.append((time.perf_counter() - t0, a2a.seconds))
-        done(reg)
-        step = gather_max(sorted(t for t, _ in times)[len(times) // 2])
-        a2a_s = gather_max(sorted(a for _, a in times)[len(times) // 2])
-        records.append({
-            "task": "throughput", "sp": sp, "dp": world // sp, "tokens_per_rank": tokens, "seq": tokens * sp,
-            "step_s": step, "tokens_per_s_per_rank": tokens / step, "a2a_share": a2a_s / step,
-        })  # fmt: skip
-    return records
-
-
-TASKS = {"comm": task_comm, "flops": task_flops, "memory": task_memory, "throughput": task_throughput}
+TASKS = {"comm": task_comm, "flops": task_flops, "memory": task_memory}
 
 
 def main(argv=None) -> None:

@@ -122,3 +122,41 @@ def test_reading_in_blocks_smaller_than_a_row_or_a_shard_equals_from_pretrained(
     d = str(tmp_path / "m")
     _save(d, tied=True, shard=True, dtype=torch.bfloat16)  # rows of 64 bytes: 1 row per block, or 1 of several
     assert pool.run(_load_in_blocks, 2, d, block_bytes)[0] > 0
+
+
+def _load_renamed(directory: str) -> int:
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    mesh = init_mesh((2, 1))
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 3}}  # fmt: skip
+    engine, *_ = initialize(init_empty_model(directory), config, mpu=mesh.mpu)
+    load_pretrained_weights(engine.module, directory)
+    want = dict(ref.named_parameters())
+    got = dict(engine.module.named_parameters())
+    assert got.keys() == want.keys()
+    for name, value in got.items():
+        assert torch.equal(_full(value.detach()), want[name].detach()), name
+    return len(got)
+
+
+def test_a_checkpoint_stored_under_other_names_loads_sharded_as_from_pretrained(pool, tmp_path):
+    """Nemotron-H's files say ``backbone.*`` where the model says ``model.*``: the ZeRO 3 load reads
+    them through transformers' own renaming (it was "lacks weights for 28 parameter(s)")."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(2)
+    cfg = AutoConfig.for_model("nemotron_h", vocab_size=64, hidden_size=32, num_hidden_layers=4, intermediate_size=64,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, mamba_num_heads=4,
+                               mamba_head_dim=8, ssm_state_size=8, n_groups=2, hybrid_override_pattern="M*M-")  # fmt: skip
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    d = str(tmp_path / "nemotron_h")
+    model.save_pretrained(d)
+    with safe_open(f"{d}/model.safetensors", framework="pt") as f:
+        assert any(k.startswith("backbone.") for k in f.keys())
+    assert pool.run(_load_renamed, 2, d) == [len(dict(model.named_parameters()))] * 2

@@ -199,3 +199,62 @@ def test_mixer_exchanges_are_the_analytic_minimum(pool):
     assert [r["mixer"] for r in rows] == ["short_conv", "mamba2 G=2", "mamba2 G=8"]
     for r in rows:
         assert r["a2a_calls"] == 4 and r["bytes"] == r["analytic"] > 0, r
+
+
+def test_a_wrap_failing_part_way_restores_the_modules_already_wrapped():
+    """LFM2 has two short convolutions: the second wrap fails, the first is undone before the error."""
+    from ulysses_sp.mixers.documents import PositionTracker
+    from ulysses_sp.mixers.short_conv import ShortConvHandler
+
+    model = hybrid_model("lfm2")
+    mesh = SimpleNamespace(sp_size=2, sp_rank=0, ring_size=1, sp_group=None)
+    calls = []
+
+    class FailsOnSecond(ShortConvHandler):
+        def wrap(self, module, mesh):
+            calls.append(module)
+            if len(calls) == 2:
+                raise RuntimeError("wrap failed on the second mixer")
+            return super().wrap(module, mesh)
+
+    with pytest.raises(RuntimeError, match="wrap failed on the second mixer"):
+        shard_mixers(model, mesh, [FailsOnSecond(PositionTracker(mesh))])
+    assert len(calls) == 2 and is_sharded(calls[0]) is False
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
+def _linear_hybrid(kind: str):
+    import transformers as T
+
+    common = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=64, tie_word_embeddings=False, intermediate_size=48,
+                  layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4)  # fmt: skip
+    if kind == "gated_delta_net":
+        cfg = T.Qwen3_5TextConfig(**common, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                                  linear_key_head_dim=8, linear_value_head_dim=8)  # fmt: skip
+        return T.Qwen3_5ForCausalLM(cfg)
+    common["num_key_value_heads"] = 4
+    cfg = T.KimiLinearConfig(**common, moe_intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
+                             mlp_layer_types=["dense", "dense"], kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4,
+                             qk_nope_head_dim=8, v_head_dim=8, linear_num_heads=4, linear_head_dim=8,
+                             pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    return T.KimiLinearForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("kind", ["short_conv", "mamba2", "gated_delta_net", "kimi_delta_attention"])
+def test_every_mixer_refuses_a_cache_under_sp(kind):
+    """One cache rule for all four: at sp > 1 a cache is refused before any exchange (the mixer
+    could neither read it nor fill it), naming the module and the fix."""
+    if kind in ("short_conv", "mamba2"):
+        model = hybrid_model("lfm2" if kind == "short_conv" else "bamba")
+    else:
+        model = _linear_hybrid(kind)
+    mesh = SimpleNamespace(sp_size=2, sp_rank=0, ring_size=1, sp_group=None)
+    handle = apply_mixers(model, mesh)
+    (name, handler), *_ = handle.wrapped
+    assert handler == kind
+    with pytest.raises(ValueError, match=r"a cache \(use_cache=True: generation\) is not supported under sequence "
+                       r"parallelism; pass use_cache=False"):  # fmt: skip
+        model.get_submodule(name)(torch.zeros(1, 4, 32), cache=object())
+    handle.remove()
+    assert not any("forward" in vars(m) for m in model.modules())

@@ -141,3 +141,40 @@ def test_meta_construction_buffers_equal_from_pretrained_with_and_without_init_w
     model = init_empty_model(saved)
     assert all(p.is_meta for p in model.parameters())
     assert all(torch.equal(b, want[n]) for n, b in model.named_buffers())
+
+
+def _save_tiny(model_type: str, path: str, **sizes) -> str:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **sizes)).save_pretrained(path)
+    return path
+
+
+TINY = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=64)  # fmt: skip
+
+
+def test_directories_transformers_converts_while_loading_pass_as_from_pretrained_reads_them(tmp_path):
+    """Nemotron-H stores ``backbone.*`` for the model's ``model.*`` (a rename), Qwen3-MoE and Mixtral
+    store one tensor per expert for the model's fused ``experts.gate_up_proj`` (a merge), and Mixtral's
+    config.json says ``head_dim: null``: each passes (it was "lacks weights" / "must be positive"), at
+    ZeRO 0/1; the merged ones are refused by name for the sharded load of ZeRO 2/3."""
+    nemotron = _save_tiny("nemotron_h", str(tmp_path / "nemotron_h"), **{**TINY, "num_hidden_layers": 4},
+                          head_dim=8, mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=2,
+                          hybrid_override_pattern="M*M-")  # fmt: skip
+    moe = _save_tiny("qwen3_moe", str(tmp_path / "qwen3_moe"), **TINY, head_dim=8, moe_intermediate_size=16,
+                     num_experts=4, num_experts_per_tok=2)  # fmt: skip
+    mixtral = _save_tiny("mixtral", str(tmp_path / "mixtral"), **TINY, num_local_experts=4)
+    assert json.load(open(os.path.join(mixtral, "config.json")))["head_dim"] is None
+    for d in (nemotron, moe, mixtral):
+        assert model_config(d, 64).hidden_size == 32
+    assert check_model_dir(nemotron, sharded_load=True).model_type == "nemotron_h"  # a rename: readable
+    for d in (moe, mixtral):
+        with pytest.raises(ValueError, match=r"by combining stored tensors while loading \(e.g. model.layers.0."
+                           r"mlp.experts.\w+ from 4 tensors such as model.layers.0.[\w.]*experts.0.*"
+                           r"use --zero-stage 0 or 1"):  # fmt: skip
+            model_config(d, 64, sharded_load=True)
+    _edit_json(os.path.join(nemotron, "config.json"), mamba_num_heads=8)  # a renamed tensor is still checked
+    with pytest.raises(ValueError, match=r"backbone.layers.0.mixer.\w+ has shape \(4,\) in the files but \(8,\)"):
+        model_config(nemotron, 64)

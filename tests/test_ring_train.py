@@ -165,7 +165,7 @@ def test_layouts_that_cannot_work_are_refused_naming_the_choices(pool):
 
 
 def _hybrid_bytes(ulysses, ring):
-    from bench.hybrid_bytes import analytic, measure
+    from bench.ring_bench import analytic, measure
 
     return measure(ulysses, ring), analytic(ulysses, ring)
 

@@ -155,6 +155,20 @@ def test_tiled_mlp_same_loss_and_gradients(arch, ckpt):
     _assert_same(_step(model, ids, labels), _step(ref, ids, labels))
 
 
+def test_tiled_mlp_finds_feed_forward_blocks_of_hybrids():
+    """Bamba and Falcon-H1 name their MLP ``feed_forward`` (``--tiled-mlp`` said "no submodule named
+    'mlp'"): those blocks are tiled by default, with the untiled loss and gradients."""
+    from hybrid_models import hybrid_model
+
+    for arch in ("bamba", "falcon_h1"):
+        ref = hybrid_model(arch, vocab=VOCAB)
+        model = copy.deepcopy(ref)
+        ids, labels = _batch()
+        handle = apply_tiled_mlp(model, 5)
+        assert handle.module_names == [f"model.layers.{i}.feed_forward" for i in range(2)]
+        _assert_same(_step(model, ids, labels), _step(ref, ids, labels))
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("n", [None, 1, 4, 24])
 def test_tiled_loss_same_loss_and_gradients(arch, n):
@@ -333,7 +347,7 @@ def test_applying_twice_is_refused():
 
 
 def test_no_mlp_and_shape_errors():
-    with pytest.raises(ValueError, match="no submodule named 'mlp'"):
+    with pytest.raises(ValueError, match="no submodule named 'mlp' or 'feed_forward'"):
         apply_tiled_mlp(nn.Sequential(nn.Linear(2, 2)))
     with pytest.raises(ValueError, match=r"expected hidden_states \[B, S_l, h\]"):
         tiled_causal_lm_loss(torch.randn(2, 8, 4), nn.Linear(4, 5), torch.zeros(2, 7, dtype=torch.long), None)

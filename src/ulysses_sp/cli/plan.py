@@ -69,7 +69,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
 def load_shape(model: str):
     """``ModelShape`` of a preset, named shape, model directory or ``config.json`` (``ValueError``),
     with the positions limit ``train`` checks ``--seq-len`` against."""
-    from ulysses_sp.plan.inputs import SHAPES, ModelShape
+    from ulysses_sp.plan.inputs import SHAPES
+    from ulysses_sp.run.preflight import model_shape
     from ulysses_sp.run.prelaunch import max_trained_length
 
     if model in SHAPES:
@@ -88,7 +89,28 @@ def load_shape(model: str):
         from ulysses_sp.tasks import load_tokenizer
 
         config = model_config(model, len(load_tokenizer(None, model)))
-    return ModelShape.from_hf_config(config, max_positions=max_trained_length(config)[0])
+    return model_shape(config, max_positions=max_trained_length(config)[0])
+
+
+def mixers_shard(shape, sp: int, ring: int) -> bool:
+    """Whether the model's sequence mixers (if any) shard at ``sp`` (heads divide; Ulysses only:
+    the mixers refuse the ring layout)."""
+    from ulysses_sp.plan.mixers import shardable
+
+    mixers = [k.mixer for k in shape.layer_kinds if k.mixer is not None]
+    return not mixers or (ring == 1 and all(shardable(mx, sp) for mx in mixers))
+
+
+def layer_notes(shape) -> list[str]:
+    """``layers 0-2, 4: mamba2 (...)`` lines: which layers are sequence mixers, which attention."""
+    from ulysses_sp.plan.mixers import describe
+
+    groups: dict[str, list[int]] = {}
+    for i, k in enumerate(shape.layer_kinds):
+        parts = ([describe(k.mixer)] if k.mixer else []) + (["attention"] if k.attention else [])
+        label = " + ".join(parts) or "MLP only"
+        groups.setdefault(label + ("" if k.mlp or not parts else ", no MLP"), []).append(i)
+    return [f"layers {', '.join(map(str, ids))}: {label}" for label, ids in groups.items()]
 
 
 def hardware(ns: argparse.Namespace):
@@ -178,8 +200,11 @@ def _evaluate(ns: argparse.Namespace, shape: Any, hw: Any, offload: str) -> list
     sps = [p for p in range(1, world + 1) if world % p == 0]  # beyond the heads: a ring (auto size)
     out = []
     for sp, stage, part, states_on_host in _layouts(sps, world, offload):
+        attention = any(k.attention for k in shape.kinds())  # none (Mamba-2 alone): no ring to choose
+        ring = resolve_ring_size(sp, shape.heads, shape.kv_heads) if attention else 1
+        if not mixers_shard(shape, sp, ring):
+            continue
         for tech in TECHNIQUES:
-            ring = resolve_ring_size(sp, shape.heads, shape.kv_heads)
             multiple = sp * (2 if ring > 1 else 1)
             if ns.seq_len is not None and ns.seq_len % multiple:
                 continue
@@ -221,7 +246,7 @@ def candidates(ns: argparse.Namespace) -> dict[str, Any]:
             "whose config.json extends its context (rope_scaling)"
         )
     offload = "also" if ns.offload_states else "no"
-    out, notes = _evaluate(ns, shape, hw, offload), []
+    out, notes = _evaluate(ns, shape, hw, offload), layer_notes(shape)
     if not ns.offload_states and not any(c["fits"] for c in out):
         out += _evaluate(ns, shape, hw, "only")
         offload = "auto"
@@ -242,7 +267,10 @@ def candidates(ns: argparse.Namespace) -> dict[str, Any]:
         "model": ns.model, "gpus": ns.gpus, "nodes": ns.nodes, "device": hw.name,
         "memory_bytes_per_rank": hw.memory_bytes, "dtype": ns.dtype, "seq_len": ns.seq_len,
         "max_positions": limit, "offload_states": offload, "recommended": best, "candidates": out,
-        "notes": notes,
+        "notes": notes, "layers": [
+            {"attention": k.attention, "mlp": k.mlp, "mixer": k.mixer.kind if k.mixer else None}
+            for k in shape.layer_kinds
+        ],
     }  # fmt: skip
 
 

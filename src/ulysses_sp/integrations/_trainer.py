@@ -45,8 +45,9 @@ from typing import Any
 import torch
 
 from ulysses_sp.data import UlyssesSPDataLoaderAdapter
+from ulysses_sp.integrations.alst import loss_parts
 from ulysses_sp.parallel.comm import all_reduce_sum
-from ulysses_sp.parallel.loss import IGNORE_INDEX, causal_lm_loss_parts, sp_mean_loss
+from ulysses_sp.parallel.loss import IGNORE_INDEX, sp_mean_loss
 from ulysses_sp.parallel.mesh import SPMesh
 
 VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
@@ -199,8 +200,9 @@ class SPTrainerMixin:
                 "batch must come from the trainer's get_*_dataloader (do not override them after prepare())"
             )
         inputs.setdefault("use_cache", False)
-        outputs = model(**inputs)
-        total, count = causal_lm_loss_parts(outputs.logits, shift_labels)  # logits [B, S_l, V]
+        alst = self._ulysses_sp.alst
+        shards = False if alst is None else alst.options.loss_shards
+        outputs, total, count = loss_parts(model, inputs, shift_labels, shards)  # tiled: no [B, S_l, V]
         mesh = self._ulysses_sp.mesh
         if num_items_in_batch is None:
             loss = group_mean_loss(total, count, mesh)

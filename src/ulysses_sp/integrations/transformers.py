@@ -38,6 +38,7 @@ from ulysses_sp.attention.registration import ATTN_NAME, SPRegistration
 from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
 from ulysses_sp.checks import positive_int
 from ulysses_sp.integrations._trainer import SPTrainerDataLoader, SPTrainerMixin
+from ulysses_sp.integrations.alst import ALSTHandle, ALSTOptions
 from ulysses_sp.mixers.apply import apply_mixers, has_unsharded_mixers
 from ulysses_sp.mixers.base import MixerHandle
 from ulysses_sp.mixers.guard import check_sequence_mixing
@@ -67,12 +68,15 @@ class SPTrainerHandle:
         pad_token_id: int,
         strict: bool,
         mixers: MixerHandle | None = None,
+        alst: ALSTHandle | None = None,
     ) -> None:
         self.trainer = trainer
         self.mesh = mesh
         self.registration = registration
         self.mixers = mixers
         """The model's sharded sequence mixers (``mixers.apply.apply_mixers``), or ``None``."""
+        self.alst = alst
+        """The ALST techniques applied to the model (``integrations.alst``), or ``None``."""
         self.pad_token_id = pad_token_id
         self.strict = strict
         self.own_eval_loss: Any = None
@@ -92,6 +96,8 @@ class SPTrainerHandle:
         del self.trainer._ulysses_sp
         if self.mixers is not None:
             self.mixers.remove()
+        if self.alst is not None:
+            self.alst.remove()
         self.registration.remove()
 
     def __repr__(self) -> str:
@@ -105,6 +111,10 @@ def prepare(
     core_attn_implementation: str | None = None,
     strict: bool = False,
     ring_size: int | str | None = None,
+    tiled_loss: bool | int = False,
+    tiled_mlp: bool | int = False,
+    offload_activations: bool = False,
+    offload_attention: bool = False,
     head_chunks: int = 1,
 ) -> SPTrainerHandle:
     """Make ``trainer`` (a ``transformers.Trainer`` or subclass, e.g. TRL's ``SFTTrainer``) train
@@ -121,6 +131,11 @@ def prepare(
         strict: refuse a sequence length not divisible by ``sp_size`` instead of padding it.
         ring_size: hybrid Ulysses x Ring (``register_with_transformers``'s ``ring_size``); ``None``:
             1 when the heads split over ``sp_size``, else the smallest ring that makes them.
+        tiled_loss, tiled_mlp, offload_activations, offload_attention: the ALST memory techniques
+            (``integrations.alst``): tiled logits+loss and tiled MLP (``True`` = auto tiles, or a
+            tile count), checkpointed layer inputs in host memory (with
+            ``gradient_checkpointing=True``), the full-sequence K/V on the host (sdpa). bf16 and
+            activation checkpointing are the Trainer's own ``bf16`` / ``gradient_checkpointing``.
         head_chunks: exchange and attend the heads in this many groups, one at a time
             (``register_with_transformers``'s ``head_chunks``: less peak memory, more compute).
 
@@ -137,6 +152,9 @@ def prepare(
     model = getattr(trainer, "model", None)
     core = core_attn_implementation or _model_attention(model)
     _check_trainer(trainer, core)
+    options = ALSTOptions(tiled_loss=tiled_loss, tiled_mlp=tiled_mlp, offload_activations=offload_activations,
+                          offload_attention=offload_attention)  # fmt: skip
+    options.check(trainer, core)
     check_sequence_mixing(model, sp_size=sp_size)  # the closed-world guard, before any collective
     require_process_group("ulysses_sp.integrations.transformers.prepare")
     config, ring = getattr(model, "config", None), ring_size
@@ -149,12 +167,20 @@ def prepare(
         sp_size,
         trainer.args.per_device_train_batch_size,
         mesh=mesh,
+        offload_attention=offload_attention,
         head_chunks=head_chunks,
     )
     mixers = apply_mixers(model, mesh) if has_unsharded_mixers(model) else None  # conv / Mamba-2 layers
     logger.info("sequence parallelism in %s: %r, core attention %r", type(trainer).__name__, mesh, core)
+    alst = options.apply(model) if options != ALSTOptions() else None
     return SPTrainerHandle(
-        trainer, mesh, registration, pad_token_id=_pad_token_id(trainer), strict=strict, mixers=mixers
+        trainer,
+        mesh,
+        registration,
+        pad_token_id=_pad_token_id(trainer),
+        strict=strict,
+        mixers=mixers,
+        alst=alst,
     )
 
 

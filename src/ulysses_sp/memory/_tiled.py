@@ -197,12 +197,15 @@ class TiledCompute(torch.autograd.Function):
 
 # ---------------------------------------------------------------- token locality (what may be tiled)
 _TOKEN_LOCAL = (nn.Linear, nn.Identity, nn.LayerNorm, nn.RMSNorm, nn.modules.dropout._DropoutNd)
+_CONTAINERS = (nn.ModuleDict, nn.ModuleList, nn.ParameterDict, nn.ParameterList)
 
 
 def _is_token_local_leaf(m: nn.Module) -> bool:
     """Module types that act on each position independently (over the last dim only)."""
     cls = type(m)
     if isinstance(m, _TOKEN_LOCAL) or cls.__name__.endswith("RMSNorm"):
+        return True
+    if isinstance(m, _CONTAINERS):  # compute nothing themselves (PEFT's LoRA layers hold empty ones)
         return True
     if cls.__module__ == "transformers.activations":
         return True

@@ -7,7 +7,7 @@ hidden state: the MLP's intermediate ``[B, S_l, I]`` (``I`` is 3-4x ``h``) and t
 in backward. The big tensor then exists for one tile, ``1/n`` of it, at any time.
 
 * ``apply_tiled_mlp(model, num_shards)`` -> ``TiledMLPHandle``: every MLP block (submodules named
-  ``mlp``) runs tiled; ``handle.remove()`` restores the original ``forward`` objects.
+  ``mlp``, or ``feed_forward`` as in Bamba, Falcon-H1, Llama 4) runs tiled; ``handle.remove()`` restores the original ``forward`` objects.
 * ``TiledCausalLMLoss``: the engine's ``loss_fn``; the logits never exist for the whole shard.
 * ``tiled_causal_lm_loss``: ``lm_head`` + cross-entropy per tile, with the same contract as
   ``ulysses_sp.parallel.loss.sp_causal_lm_loss``.
@@ -166,9 +166,9 @@ class TiledMLPHandle:
 
 
 def apply_tiled_mlp(
-    model: nn.Module, num_shards: int | None = None, *, mlp_name: str = "mlp"
+    model: nn.Module, num_shards: int | None = None, *, mlp_name: str | tuple[str, ...] = ("mlp", "feed_forward")
 ) -> TiledMLPHandle:
-    """Make every MLP block of ``model`` (submodules named ``mlp_name``) run tiled.
+    """Make every MLP block of ``model`` (submodules named ``mlp_name``, or any of its names) run tiled.
 
     Each block's ``forward`` is replaced, on the instance, by one that calls the original over
     ``num_shards`` tiles of the sequence with ``sequence_tiled_compute``: the ``[B, S_l, I]``
@@ -178,7 +178,7 @@ def apply_tiled_mlp(
         model: an HF model (or any module) whose MLP blocks take and return ``[B, S_l, h]``.
         num_shards: tiles per call; ``None`` = ``auto_num_shards(S_l, h, B)`` at each call, i.e.
             tiles of about ``h`` tokens. A call whose ``S_l`` is below ``num_shards`` raises.
-        mlp_name: attribute name of the MLP blocks.
+        mlp_name: attribute name(s) of the MLP blocks.
 
     Returns:
         A handle; ``handle.remove()`` restores the original ``forward`` objects.
@@ -193,9 +193,10 @@ def apply_tiled_mlp(
     """
     if num_shards is not None:
         check_num_shards(num_shards, what="tiled MLP num_shards")
-    mlps = [(n, m) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] == mlp_name]
+    names = (mlp_name,) if isinstance(mlp_name, str) else mlp_name
+    mlps = [(n, m) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in names]
     if not mlps:
-        raise ValueError(f"{type(model).__name__} has no submodule named {mlp_name!r} to tile")
+        raise ValueError(f"{type(model).__name__} has no submodule named {' or '.join(map(repr, names))} to tile")
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     for name, mlp in mlps:
         if getattr(mlp.forward, "_ulysses_sp_tiled", False):

@@ -48,7 +48,9 @@ def replace_forward(module: nn.Module, forward: Callable[..., Any]) -> Callable[
 
 
 def refuse_cache(cache: Any, sp_size: int, what: str) -> None:
-    """Cached decoding runs on one rank's tokens: not sequence-parallel."""
+    """Cached decoding runs on one rank's tokens: not sequence-parallel. The one cache rule of every
+    mixer handler: at sp 1 the model's own cached path runs; at sp > 1 a cache is refused (a mixer
+    that ignored it would leave it unfilled, and generation from it would be silently wrong)."""
     if cache is not None and sp_size > 1:
         raise ValueError(
             f"{what}: a cache (use_cache=True: generation) is not supported under sequence "
@@ -85,3 +87,56 @@ def local_span(n: int, sp_size: int, sp_rank: int) -> tuple[int, int]:
 def index_of(spans: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
     """The concatenated ranges ``[(start, length), ...]`` as one index tensor."""
     return torch.cat([torch.arange(s, s + n, device=device) for s, n in spans])
+
+
+def require_positions(positions: Any, handler: str) -> Any:
+    """The handler's ``PositionTracker``, or ``ValueError`` for an unbound handler."""
+    if positions is None:
+        raise ValueError(f"{handler} needs a PositionTracker: use mixers.apply.apply_mixers(model, mesh)")
+    return positions
+
+
+def wrap_sharded_forward(
+    module: nn.Module, mesh: Any, what: str, sharded: Callable[..., Any]
+) -> Callable[[], None]:
+    """Point ``module.forward(hidden_states, cache=None, attention_mask=None, **kwargs)`` at
+    ``sharded(original, hidden_states, attention_mask, **kwargs)``; returns the undo. With a cache: the model's own
+    cached path at sp 1 (generation), refused at sp > 1 (``refuse_cache``); per-shard document
+    boundaries refused (``refuse_local_boundaries``). ``what`` names the module in errors."""
+
+    def forward(original: Callable[..., Any], hidden_states: torch.Tensor, cache: Any = None,
+                attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:  # fmt: skip
+        if cache is not None and mesh.sp_size == 1:  # generation: the model's own cached path
+            return original(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+        refuse_cache(cache if cache is not None else kwargs.get("cache_params"), mesh.sp_size, what)
+        refuse_local_boundaries(kwargs, what)
+        return sharded(original, hidden_states, attention_mask, **kwargs)
+
+    return replace_forward(module, forward)
+
+
+class ForwardHandler:
+    """What every handler shares (``mixers.base.MixerHandler``): the ``PositionTracker`` it is bound
+    to, and the wrap of a handler that replaces the mixer's whole forward with
+    ``sharded(module, mesh, positions, hidden [B, S_l, D], mask) -> [B, S_l, D]`` (short convolution,
+    Mamba-2; the linear-attention handlers override ``wrap``)."""
+
+    name = ""
+
+    def __init__(self, positions: Any = None) -> None:
+        self.positions = positions
+        """Where the forward's position ids come from (``apply_mixers`` binds a ``PositionTracker``)."""
+
+    def check(self, module: nn.Module, sp_size: int) -> None:
+        raise NotImplementedError
+
+    def sharded(self, module: nn.Module, mesh: Any, positions: Any, hidden: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        raise NotImplementedError
+
+    def wrap(self, module: nn.Module, mesh: Any) -> Callable[[], None]:
+        positions = require_positions(self.positions, type(self).__name__)
+        check_layout(mesh, type(module).__name__)
+        self.check(module, mesh.sp_size)
+        return wrap_sharded_forward(module, mesh, type(module).__name__,
+                                    lambda _, hidden, mask, **__: self.sharded(module, mesh, positions, hidden, mask))  # fmt: skip

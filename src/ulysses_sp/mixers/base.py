@@ -73,7 +73,8 @@ def shard_mixers(model: nn.Module, mesh: Any, handlers: Sequence[MixerHandler]) 
     """Wrap every module of ``model`` that a handler claims; check all before wrapping any.
 
     Raises ``ValueError`` (every problem, one per line) before touching the model when some claimed
-    module cannot be sharded at ``mesh``'s SP size.
+    module cannot be sharded at ``mesh``'s SP size. If a ``wrap`` still fails part-way, the modules
+    already wrapped are restored before the error propagates.
     """
     sp_size = mesh.sp_size
     claimed = [(n, m, h) for n, m in model.named_modules() if (h := claimed_by(m, handlers)) is not None]
@@ -86,7 +87,11 @@ def shard_mixers(model: nn.Module, mesh: Any, handlers: Sequence[MixerHandler]) 
     if problems:
         raise ValueError("sequence parallelism cannot shard these mixers:\n" + "\n".join(problems))
     handle = MixerHandle()
-    for name, module, handler in claimed:
-        handle._undo.append(handler.wrap(module, mesh))
-        handle.wrapped.append((name, handler.name))
+    try:
+        for name, module, handler in claimed:
+            handle._undo.append(handler.wrap(module, mesh))
+            handle.wrapped.append((name, handler.name))
+    except BaseException:  # a wrap failed part-way: the model leaves as it came
+        handle.remove()
+        raise
     return handle

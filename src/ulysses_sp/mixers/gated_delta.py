@@ -11,50 +11,24 @@ the local heads, one all-to-all back) is ``mixers.linear_attn``.
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
-from typing import Any
-
 from torch import nn
 
-from ulysses_sp.mixers.documents import PositionTracker
-from ulysses_sp.mixers.linear_attn import check_heads, wrap_linear_attention
+from ulysses_sp.mixers.linear_attn import LinearAttentionHandler
 
-CONV_FN = "causal_conv1d_fn"
 SCAN_FN = "torch_chunk_gated_delta_rule"
 ATTRS = ("conv1d", "A_log", "dt_bias", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
 
 
-class GatedDeltaNetHandler:
+class GatedDeltaNetHandler(LinearAttentionHandler):
     """Shards gated delta-net mixers: key and value heads over the SP group (see the module doc)."""
 
     name = "gated_delta_net"
+    label = "gated delta-net"
+    attrs = ATTRS
+    scan_fn = SCAN_FN
 
-    def __init__(self, positions: PositionTracker | None = None) -> None:
-        self.positions = positions
-        """Where the forward's position ids come from (``apply_mixers`` binds one; ``None``: every
-        row one document)."""
-
-    def matches(self, module: nn.Module) -> bool:
-        modeling = sys.modules.get(type(module).__module__)
-        return (
-            all(hasattr(module, a) for a in ATTRS)
-            and isinstance(module.conv1d, nn.Conv1d)
-            and callable(getattr(modeling, CONV_FN, None))
-            and callable(getattr(modeling, SCAN_FN, None))
-        )
-
-    def check(self, module: nn.Module, sp_size: int) -> None:
-        check_heads(
-            f"{type(module).__name__} (gated delta-net)", module.num_k_heads, module.num_v_heads, sp_size
-        )
-
-    def wrap(self, module: nn.Module, mesh: Any) -> Callable[[], None]:
-        self.check(module, mesh.sp_size)
-        what = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
-        return wrap_linear_attention(
-            module, mesh, self.positions, conv_fn=CONV_FN, scan_fns=(SCAN_FN,), what=what
-        )
+    def heads(self, module: nn.Module) -> tuple[int, int]:
+        return module.num_k_heads, module.num_v_heads
 
 
 HANDLER = GatedDeltaNetHandler()

@@ -17,7 +17,6 @@ that feature rides the all-to-all instead (to every rank) and each rank runs the
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -26,43 +25,34 @@ from torch import nn
 from torch.func import functional_call
 
 from ulysses_sp.mixers._kernels import replace_forward
-from ulysses_sp.mixers.documents import PositionTracker
-from ulysses_sp.mixers.linear_attn import check_heads, in_sharded_forward, wrap_linear_attention
+from ulysses_sp.mixers.linear_attn import LinearAttentionHandler, in_sharded_forward, wrap_linear_attention
 
-CONV_FN = "causal_conv1d_fn"
 SCAN_FN = "chunk_kimi_delta_attention"
 ATTRS = ("conv1d", "forget_gate", "num_heads", "head_dim", "b_proj")
 GATE_ATTRS = ("f_a_proj", "f_b_proj", "dt_bias", "A_log", "head_dim")
 
 
-class KimiDeltaAttentionHandler:
+class KimiDeltaAttentionHandler(LinearAttentionHandler):
     """Shards KDA mixers: heads over the SP group (see the module doc)."""
 
     name = "kimi_delta_attention"
+    label = "KDA"
+    attrs = ATTRS
+    scan_fn = SCAN_FN
 
-    def __init__(self, positions: PositionTracker | None = None) -> None:
-        self.positions = positions
-        """Where the forward's position ids come from (``apply_mixers`` binds one; ``None``: every
-        row one document)."""
+    def heads(self, module: nn.Module) -> tuple[int, int]:
+        return module.num_heads, module.num_heads
 
     def matches(self, module: nn.Module) -> bool:
-        modeling = sys.modules.get(type(module).__module__)
         return (
-            all(hasattr(module, a) for a in ATTRS)
+            super().matches(module)
             and all(hasattr(module.forget_gate, a) for a in GATE_ATTRS)
             and module.forget_gate.A_log.dim() == 4  # [1, 1, H, 1]
-            and isinstance(module.conv1d, nn.Conv1d)
-            and callable(getattr(modeling, CONV_FN, None))
-            and callable(getattr(modeling, SCAN_FN, None))
         )
-
-    def check(self, module: nn.Module, sp_size: int) -> None:
-        heads = module.num_heads
-        check_heads(f"{type(module).__name__} (KDA)", heads, heads, sp_size)
 
     def wrap(self, module: nn.Module, mesh: Any) -> Callable[[], None]:
         self.check(module, mesh.sp_size)
-        what = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+        what = self.what(module)
         gate = module.forget_gate
         own = [False]  # True while local_decay runs the gate's own forward on the gathered features
 
@@ -79,7 +69,7 @@ class KimiDeltaAttentionHandler:
                 own[0] = prev
 
         undos = [replace_forward(gate, feature)]
-        undos.append(wrap_linear_attention(module, mesh, self.positions, conv_fn=CONV_FN, scan_fns=(SCAN_FN,),
+        undos.append(wrap_linear_attention(module, mesh, self.positions, conv_fn=self.conv_fn, scan_fns=(self.scan_fn,),
                                            what=what, local_decay=local_decay))  # fmt: skip
 
         def undo() -> None:

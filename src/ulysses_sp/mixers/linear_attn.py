@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ulysses_sp.attention.masks import SeqLayout
-from ulysses_sp.mixers._kernels import check_layout, refuse_cache, refuse_local_boundaries, replace_forward
+from ulysses_sp.mixers._kernels import ForwardHandler, check_layout, wrap_sharded_forward
 from ulysses_sp.mixers.documents import PositionTracker, per_document, segments
 from ulysses_sp.mixers.halo import halo_from_previous
 from ulysses_sp.parallel.comm import heads_to_seq, seq_to_heads_packed
@@ -61,6 +61,45 @@ def check_heads(what: str, key_heads: int, value_heads: int, sp_size: int) -> No
             f"shards heads, so sp_size ({sp_size}) must divide the value heads and divide or be a "
             "multiple of the key heads; use an sp_size that does"
         )
+
+
+class LinearAttentionHandler(ForwardHandler):
+    """What the gated delta-net and KDA handlers share (``mixers.base.MixerHandler``): matching by
+    structure (``attrs``, a depthwise ``conv1d``, a modeling module that defines ``conv_fn`` and
+    ``scan_fn``), the heads check, and the plain wrap. Subclasses set the class attributes and
+    ``heads``; KDA adds to ``matches`` and ``wrap``."""
+
+    name = ""
+    label = ""
+    """The mixer's kind in messages (``gated delta-net``)."""
+    attrs: tuple[str, ...] = ()
+    conv_fn = "causal_conv1d_fn"
+    scan_fn = ""
+
+    def heads(self, module: nn.Module) -> tuple[int, int]:
+        """``(key heads, value heads)`` of ``module``."""
+        raise NotImplementedError
+
+    def matches(self, module: nn.Module) -> bool:
+        modeling = sys.modules.get(type(module).__module__)
+        return (
+            all(hasattr(module, a) for a in self.attrs)
+            and isinstance(module.conv1d, nn.Conv1d)
+            and callable(getattr(modeling, self.conv_fn, None))
+            and callable(getattr(modeling, self.scan_fn, None))
+        )
+
+    def check(self, module: nn.Module, sp_size: int) -> None:
+        check_heads(f"{type(module).__name__} ({self.label})", *self.heads(module), sp_size)
+
+    def what(self, module: nn.Module) -> str:
+        return f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+
+    def wrap(self, module: nn.Module, mesh: Any) -> Callable[[], None]:
+        """Unlike ``ForwardHandler.wrap``, works without a ``PositionTracker`` (every row one document)."""
+        self.check(module, mesh.sp_size)
+        return wrap_linear_attention(module, mesh, self.positions, conv_fn=self.conv_fn,
+                                     scan_fns=(self.scan_fn,), what=self.what(module))  # fmt: skip
 
 
 @dataclass
@@ -189,22 +228,19 @@ def wrap_linear_attention(module: nn.Module, mesh: Any, positions: PositionTrack
     check_layout(mesh, what)
     modeling = sys.modules[type(module).__module__]
 
-    def forward(original: Callable[..., Any], hidden_states: torch.Tensor, cache: Any = None,
-                attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:  # fmt: skip
-        if cache is not None and mesh.sp_size == 1:  # generation: the model's own cached path
-            return original(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+    def sharded(original: Callable[..., Any], hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
+                **kwargs: Any) -> Any:  # fmt: skip
         # at sp 1 too: packed documents stay apart as they do at sp > 1, so sp 1 and sp P train alike
-        refuse_cache(cache if cache is not None else kwargs.get("cache_params"), mesh.sp_size, what)
-        refuse_local_boundaries(kwargs, what)
         b, s_local, _ = hidden_states.shape  # [B, S_l, hidden]
         layout = None if positions is None else positions.layout(s_local, b)  # a collective, once per forward
         token = _ACTIVE.set(_Sharded(mesh.sp_group, mesh.sp_size, mesh.sp_rank, layout, local_decay))
         try:
-            return original(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+            return original(hidden_states, cache=None, attention_mask=attention_mask, **kwargs)
         finally:
             _ACTIVE.reset(token)
 
-    undos = [replace_forward(module, forward)]  # first: refuses a module sharded twice, before any patch
+    # first: refuses a module sharded twice, before any patch
+    undos = [wrap_sharded_forward(module, mesh, what, sharded)]
     undos += [_install(modeling, conv_fn, "conv"), *(_install(modeling, n, "scan") for n in scan_fns)]
 
     def undo() -> None:

@@ -26,18 +26,15 @@ Shape legend: ``B`` batch, ``S`` global sequence, ``S_l = S/P``, ``H`` SSM heads
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from ulysses_sp.mixers._kernels import (
-    check_layout,
+    ForwardHandler,
     index_of,
     model_function,
-    refuse_local_boundaries,
-    replace_forward,
 )
 from ulysses_sp.mixers.documents import PositionTracker, per_document, segments
 from ulysses_sp.parallel.comm import heads_to_seq, seq_to_heads_packed
@@ -53,14 +50,10 @@ _SIZES = (
 )
 
 
-class Mamba2Handler:
+class Mamba2Handler(ForwardHandler):
     """Shards a Mamba-2 mixer over the SP group by heads (see the module docstring)."""
 
     name = "mamba2"
-
-    def __init__(self, positions: PositionTracker | None = None) -> None:
-        self.positions = positions
-        """Where the forward's position ids come from (``apply_mixers`` installs one)."""
 
     def matches(self, module: nn.Module) -> bool:
         if not all(isinstance(getattr(module, a, None), int) for a in _SIZES):
@@ -95,23 +88,9 @@ class Mamba2Handler:
                 f"a rank's heads would straddle groups; choose an sp_size that divides {g} or is a multiple of it"
             )
 
-    def wrap(self, module: nn.Module, mesh: Any) -> Callable[[], None]:
-        if self.positions is None:
-            raise ValueError(
-                "Mamba2Handler needs a PositionTracker: use mixers.apply.apply_mixers(model, mesh)"
-            )
-        check_layout(mesh, type(module).__name__)
-        self.check(module, mesh.sp_size)
-        positions = self.positions
-
-        def forward(original, hidden_states, cache=None, attention_mask=None, **kwargs):
-            refuse_local_boundaries(kwargs, type(module).__name__)
-            if cache is not None and mesh.sp_size == 1:  # generation: the model's own cached path
-                return original(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-            # under SP a cache (an eval forward's) is neither read nor filled, as attention's holds shards
-            return _sharded_forward(module, mesh, positions, hidden_states, attention_mask)
-
-        return replace_forward(module, forward)
+    def sharded(self, module: nn.Module, mesh: Any, positions: PositionTracker, hidden: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        return _sharded_forward(module, mesh, positions, hidden, mask)
 
 
 def _local_groups(g: int, p: int, rank: int) -> tuple[int, int, torch.Tensor | None]:

@@ -21,31 +21,24 @@ hidden size), ``Hd_l = Hd/P``, ``P`` sp size.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from ulysses_sp.mixers._kernels import (
-    check_layout,
+    ForwardHandler,
     local_span,
     model_function,
-    refuse_local_boundaries,
-    replace_forward,
 )
 from ulysses_sp.mixers.documents import PositionTracker, per_document, segments
 from ulysses_sp.parallel.comm import heads_to_seq, seq_to_heads_packed
 
 
-class ShortConvHandler:
+class ShortConvHandler(ForwardHandler):
     """Shards a gated short causal convolution over the SP group (see the module docstring)."""
 
     name = "short_conv"
-
-    def __init__(self, positions: PositionTracker | None = None) -> None:
-        self.positions = positions
-        """Where the forward's position ids come from (``apply_mixers`` installs one)."""
 
     def matches(self, module: nn.Module) -> bool:
         conv, in_proj = getattr(module, "conv", None), getattr(module, "in_proj", None)
@@ -68,23 +61,9 @@ class ShortConvHandler:
                 f"sp_size {sp_size}; choose an sp_size that divides {channels}"
             )
 
-    def wrap(self, module: nn.Module, mesh: Any) -> Callable[[], None]:
-        if self.positions is None:
-            raise ValueError(
-                "ShortConvHandler needs a PositionTracker: use mixers.apply.apply_mixers(model, mesh)"
-            )
-        check_layout(mesh, type(module).__name__)
-        self.check(module, mesh.sp_size)
-        positions = self.positions
-
-        def forward(original, hidden_states, cache=None, attention_mask=None, **kwargs):
-            refuse_local_boundaries(kwargs, type(module).__name__)
-            if cache is not None and mesh.sp_size == 1:  # generation: the model's own cached path
-                return original(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-            # under SP a cache (an eval forward's) is neither read nor filled, as attention's holds shards
-            return _sharded_forward(module, mesh, positions, hidden_states, attention_mask)
-
-        return replace_forward(module, forward)
+    def sharded(self, module: nn.Module, mesh: Any, positions: PositionTracker, hidden: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        return _sharded_forward(module, mesh, positions, hidden, mask)
 
 
 def _sharded_forward(

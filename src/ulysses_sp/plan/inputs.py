@@ -14,6 +14,41 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass(frozen=True, kw_only=True)
+class MixerShape:
+    """The sizes of one sequence mixer (what ``ulysses_sp.mixers`` shards by heads) that its memory
+    and exchange depend on; fields a kind does not have stay 0."""
+
+    kind: str
+    """``mamba2``, ``gated_delta_net``, ``short_conv`` or ``kimi_delta_attention`` (the handler names)."""
+    heads: int = 0
+    """``H``: Mamba-2's and KDA's heads, gated delta-net's value heads."""
+    head_dim: int = 0
+    """``Dh`` (Mamba-2), ``Dv`` (gated delta-net), ``D`` (KDA)."""
+    key_heads: int = 0
+    """Gated delta-net's key heads ``Hk``."""
+    key_dim: int = 0
+    """Gated delta-net's key head dim ``Dk``."""
+    groups: int = 0
+    """Mamba-2's B/C groups ``G``."""
+    state: int = 0
+    """Mamba-2's state size ``N``."""
+    chunk: int = 64
+    """The scan's chunk length ``c``."""
+    channels: int = 0
+    """The short convolution's channels ``C``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerKind:
+    """What one decoder layer holds: softmax attention, an MLP, a sequence mixer (any may be absent:
+    Nemotron-H's one-block layers; Falcon-H1 runs attention and a mixer side by side)."""
+
+    attention: bool = True
+    mlp: bool = True
+    mixer: MixerShape | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelShape:
     """The sizes of a decoder-only transformer that memory and time depend on."""
 
@@ -37,30 +72,47 @@ class ModelShape:
     """The longest sequence the model's positions cover (``max_position_embeddings``, or more with
     RoPE scaling: ``run.prelaunch.max_trained_length``); ``train`` refuses a longer ``--seq-len``.
     ``None``: no limit known."""
+    layer_kinds: tuple[LayerKind, ...] = ()
+    """One per layer (hybrid models); empty: every layer attention + MLP (Llama)."""
+    param_count: int | None = None
+    """The model's exact parameter count when known (a built model); ``None``: the Llama formula."""
 
     @classmethod
     def from_hf_config(cls, config: Any, *, max_positions: int | None = None) -> ModelShape:
         """From a transformers ``PretrainedConfig`` (Llama, Qwen2, Mistral and their kin);
         ``max_positions``: the positions limit as the caller reads it off the config. A config whose
-        head counts differ by layer is planned at its widest layer's."""
+        head counts differ by layer is planned at its widest layer's. A model without softmax attention
+        or MLP (Mamba-2 alone) gets 1 head and width 0: its ``layer_kinds`` say what the layers hold."""
         per_layer = getattr(config, "per_layer_config", None)
-        widest = max(per_layer, key=lambda c: c.num_attention_heads) if per_layer is not None else config
-        heads = widest.num_attention_heads
+        widest = (max(per_layer, key=lambda c: getattr(c, "num_attention_heads", 0) or 0) if per_layer
+                  else config)  # fmt: skip
+        heads = getattr(widest, "num_attention_heads", None) or 1
         return cls(
-            hidden=config.hidden_size, intermediate=config.intermediate_size, layers=config.num_hidden_layers,
+            hidden=config.hidden_size, intermediate=getattr(config, "intermediate_size", None) or 0,
+            layers=config.num_hidden_layers,
             heads=heads, kv_heads=getattr(widest, "num_key_value_heads", None) or heads,
             head_dim=getattr(widest, "head_dim", None) or config.hidden_size // heads, vocab=config.vocab_size,
             tied=bool(getattr(config, "tie_word_embeddings", False)), max_positions=max_positions,
         )  # fmt: skip
 
+    def kinds(self) -> tuple[LayerKind, ...]:
+        """``layer_kinds``, or ``layers`` attention + MLP layers."""
+        return self.layer_kinds or (LayerKind(),) * self.layers
+
     @property
     def layer_params(self) -> int:
+        if self.param_count is not None:  # the mean layer: what is not the embeddings and the final norm
+            embed = self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+            return max(0, self.param_count - embed) // max(self.layers, 1)
         q, kv, h = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.hidden
         return 2 * q * h + 2 * kv * h + 3 * h * self.intermediate + 2 * h
 
     @property
     def params(self) -> int:
-        """Parameter count (Llama layout: no biases; Qwen2's q/k/v biases are ignored, < 0.1 %)."""
+        """Parameter count (``param_count``, or the Llama layout: no biases; Qwen2's q/k/v biases are
+        ignored, < 0.1 %)."""
+        if self.param_count is not None:
+            return self.param_count
         return (
             self.layers * self.layer_params + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
         )

@@ -15,6 +15,10 @@ walked as the allocator sees it, in units of one element per *local* token (``T 
   the attention output ``q`` and the o-projection input ``q``; the residual sum and the post-norm's
   two tensors ``3h``; the MLP's gate, act, up and product ``4I`` (none with tiled MLP, which keeps
   only its input). Checkpointing keeps only the layer input (on the host when offloaded).
+* hybrid models (``ModelShape.layer_kinds``): a layer keeps only what it holds — the attention's
+  terms, the MLP's, a sequence mixer's (``plan.mixers``: measured bytes per local token, its input
+  norm added when no attention carries it) — and its backward's high point is the larger of the
+  MLP's and the mixer's (or attention's) workspace; the all-to-all bytes are each mixer's exchange.
 * the head: the final norm's input and its two tensors; untiled logits ``V`` (held by the model output), the fp32
   log-softmax ``V`` and, in the loss backward, two ``V`` gradients; tiled: the same for one tile.
 * backward walks the layers down: the layer's activations (recomputed when checkpointed), then
@@ -42,12 +46,15 @@ What is not modelled (and so not in the 10 % check): allocator fragmentation and
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ulysses_sp.plan.hardware import Hardware, link_gbps
 from ulysses_sp.plan.inputs import DTYPE_BYTES, ModelShape, Settings
+from ulysses_sp.plan.mixers import exchange_per_token
+from ulysses_sp.plan.mixers import memory_per_token as mixer_memory
 
 
 @dataclass(frozen=True)
@@ -131,10 +138,8 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
     if s.attention == "blockwise":
         attn_saved = norm + 2 * q  # q/k/v go to the host with the blocks
     mlp_saved = 0 if s.tiled_mlp else 4 * big_i
-    layer_full = h + attn_saved + h + norm + mlp_saved  # per local token, the layer input included
     ckpt = s.activation_checkpointing
     kept = 0 if s.offload_activations else h
-    per_layer = kept if ckpt else layer_full + exchange_in
     rope = 2 * d
     head_saved = h + norm
     if s.tiled_loss:
@@ -156,24 +161,41 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
     grad_flow = (3 if s.tiled_mlp else 2) * h * tok
     if not s.tiled_loss:  # the model output holds the logits until the step is over
         grad_flow += v * tok
+    # per layer (per local token): what its forward keeps, and its backward's high point
+    full, per_layer, here = [], [], []
+    for kind in m.kinds():
+        mixed = attn_saved * kind.attention  # the input norm rides with the attention's terms
+        mix_ws = attn_ws if kind.attention else 0
+        exch = exchange_in if kind.attention else 0
+        if kind.mixer is not None:  # measured bytes (plan.mixers), in elements of the model dtype
+            saved_b, ws_b = mixer_memory(kind.mixer, s.sp)
+            mixed += saved_b / e + (0 if kind.attention else norm)
+            mix_ws = max(mix_ws, ws_b / e * tok)
+        mlp = (h + norm + mlp_saved) if kind.mlp else 0
+        layer_full = h + mixed + mlp  # the layer input included
+        full.append(layer_full)
+        per_layer.append(kept if ckpt else layer_full + exch)
+        here.append(max(layer_full * tok + (mlp_ws if kind.mlp else 0), (layer_full - mlp) * tok + mix_ws)
+                    + rope * tok + grad_flow)  # fmt: skip
     # gradients made so far: whole layers (stages 0-1) or their shards after each reduce-scatter
     layer_grads = m.layer_params * e if s.zero_stage < 2 else m.layer_params * e // s.shard
     head_grads = (m.vocab * h + h) * e // (s.shard if s.zero_stage >= 2 else 1)
     grads_end = 0 if s.offload_states else None
     # forward end / loss backward: every layer's kept activations + the head + the loss workspace
-    saved = (m.layers * per_layer + head_saved + rope) * tok
+    saved = (sum(per_layer) + head_saved + rope) * tok
     at_loss = saved * e + loss_ws * e
     # backward of layer l (from the top): layers below keep theirs, layer l holds its full set
-    worst_layer = worst_acts = worst_below = 0
+    worst_layer = worst_acts = worst_below = worst_full = 0
+    prefix = [0.0, *itertools.accumulate(per_layer)]  # prefix[l]: the layers below l
     for done in range(m.layers):  # layers above l are done: their grads exist
-        below = (m.layers - 1 - done) * per_layer * tok
-        here = (max(layer_full * tok + mlp_ws, (layer_full - h - norm - mlp_saved) * tok + attn_ws) + rope * tok
-                + grad_flow)  # fmt: skip
+        layer = m.layers - 1 - done
+        below = prefix[layer] * tok
         grads = (head_grads + done * layer_grads) if grads_end is None else m.layer_params * e
         if s.zero_stage >= 2 and grads_end is None:
             grads += m.layer_params * e  # this layer's unsharded gradients before the reduce-scatter
-        if (below + here) * e + grads > worst_layer:
-            worst_layer, worst_acts, worst_below = (below + here) * e + grads, (below + here) * e, below * e
+        if (below + here[layer]) * e + grads > worst_layer:
+            worst_layer, worst_acts = (below + here[layer]) * e + grads, (below + here[layer]) * e
+            worst_below, worst_full = below * e, full[layer]
     acts = {"activations": at_loss, "backward": worst_layer}
     phase = max(acts, key=acts.get)
     host = m.layers * h * tok * e if (ckpt and s.offload_activations) else 0
@@ -187,11 +209,11 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
             "grads_in_flight": 0,
         }
     else:
-        acts_here = worst_below + (layer_full + rope) * tok * e
+        acts_here = worst_below + int((worst_full + rope) * tok * e)
         ws = worst_acts - acts_here
         out = {"activations": acts_here, "logits_loss": 0, "backward_workspace": ws,
                "grads_in_flight": worst_layer - worst_acts}  # fmt: skip
-    return out, host
+    return {k: int(x) for k, x in out.items()}, int(host)
 
 
 def memory(m: ModelShape, s: Settings, hw: Hardware | None = None) -> tuple[dict[str, int], int]:
@@ -215,9 +237,10 @@ def memory(m: ModelShape, s: Settings, hw: Hardware | None = None) -> tuple[dict
 def _flops(m: ModelShape, s: Settings) -> float:
     tokens = s.micro_batch_size * s.seq_len * s.dp  # the global micro-batch
     dense = 6 * (m.params - m.vocab * m.hidden * (0 if m.tied else 1)) * tokens
+    attn_layers = sum(k.attention for k in m.kinds())
     attn = (
-        6 * s.micro_batch_size * s.dp * s.seq_len**2 * m.heads * m.head_dim * m.layers
-    )  # causal half of 4+8
+        6 * s.micro_batch_size * s.dp * s.seq_len**2 * m.heads * m.head_dim * attn_layers
+    )  # causal half of 4+8 (the mixers' scans are linear in S: their projections are in 6 N T)
     if s.activation_checkpointing:
         dense, attn = dense * 4 / 3, attn * 4 / 3
     if s.head_chunks > 1:  # each head group's attention forward again in backward
@@ -237,8 +260,11 @@ def predict(m: ModelShape, s: Settings, hw: Hardware) -> Prediction:
     passes = 3 if s.activation_checkpointing else 2
     a2a = 0.0
     if u > 1:  # sent per rank per layer per pass: (U-1)/U of q, k, v in and the output back
-        a2a = passes * m.layers * tok * (2 * q + 2 * kv) * e * (u - 1) / u
-        a2a += (s.head_chunks > 1) * m.layers * tok * (q + 2 * kv) * e * (u - 1) / u  # q/k/v again in backward
+        per_tok = sum((2 * q + 2 * kv) * k.attention + sum(exchange_per_token(k.mixer, u) if k.mixer else (0, 0))
+                      for k in m.kinds())  # fmt: skip
+        a2a = passes * tok * per_tok * e * (u - 1) / u
+        # head groups: q/k/v exchanged again in backward
+        a2a += (s.head_chunks > 1) * tok * sum((q + 2 * kv) * k.attention for k in m.kinds()) * e * (u - 1) / u
     comm = a2a / (link_gbps(hw, u) * 1e9)
     if r > 1:  # ring: a hop sends the local K/V (S/R tokens, kv/U heads); forward passes R-1 hops each,
         # backward R-1 K/V hops plus R hops of fp32 dK/dV (counted exactly by bench/ring_bench.py)

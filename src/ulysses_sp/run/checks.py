@@ -76,14 +76,16 @@ def check_precision(cfg: TrainConfig) -> None:
         )
 
 
-def model_config(model: str, vocab_size: int):
-    """The transformers config of ``model`` (preset or directory), without building weights."""
+def model_config(model: str, vocab_size: int, *, sharded_load: bool = False):
+    """The transformers config of ``model`` (preset or directory), without building weights;
+    ``sharded_load``: the run loads the directory at ZeRO 2/3 (``state.model_dir.check_model_dir``)."""
     if tasks.is_preset(model):
         return tasks.preset_config(model, vocab_size=vocab_size)
     tasks.check_model_dir(model)
     from ulysses_sp.state.model_dir import check_model_dir
 
-    return check_model_dir(model)  # config, index, shards, their headers and shapes, naming the file
+    # config, index, shards, their headers and shapes, naming the file
+    return check_model_dir(model, sharded_load=sharded_load)
 
 
 def ring_size_for(mcfg: Any, sp: int, ring_size: int | str | None) -> int:
@@ -115,12 +117,13 @@ def check_layout(world_size: int, *, sp: int, seq_len: int, sizes: Mapping[str, 
 
 
 def check_model(
-    model: str, tokenizer: Any, *, sp: int, seq_len: int, ring_size: int | str | None
+    model: str, tokenizer: Any, *, sp: int, seq_len: int, ring_size: int | str | None, sharded_load: bool = False
 ) -> tuple[Any, int]:
     """``(model config, ring size)`` of ``model`` (preset or directory) with ``tokenizer`` (loaded):
     the vocabulary fits, the heads split over ``sp`` (Ulysses, or Ulysses x Ring: ``ring_size``,
-    ``None`` = auto), ``seq_len`` divides into the ring's chunks and is within the model's positions."""
-    mcfg = model_config(model, len(tokenizer))
+    ``None`` = auto), ``seq_len`` divides into the ring's chunks and is within the model's positions;
+    ``sharded_load``: the weights load at ZeRO 2/3 (what that load cannot read is refused)."""
+    mcfg = model_config(model, len(tokenizer), sharded_load=sharded_load)
     if len(tokenizer) > mcfg.vocab_size:
         raise ValueError(
             f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {mcfg.vocab_size}; "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -56,10 +57,37 @@ def memory_budget(cfg: TrainConfig, device: torch.device) -> tuple[int | None, s
     return (avail // max(local, 1) if avail else None), "available host memory / local ranks"
 
 
+def model_shape(config: Any, *, max_positions: int | None = None) -> ModelShape:
+    """The planner's ``ModelShape`` of a transformers config; for a hybrid model with each layer's
+    kind (attention, MLP, which sequence mixer and its sizes: ``mixers.shapes``) and the exact
+    parameter count, read off the model built on the ``meta`` device (no memory, no weights)."""
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_sp.mixers.shapes import layer_kinds
+    from ulysses_sp.plan.inputs import LayerKind, MixerShape
+
+    shape = ModelShape.from_hf_config(config, max_positions=max_positions)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        kinds = layer_kinds(model)
+    except Exception as e:  # noqa: BLE001 - best effort: a model it cannot read is planned as Llama layers
+        logger.info("planner: layer kinds not read (%s: %s); planned as attention + MLP layers", type(e).__name__, e)
+        return shape
+    if all(k["attention"] and k["mlp"] and k["mixer"] is None for k in kinds):
+        return shape
+    widths = [k["mlp_width"] for k in kinds if k["mlp"] and k["mlp_width"]]
+    intermediate = max(widths) if widths else shape.intermediate  # the MLP as built (LFM2 rounds it up)
+    return replace(shape, intermediate=intermediate, param_count=sum(p.numel() for p in model.parameters()),
+                   layer_kinds=tuple(
+        LayerKind(attention=k["attention"], mlp=k["mlp"], mixer=MixerShape(**k["mixer"]) if k["mixer"] else None)
+        for k in kinds))  # fmt: skip
+
+
 def prediction(cfg: TrainConfig, world_size: int, model_config: Any, device: torch.device) -> Prediction:
     """The planner's prediction for this run (reserve 0 on CPU, the table's on accelerators)."""
     hw: Hardware = DEVICES["cpu" if device.type == "cpu" else "h100"]
-    return predict(ModelShape.from_hf_config(model_config), settings_for(cfg, world_size, device.type), hw)
+    return predict(model_shape(model_config), settings_for(cfg, world_size, device.type), hw)
 
 
 def check_fits(cfg: TrainConfig, pred: Prediction, device: torch.device) -> str:

@@ -63,10 +63,11 @@ def resolve_run(cfg: TrainConfig, world_size: int, *, progress: bool | None = No
     check_train_options(cfg)
     check_layout(world_size, sp=cfg.sp, seq_len=cfg.seq_len, sizes={}, attn=cfg.attn)
     cfg.training_config()  # the engine's own checks
-    # The model directory's checks (config, safetensors index, shards, shapes: branch load21's
-    # state.model_dir.check_model_dir) run inside run.checks.model_config, called once by check_model.
+    # The model directory's checks (config, safetensors index, shards, shapes, what a ZeRO 2/3 load can
+    # read: state.model_dir.check_model_dir) run inside run.checks.model_config, called by check_model.
     tokenizer = tasks.load_tokenizer(cfg.tokenizer, cfg.model)
-    mcfg, ring = check_model(cfg.model, tokenizer, sp=cfg.sp, seq_len=cfg.seq_len, ring_size=cfg.ring_size)
+    mcfg, ring = check_model(cfg.model, tokenizer, sp=cfg.sp, seq_len=cfg.seq_len, ring_size=cfg.ring_size,
+                             sharded_load=cfg.zero_stage >= 2)  # fmt: skip
     manifest = manifest_for(cfg, world_size, mcfg)
     check_output_dir(cfg, manifest)  # before the data: a refused output dir should not wait for tokenizing
     dataset = tasks.build_dataset(

@@ -41,7 +41,14 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-from ulysses_sp.state.model_dir import check_model_dir, load_config, shape_mismatch, weight_files
+from ulysses_sp.state.model_dir import (
+    check_model_dir,
+    file_keys,
+    load_config,
+    merged_message,
+    shape_mismatch,
+    weight_files,
+)
 
 __all__ = ["check_model_dir", "init_empty_model", "load_pretrained_weights", "weight_files"]
 
@@ -157,15 +164,19 @@ class _BlockReader(HuggingFaceStorageReader):
 
 
 def _targets(module: nn.Module, saved: dict[str, Any], path: str) -> dict[str, torch.Tensor]:
-    """The load targets, keyed as the files key them: each parameter once (a tied one under whichever
-    of its names the files hold: ``lm_head.weight`` is usually absent), FSDP2 parameters as their
-    ``DTensor`` shards, and the persistent buffers the files hold."""
+    """The load targets, keyed as the files key them (``model_dir.file_keys``: transformers' renames
+    applied): each parameter once (a tied one under whichever of its names the files hold:
+    ``lm_head.weight`` is usually absent), FSDP2 parameters as their ``DTensor`` shards, and the
+    persistent buffers the files hold. Tensors transformers must combine are refused by name."""
+    direct, merged = file_keys(module, saved)
+    if merged:
+        raise ValueError(merged_message(path, merged))
     names: dict[int, list[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
     targets, missing = {}, []
     for p in module.parameters():
-        key = next((n for n in names[id(p)] if n in saved), None)
+        key = next((direct[n] for n in names[id(p)] if n in direct), None)
         if key is None:
             missing.append(names[id(p)][0])
         else:
@@ -175,8 +186,8 @@ def _targets(module: nn.Module, saved: dict[str, Any], path: str) -> dict[str, t
     for name, buf in module.named_buffers():
         prefix, _, leaf = name.rpartition(".")
         owner = module.get_submodule(prefix) if prefix else module
-        if name in saved and leaf not in owner._non_persistent_buffers_set:
-            targets[name] = buf
+        if name in direct and leaf not in owner._non_persistent_buffers_set:
+            targets[direct[name]] = buf
     for name, value in targets.items():
         if tuple(saved[name].size) != tuple(value.shape):
             raise ValueError(shape_mismatch(path, name, tuple(saved[name].size), tuple(value.shape)))

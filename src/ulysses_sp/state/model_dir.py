@@ -8,7 +8,10 @@ every parameter's shape in the files against the model the config builds (on the
 memory). Each failure is one ``ValueError`` naming the file and saying what to do; the shape
 wording is the one the loader uses at ZeRO 2/3 (``loading.load_pretrained_weights``).
 
-``weight_files(path)`` is the ``tensor name -> file`` map the loader reads through.
+``weight_files(path)`` is the ``tensor name -> file`` map the loader reads through; ``file_keys(model,
+names)`` maps the model's parameter names to the files' tensor names through transformers' own
+conversion mapping (renamed prefixes such as Nemotron-H's ``backbone.``; per-expert MoE tensors that
+transformers merges into one fused parameter at load).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ def load_config(path: str) -> Any:
     raw = _read_json(file, "model config")
     if not isinstance(raw, dict):
         raise ValueError(f"{file}: the model config must be a JSON object, got {type(raw).__name__}")
-    bad = {k: raw[k] for k in _POSITIVE if k in raw and not (isinstance(raw[k], int) and raw[k] > 0)}
+    bad = {k: raw[k] for k in _POSITIVE if raw.get(k) is not None and not (isinstance(raw[k], int) and raw[k] > 0)}
     if bad:
         raise ValueError(
             f"{file}: {', '.join(f'{k} = {v!r}' for k, v in bad.items())}: must be positive integers"
@@ -98,11 +101,51 @@ def shape_mismatch(path: str, name: str, in_files: tuple[int, ...], in_model: tu
             f"its {CONFIG}; the weights belong to another config")  # fmt: skip
 
 
-def check_model_dir(path: str, *, require_weights: bool = False) -> Any:
+def file_keys(model: Any, names: Any) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """Where each of ``model``'s tensors is in files whose tensor names are ``names``.
+
+    Returns ``(direct, merged)``: ``direct`` maps a model name to the one file tensor holding it
+    (the same name, or renamed by transformers' conversion mapping); ``merged`` maps a model name to
+    the file tensors transformers combines into it while loading (e.g. per-expert MoE weights into
+    one fused ``experts.gate_up_proj``). transformers' own ``rename_source_key`` decides both, so the
+    mapping is the one ``from_pretrained`` applies; transformers without it (4.x): names as stored.
+    """
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, rename_source_key
+    except ImportError:  # transformers 4.x: no conversion at load
+        return {n: n for n in names}, {}
+    transforms = get_model_conversion_mapping(model)
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    meta = model.state_dict()
+    direct: dict[str, str] = {}
+    merged: dict[str, list[str]] = {}
+    for name in names:
+        target, pattern = rename_source_key(name, renamings, converters, model.base_model_prefix, meta)
+        if pattern is None:
+            direct[target] = name
+        else:
+            merged.setdefault(target, []).append(name)
+    return direct, merged
+
+
+def merged_message(path: str, merged: dict[str, list[str]]) -> str:
+    """Why ZeRO 2/3's sharded load refuses a checkpoint that transformers converts while loading."""
+    name, sources = next(iter(sorted(merged.items())))
+    return (f"{path!r}: transformers builds {len(merged)} parameter(s) of this model by combining stored tensors "
+            f"while loading (e.g. {name} from {len(sources)} tensors such as {sources[0]}); the sharded load "
+            "of --zero-stage 2/3 reads each stored tensor into its shard as it is: use --zero-stage 0 or 1, "
+            "where from_pretrained converts them")  # fmt: skip
+
+
+def check_model_dir(path: str, *, require_weights: bool = False, sharded_load: bool = False) -> Any:
     """Check the local HF model directory ``path`` (module docstring) and return its config.
 
     A directory with a config and no weight files passes unless ``require_weights`` (the planner
-    needs only the config; loading then says the weights are missing).
+    needs only the config; loading then says the weights are missing). ``sharded_load``: the run
+    loads at ZeRO 2/3 (``loading.load_pretrained_weights``), which refuses tensors that
+    transformers must combine while loading (``merged_message``).
 
     Raises:
         ValueError: naming the file: config, index, a missing or truncated shard, a parameter the
@@ -125,11 +168,19 @@ def check_model_dir(path: str, *, require_weights: bool = False) -> Any:
             model = AutoModelForCausalLM.from_config(config)
     except (ValueError, ZeroDivisionError, TypeError, KeyError, AttributeError) as e:
         raise ValueError(f"{os.path.join(path, CONFIG)}: transformers cannot build this model: {e}") from None
-    params = dict(model.named_parameters())  # tied weights once, under the name the files keep
-    missing = sorted(n for n in params if n not in shapes)
+    direct, merged = file_keys(model, shapes)
+    names: dict[int, list[str]] = {}  # a tied parameter under each of its names: the files keep one
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    missing = []
+    for p in model.parameters():
+        name = next((n for n in names[id(p)] if n in direct or n in merged), None)
+        if name is None:
+            missing.append(names[id(p)][0])
+        elif name in direct and shapes[direct[name]] != tuple(p.shape):
+            raise ValueError(shape_mismatch(path, direct[name], shapes[direct[name]], tuple(p.shape)))
     if missing:
-        raise ValueError(f"{path!r} lacks weights for {len(missing)} parameter(s): {missing[:8]}")
-    for name, p in params.items():
-        if shapes[name] != tuple(p.shape):
-            raise ValueError(shape_mismatch(path, name, shapes[name], tuple(p.shape)))
+        raise ValueError(f"{path!r} lacks weights for {len(missing)} parameter(s): {sorted(missing)[:8]}")
+    if sharded_load and merged:
+        raise ValueError(merged_message(path, merged))
     return config

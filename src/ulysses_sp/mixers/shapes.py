@@ -1,0 +1,82 @@
+"""What each decoder layer of a model holds, for the planner: softmax attention, an MLP, and which
+sequence mixer with which sizes (``layer_kinds``).
+
+Read off the built model's structure (on the ``meta`` device it costs nothing): a layer's mixer is
+the module a handler of ``mixers.apply.HANDLERS`` claims, its sizes are that module's own attributes
+(the ones the handler shards by); attention is a module the closed-world classifier places as
+``ATTENTION``; the layer has an MLP when parameters remain beyond those two and the norms. Never by
+model name. Plain dicts out (the ``plan`` package imports no model code): the CLI turns them into
+``plan.inputs.LayerKind``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from torch import nn
+
+from ulysses_sp.mixers import gated_delta, kda
+from ulysses_sp.mixers._kernels import model_function
+from ulysses_sp.mixers.apply import HANDLERS
+from ulysses_sp.mixers.base import claimed_by
+from ulysses_sp.mixers.classify import ATTENTION, verdict
+from ulysses_sp.mixers.guard import decoder_layers
+
+
+def _chunk(module: nn.Module, fn: str, default: int = 64) -> int:
+    """The chunk length the model's scan ``fn`` runs with (its ``chunk_size`` default)."""
+    f = model_function(module, fn)
+    try:
+        value = inspect.signature(f).parameters["chunk_size"].default if f is not None else default
+    except (KeyError, TypeError, ValueError):
+        return default
+    return value if isinstance(value, int) else default
+
+
+def mixer_sizes(module: nn.Module, kind: str) -> dict[str, Any]:
+    """The sizes of a claimed mixer ``module`` of handler ``kind`` (``plan.inputs.MixerShape`` fields)."""
+    if kind == "mamba2":
+        return {"kind": kind, "heads": module.num_heads, "head_dim": module.head_dim, "groups": module.n_groups,
+                "state": module.ssm_state_size, "chunk": module.chunk_size}  # fmt: skip
+    if kind == "gated_delta_net":
+        return {"kind": kind, "heads": module.num_v_heads, "head_dim": module.head_v_dim,
+                "key_heads": module.num_k_heads, "key_dim": module.head_k_dim,
+                "chunk": _chunk(module, gated_delta.SCAN_FN)}  # fmt: skip
+    if kind == "short_conv":
+        return {"kind": kind, "channels": module.conv.in_channels}
+    if kind == "kimi_delta_attention":
+        return {"kind": kind, "heads": module.num_heads, "head_dim": module.head_dim,
+                "chunk": _chunk(module, kda.SCAN_FN)}  # fmt: skip
+    raise ValueError(f"no sizes known for mixer kind {kind!r}")
+
+
+def layer_kinds(model: nn.Module) -> list[dict[str, Any]]:
+    """One dict per decoder layer: ``{"attention": bool, "mlp": bool, "mixer": sizes or None,
+    "mlp_width": int or None}`` — ``mlp_width``: the widest linear layer fed by the hidden state
+    outside the mixer and the attention (the MLP's real width: LFM2 rounds its configured one up;
+    ``None`` when the MLP has no such linear layer, e.g. experts held as stacked parameters).
+
+    A layer with two mixers (none in transformers 5.24) reports the first."""
+    _, layers = decoder_layers(model)
+    width = getattr(getattr(model, "config", None), "hidden_size", 0) or 0
+    out = []
+    for layer in layers:
+        mixer, attention, owned = None, False, set()
+        for _, module in layer.named_modules():
+            if module in owned:
+                continue
+            handler = claimed_by(module, HANDLERS)
+            if handler is not None and mixer is None:
+                mixer = mixer_sizes(module, handler.name)
+                owned.update(module.modules())
+            elif handler is None and verdict(module).kind == ATTENTION and not attention:
+                attention = True
+                owned.update(module.modules())
+        rest = [m for m in layer.modules() if m not in owned]
+        left = sum(p.numel() for m in rest for p in m.parameters(recurse=False))
+        widths = [m.out_features for m in rest if isinstance(m, nn.Linear) and m.in_features == width]
+        # what is left beyond the mixer, the attention and a few norm vectors is an MLP (dense or experts)
+        out.append({"attention": attention, "mlp": left > 4 * width, "mixer": mixer,
+                    "mlp_width": max(widths) if widths else None})  # fmt: skip
+    return out

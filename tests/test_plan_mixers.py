@@ -1,0 +1,154 @@
+"""The planner's sequence-mixer terms: measured against the meter at sizes the fit never saw, a
+hybrid model's predicted peak against a real training step, the 1/sp scaling, and
+``ulysses-sp plan --model <hybrid dir>`` naming the mixer layers."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # bench/ is a top-level folder of the repository, not an installed package
+    sys.path.insert(0, str(ROOT))
+
+from bench.plan_check import _COMMON, HYBRIDS, hybrid_dir, measure_all, predict_case  # noqa: E402
+from ulysses_sp.cli.main import main  # noqa: E402
+from ulysses_sp.plan.inputs import MixerShape  # noqa: E402
+from ulysses_sp.plan.mixers import memory_per_token, shardable  # noqa: E402
+
+S = 512
+# sizes outside the fit (plan.mixers): other widths, head counts, head dims, states, groups, chunk
+UNSEEN = {
+    "mamba2": ("BambaConfig", dict(hidden_size=48, num_hidden_layers=2, attn_layer_indices=[1], mamba_expand=2,
+                                   mamba_n_heads=6, mamba_d_head=16, mamba_d_state=24, mamba_n_groups=3,
+                                   mamba_chunk_size=32, mamba_d_conv=4)),
+    "gated_delta_net": ("Qwen3_5TextConfig", dict(hidden_size=48, num_hidden_layers=2, head_dim=12,
+                                                  layer_types=["linear_attention", "full_attention"],
+                                                  linear_num_key_heads=3, linear_num_value_heads=6,
+                                                  linear_key_head_dim=24, linear_value_head_dim=8)),
+    "short_conv": ("Lfm2Config", dict(hidden_size=48, num_hidden_layers=2, layer_types=["conv", "full_attention"])),
+}  # fmt: skip
+
+
+def _measure_mixer(kind: str) -> tuple[MixerShape, float, float]:
+    """``(sizes, saved bytes, backward high point above them)`` per token of one sharded mixer of
+    ``UNSEEN[kind]`` at sp 1, forward then backward, under the meter."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_sp.memory.meter import track_peak_memory
+    from ulysses_sp.mixers.apply import apply_mixers
+    from ulysses_sp.mixers.shapes import mixer_sizes
+    from ulysses_sp.parallel.mesh import init_mesh
+
+    cls, kw = UNSEEN[kind]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(getattr(transformers, cls)(**{**_COMMON, "num_attention_heads": 4, **kw}))
+    handle = apply_mixers(model, init_mesh((1, 1)))
+    name, handler = handle.wrapped[0]
+    assert handler == kind
+    module = model.get_submodule(name)
+    x = torch.randn(1, S, model.config.hidden_size, requires_grad=True)
+    with track_peak_memory("cpu", include=[*model.parameters(), x]) as mem:
+        y = module(x)
+        y = y[0] if isinstance(y, tuple) else y
+        after = mem.current_bytes
+        saved = after - mem.baseline_bytes - y.numel() * y.element_size()  # the output is the caller's
+        y.backward(torch.ones_like(y))
+    handle.remove()
+    return MixerShape(**mixer_sizes(module, kind)), saved / S, (mem.peak_bytes - after) / S
+
+
+def _mixers(kinds: tuple[str, ...]) -> list:
+    return [_measure_mixer(k) for k in kinds]
+
+
+def test_mixer_terms_match_the_meter_at_unseen_sizes(pool):
+    """The fitted terms predict what the models' own mixers keep (within 10 %) and their backward's
+    high point (within 25 %, ones gradient included) at sizes the fit never used."""
+    for mx, saved, backward in pool.run(_mixers, 1, tuple(UNSEEN))[0]:
+        pred_saved, pred_ws = memory_per_token(mx, 1)
+        assert pred_saved == pytest.approx(saved, rel=0.10), mx
+        assert pred_saved + pred_ws == pytest.approx(saved + backward, rel=0.25), mx
+
+
+def test_hybrid_peak_within_10_percent_of_a_measured_step(pool):
+    """A Mamba-2 and a gated delta-net hybrid, one real training step each at sp 2 (2 ranks)."""
+    cases = [{"model": hybrid_dir(n, create=True), "seq_len": 1024, "sp": 2, "zero_stage": 0} for n in HYBRIDS]
+    for case, got in zip(cases, pool.run(measure_all, 2, cases)[0], strict=True):
+        assert predict_case(case)["trackable_bytes"] == pytest.approx(got["peak_bytes"], rel=0.10), case
+
+
+def test_mixer_memory_per_rank_falls_as_one_over_sp():
+    """Per local token a mixer layer costs the same at every sp (so per rank ∝ 1/sp at a fixed S),
+    except groups / key heads replicated when fewer than sp."""
+    mamba = MixerShape(kind="mamba2", heads=128, head_dim=64, groups=8, state=128, chunk=256)
+    gdn = MixerShape(kind="gated_delta_net", heads=32, head_dim=128, key_heads=16, key_dim=128)
+    for mx in (mamba, gdn, MixerShape(kind="short_conv", channels=2048),
+               MixerShape(kind="kimi_delta_attention", heads=32, head_dim=128)):  # fmt: skip
+        assert all(memory_per_token(mx, sp) == memory_per_token(mx, 1) for sp in (2, 4, 8)), mx
+    assert memory_per_token(mamba, 16)[0] > memory_per_token(mamba, 8)[0]  # 8 groups < 16: replicated
+    assert memory_per_token(gdn, 32)[0] > memory_per_token(gdn, 16)[0]
+    assert shardable(mamba, 16) and not shardable(mamba, 3) and not shardable(gdn, 64)
+
+
+def test_plan_command_names_the_mixer_layers_of_a_hybrid_dir(capsys, tmp_path):
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    cls, kw = HYBRIDS["tiny-qwen3.5"]
+    AutoModelForCausalLM.from_config(Qwen3_5TextConfig(**_COMMON, **kw)).save_pretrained(tmp_path / "m")
+    main(["plan", "--model", str(tmp_path / "m"), "--device", "cpu", "--memory", "1GB", "--gpus", "4",
+          "--seq-len", "4096", "--json"])  # fmt: skip
+    doc = json.loads(capsys.readouterr().out)
+    assert [k["mixer"] for k in doc["layers"]] == ["gated_delta_net"] * 3 + [None]
+    assert [k["attention"] for k in doc["layers"]] == [False] * 3 + [True]
+    assert "layers 0, 1, 2: gated_delta_net (2 key / 4 value heads, 16/16)" in doc["notes"]
+    # 4 value heads, 2 key heads (replicated at sp 4): every sp of 4 GPUs shards them
+    assert {c["settings"]["sp"] for c in doc["candidates"]} == {1, 2, 4}
+    plain = [c for c in doc["candidates"] if c["settings"]["zero_stage"] == 0 and "tiled_loss" not in c["settings"]]
+    one, two = ([c for c in plain if c["settings"]["sp"] == sp][0] for sp in (1, 4))
+    assert two["breakdown"]["activations"] < 0.3 * one["breakdown"]["activations"]
+    main(["plan", "--model", str(tmp_path / "m"), "--device", "cpu", "--memory", "1GB", "--gpus", "2",
+          "--seq-len", "4096"])  # fmt: skip
+    assert "note: layers 3: attention" in capsys.readouterr().out
+
+
+def test_train_startup_prediction_reads_the_hybrid_layers():
+    """``train``'s fit check (``run.preflight``) plans the same layers as ``ulysses-sp plan``."""
+    from transformers import AutoModelForCausalLM, BambaConfig, LlamaConfig
+
+    from ulysses_sp.run.preflight import model_shape
+
+    config = BambaConfig(**_COMMON, **HYBRIDS["tiny-bamba"][1])
+    shape = model_shape(config)
+    assert [(k.attention, k.mixer.kind if k.mixer else None) for k in shape.layer_kinds] == [
+        (False, "mamba2")] * 3 + [(True, None)]  # fmt: skip
+    assert all(k.mlp for k in shape.layer_kinds)
+    assert shape.param_count == sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    llama = model_shape(LlamaConfig(**_COMMON))  # attention + MLP layers: the Llama terms, unchanged
+    assert llama.layer_kinds == () and llama.param_count is None
+
+
+def test_layer_kinds_of_the_other_hybrids():
+    """One-block layers (Nemotron-H), attention beside a mixer (Falcon-H1), no attention at all
+    (Mamba-2: planned at every sp its heads allow, no ring), and the MLP width as built (LFM2's
+    ``block_auto_adjust_ff_dim`` rounds 128 up to 256)."""
+    from hybrid_models import hybrid_config
+
+    from ulysses_sp.cli.plan import mixers_shard
+    from ulysses_sp.run.preflight import model_shape
+
+    def kinds(shape):
+        return [("A" if k.attention else "") + ("M" if k.mlp else "") + (":" + k.mixer.kind if k.mixer else "")
+                for k in shape.layer_kinds]  # fmt: skip
+
+    assert kinds(model_shape(hybrid_config("nemotron_h"))) == [":mamba2", "A", ":mamba2", "M"]
+    assert kinds(model_shape(hybrid_config("falcon_h1"))) == ["AM:mamba2"] * 2
+    mamba = model_shape(hybrid_config("mamba2"))
+    assert kinds(mamba) == [":mamba2"] * 2 and mixers_shard(mamba, 2, 1) and not mixers_shard(mamba, 8, 1)
+    lfm2 = model_shape(hybrid_config("lfm2", intermediate_size=128))
+    assert kinds(lfm2) == ["M:short_conv", "AM", "M:short_conv"] and lfm2.intermediate == 256
