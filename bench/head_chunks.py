@@ -1,10 +1,8 @@
-"""Head-chunked attention and the per-document packed path, sp 2 on CPU (gloo), in one run.
+"""Head-chunked attention and the per-document packed path, sp 2 on CPU (gloo): ``python -m bench.head_chunks``.
 
-    python -m bench.head_chunks                  # writes bench/results/head_chunks.md
-
-1. One attention layer's **peak** and **kept** memory (``memory.meter``) and the **step time**, head groups
-   1 / 2 / 4, overlap on/off. 2. **Packed documents** (S/2, S/4, S/4), step time: the blockwise core
-   (before: ``attn_chunk`` as auto picks) against one sdpa call per document (after).
+One attention layer's peak and kept memory (``memory.meter``) and the step time for head groups 1 / 2 / 4
+(overlap on/off); packed documents (S/2, S/4, S/4): the blockwise core (before: ``attn_chunk`` as auto
+picks) against one sdpa call per document (after). Writes ``bench/results/head_chunks.md``.
 """
 
 from __future__ import annotations
@@ -20,15 +18,17 @@ import torch.distributed as dist
 from bench import md
 from bench.launch import finish_worker, init_worker, max_over_ranks, run_worker, under_torchrun
 from bench.spec import llama, packed_positions
+from ulysses_sp.attention.blockwise import resolve_chunk
+from ulysses_sp.attention.positions import capture_call
+from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
+from ulysses_sp.memory.meter import track_peak_memory
+from ulysses_sp.parallel.mesh import init_mesh
 
 HEADS, KV_HEADS, HIDDEN = 8, 2, 128  # head dim 16; GQA 4:1 as Llama-3 8B; 4 head groups split over 2 ranks
 CHUNKS = [(1, True), (2, False), (2, True), (4, False), (4, True)]
 
 
 def _setup(seq: int, chunks: int, overlap: bool, attn_chunk: int | None = None):
-    from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
-    from ulysses_sp.parallel.mesh import init_mesh
-
     mesh = init_mesh((1, 2))
     model = llama(vocab_size=256, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=2,
                   num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=2 * seq)  # fmt: skip
@@ -39,9 +39,6 @@ def _setup(seq: int, chunks: int, overlap: bool, attn_chunk: int | None = None):
 
 
 def layer_peak(seq: int, chunks: int, overlap: bool) -> list[int]:
-    from ulysses_sp.attention.positions import capture_call
-    from ulysses_sp.memory.meter import track_peak_memory
-
     mesh, model, reg = _setup(seq, chunks, overlap)
     pos = torch.arange(mesh.sp_rank * seq // 2, (mesh.sp_rank + 1) * seq // 2)[None]
     x = torch.randn(1, seq // 2, HIDDEN, requires_grad=True)
@@ -72,23 +69,19 @@ def step_time(seq: int, chunks: int, overlap: bool, packed: bool, attn_chunk: in
 
 
 def worker(args) -> dict:
-    from ulysses_sp.attention.blockwise import resolve_chunk
-
     out = {"peak": {}, "causal": {}, "packed": {}}
     for n, overlap in CHUNKS:
-        out["peak"][f"{n} {overlap}"] = layer_peak(args.peak_seq, n, overlap)
-        out["causal"][f"{n} {overlap}"] = step_time(args.time_seq, n, overlap, False, None, args.steps)
+        out["peak"][f"{n} {overlap}"] = layer_peak(args.seq, n, overlap)
+        out["causal"][f"{n} {overlap}"] = step_time(args.seq, n, overlap, False, None, args.steps)
     for seq in args.packed_seqs:
-        auto = resolve_chunk(None, seq, HIDDEN // HEADS)
-        out["packed"][seq] = {"blockwise (before)": step_time(seq, 1, True, True, auto, args.steps),
-                              "per-document sdpa (after)": step_time(seq, 1, True, True, None, args.steps)}  # fmt: skip
+        auto = resolve_chunk(None, seq, HIDDEN // HEADS)  # blockwise (before), per-document sdpa (after)
+        out["packed"][seq] = [step_time(seq, 1, True, True, chunk, args.steps) for chunk in (auto, None)]
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--peak-seq", type=int, default=8192)
-    ap.add_argument("--time-seq", type=int, default=8192)
+    ap.add_argument("--seq", type=int, default=8192, help="S of the head-group rows")
     ap.add_argument("--packed-seqs", type=int, nargs="+", default=[4096, 8192])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default=str(md.ROOT / "bench" / "results" / "head_chunks.md"))
@@ -96,22 +89,18 @@ def main(argv: list[str] | None = None) -> None:
     if under_torchrun():
         return init_worker() or finish_worker(worker(args), args.out)
     run = md.provenance("python -m bench.head_chunks " + " ".join(argv or sys.argv[1:]))
-    forward = ["--peak-seq", str(args.peak_seq), "--time-seq", str(args.time_seq), "--steps", str(args.steps),
-               "--packed-seqs", *map(str, args.packed_seqs)]  # fmt: skip
-    res, cmd, wall = run_worker("bench.head_chunks", 2, forward)
-    print(f"{cmd}: {wall:.0f} s", file=sys.stderr)
+    forward = ["--seq", str(args.seq), "--steps", str(args.steps), "--packed-seqs", *map(str, args.packed_seqs)]
+    res, _, _ = run_worker("bench.head_chunks", 2, forward)
     mem, step = (lambda n, o, i=0: res["peak"][f"{n} {o}"][i]), (lambda n, o: res["causal"][f"{n} {o}"])  # noqa: E731
     rows = [[n if n > 1 else "1 (unchunked)", "-" if n == 1 else "on" if o else "off", f"{mem(n, o) / 2**20:.1f}",
              f"{mem(n, o) / mem(1, True):.2f}x", f"{mem(n, o, 1) / 2**20:.1f}", f"{mem(n, o, 1) / mem(1, True, 1):.2f}x",
              f"{step(n, o):.3f}", f"{step(n, o) / step(1, True):.2f}x"] for n, o in CHUNKS]  # fmt: skip
-    packed = [[seq, f"{t['blockwise (before)']:.3f}", f"{t['per-document sdpa (after)']:.3f}",
-               f"{t['blockwise (before)'] / t['per-document sdpa (after)']:.1f}x"] for seq, t in res["packed"].items()]  # fmt: skip
+    packed = [[seq, f"{a:.3f}", f"{b:.3f}", f"{a / b:.1f}x"] for seq, (a, b) in res["packed"].items()]
     md.page(args.out, "Head-chunked attention and the per-document packed path (sp 2, CPU)", run, [
         f"Tiny Llama ({HEADS}/{KV_HEADS} heads, hidden {HIDDEN}, fp32), sp 2, gloo, shared 2-core CPU. One `LlamaAttention`"
-        f" at S {args.peak_seq}: peak (forward + backward) and kept (live after its forward), max over ranks; "
-        f"step: median of {args.steps}, S {args.time_seq}, causal.",
-        md.table(["head groups", "overlap", "layer peak MiB", "vs unchunked", "kept MiB", "vs unchunked", "step s",
-                  "vs unchunked"], rows),
+        f" at S {args.seq}: peak (forward + backward) and kept (live after its forward), max over ranks; "
+        f"step: median of {args.steps}, causal.",
+        md.table(["groups", "overlap", "layer peak MiB", "ratio", "kept MiB", "ratio", "step s", "ratio"], rows),
         "Packed documents (S/2, S/4, S/4), same model, step seconds (median):",
         md.table(["S", "blockwise (before)", "per-document sdpa (after)", "speed-up"], packed)])  # fmt: skip
 
