@@ -7,8 +7,11 @@ choice; what runs for it, per forward, depends on the sequence's structure (``ma
 ==================  ======================  =====================================================
 core                plain causal            packed documents / sliding window
 ==================  ======================  =====================================================
-``sdpa``            sdpa ``is_causal``      the **blockwise** core (``attention/blockwise.py``): no mask
-                                            tensor, no score tensor larger than one block
+``sdpa``            sdpa ``is_causal``      documents: one sdpa ``is_causal`` call per document
+                                            (``attention/segments.py``); windows, sinks, an explicit
+                                            ``attn_chunk``: the **blockwise** core
+                                            (``attention/blockwise.py``), no mask tensor, no score
+                                            tensor larger than one block
 ``flash_*``         flash causal            flash varlen (``position_ids``); windows by flash
 ``flex_attention``  flex ``BlockMask``      flex ``BlockMask`` (sparse)
 ``eager``           dense ``[S, S]`` mask   dense ``[S, S]`` mask (eager is dense by definition)
@@ -40,6 +43,7 @@ from ulysses_sp.attention.heads import apply_sinks
 from ulysses_sp.attention.kv_offload import KVOffload
 from ulysses_sp.attention.masks import SeqLayout
 from ulysses_sp.attention.ring import RingStats, ring_attention
+from ulysses_sp.attention.segments import segment_attention
 
 logger = logging.getLogger(__name__)
 
@@ -79,16 +83,21 @@ def check_ring_options(core: str, ring_size: int, offload_attention: bool) -> No
 
 
 def attention_path(
-    core: str, layout: SeqLayout, sliding_window: int | None, offload: bool, *, sinks: bool = False
+    core: str, layout: SeqLayout, sliding_window: int | None, offload: bool, *, sinks: bool = False,
+    attn_chunk: int | None = None,
 ) -> str:
-    """The path that runs for ``core`` on this layout: ``"blockwise"``, ``"blockwise+offload"``,
-    ``"sdpa"`` (is_causal), ``"eager"`` (dense), ``"flash"`` or ``"flex"``. Attention sinks on sdpa
-    (which has no sink input) run through the blockwise core, which applies them exactly."""
+    """The path that runs for ``core`` on this layout: ``"segments"`` (sdpa per document),
+    ``"blockwise"``, ``"blockwise+offload"``, ``"sdpa"`` (is_causal), ``"eager"`` (dense), ``"flash"``
+    or ``"flex"``. Attention sinks on sdpa (which has no sink input) run through the blockwise core,
+    which applies them exactly; so do windows and an explicit ``attn_chunk`` (the blockwise core's
+    block size: asking for it asks for that core)."""
     if core == "sdpa":
-        structured = sinks or layout.doc_ids is not None or _windowed(layout, sliding_window)
+        windowed = _windowed(layout, sliding_window)
         if offload:
             return "blockwise+offload"
-        return "blockwise" if structured else "sdpa"
+        if sinks or windowed or (layout.doc_ids is not None and attn_chunk is not None):
+            return "blockwise"
+        return "sdpa" if layout.doc_ids is None else "segments"
     if core.startswith("flash"):
         return "flash"
     return "flex" if core == "flex_attention" else "eager"
@@ -100,7 +109,9 @@ def describe_paths(core: str, *, attn_chunk: int | None, offload_attention: bool
     if core == "sdpa" and offload_attention:
         return f"blockwise core with K/V offloaded to host for every sequence ({chunk})"
     if core == "sdpa":
-        return f"sdpa is_causal for plain causal; blockwise core for packed documents / windows ({chunk})"
+        if attn_chunk:
+            return f"sdpa is_causal for plain causal; blockwise core for packed documents / windows ({chunk})"
+        return f"sdpa is_causal for plain causal, per document for packed documents; blockwise core for windows ({chunk})"
     if core.startswith("flash"):
         return "flash causal; varlen for packed documents"
     if core == "flex_attention":
@@ -163,6 +174,16 @@ def run_blockwise(
                               offload=offload, counts=counts, return_lse=sinks is not None)  # fmt: skip
     if sinks is not None:  # [B, H_l, S, D] rescaled by each head's sink
         out = apply_sinks(*out, sinks)
+    return out.transpose(1, 2).contiguous()  # [B, H_l, S, D] -> [B, S, H_l, D]
+
+
+def run_segments(
+    module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[list[int]],
+    kwargs: dict[str, Any],
+) -> torch.Tensor:
+    """Packed documents, one sdpa call per document: ``[B, H_l, S, D] -> [B, S, H_l, D]``."""
+    _check_kwargs(module, kwargs, ring=False)
+    out = segment_attention(q, k, v, lengths, scale=kwargs.get("scaling"))
     return out.transpose(1, 2).contiguous()  # [B, H_l, S, D] -> [B, S, H_l, D]
 
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ulysses_sp.attention.positions import GIVEN, positions_problem
 from ulysses_sp.parallel.comm import all_gather_seq
+from ulysses_sp.parallel.mesh_shape import sp_token_order
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,26 @@ class ForwardState:
     key: tuple[int, int, bool]
     layout: SeqLayout
     masks: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+
+
+def full_positions(
+    position_ids: torch.Tensor, source: int, *, group: dist.ProcessGroup | None, batch: int, s_local: int,
+    expected_len: int | None, ring_size: int,
+) -> torch.Tensor:
+    """``[B|1, S_l] -> [B|1, S]`` in global token order: checked, gathered over the SP ``group``
+    (``None``: no SP, the ids as they are) and, for the ring's zigzag shards, put back in order."""
+    if position_ids.dim() != 2 or position_ids.shape[-1] != s_local or position_ids.shape[0] not in (1, batch):
+        raise ValueError(
+            f"position_ids must be [B, S_l] = [{batch}, {s_local}] (or [1, {s_local}]), got {tuple(position_ids.shape)}"
+        )
+    if group is None:
+        return position_ids
+    # [B|1, S_l] -> [B|1, S] in SP-rank order
+    positions = gather_positions(position_ids, group, batch=batch, expected_len=expected_len, source=source)
+    order = sp_token_order(positions.shape[-1], dist.get_world_size(group), ring_size)
+    if order is not None:  # zigzag shards (ring): back to global order
+        positions = positions.new_empty(positions.shape).index_copy_(-1, order.to(positions.device), positions)
+    return positions
 
 
 def gather_positions(

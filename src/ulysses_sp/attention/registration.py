@@ -21,8 +21,8 @@ from typing import Any, Protocol
 import torch
 
 from ulysses_sp.attention.positions import CallPositions, capture_call
-from ulysses_sp.parallel.mesh import Mpu, SPMesh
-from ulysses_sp.parallel.mesh_shape import head_counts
+from ulysses_sp.parallel.mesh import Mpu, SPMesh, as_sp_mesh, init_mesh
+from ulysses_sp.parallel.mesh_shape import head_counts, resolve_ring_size_for_layers
 
 ATTN_NAME = "ulysses_sp"
 """The name the SP attention is registered under (``attn_implementation="ulysses_sp"``)."""
@@ -49,6 +49,27 @@ def model_and_config(model_name_or_path: Any) -> tuple[Any | None, Any]:
 
 POSITION_WISE_LAYER_TYPES = frozenset({"mlp", "moe", "ffn", "dense", "sparse"})
 """Config layer types of layers that hold no token mixer at all."""
+
+
+def resolve_layout(
+    mesh: Any, sp_size: int, heads: list[tuple[int, int]], ring: int, ring_size: int | str | None
+) -> SPMesh:
+    """The registration's ``SPMesh``: ``init_mesh(sp_size, ring)`` for ``mesh=None``, else the given
+    mesh checked against ``sp_size``, an explicit ``ring_size`` and every layer's ``heads``."""
+    if mesh is None:
+        return init_mesh(sp_size=sp_size, ring_size=ring)
+    mesh = as_sp_mesh(mesh)
+    if mesh.sp_size != sp_size:
+        raise ValueError(
+            f"sequence_parallel_size ({sp_size}) disagrees with the mesh's sequence_parallel axis ({mesh.sp_size})"
+        )
+    if ring_size not in (None, "auto") and ring != mesh.ring_size:
+        raise ValueError(f"ring_size ({ring}) disagrees with the mesh's ring_size ({mesh.ring_size})")
+    try:
+        resolve_ring_size_for_layers(sp_size, heads, mesh.ring_size)
+    except ValueError as e:
+        raise ValueError(f"{e}; the mesh given has ring_size {mesh.ring_size}: init_mesh(..., ring_size=R)") from None
+    return mesh
 
 
 def layer_kind(layer_type: str) -> str:

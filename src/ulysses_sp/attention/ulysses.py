@@ -45,13 +45,15 @@ from ulysses_sp.attention.core import (
     core_function,
     run_blockwise,
     run_ring,
+    run_segments,
     structure_for,
     warn_dense,
 )
+from ulysses_sp.attention.head_chunks import check_no_sinks, head_chunked_attention, plan_head_chunks
 from ulysses_sp.attention.heads import HeadView, local_view
 from ulysses_sp.attention.kv_offload import KVOffload
 from ulysses_sp.attention.layer_kinds import check_layer_kinds
-from ulysses_sp.attention.masks import ForwardState, SeqLayout, gather_positions, mask_for
+from ulysses_sp.attention.masks import ForwardState, SeqLayout, full_positions, mask_for
 from ulysses_sp.attention.positions import (
     CallPositions,
     correct_query_temperature,
@@ -60,16 +62,12 @@ from ulysses_sp.attention.positions import (
     local_positions,
     split_at_chunks,
 )
-from ulysses_sp.attention.registration import SPRegistration, model_and_config
+from ulysses_sp.attention.registration import SPRegistration, model_and_config, resolve_layout
 from ulysses_sp.attention.ring import RingStats
+from ulysses_sp.attention.segments import segment_lengths
 from ulysses_sp.parallel.comm import heads_to_seq, qkv_seq_to_heads
-from ulysses_sp.parallel.mesh import SPMesh, as_sp_mesh, init_mesh, require_process_group
-from ulysses_sp.parallel.mesh_shape import (
-    check_heads,
-    head_counts,
-    resolve_ring_size_for_layers,
-    sp_token_order,
-)
+from ulysses_sp.parallel.mesh import SPMesh, require_process_group
+from ulysses_sp.parallel.mesh_shape import check_heads, head_counts, resolve_ring_size_for_layers
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +96,10 @@ class UlyssesSPAttentionHF:
         offload_attention: bool = False,
         ulysses_group: dist.ProcessGroup | None = None,
         ring_group: dist.ProcessGroup | None = None,
+        head_chunks: int = 1,
     ) -> None:
         check_core(core_attn_implementation)
+        plan_head_chunks(head_chunks, 1, head_chunks, 1)  # its type and sign; each layer's heads: per call
         check_blockwise_options(core_attn_implementation, attn_chunk, offload_attention)
         self.attn_chunk = attn_chunk
         """Tokens per block of the blockwise core; ``None`` = auto."""
@@ -107,6 +107,10 @@ class UlyssesSPAttentionHF:
         """Every sequence through the blockwise core, K/V on the host between forward and backward."""
         self.kv_offload = KVOffload() if offload_attention else None
         """The host K/V store and its streams (``offload_attention``), with byte counters."""
+        self.head_chunks = head_chunks
+        """Head groups exchanged and attended one at a time (``attention/head_chunks.py``); 1 = all at once."""
+        self.head_chunk_overlap = False
+        """Post the next head group's exchange before attending the current one (two groups in flight)."""
         self.block_counts = BlockCounts()
         """Blocks computed / skipped and their FLOPs in the blockwise core and the ring (cumulative)."""
         self.ring_stats = RingStats()
@@ -151,25 +155,9 @@ class UlyssesSPAttentionHF:
         state = self._forward
         if state is not None and state.source() is position_ids and state.key == key:
             return state.layout
-        if (
-            position_ids.dim() != 2
-            or position_ids.shape[-1] != s_local
-            or position_ids.shape[0] not in (1, batch)
-        ):
-            raise ValueError(
-                f"position_ids must be [B, S_l] = [{batch}, {s_local}] (or [1, {s_local}]), "
-                f"got {tuple(position_ids.shape)}"
-            )
-        if sp:
-            expected = None if self.seq_length_is_variable else self.max_length or self.seq_length
-            positions = gather_positions(
-                position_ids, self.sp_group, batch=batch, expected_len=expected, source=source
-            )  # [B|1, S] in SP-rank order
-            order = sp_token_order(positions.shape[-1], self.sp_size, self.ring_size)
-            if order is not None:  # zigzag shards (ring): back to global order
-                positions = positions.new_empty(positions.shape).index_copy_(-1, order.to(positions.device), positions)
-        else:
-            positions = position_ids
+        expected = None if self.seq_length_is_variable else self.max_length or self.seq_length
+        positions = full_positions(position_ids, source, group=self.sp_group if sp else None, batch=batch,
+                                   s_local=s_local, expected_len=expected, ring_size=self.ring_size)  # fmt: skip
         layout = SeqLayout.from_positions(positions)
         self._forward = ForwardState(weakref.ref(position_ids, self._release), key, layout)
         return layout
@@ -207,6 +195,14 @@ class UlyssesSPAttentionHF:
         if sp:  # the model's token-index query scale used the shard's 0..S_l-1
             index = global_token_index(self.sp_group, s_local, layout.seq_len, self.ring_size)
             query = correct_query_temperature(module, query, index)
+        layouts, rank = (base, layout, chunk), dist.get_rank(self.ulysses_group) if a2a else 0
+        if sp and self.head_chunks > 1:  # one head group at a time: [B, H*, S_l, D] -> [B, S_l, H, D]
+            check_no_sinks(module, kwargs, self.head_chunks)
+            groups = plan_head_chunks(h, hkv, self.head_chunks, self.ulysses_size)
+            attend = lambda g, q, k, v: self._attend(module, q, k, v, layouts, args, dict(kwargs), h,  # noqa: E731
+                                                     rank * groups.n + g)  # fmt: skip
+            return head_chunked_attention(query, key, value, attend=attend, groups=groups, group=self.ulysses_group,
+                                          overlap=self.head_chunk_overlap), None  # fmt: skip
         if a2a:  # P below is the Ulysses size U (= sp size without a ring); S the ring rank's S/R tokens
             p = self.ulysses_size
             if hkv < p:
@@ -215,19 +211,26 @@ class UlyssesSPAttentionHF:
                 value = value.repeat_interleave(p // hkv, dim=1)
             # one all-to-all: [B, H, S_l, D] -> [B, H_l, S, D], [B, Hkv|P, S_l, D] -> [B, Hkv_l, S, D]
             query, key, value = qkv_seq_to_heads(query, key, value, self.ulysses_group)
-        if sp and self.ring_size > 1:  # K/V around the ring: [B, H_l, S/R, D] -> [B, S/R, H_l, D]
-            structure = self._per_forward(base, ("ring", kwargs.get("sliding_window"), chunk),
-                                          lambda: structure_for(layout, kwargs.get("sliding_window")))  # fmt: skip
-            self.last_path = "ring"
-            out = run_ring(module, query, key, value, structure, kwargs, group=self.ring_group,
-                           chunk=self.attn_chunk, counts=self.block_counts, stats=self.ring_stats)  # fmt: skip
-        else:
-            view = local_view(module, kwargs, num_heads=h, local_heads=query.shape[1],
-                              local_kv_heads=key.shape[1], rank=dist.get_rank(self.ulysses_group) if a2a else 0)  # fmt: skip
-            out = self._core(view, query, key, value, (base, layout, chunk), args, kwargs)  # [B, S, H_l, D]
+        out = self._attend(module, query, key, value, layouts, args, kwargs, h, rank, ring=sp)  # [B, S, H_l, D]
         if a2a:
             out = heads_to_seq(out, self.ulysses_group, head_dim=2, seq_dim=1)  # [B, S, H_l, D] -> [B, S_l, H, D]
         return out, None
+
+    def _attend(self, module, q, k, v, layouts: tuple, args: tuple, kwargs: dict[str, Any], num_heads: int,
+                head_rank: int, ring: bool = True) -> torch.Tensor:  # fmt: skip
+        """This rank's heads over the full sequence, ``[B, H_l, S, D] -> [B, S, H_l, D]``: ring attention
+        (``ring`` and a ring axis; ``S`` is then the ring rank's ``S/R``) or the core. ``head_rank``:
+        which ``H_l``-sized slice of the ``num_heads`` query heads these are (per-head parameters)."""
+        base, layout, chunk = layouts
+        if ring and self.ring_size > 1:  # K/V around the ring
+            window = kwargs.get("sliding_window")
+            structure = self._per_forward(base, ("ring", window, chunk), lambda: structure_for(layout, window))
+            self.last_path = "ring"
+            return run_ring(module, q, k, v, structure, kwargs, group=self.ring_group, chunk=self.attn_chunk,
+                            counts=self.block_counts, stats=self.ring_stats)  # fmt: skip
+        view = local_view(module, kwargs, num_heads=num_heads, local_heads=q.shape[1], local_kv_heads=k.shape[1],
+                          rank=head_rank)  # fmt: skip
+        return self._core(view, q, k, v, layouts, args, kwargs)
 
     def _core(self, view: HeadView, q, k, v, layouts: tuple, args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
         """The core attention over the full sequence: ``[B, H_l, S, D] -> [B, S, H_l, D]``.
@@ -235,7 +238,10 @@ class UlyssesSPAttentionHF:
         base, layout, chunk = layouts
         window = kwargs.get("sliding_window")
         path = self.last_path = attention_path(self.core, layout, window, self.offload_attention,
-                                               sinks=kwargs.get("s_aux") is not None)  # fmt: skip
+                                               sinks=kwargs.get("s_aux") is not None, attn_chunk=self.attn_chunk)  # fmt: skip
+        if path == "segments":  # documents' lengths: host ints, once per forward
+            lengths = self._per_forward(base, ("segments", chunk), lambda: segment_lengths(layout.doc_ids.cpu()))
+            return run_segments(view, q, k, v, lengths, kwargs)
         if path.startswith("blockwise"):
             structure = self._per_forward(base, ("blockwise", window, chunk), lambda: structure_for(layout, window))
             return run_blockwise(view, q, k, v, structure, kwargs, chunk=self.attn_chunk,
@@ -284,6 +290,7 @@ class UlyssesSPAttentionHF:
         attn_chunk: int | None = None,
         offload_attention: bool = False,
         ring_size: int | str | None = None,
+        head_chunks: int = 1,
     ) -> SPRegistration:
         """Build the SP groups, register Ulysses attention with transformers, and return an ``mpu``.
 
@@ -313,6 +320,9 @@ class UlyssesSPAttentionHF:
                 zigzag token layout: the data adapter shards accordingly). ``None``/``"auto"``: 1
                 when the heads allow Ulysses alone, else the smallest ring size that makes them
                 split (with a given ``mesh``: the mesh's ring size). Cores ``sdpa``/``eager``.
+            head_chunks: exchange and attend the heads in this many groups, one at a time (UPipe;
+                ``attention/head_chunks.py``): exchange buffers and attention activations of one
+                group alive instead of all, for one more q/k/v exchange and attention forward in backward.
 
         Returns:
             An ``SPRegistration``: an ``Mpu`` (``get_sequence_parallel_group()`` ...) that
@@ -326,22 +336,10 @@ class UlyssesSPAttentionHF:
         ring = resolve_ring_size_for_layers(sequence_parallel_size, heads, ring_size)
         check_blockwise_options(core_attn_implementation, attn_chunk, offload_attention)
         check_ring_options(core_attn_implementation, ring, offload_attention)
-        if mesh is None:
-            mesh = init_mesh(sp_size=sequence_parallel_size, ring_size=ring)
-        else:
-            mesh = as_sp_mesh(mesh)
-            if mesh.sp_size != sequence_parallel_size:
-                raise ValueError(
-                    f"sequence_parallel_size ({sequence_parallel_size}) disagrees with the mesh's "
-                    f"sequence_parallel axis ({mesh.sp_size})"
-                )
-            if ring_size not in (None, "auto") and ring != mesh.ring_size:
-                raise ValueError(f"ring_size ({ring}) disagrees with the mesh's ring_size ({mesh.ring_size})")
-            try:
-                resolve_ring_size_for_layers(sequence_parallel_size, heads, mesh.ring_size)
-            except ValueError as e:
-                raise ValueError(f"{e}; the mesh given has ring_size {mesh.ring_size}: init_mesh(..., ring_size=R)") from None
-            check_ring_options(core_attn_implementation, mesh.ring_size, offload_attention)
+        mesh = resolve_layout(mesh, sequence_parallel_size, heads, ring, ring_size)
+        check_ring_options(core_attn_implementation, mesh.ring_size, offload_attention)
+        for num_heads, num_kv in heads:  # every layer's heads split into the head groups
+            plan_head_chunks(num_heads, num_kv, head_chunks, mesh.ulysses_size)
         attn = cls(
             sp_group=mesh.sp_group,
             core_attn_implementation=core_attn_implementation,
@@ -353,5 +351,6 @@ class UlyssesSPAttentionHF:
             offload_attention=offload_attention,
             ulysses_group=mesh.ulysses_group,
             ring_group=mesh.ring_group,
+            head_chunks=head_chunks,
         )
         return SPRegistration(mesh, attn, model)

@@ -159,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "1 when the heads split over --sp, else the smallest R that makes them)")  # fmt: skip
     t.add_argument("--attn-chunk", type=_attn_chunk, default=s, metavar="N|auto",
                    help="tokens per block of the blockwise attention core (sdpa; default auto)")  # fmt: skip
+    t.add_argument("--head-chunks", type=int, default=s, metavar="N",
+                   help="SP attention in N head groups, one at a time: less peak memory, more compute (default 1)")  # fmt: skip
     t.add_argument("--offload-attention", action="store_true", default=s,
                    help="Ulysses-Offload: attention K/V on the host between forward and backward (sdpa)")  # fmt: skip
     t.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=s,

@@ -127,6 +127,7 @@ def prepare(
     tiled_mlp: bool | int = False,
     offload_activations: bool = False,
     offload_attention: bool = False,
+    head_chunks: int = 1,
 ) -> SPTrainerHandle:
     """Make ``trainer`` (a ``transformers.Trainer`` or subclass, e.g. TRL's ``SFTTrainer``) train
     and evaluate with Ulysses sequence parallelism over groups of ``sp_size`` ranks.
@@ -147,6 +148,8 @@ def prepare(
             tile count), checkpointed layer inputs in host memory (with
             ``gradient_checkpointing=True``), the full-sequence K/V on the host (sdpa). bf16 and
             activation checkpointing are the Trainer's own ``bf16`` / ``gradient_checkpointing``.
+        head_chunks: exchange and attend the heads in this many groups, one at a time
+            (``register_with_transformers``'s ``head_chunks``: less peak memory, more compute).
 
     Returns:
         An ``SPTrainerHandle``; ``handle.remove()`` undoes the preparation.
@@ -177,6 +180,7 @@ def prepare(
         trainer.args.per_device_train_batch_size,
         mesh=mesh,
         offload_attention=offload_attention,
+        head_chunks=head_chunks,
     )
     mixers = apply_mixers(model, mesh) if has_unsharded_mixers(model) else None  # conv / Mamba-2 layers
     fsdp_dropped(trainer)  # accelerate on a CPU: an FSDP config runs as DDP

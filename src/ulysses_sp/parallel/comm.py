@@ -17,6 +17,7 @@ Shape legend: ``B`` batch, ``S`` global sequence, ``S_l = S/P`` local sequence, 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ import torch.distributed as dist
 
 from ulysses_sp.parallel.comm_timing import CommTimes, active_comm_times
 from ulysses_sp.parallel.comm_timing import timed as _timed
+from ulysses_sp.parallel.packing import layout_of, pack, rank_parts, segment_sizes, unpack
 
 
 def _all_to_all(
@@ -98,47 +100,50 @@ def _all_to_all_packed(
     times: CommTimes | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """``_all_to_all`` of several tensors in **one** collective: each tensor's chunk for rank ``j`` is
-    packed into row ``j`` of one byte buffer (one copy in, one copy out per tensor). Dtypes may differ
-    (under autocast, rotary leaves q/k in fp32 while v is bf16): each keeps its own, and its bytes."""
-    p = dist.get_world_size(group)
-    if p == 1:
+    packed into row ``j`` of one byte buffer (one copy in, one copy out per tensor; ``packing``). Dtypes
+    may differ (under autocast, rotary leaves q/k in fp32 while v is bf16): each keeps its own bytes."""
+    if (p := dist.get_world_size(group)) == 1:
         return xs
-    for x in xs:
-        if x.shape[scatter_dim] % p:
-            raise ValueError(f"dim {scatter_dim} of shape {tuple(x.shape)} is not divisible by sp_size {p}")
-    # [..., n, ...] -> [P, ..., n/P, ...] per tensor: chunk j (for rank j) first
-    parts = [
-        x.unflatten(scatter_dim % x.dim(), (p, x.shape[scatter_dim] // p)).movedim(scatter_dim % x.dim(), 0)
-        for x in xs
-    ]
-    # per tensor, bytes of one rank's chunk, rounded up to the largest element size so that every
-    # segment stays aligned for its dtype (no padding at all when the dtypes agree)
-    align = max(part.element_size() for part in parts)
-    sizes = [-(-part[0].numel() * part.element_size() // align) * align for part in parts]
-    send = torch.empty((p, sum(sizes)), dtype=torch.uint8, device=xs[0].device)  # [P, bytes per rank]
-    offset = 0
-    for part, n in zip(parts, sizes):
-        _segment(send, offset, part).copy_(part)
-        offset += n
+    # [P, ..., n/P, ...] per tensor
+    return start_exchange(rank_parts(xs, scatter_dim, p), [gather_dim] * len(xs), group, times, async_op=False)()
+
+
+def start_exchange(
+    parts: list[torch.Tensor],
+    gather_dims: list[int | None],
+    group: dist.ProcessGroup,
+    times: CommTimes | None = None,
+    *,
+    async_op: bool = True,
+) -> Callable[[], tuple[torch.Tensor, ...]]:
+    """Post one all-to-all of several tensors' per-rank pieces and return the function that waits for
+    it and unpacks what arrived. ``parts[i]``: ``[P, ...]``, row ``j`` for rank ``j`` (any view);
+    arriving, row ``j`` came from rank ``j``: glued along ``gather_dims[i]`` of the piece (a copy), or
+    for ``None`` returned as ``[P(src), ...]`` (a view of the receive buffer).
+
+    With ``async_op`` the collective runs while the caller computes (head-chunked attention posts the
+    next head group's exchange before attending the current one); the wait is what ``times`` counts.
+    Not differentiable: the caller's autograd function owns the backward.
+    """
+    sizes, layouts = segment_sizes(parts), layout_of(parts)
+    send = pack(parts, sizes)  # [P, bytes per rank]; the inputs are not kept alive by the exchange
+    del parts
+    if dist.get_world_size(group) == 1:
+        return lambda: unpack(send, layouts, sizes, gather_dims)
     recv = torch.empty_like(send)
-    with _timed("sp", times):
-        dist.all_to_all_single(recv, send, group=group)
-    del send  # freed before the unpacking copies: peak = inputs + recv + outputs, not + send
-    outs, offset = [], 0
-    for x, part, n in zip(xs, parts, sizes):
-        g = gather_dim % x.dim()
-        # [P(src), ..., g, ...] -> [..., P*g, ...]: the source rank's block goes before its elements.
-        piece = _segment(recv, offset, part).movedim(0, g)
-        outs.append(piece.flatten(g, g + 1))
-        offset += n
-    return tuple(outs)
+    with _timed("sp", times) if not async_op else contextlib.nullcontext():
+        work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
 
+    def finish() -> tuple[torch.Tensor, ...]:
+        nonlocal send, work, recv
+        if work is not None:
+            with _timed("sp", times):
+                work.wait()
+        send = work = None  # (the work holds the buffers too) peak: inputs + recv + outputs, not + send
+        outs, recv = unpack(recv, layouts, sizes, gather_dims), None  # recv not kept by this closure
+        return outs
 
-def _segment(buf: torch.Tensor, offset: int, part: torch.Tensor) -> torch.Tensor:
-    """The bytes ``[offset, offset + size)`` of every row of ``buf [P, bytes]`` as ``part``'s dtype and
-    shape ``[P, ...]`` (a view)."""
-    nbytes = part[0].numel() * part.element_size()
-    return buf[:, offset : offset + nbytes].view(part.dtype).view(part.shape)
+    return finish
 
 
 class _AllToAllPacked(torch.autograd.Function):

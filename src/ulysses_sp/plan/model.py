@@ -154,8 +154,8 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
     else:
         mlp_ws = 3 * big_i * tok
     # attention backward (the MLP's tensors are gone by then): grads of q, k, v and of the output,
-    # and with P > 1 the exchange's send and receive buffers of the largest of them
-    attn_ws = (2 * q + 2 * kv + (2 * q if s.sp > 1 else 0)) * tok
+    # and with P > 1 the exchange's send and receive buffers of the largest of them (of one head group)
+    attn_ws = (2 * q + 2 * kv + (2 * q // s.head_chunks if s.sp > 1 else 0)) * tok
     # the gradient flowing down and the residual's; the tiled MLP adds its input gradient, summed
     # over the tiles in a buffer of its own
     grad_flow = (3 if s.tiled_mlp else 2) * h * tok
@@ -243,6 +243,8 @@ def _flops(m: ModelShape, s: Settings) -> float:
     )  # causal half of 4+8 (the mixers' scans are linear in S: their projections are in 6 N T)
     if s.activation_checkpointing:
         dense, attn = dense * 4 / 3, attn * 4 / 3
+    if s.head_chunks > 1:  # each head group's attention forward again in backward
+        attn += attn / (4 if s.activation_checkpointing else 3)
     return float(dense + attn)
 
 
@@ -261,6 +263,8 @@ def predict(m: ModelShape, s: Settings, hw: Hardware) -> Prediction:
         per_tok = sum((2 * q + 2 * kv) * k.attention + sum(exchange_per_token(k.mixer, u) if k.mixer else (0, 0))
                       for k in m.kinds())  # fmt: skip
         a2a = passes * tok * per_tok * e * (u - 1) / u
+        # head groups: q/k/v exchanged again in backward
+        a2a += (s.head_chunks > 1) * tok * sum((q + 2 * kv) * k.attention for k in m.kinds()) * e * (u - 1) / u
     comm = a2a / (link_gbps(hw, u) * 1e9)
     if r > 1:  # ring: a hop sends the local K/V (S/R tokens, kv/U heads); forward passes R-1 hops each,
         # backward R-1 K/V hops plus R hops of fp32 dK/dV (counted exactly by bench/ring_bench.py)

@@ -200,3 +200,4 @@ def check_train_options(cfg: TrainConfig) -> None:
             "nothing it could offload"
         )
     check_blockwise_options(cfg.attn, cfg.attn_chunk, cfg.offload_attention)
+    positive_int("--head-chunks", cfg.head_chunks)

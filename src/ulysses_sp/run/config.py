@@ -123,6 +123,9 @@ class TrainConfig(tasks.DataSettings):
     """Tokens per block of the blockwise attention core (sdpa: packed documents, windows, offload); ``None`` = auto."""
     offload_attention: bool = False
     """Ulysses-Offload (sdpa): the full-sequence K/V on the host between forward and backward."""
+    head_chunks: int = 1
+    """Head groups the SP attention exchanges and attends one at a time (less peak memory, one more
+    q/k/v exchange and attention forward per layer in backward); 1 = all heads at once."""
 
     max_nonfinite_steps: int = 3
     """Optimizer steps in a row with a non-finite loss or gradient norm that are skipped; the next

@@ -184,7 +184,7 @@ def _run(resolved: ResolvedRun, stop: Any, held: ExitStack) -> dict[str, Any]:
     if cfg.sp > 1 or cfg.offload_attention or cfg.attn_chunk is not None:  # sp 1: for the blockwise core
         mpu = UlyssesSPAttentionHF.register_with_transformers(
             model, cfg.attn, cfg.sp, cfg.micro_batch_size, seq_length=cfg.seq_len, mesh=mesh,
-            attn_chunk=cfg.attn_chunk, offload_attention=cfg.offload_attention,
+            attn_chunk=cfg.attn_chunk, offload_attention=cfg.offload_attention, head_chunks=cfg.head_chunks,
         )  # fmt: skip
     engine, _, _, _ = initialize(model, cfg.training_config(), mpu=mpu or mesh.mpu, loss_fn=loss_fn)
     state = {"step": 0, "tokens": 0, "data": {"epoch": 0, "offset": 0}}

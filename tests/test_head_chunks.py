@@ -1,0 +1,198 @@
+"""Head-chunked Ulysses attention (``attention/head_chunks.py``) is exact: per-position logits and every
+gradient equal the unchunked SP run and the model without SP (each packed document on its own), for
+plain causal sdpa with GQA below the Ulysses size, packed documents (the per-document sdpa path), the
+hybrid ring and Ulysses-Offload; overlap on and off give the same bits; the attention layer's peak
+memory falls with the number of head groups (the library's meter); bad head counts are refused."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from models import global_batch, tiny_model
+from oracle import assert_grads_close
+
+from ulysses_sp.attention.head_chunks import (
+    HeadGroups,
+    check_no_sinks,
+    head_chunked_attention,
+    plan_head_chunks,
+    valid_head_chunks,
+)
+from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
+from ulysses_sp.memory.meter import track_peak_memory
+from ulysses_sp.parallel.comm import heads_to_seq, qkv_seq_to_heads
+from ulysses_sp.parallel.mesh import init_mesh
+from ulysses_sp.parallel.mesh_shape import shard_spans
+
+DOCS = (9, 13, 10)  # 32 tokens: boundaries inside shards at sp 2 and 4 (and inside ring zigzag chunks)
+
+
+def _reference(ref, ids, docs, weight):
+    """No SP, each document alone: logits ``[1, S, V]`` and the loss ``sum(logits * weight)``."""
+    logits, start = [], 0
+    for n in docs:
+        logits.append(ref(input_ids=ids[:, start : start + n]).logits)
+        start += n
+    logits = torch.cat(logits, 1)
+    return logits, (logits * weight).sum()
+
+
+def _sp_run(ref, mesh, sp, ring, chunks, ids, pos, weight, ckpt=False, **opts):
+    model = copy.deepcopy(ref)
+    if ckpt:  # every layer recomputed in backward: the head groups' forward runs again before theirs
+        model.gradient_checkpointing_enable()
+        model.train()
+    reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1, mesh=mesh, head_chunks=chunks,
+                                                          **opts)  # fmt: skip
+    cols = torch.cat([torch.arange(a, b) for a, b in shard_spans(ids.shape[1], mesh.sp_rank, sp, ring)])
+    logits = model(input_ids=ids[:, cols], position_ids=pos[:, cols]).logits
+    (logits * weight[:, cols]).sum().backward()
+    for p in model.parameters():  # each rank's share of the gradient, summed over the SP group
+        dist.all_reduce(p.grad, group=mesh.sp_group)
+    path = reg.attention.last_path
+    reg.remove()
+    return logits.detach(), {n: p.grad for n, p in model.named_parameters()}, cols, path
+
+
+def _compare(sp, ring, heads, kv, chunks, packed, offload=False, ckpt=False):
+    mesh = init_mesh((1, sp), ring_size=ring)
+    ref = tiny_model("llama", heads=heads, kv_heads=kv, hidden=8 * heads)
+    ids = global_batch(5, 1, sum(DOCS))
+    docs = DOCS if packed else (sum(DOCS),)
+    pos = torch.cat([torch.arange(n) for n in docs])[None]
+    weight = torch.randn(1, ids.shape[1], ref.config.vocab_size, generator=torch.Generator().manual_seed(7))
+    ref_logits, ref_loss = _reference(ref, ids, docs, weight)
+    ref_loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    logits, grads, cols, path = _sp_run(ref, mesh, sp, ring, chunks, ids, pos, weight, ckpt, offload_attention=offload)
+    plain_logits, plain_grads, _, plain_path = _sp_run(ref, mesh, sp, ring, 1, ids, pos, weight,
+                                                       offload_attention=offload)  # fmt: skip
+    assert path == plain_path
+    torch.testing.assert_close(logits, ref_logits[:, cols], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits, plain_logits, rtol=1e-6, atol=1e-7)
+    assert_grads_close(grads, ref_grads)
+    assert_grads_close(grads, plain_grads)
+    return path
+
+
+@pytest.mark.parametrize(
+    "sp, ring, heads, kv, chunks, packed, offload, path, ckpt",
+    [
+        (2, 1, 8, 2, 4, False, False, "sdpa", False),  # GQA: a rank's 4 query heads share one kv head: K/V once
+        (2, 1, 8, 2, 4, False, False, "sdpa", True),  # the same under activation checkpointing
+        (2, 1, 4, 4, 2, True, False, "segments", False),  # MHA: K/V travel with each group; sdpa per document
+        (4, 2, 4, 2, 2, True, False, "ring", False),  # hybrid: 2 Ulysses x 2 ring
+        (2, 1, 4, 1, 2, True, True, "blockwise+offload", False),  # MQA, Ulysses-Offload
+    ],
+)
+def test_head_chunks_equal_unchunked_and_no_sp(pool, sp, ring, heads, kv, chunks, packed, offload, path, ckpt):
+    assert set(pool.run(_compare, sp, sp, ring, heads, kv, chunks, packed, offload, ckpt)) == {path}
+
+
+def _function_level(chunks):
+    """``head_chunked_attention`` around sdpa against exchange-sdpa-exchange; overlap on/off; peak memory."""
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(dist.get_rank())
+    q, k, v = (torch.randn(1, n, 256, 16, generator=g, dtype=torch.float64) for n in (16, 8, 8))
+    dout = torch.randn(1, 256, 16, 16, generator=g, dtype=torch.float64)
+    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)  # noqa: E731
+
+    def plain(q, k, v):
+        return heads_to_seq(sdpa(*qkv_seq_to_heads(q, k, v, group)), group, head_dim=2, seq_dim=1)
+
+    def attend(i, q, k, v):
+        return sdpa(q, k, v)
+
+    results = {}
+    for name, fn in [("plain", plain)] + [
+        (f"overlap={o}", lambda q, k, v, o=o: head_chunked_attention(
+            q, k, v, attend=attend, groups=plan_head_chunks(16, 8, chunks, 2), group=group, overlap=o))
+        for o in (True, False)
+    ]:  # fmt: skip
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        with track_peak_memory("cpu", include=leaves) as mem:
+            out = fn(*(t * 1 for t in leaves))  # non-leaf inputs, as a model's q/k/v
+            out.backward(dout)
+        results[name] = (out.detach(), *(t.grad for t in leaves), mem.peak_bytes)
+    for a, b in zip(results["overlap=True"][:4], results["plain"][:4]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+    for a, b in zip(results["overlap=True"][:4], results["overlap=False"][:4]):
+        assert torch.equal(a, b)
+    return {name: r[4] for name, r in results.items()}
+
+
+def test_head_chunks_function_exact_overlap_bitwise_and_peak_falls(pool):
+    peaks = {n: pool.run(_function_level, 2, n)[0] for n in (2, 8)}
+    plain = min(p["plain"] for p in peaks.values())  # (gloo's thread may free a buffer late: the lowest)
+    # 8 groups one at a time: a fifth below the all-heads exchange; overlap keeps a second group's
+    # exchange alive; 2 groups barely gain (the saved inputs and dk/dv are not chunked)
+    assert peaks[8]["overlap=False"] < peaks[8]["overlap=True"] < plain, peaks
+    assert peaks[8]["overlap=False"] < 0.85 * plain, peaks
+    assert peaks[8]["overlap=False"] < peaks[2]["overlap=False"], peaks
+
+
+def test_plan_head_chunks():
+    # 8 heads over 2 ranks in 2 groups: 2 query heads and their 2 kv heads (MHA) of each rank per group
+    assert plan_head_chunks(8, 8, 2, 2) == HeadGroups(n=2, p=2, hc=2, span=1, kvs=2, repeat=1)
+    # GQA 16:4 over 2 ranks in 8 groups: a rank's 2 kv heads each serve 4 query heads, i.e. 4 groups
+    assert plan_head_chunks(16, 4, 8, 2) == HeadGroups(n=8, p=2, hc=1, span=4, kvs=1, repeat=1)
+    # MQA below P: the kv head replicated, one set for every group
+    assert plan_head_chunks(4, 1, 2, 2) == HeadGroups(n=2, p=2, hc=1, span=2, kvs=1, repeat=2)
+    assert valid_head_chunks(8, 8, 2) == [1, 2, 4]
+    assert valid_head_chunks(12, 4, 2) == [1, 2, 6]  # a rank's 6 heads, 3 per kv head: 4 would split one
+    with pytest.raises(ValueError, match=r"head_chunks 3: each rank's 4 query heads .* not divisible.*\[1, 2, 4\]"):
+        plan_head_chunks(8, 8, 3, 2)
+    with pytest.raises(ValueError, match=r"would split a set of 3 query heads sharing a kv head"):
+        plan_head_chunks(12, 4, 3, 2)
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="head_chunks must be a positive number"):
+            plan_head_chunks(8, 8, bad, 2)
+    module = torch.nn.Module()
+    module.sinks = torch.nn.Parameter(torch.zeros(8))
+    with pytest.raises(ValueError, match="attention sinks"):
+        check_no_sinks(module, {}, 2)
+
+
+def test_planner_exchange_buffers_scale_by_head_chunks():
+    from dataclasses import replace
+
+    from ulysses_sp.plan.hardware import DEVICES
+    from ulysses_sp.plan.inputs import LLAMA_8B, Settings
+    from ulysses_sp.plan.model import max_seq_len, predict
+
+    hw = DEVICES["h100"]
+    # fp32 (the CPU runs): the attention backward is the layer's peak, not the norms' fp32 copies
+    s = Settings(seq_len=1 << 20, sp=8, dp=1, zero_stage=3, partition="all", dtype="fp32", tiled_mlp=True,
+                 tiled_loss=True, activation_checkpointing=True, offload_activations=True)  # fmt: skip
+    one, two = predict(LLAMA_8B, s, hw), predict(LLAMA_8B, replace(s, head_chunks=2), hw)
+    tok, q = s.seq_len // s.sp, LLAMA_8B.heads * LLAMA_8B.head_dim
+    # the backward's send + receive buffers of q, 2 q per token in fp32: half of them with 2 head groups
+    # (the saving stops where the MLP's backward becomes the layer's peak)
+    assert 0 < one.breakdown["backward_workspace"] - two.breakdown["backward_workspace"] <= 2 * q * tok * 4 // 2
+    assert two.step_s > one.step_s  # one more q/k/v exchange and attention forward per layer
+    assert max_seq_len(LLAMA_8B, replace(s, head_chunks=2), hw) > max_seq_len(LLAMA_8B, s, hw)
+
+
+def _register_refused(chunks):
+    model = tiny_model("llama", heads=4, kv_heads=2)
+    with pytest.raises(ValueError, match=rf"head_chunks {chunks}: .*valid head_chunks for 4 query / 2 kv heads over 2 "
+                       r"Ulysses ranks: \[1, 2\]"):  # fmt: skip
+        UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, 1, mesh=init_mesh((1, 2)), head_chunks=chunks)
+
+
+def test_bad_head_chunks_refused_at_registration_and_by_the_cli(pool):
+    from dataclasses import replace
+
+    from ulysses_sp.cli.args import build_parser, train_options
+    from ulysses_sp.run.checks import check_train_options
+
+    pool.run(_register_refused, 2, 4)  # a rank's 2 query heads cannot make 4 groups
+    cfg, _ = train_options(build_parser().parse_args(["train", "--head-chunks", "2"]))
+    assert cfg.head_chunks == 2
+    check_train_options(cfg)
+    with pytest.raises(ValueError, match="--head-chunks must be >= 1, got 0"):
+        check_train_options(replace(cfg, head_chunks=0))
