@@ -2,6 +2,6 @@
 
 Not part of the installed package: scripts that measure the library against analytic limits and against
 DeepSpeed's own Ulysses/ALST. Leaves: ``md`` (tables, provenance) and ``launch`` (the one launcher). The
-modules the DeepSpeed venv runs (``steploop``, ``spec``, ``counters``, ``launch``) import
-torch and transformers, and from this checkout only the library's memory meter.
+modules the DeepSpeed venv runs (``steploop``, ``spec``, ``counters``, ``launch``) import torch and
+transformers, and from this checkout only the library's memory meter.
 """

@@ -5,13 +5,13 @@
     python -m bench --sections deepspeed
     python -m bench --render bench/results/bench.json      # re-render the tables only
 
-Sections: comm, flops, memory (bench/workers.py, one launch per world size) and deepspeed
-(bench/steploop.py: one step loop, both sides; needs ``bash bench/setup_deepspeed.sh``). Every worker
-is launched by bench/launch.py.
+Sections: comm, flops, memory (bench/workers.py, one launch per world size) and deepspeed (bench/steploop.py:
+one step loop, both sides; needs ``bash bench/setup_deepspeed.sh``). Every worker is launched by
+bench/launch.py.
 
-A run into bench/results carries every section it did not run from the previous bench.json, still
-labelled with the run that produced it, and refreshes the targets block of docs/readme/performance.md
-(then README.md via scripts/build_readme.py).
+A run into bench/results carries every section it did not run from the previous bench.json, still labelled
+with the run that produced it, and refreshes the targets block of docs/readme/performance.md (then README.md
+via scripts/build_readme.py).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from bench import md, report
 from bench import spec as S
@@ -39,15 +40,13 @@ def launch(run: dict, module: str, nproc: int, args: list[str], **kw):
     """``run_worker`` that records the launch (command, wall time) in ``run``."""
     res, cmd, wall = run_worker(module, nproc, args, **kw)
     run["launches"].append({"command": cmd, "wall_s": wall})
-    log(f"  {cmd}: {wall:.0f} s")
     return res, cmd
 
 
 def run_pair(point: dict, *, steps: int, seq: int, repeats: int, run: dict, lr: float = 1e-3) -> dict:
     """ulysses-sp and DeepSpeed on one (dp, sp, zero) point, alternating launches (so a burst of load from
     elsewhere hits neither side alone), each side's best timing; plus the single-process oracle."""
-    args = ["--dp", str(point["dp"]), "--sp", str(point["sp"]), "--zero", str(point["zero"]), "--steps", str(steps),
-            "--seq-len", str(seq), "--micro-batch", "1", "--lr", str(lr)]  # fmt: skip
+    args = [*(f"--{k}={v}" for k, v in point.items()), f"--steps={steps}", f"--seq-len={seq}", "--micro-batch=1", f"--lr={lr}"]
     sides: dict[str, list] = {"ours": [], "deepspeed": []}
     try:
         for _ in range(repeats):
@@ -57,8 +56,7 @@ def run_pair(point: dict, *, steps: int, seq: int, repeats: int, run: dict, lr: 
     except WorkerFailed as e:
         log(f"  {point}: FAILED {str(e).splitlines()[0]}")
         return {"point": point, "error": str(e)[-2000:]}
-    ref = S.reference_run(S.ModelSpec(), steps=steps, dp_size=point["dp"], sp_size=point["sp"], mb=1, seq_len=seq,
-                          lr=lr)  # fmt: skip
+    ref = S.reference_run(S.ModelSpec(), steps=steps, dp_size=point["dp"], sp_size=point["sp"], mb=1, seq_len=seq, lr=lr)
     best = {side: {**runs[0], "tokens_per_s_per_rank": max(r["tokens_per_s_per_rank"] for r in runs), "repeats":
                    len(runs), "phase_s": {k: min(r["phase_s"][k] for r in runs) for k in runs[0]["phase_s"]}}
             for side, runs in sides.items()}  # deterministic fields from the first launch, the best timings of all
@@ -83,10 +81,7 @@ def run_sections(sections: list[str], smoke: bool, run: dict) -> dict:
 
 def carry_previous(result: dict, path: str) -> None:
     """Add the sections of the previous results file that this run did not produce, with their runs."""
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        prev = json.load(f)
+    prev = json.loads(Path(path).read_text()) if os.path.exists(path) else {}
     for name, sec in prev.get("sections", {}).items():
         if name in SECTIONS and name not in result["sections"]:
             result["sections"][name] = sec
@@ -103,8 +98,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     readme = os.path.abspath(args.out_dir) == str(ROOT / "bench" / "results")
     if args.render:
-        with open(args.render) as f:
-            result = json.load(f)
+        result = json.loads(Path(args.render).read_text())
         result["sections"] = {k: v for k, v in result["sections"].items() if k in SECTIONS}  # retired ones dropped
         result["runs"] = {k: v for k, v in result["runs"].items() if k in {s["run"] for s in result["sections"].values()}}
     else:
@@ -115,7 +109,7 @@ def main(argv=None) -> int:
         if "deepspeed" in sections and not deepspeed_available():
             log("bench: section deepspeed needs DeepSpeed: run `bash bench/setup_deepspeed.sh` first; skipping")
             sections.remove("deepspeed")
-        run = md.provenance(" ".join(["python -m bench", *(argv if argv is not None else sys.argv[1:])]))
+        run = md.provenance(md.command("bench", argv))
         found = run_sections(sections, args.smoke, run)
         md.finish(run)
         result = {"smoke": args.smoke, "runs": {run["id"]: run},

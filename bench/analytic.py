@@ -1,7 +1,7 @@
 """Analytic limits the benchmarks compare against (pure arithmetic; derivations in the docstrings).
 
-Shape legend: ``B`` micro-batch, ``S`` global sequence, ``S_l = S/P``, ``H`` query heads, ``Hkv`` kv
-heads, ``D`` head dim, ``h = H*D``, ``P`` sp size, ``b`` bytes per element.
+Shape legend: ``B`` micro-batch, ``S`` global sequence, ``S_l = S/P``, ``H`` query heads, ``Hkv`` kv heads,
+``D`` head dim, ``h = H*D``, ``P`` sp size, ``b`` bytes per element.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """GPU check for issue 11 — NOT YET RUN (written in a session without a GPU; run it where one is).
 
-The CUDA path of mixed precision and offload: bf16 + sdpa, a ~1.2B-parameter Llama (Llama-3.2-1B
-shape, random weights), sp = 1, one GPU, sequence lengths 32K / 64K / 128K, ZeRO 3 with and
-without CPU offload of the model states (FSDP2 ``CPUOffloadPolicy``, pinned memory), with the ALST
-techniques a long sequence needs (tiled MLP, tiled logits + loss, activation checkpointing). For
-each case: tokens/s (median of 3 steps after 1 warm-up), ``torch.cuda.max_memory_allocated``, the
-loss, or the exception if it failed (OOM included). Writes ``bench/results/gpu_check.md``.
+The CUDA path of mixed precision and offload: bf16 + sdpa, a ~1.2B-parameter Llama (Llama-3.2-1B shape, random
+weights), sp = 1, one GPU, sequence lengths 32K / 64K / 128K, ZeRO 3 with and without CPU offload of the model
+states (FSDP2 ``CPUOffloadPolicy``, pinned memory), with the ALST techniques a long sequence needs (tiled MLP,
+tiled logits + loss, activation checkpointing). For each case: tokens/s (median of 3 steps after 1 warm-up),
+``torch.cuda.max_memory_allocated``, the loss, or the exception if it failed (OOM included). Writes
+``bench/results/gpu_check.md``.
 
 Run on a CUDA machine (about 5-10 minutes)::
 
@@ -17,7 +17,6 @@ Benchmark code may name CUDA (the library does not): it measures this device's a
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -29,6 +28,7 @@ import torch
 if __package__ in (None, ""):  # `python bench/gpu_check.py` as well as `python -m bench.gpu_check`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import md
+from bench.launch import parser
 
 MODEL = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
              num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True,
@@ -48,10 +48,7 @@ def run_case(seq: int, offload: bool) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     apply_tiled_mlp(model, None)
     enable_activation_checkpointing(model)
-    zero = {
-        "stage": 3,
-        **({"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}} if offload else {}),
-    }
+    zero = {"stage": 3, **({"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}} if offload else {})}
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero, "bf16": {"enabled": True},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}}  # fmt: skip
     engine, *_ = initialize(model, config, mesh_param=(1, 1), loss_fn=TiledCausalLMLoss(num_shards=None))
@@ -71,25 +68,19 @@ def run_case(seq: int, offload: bool) -> dict:
             times.append(time.perf_counter() - t0)
     del engine, model
     dist.barrier()
-    return {
-        "params": n_params,
-        "tok_s": seq / statistics.median(times),
-        "max_alloc": torch.cuda.max_memory_allocated(device),
-        "loss": loss,
-    }
+    return {"params": n_params, "tok_s": seq / statistics.median(times), "max_alloc": torch.cuda.max_memory_allocated(device),
+            "loss": loss}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 65536, 131072])
-    parser.add_argument("--out", default=str(md.ROOT / "bench" / "results" / "gpu_check.md"))
-    args = parser.parse_args(argv)
+    ap = parser(__doc__, "gpu_check.md")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[32768, 65536, 131072])
+    args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench/gpu_check.py needs a CUDA device")
-    run = md.provenance(" ".join(["python -m bench.gpu_check", *(argv if argv is not None else sys.argv[1:])]),
-                        backend=f"nccl, {torch.cuda.get_device_name(0)}")  # fmt: skip
+    run = md.provenance(md.command("bench.gpu_check", argv), backend=f"nccl, {torch.cuda.get_device_name(0)}")
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     rows = []

@@ -1,22 +1,20 @@
 """Head-chunked attention and the per-document packed path, sp 2 on CPU (gloo): ``python -m bench.head_chunks``.
 
 One attention layer's peak and kept memory (``memory.meter``) and the step time for head groups 1 / 2 / 4
-(overlap on/off); packed documents (S/2, S/4, S/4): the blockwise core (before: ``attn_chunk`` as auto
-picks) against one sdpa call per document (after). Writes ``bench/results/head_chunks.md``.
+(overlap on/off); packed documents (S/2, S/4, S/4): the blockwise core (before: ``attn_chunk`` as auto picks)
+against one sdpa call per document (after). Writes ``bench/results/head_chunks.md``.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
 from bench import md
-from bench.launch import finish_worker, init_worker, max_over_ranks, run_worker, under_torchrun
+from bench.launch import max_over_ranks, parser, run_worker, serve
 from bench.spec import llama, packed_positions
 from ulysses_sp.attention.blockwise import resolve_chunk
 from ulysses_sp.attention.positions import capture_call
@@ -81,15 +79,14 @@ def worker(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, "head_chunks.md")
     ap.add_argument("--seq", type=int, default=8192, help="S of the head-group rows")
     ap.add_argument("--packed-seqs", type=int, nargs="+", default=[4096, 8192])
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--out", default=str(md.ROOT / "bench" / "results" / "head_chunks.md"))
     args = ap.parse_args(argv)
-    if under_torchrun():
-        return init_worker() or finish_worker(worker(args), args.out)
-    run = md.provenance("python -m bench.head_chunks " + " ".join(argv or sys.argv[1:]))
+    if serve(lambda: worker(args), args.out):
+        return
+    run = md.provenance(md.command("bench.head_chunks", argv))
     forward = ["--seq", str(args.seq), "--steps", str(args.steps), "--packed-seqs", *map(str, args.packed_seqs)]
     res, _, _ = run_worker("bench.head_chunks", 2, forward)
     rows = [[n if n > 1 else "1 (unchunked)", "-" if n == 1 else "on" if o else "off", f"{m[0] / 2**20:.1f}",

@@ -1,14 +1,15 @@
 """The one launcher of the suite: a module under ``torchrun`` (gloo, CPU), its JSON and exact command.
 
-Both sides of the protocol live here. The parent calls ``run_worker(module, nproc, args)``; each rank
-runs the module under ``torchrun`` (``under_torchrun()`` is then true, so one module can be both the
-script and its worker), calls ``init_worker()``, does its task and ``finish_worker(result, out)``:
-rank 0 writes the result to ``--out``. The command recorded is the one a reader can paste from the
-repository root to reproduce the row. Torch only: the DeepSpeed venv imports it too.
+Both sides of the protocol live here. The parent calls ``run_worker(module, nproc, args)``; each rank runs the
+module under ``torchrun`` (``under_torchrun()`` is then true, so one module can be both the script and its
+worker), calls ``init_worker()``, does its task and ``finish_worker(result, out)``: rank 0 writes the result
+to ``--out``; ``parser`` and ``serve`` are that boilerplate of every script. The command recorded is the one a
+reader can paste from the repository root to reproduce the row. Torch only: the DeepSpeed venv imports it too.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -40,7 +41,7 @@ def run_worker(
 ) -> tuple[dict | list, str, float]:
     """``python -m torch.distributed.run --nproc-per-node N -m MODULE ARGS --out TMP``.
 
-    Returns ``(result, command, wall_seconds)``; raises ``WorkerFailed`` when the worker fails.
+    Returns ``(result, command, wall_seconds)`` (and logs the last two); raises ``WorkerFailed`` on failure.
     """
     python = str(python or sys.executable)
     fd, out = tempfile.mkstemp(prefix="bench-", suffix=".json")
@@ -57,8 +58,9 @@ def run_worker(
         if proc.returncode != 0 or not Path(out).exists():
             tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
             raise WorkerFailed(f"{shown} failed (exit {proc.returncode}):\n{tail}")
-        with open(out) as f:
-            return json.load(f), shown, time.perf_counter() - t0
+        wall = time.perf_counter() - t0
+        print(f"  {shown}: {wall:.0f} s", file=sys.stderr, flush=True)
+        return json.loads(Path(out).read_text()), shown, wall
     finally:
         if os.path.exists(out):
             os.unlink(out)
@@ -71,6 +73,21 @@ def deepspeed_available() -> bool:
 def under_torchrun() -> bool:
     """True in a rank that ``torchrun`` started (its agent sets ``TORCHELASTIC_RUN_ID``)."""
     return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def parser(doc: str, out: str) -> argparse.ArgumentParser:
+    """A script's parser, described by its docstring's first line, with ``--out`` (default bench/results/OUT)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / out))
+    return ap
+
+
+def serve(work, out: str, timeout_s: float = 600) -> bool:
+    """In a torchrun rank: ``init_worker``, ``finish_worker(work(), out)`` and True; False in the parent."""
+    if under_torchrun():
+        init_worker(timeout_s)
+        finish_worker(work(), out)
+    return under_torchrun()
 
 
 def init_worker(timeout_s: float = 600, *, deepspeed: bool = False) -> None:

@@ -4,15 +4,15 @@ Run (a few minutes on 2 CPU cores; ``--small --dp 2`` is the quick check)::
 
     python -m bench.load_memory [--small] [--dp 2 4] [--out bench/results/load_memory.md]
 
-A random Llama (hidden 1024, 8 layers, vocab 32000, untied: 155M parameters, 594 MiB in fp32) is
-written with ``save_pretrained(max_shard_size="150MB")`` as fp32 and as bf16 files under /tmp. For
-each file dtype and dp in (2, 4), dp gloo ranks run ``init_empty_model`` -> ``initialize`` (ZeRO 3,
-fp32 master weights) -> ``load_pretrained_weights`` (ranks under bench/launch.py). Each rank resets its peak RSS (``VmHWM``, via
-``/proc/self/clear_refs``) after imports and the process group, so ``growth = VmHWM - VmRSS before``
-counts everything loading adds: the model object, its shards, and the file pages it maps. The goal:
-growth <= (1/dp + 0.05) x the model's fp32 bytes. ``stock reader`` rows run the same load with DCP's
-own ``HuggingFaceStorageReader.read_data`` (a file stays mapped while this rank reads its parts of
-every tensor in it) instead of the library's block reader.
+A random Llama (hidden 1024, 8 layers, vocab 32000, untied: 155M parameters, 594 MiB in fp32) is written with
+``save_pretrained(max_shard_size="150MB")`` as fp32 and as bf16 files under /tmp. For each file dtype and dp
+in (2, 4), dp gloo ranks run ``init_empty_model`` -> ``initialize`` (ZeRO 3, fp32 master weights) ->
+``load_pretrained_weights`` (ranks under bench/launch.py). Each rank resets its peak RSS (``VmHWM``, via
+``/proc/self/clear_refs``) after imports and the process group, so ``growth = VmHWM - VmRSS before`` counts
+everything loading adds: the model object, its shards, and the file pages it maps. The goal: growth <= (1/dp +
+0.05) x the model's fp32 bytes. ``stock reader`` rows run the same load with DCP's own
+``HuggingFaceStorageReader.read_data`` (a file stays mapped while this rank reads its parts of every tensor in
+it) instead of the library's block reader.
 """
 
 from __future__ import annotations
@@ -28,18 +28,16 @@ import torch
 if __package__ in (None, ""):  # `python bench/load_memory.py` as well as `python -m bench.load_memory`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import md
-from bench.launch import finish_worker, init_worker, run_worker, under_torchrun
+from bench.launch import parser, run_worker, serve
 
 CONFIG = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
               num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=False)  # fmt: skip
+SMALL = {**CONFIG, "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 2}
 
 
 def _status(key: str) -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
-
-
-SMALL = {**CONFIG, "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 2}
 
 
 def write_model(path: str, dtype: torch.dtype, config: dict = CONFIG) -> int:
@@ -80,16 +78,14 @@ def worker(path: str, stock: bool) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, "load_memory.md")
     ap.add_argument("--small", action="store_true", help="a 2-layer, hidden-256 model (a quick check)")
     ap.add_argument("--dp", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--out", default=str(md.ROOT / "bench" / "results" / "load_memory.md"))
     ap.add_argument("--load", nargs=2, metavar=("DIR", "READER"), help=argparse.SUPPRESS)  # the torchrun worker
     args = ap.parse_args(argv)
-    if under_torchrun():
-        init_worker()
-        return finish_worker(worker(args.load[0], args.load[1] == "stock"), args.out)
-    run = md.provenance(" ".join(["python -m bench.load_memory", *(argv if argv is not None else sys.argv[1:])]))
+    if serve(lambda: worker(args.load[0], args.load[1] == "stock"), args.out):
+        return
+    run = md.provenance(md.command("bench.load_memory", argv))
     config, rows = SMALL if args.small else CONFIG, []
     with tempfile.TemporaryDirectory(prefix="load-memory-") as tmp:
         for dtype in (torch.float32, torch.bfloat16):

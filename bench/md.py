@@ -1,8 +1,8 @@
 """Markdown tables and the provenance of a run: the leaf every report of bench/ imports (stdlib only).
 
-``provenance(invocation)`` records where and when a run happens (date, commit, host, machine, the
-command, wall time once ``finish``-ed); ``label(run)`` is the one line that heads every table it
-produced; ``page(path, title, run, body)`` writes a results page headed by that line.
+``provenance(invocation)`` records where and when a run happens (date, commit, host, machine, the command,
+wall time once ``finish``-ed); ``label(run)`` is the one line that heads every table it produced; ``page(path,
+title, run, body)`` writes a results page headed by that line.
 """
 
 from __future__ import annotations
@@ -29,6 +29,11 @@ def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return ""
+
+
+def command(module: str, argv: list[str] | None) -> str:
+    """``python -m MODULE ARGS`` as the user typed it (``argv``, or the process's own)."""
+    return " ".join(["python -m " + module, *(sys.argv[1:] if argv is None else argv)])
 
 
 def provenance(invocation: str, *, backend: str = "gloo (CPU)") -> dict:

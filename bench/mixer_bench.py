@@ -4,33 +4,30 @@
 
 Gloo ranks on CPU (bench/launch.py: one world per sp size, one thread per rank).
 
-* **Bytes**: one forward + backward of a single mixer module (LFM2's short conv; a Nemotron-H
-  Mamba-2 mixer with ``G < P`` and ``G >= P``), sharded by ``mixers.apply.apply_mixers``; every
-  ``all_to_all_single`` counted (``bench.counters``: bytes this rank sends to others) against the
-  analytic minimum of the head-sharded design, forward + backward: short conv
-  ``4 B S_l Hd (P-1)/P b``; Mamba-2 ``2 B S_l (P-1) b [I/P + H/P + 2 G_l N] + 2 B S_l I (P-1)/P b``
-  (in: x, dt and the B/C groups each destination needs; out: y).
-* **Step time**: forward + backward of a whole model on one sequence of ``S`` tokens (the same
-  global batch at every sp): a Nemotron-H hybrid (mamba, attention, mamba, mlp), a Qwen3-Next hybrid
-  (two gated delta-net layers, one attention) and a dense Llama of the same width; fastest of 5 steps
-  after a warm-up; max over ranks.
-* **Memory**: peak tensor bytes per rank (``memory.meter.track_peak_memory``, CPU storage tracking,
-  parameters included, max over ranks) of the Nemotron-H hybrid and of a Qwen3-Next made only of gated
-  delta-net layers, at two lengths; the growth between them should fall as 1/sp (the scan runs over the
-  full sequence for ``H/P`` of the heads, the projections and the halo convolution on ``S/P`` tokens).
+* **Bytes**: one forward + backward of a single mixer module (LFM2's short conv; a Nemotron-H Mamba-2 mixer
+  with ``G < P`` and ``G >= P``), sharded by ``mixers.apply.apply_mixers``; every ``all_to_all_single``
+  counted (``bench.counters``: bytes this rank sends to others) against the analytic minimum of the
+  head-sharded design, forward + backward: short conv ``4 B S_l Hd (P-1)/P b``; Mamba-2 ``2 B S_l (P-1) b [I/P
+  + H/P + 2 G_l N] + 2 B S_l I (P-1)/P b`` (in: x, dt and the B/C groups each destination needs; out: y).
+* **Step time**: forward + backward of a whole model on one sequence of ``S`` tokens (the same global batch at
+  every sp): a Nemotron-H hybrid (mamba, attention, mamba, mlp), a Qwen3-Next hybrid (two gated delta-net
+  layers, one attention) and a dense Llama of the same width; fastest of 5 steps after a warm-up; max over
+  ranks.
+* **Memory**: peak tensor bytes per rank (``memory.meter.track_peak_memory``, CPU storage tracking, parameters
+  included, max over ranks) of the Nemotron-H hybrid and of a Qwen3-Next made only of gated delta-net layers,
+  at two lengths; the growth between them should fall as 1/sp (the scan runs over the full sequence for
+  ``H/P`` of the heads, the projections and the halo convolution on ``S/P`` tokens).
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
 from bench import md
-from bench.launch import finish_worker, init_worker, max_over_ranks, run_worker, under_torchrun
+from bench.launch import max_over_ranks, parser, run_worker, serve
 
 WIDTH = {"hidden": 64, "heads": 4, "mamba_heads": 8, "head_dim": 8, "state": 16, "groups": 2}
 
@@ -137,18 +134,14 @@ def worker(smoke: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(md.ROOT / "bench" / "results" / "mixer_bench.md"))
+    ap = parser(__doc__, "mixer_bench.md")
     ap.add_argument("--smoke", action="store_true", help="short sequences (seconds)")
     ap.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4])
     args = ap.parse_args(argv)
-    if under_torchrun():
-        init_worker(3600)
-        return finish_worker(worker(args.smoke), args.out)
-    run, res = md.provenance(" ".join(["python -m bench.mixer_bench", *(argv if argv is not None else sys.argv[1:])])), {}
-    for p in args.sp:
-        res[p], cmd, wall = run_worker("bench.mixer_bench", p, ["--smoke"] * args.smoke, timeout=3600)
-        print(f"{cmd}: {wall:.0f} s", file=sys.stderr)
+    if serve(lambda: worker(args.smoke), args.out, 3600):
+        return
+    run = md.provenance(md.command("bench.mixer_bench", argv))
+    res = {p: run_worker("bench.mixer_bench", p, ["--smoke"] * args.smoke, timeout=3600)[0] for p in args.sp}
     first = next(iter(res.values()))
     mem = {(m["model"], m["S"]): i for i, m in enumerate(first["memory"])}
     seqs = sorted({s for _, s in mem})

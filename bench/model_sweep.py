@@ -3,34 +3,37 @@
     python -m bench.model_sweep                       # all families -> bench/results/model_sweep.md
     python -m bench.model_sweep --only llama,lfm2     # a few, printed (the table is not rewritten)
 
-The families come from transformers' own auto registry (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` minus
-the encoder-decoder and masked-LM registries), not from a list kept here. Each gets a tiny config
-shrunk from its config class's defaults (hidden 64, 4 heads / 2 kv heads, 4 experts, vocab 128,
-layers enough to hold every layer type of the defaults, 2 at least), random weights large enough
-that one wrong position shows, fp32. Two gloo ranks each build it from the same seed and
-run one step: the plain model on the whole sequence (the oracle) and the same model at sp=2 (the
-closed-world guard first, then Ulysses attention, ``S_l = S/2`` tokens per rank, the SP loss). The
-verdict: **exact** (every position's logits and every gradient, summed over the SP group, equal
-the oracle's at ``rtol 1e-4``), **refused** (the guard's reason), **wrong** (no refusal, a
-mismatch: a bug), **skipped** (the tiny config cannot be built, with why) or **crash** (an error,
-a time-out or the memory cap: every model runs in its own processes under ``RLIMIT_AS``).
+The families come from transformers' own auto registry (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` minus the
+encoder-decoder and masked-LM registries), not from a list kept here. Each gets a tiny config shrunk from its
+config class's defaults (hidden 64, 4 heads / 2 kv heads, 4 experts, vocab 128, layers enough to hold every
+layer type of the defaults, 2 at least), random weights large enough that one wrong position shows, fp32. Two
+gloo ranks each build it from the same seed and run one step: the plain model on the whole sequence (the
+oracle) and the same model at sp=2 (the closed-world guard first, then Ulysses attention, ``S_l = S/2`` tokens
+per rank, the SP loss). The verdict: **exact** (every position's logits and every gradient, summed over the SP
+group, equal the oracle's at ``rtol 1e-4``), **refused** (the guard's reason), **wrong** (no refusal, a
+mismatch: a bug), **skipped** (the tiny config cannot be built, with why) or **crash** (an error, a time-out
+or the memory cap: every model runs in its own processes under ``RLIMIT_AS``).
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
+import importlib
 import json
+import logging
 import multiprocessing as mp
 import os
 import resource
-import sys
 import tempfile
 import traceback
+import warnings
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from bench import md
+from bench.launch import parser
 
 SEQ = 32
 """Tokens per sequence (rank holds 16): longer than the tiny sliding window and attention chunk (8)."""
@@ -46,19 +49,15 @@ SHRINK = dict(
 """Config fields shrunk where the config class has them (others keep their defaults)."""
 LAYER_TYPES = {"lfm2": ["conv", "full_attention"], "lfm2_moe": ["conv", "full_attention"]}
 """Where the defaults hold one layer type only although the family has two (LFM2: all attention)."""
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def families() -> list[str]:
     """Decoder-only causal-LM model types of the installed transformers, from its auto registries."""
     from transformers.models.auto import modeling_auto as auto
 
-    not_decoder_only = (
-        set(auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
-        | set(auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES)
-        | set(auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)
-    )
-    return sorted(set(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) - not_decoder_only)
+    not_decoder_only = (auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES, auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
+                        auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)  # fmt: skip
+    return sorted(set(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES).difference(*not_decoder_only))
 
 
 def tiny_config(model_type: str) -> Any:
@@ -76,12 +75,9 @@ def tiny_config(model_type: str) -> Any:
         kw["head_dim"] = kw["qk_rope_head_dim"]  # MLA: the rotary part of the head is "head_dim"
     if "kv_lora_rank" in kw and "num_key_value_heads" in kw:
         kw["num_key_value_heads"] = kw["num_attention_heads"]  # MLA: one key per query head
-    types = LAYER_TYPES.get(model_type) or defaults.get("layer_types")
-    n = 2
+    types = LAYER_TYPES.get(model_type) or defaults.get("layer_types") or []
+    n = max([2] + [i + 1 for i, t in enumerate(types) if t not in types[:i]])  # every type has appeared by then
     if types:
-        for i, t in enumerate(types):
-            if t not in types[:i]:
-                n = max(n, i + 1)  # the first index at which every type has appeared
         kw["layer_types"] = list(types[:n])
     kw["num_hidden_layers"] = n
     return cls(**kw)
@@ -180,9 +176,6 @@ def _mismatches(got: Any, want: Any, name: str, floor: float) -> list[str]:
 def _rank_main(model_type: str, rank: int, store: str, mem_bytes: int, out: Any) -> None:
     """One rank of one family's run, in its own process under the memory cap."""
     resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
-    import logging
-    import warnings
-
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     import torch
@@ -209,36 +202,30 @@ def _rank_main(model_type: str, rank: int, store: str, mem_bytes: int, out: Any)
 def run_family(model_type: str, *, timeout: float, mem_gb: float, tries: int = 2) -> dict[str, Any]:
     """``{"family", "verdict", "detail"}`` for one family: two fresh ranks, a time limit, a memory cap
     (a second try when gloo could not connect the two ranks: a loaded machine, not the model)."""
-    for _ in range(tries):
-        row = _run_once(model_type, timeout=timeout, mem_gb=mem_gb)
-        if "connectFullMesh" not in row["detail"]:
-            break
-    return row
-
-
-def _run_once(model_type: str, *, timeout: float, mem_gb: float) -> dict[str, Any]:
     ctx = mp.get_context("fork")  # the parent's imports are shared: no interpreter start per family
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        args = (model_type, 0, os.path.join(tmp, "store"), int(mem_gb * 2**30), out)
-        procs = [ctx.Process(target=_rank_main, args=(*args[:1], r, *args[2:]), daemon=True) for r in range(2)]
-        for p in procs:
-            p.start()
-        results: dict[int, dict[str, Any]] = {}
-        try:
-            while len(results) < 2:
-                rank, res = out.get(timeout=timeout)
-                results[rank] = res
-        except Exception:  # noqa: BLE001 - queue.Empty: the time limit, or a rank killed (memory)
-            codes = [p.exitcode for p in procs]
-            results.setdefault(0, {"verdict": "crash", "detail": f"no result in {timeout:.0f}s (exit codes {codes})"})
-        finally:
-            for p in procs:
-                p.kill()
-                p.join()
     order = ["crash", "wrong", "skipped", "refused", "exact"]
-    # the worst verdict; among crashes the cause before a peer's "connection closed"
-    worst = min(results.values(), key=lambda r: (order.index(r["verdict"]), "Connection closed" in r["detail"]))
+    for _ in range(tries):
+        out, results = ctx.Queue(), {}
+        with tempfile.TemporaryDirectory() as tmp:
+            args = (os.path.join(tmp, "store"), int(mem_gb * 2**30), out)
+            procs = [ctx.Process(target=_rank_main, args=(model_type, r, *args), daemon=True) for r in range(2)]
+            for p in procs:
+                p.start()
+            try:
+                while len(results) < 2:
+                    rank, res = out.get(timeout=timeout)
+                    results[rank] = res
+            except Exception:  # noqa: BLE001 - queue.Empty: the time limit, or a rank killed (memory)
+                codes = [p.exitcode for p in procs]
+                results.setdefault(0, {"verdict": "crash", "detail": f"no result in {timeout:.0f}s (exit codes {codes})"})
+            finally:
+                for p in procs:
+                    p.kill()
+                    p.join()
+        # the worst verdict; among crashes the cause before a peer's "connection closed"
+        worst = min(results.values(), key=lambda r: (order.index(r["verdict"]), "Connection closed" in r["detail"]))
+        if "connectFullMesh" not in worst["detail"]:
+            break
     return {"family": model_type, **worst}
 
 
@@ -256,43 +243,31 @@ def write_table(rows: list[dict[str, Any]], path: Path, run: dict, note: str = "
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, "model_sweep.md")
     ap.add_argument("--only", default="", help="comma-separated model types (default: every family)")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per family")
     ap.add_argument("--mem-gb", type=float, default=8.0, help="address-space cap per rank (GiB)")
     ap.add_argument("--jobs", type=int, default=1, help="families run at once (2 processes each)")
-    ap.add_argument("--out", default=str(RESULTS / "model_sweep.md"))
     ap.add_argument("--table-from", nargs="*", help="only write the table from these runs' printed rows "
                     "(JSON lines; a later row of a family replaces an earlier one)")  # fmt: skip
     ap.add_argument("--note", default="", help="a line under the counts (with --table-from: which runs)")
     args = ap.parse_args(argv)
-    run = md.provenance(" ".join(["python -m bench.model_sweep", *(argv if argv is not None else sys.argv[1:])]))
-    if args.table_from:
-        latest = {}
-        for log in args.table_from:
-            for line in Path(log).read_text().splitlines():
-                if line.startswith("{"):
-                    row = json.loads(line)
-                    latest[row["family"]] = row
+    run = md.provenance(md.command("bench.model_sweep", argv))
+    if args.table_from:  # a later row of a family replaces an earlier one
+        logs = [json.loads(x) for log in args.table_from for x in Path(log).read_text().splitlines() if x[:1] == "{"]
+        latest = {row["family"]: row for row in logs}
         write_table([latest[f] for f in sorted(latest)], Path(args.out), run, args.note)
         return
     # imported once here, shared by every forked family run (and fixed for the whole run)
     import transformers
-
-    import ulysses_sp.attention.ulysses  # noqa: F401
-    import ulysses_sp.mixers.apply  # noqa: F401
-    import ulysses_sp.mixers.guard  # noqa: F401
-    import ulysses_sp.parallel.loss  # noqa: F401
-
-    todo = [t for t in args.only.split(",") if t] or families()
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as classes
 
+    for name in ("attention.ulysses", "mixers.apply", "mixers.guard", "parallel.loss"):
+        importlib.import_module("ulysses_sp." + name)
+    todo = [t for t in args.only.split(",") if t] or families()
     for model_type in todo:  # the modeling modules too, once (a family that fails to import: its run says so)
-        try:
+        with contextlib.suppress(Exception):
             getattr(transformers, classes[model_type])
-        except Exception:  # noqa: BLE001
-            pass
-    from concurrent.futures import ThreadPoolExecutor
 
     def one(model_type: str) -> dict[str, Any]:
         row = run_family(model_type, timeout=args.timeout, mem_gb=args.mem_gb)

@@ -1,28 +1,31 @@
 """Predicted vs measured: the planner's peak per rank and comm share against real training steps.
 
-Each case builds the run's model with its techniques and engine exactly as ``ulysses-sp train``
-does (``train._techniques``, ``register_with_transformers``, ``initialize``), takes one warm-up
-optimizer step (the AdamW state then exists, as in every later step), and measures the second step
-with ``ulysses_sp.memory.meter.track_peak_memory`` (parameters and optimizer state counted in the
-baseline) and ``comm_timing.record_comm_times``. The prediction is ``plan.predict`` for the same settings,
-less what the CPU tracker cannot see: DDP's gradient buckets (allocated at construction, outside any
-aten op) and the reserve. FSDP2 (ZeRO 2-3) is left out on CPU: its unsharded parameters are
-allocated with ``UntypedStorage.resize_``, invisible to the tracker (``memory.py``'s blind spots).
+Each case builds the run's model with its techniques and engine exactly as ``ulysses-sp train`` does
+(``train._techniques``, ``register_with_transformers``, ``initialize``), takes one warm-up optimizer step (the
+AdamW state then exists, as in every later step), and measures the second step with
+``ulysses_sp.memory.meter.track_peak_memory`` (parameters and optimizer state counted in the baseline) and
+``comm_timing.record_comm_times``. The prediction is ``plan.predict`` for the same settings, less what the CPU
+tracker cannot see: DDP's gradient buckets (allocated at construction, outside any aten op) and the reserve.
+FSDP2 (ZeRO 2-3) is left out on CPU: its unsharded parameters are allocated with ``UntypedStorage.resize_``,
+invisible to the tracker (``memory.py``'s blind spots).
 
-Hybrid models (``HYBRIDS``: a Mamba-2 and a gated delta-net hybrid) are checked the same way, at
-sp 1 and 2, two lengths each (``hybrid_grid``).
+Hybrid models (``HYBRIDS``: a Mamba-2 and a gated delta-net hybrid) are checked the same way, at sp 1 and 2,
+two lengths each (``hybrid_grid``).
 
     python -m bench.plan_check [--cases N] [--out bench/results/plan_check.md]    # ~2-3 min
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
+import os
+import tempfile
+import time
 from typing import Any
 
+import torch
+
 from bench import md
-from bench.launch import finish_worker, init_worker, run_worker, under_torchrun
+from bench.launch import parser, run_worker, serve, under_torchrun
 
 CASES_TECH: list[dict[str, bool]] = [
     {}, {"activation_checkpointing": True}, {"activation_checkpointing": True, "offload_activations": True},
@@ -34,17 +37,11 @@ SHORT = {"tiled_mlp": "mlp", "tiled_loss": "loss", "activation_checkpointing": "
 
 def grid() -> list[dict[str, Any]]:
     """The checked settings (2 ranks each): >= 20, two architectures, both sp, both DDP stages."""
-    cases = []
-    for model in ("tiny-llama", "tiny-qwen2"):
-        for tech in CASES_TECH:
-            cases.append({"model": model, "seq_len": 2048, "sp": 2, "zero_stage": 0, **tech})
-        cases.append({"model": model, "seq_len": 1024, "sp": 1, "zero_stage": 1})
-        cases.append({"model": model, "seq_len": 4096, "sp": 2, "zero_stage": 1, "tiled_loss": True})
-        cases.append({"model": model, "seq_len": 2048, "sp": 1, "zero_stage": 0, "tiled_mlp": True,
-                      "tiled_loss": True, "activation_checkpointing": True})  # fmt: skip
-        cases.append({"model": model, "seq_len": 4096, "sp": 2, "zero_stage": 0, "tiled_mlp": True,
-                      "tiled_loss": True, "activation_checkpointing": True})  # fmt: skip
-    return cases
+    three = {"tiled_mlp": True, "tiled_loss": True, "activation_checkpointing": True}
+    return [{"model": model, **case} for model in ("tiny-llama", "tiny-qwen2") for case in (
+        *({"seq_len": 2048, "sp": 2, "zero_stage": 0, **tech} for tech in CASES_TECH),
+        {"seq_len": 1024, "sp": 1, "zero_stage": 1}, {"seq_len": 4096, "sp": 2, "zero_stage": 1, "tiled_loss": True},
+        {"seq_len": 2048, "sp": 1, "zero_stage": 0, **three}, {"seq_len": 4096, "sp": 2, "zero_stage": 0, **three})]
 
 
 _COMMON = dict(vocab_size=264, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
@@ -63,12 +60,8 @@ HYBRIDS: dict[str, tuple[str, dict[str, Any]]] = {
 
 def hybrid_dir(name: str, *, create: bool = False) -> str:
     """The local model directory of ``HYBRIDS[name]`` (under the temp dir; written when ``create``)."""
-    import os
-    import tempfile
-
     path = os.path.join(tempfile.gettempdir(), "ulysses-sp-plan-check", name)
     if create and not os.path.isfile(os.path.join(path, "config.json")):
-        import torch
         import transformers
         from transformers import AutoModelForCausalLM
 
@@ -88,18 +81,12 @@ def hybrid_grid(*, create: bool = False) -> list[dict[str, Any]]:
 
 
 def _opt_tensors(optimizer) -> list:
-    import torch
-
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer wraps the local one
     return [t for st in inner.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
 
 
 def measure(case: dict[str, Any]) -> dict[str, Any]:
     """On every rank of an initialised 2-rank group: the second step's peak and comm times."""
-    import time
-
-    import torch
-
     from ulysses_sp import tasks
     from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
     from ulysses_sp.engine import initialize
@@ -153,9 +140,7 @@ def predict_case(case: dict[str, Any], world: int = 2) -> dict[str, Any]:
     from ulysses_sp.plan.model import predict
 
     shape = load_shape(case["model"])
-    settings = Settings(
-        **{k: v for k, v in case.items() if k != "model"}, dp=world // case["sp"], device_type="cpu"
-    )
+    settings = Settings(**{k: v for k, v in case.items() if k != "model"}, dp=world // case["sp"], device_type="cpu")
     pred = predict(shape, settings, DEVICES["cpu"])
     trackable = pred.peak_bytes - pred.breakdown["comm_buffers"] - pred.breakdown["reserve"]
     return {"peak_bytes": pred.peak_bytes, "trackable_bytes": trackable, "host_bytes": pred.host_bytes,
@@ -168,15 +153,13 @@ def measure_all(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, "plan_check.md")
     ap.add_argument("--cases", type=int, help="only the first N settings of the grid (a quick check)")
-    ap.add_argument("--out", default=str(md.ROOT / "bench" / "results" / "plan_check.md"))
     args = ap.parse_args(argv)
     cases = (grid() + hybrid_grid(create=not under_torchrun()))[: args.cases]
-    if under_torchrun():
-        init_worker()
-        return finish_worker(measure_all(cases), args.out)
-    run = md.provenance(" ".join(["python -m bench.plan_check", *(argv if argv is not None else sys.argv[1:])]))
+    if serve(lambda: measure_all(cases), args.out):
+        return
+    run = md.provenance(md.command("bench.plan_check", argv))
     measured, _, _ = run_worker("bench.plan_check", 2, [f"--cases={len(cases)}"], timeout=1800)
     rows, worst = [], 0.0
     for case, got in zip(cases, measured):

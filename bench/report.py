@@ -1,18 +1,18 @@
 """Report: tables only, rendered from a results JSON (``python -m bench`` writes it; ``--render`` re-reads it).
 
-Layout of a result: ``runs`` maps a run id to where and when it ran (date, commit, host, machine,
-invocation, wall time, launches); ``sections`` maps a section name to ``{"run": id, "data": ...}``. A
-full run carries the sections it did not run from the previous results file, each still naming the
-run that produced it, and every table here is printed under that run's label. The prose that explains
-the tables is written by hand in docs/readme/performance.md. Every number comes from the JSON.
+Layout of a result: ``runs`` maps a run id to where and when it ran (date, commit, host, machine, invocation,
+wall time, launches); ``sections`` maps a section name to ``{"run": id, "data": ...}``. A full run carries the
+sections it did not run from the previous results file, each still naming the run that produced it, and every
+table here is printed under that run's label. The prose that explains the tables is written by hand in
+docs/readme/performance.md. Every number comes from the JSON.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import statistics
 from collections import defaultdict
+from pathlib import Path
 
 from bench.md import data, label, produced_by, table
 
@@ -177,11 +177,9 @@ def render(result: dict) -> str:
 
 def write(result: dict, out_dir: str, *, name: str) -> str:
     """``{name}.json`` and ``{name}.md``; returns the targets as text."""
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-        json.dump(result, f, indent=1, default=str)
-    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
-        f.write(render(result))
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
+    (Path(out_dir) / f"{name}.md").write_text(render(result))
     return "\n".join(f"{t[0]}: target {t[1]}; measured {t[2]} [{_status(t[3])}]" for t in targets(result))
 
 
@@ -190,8 +188,5 @@ BEGIN, END = "<!-- bench:targets (python -m bench writes this block) -->", "<!--
 
 def write_readme(result: dict, path: str) -> None:
     """Replace the targets block of docs/readme/performance.md (hand-written around it)."""
-    with open(path) as f:
-        text = f.read()
-    head, rest = text.split(BEGIN, 1)
-    with open(path, "w") as f:
-        f.write(f"{head}{BEGIN}\n{targets_md(result)}\n{END}{rest.split(END, 1)[1]}")
+    head, rest = Path(path).read_text().split(BEGIN, 1)
+    Path(path).write_text(f"{head}{BEGIN}\n{targets_md(result)}\n{END}{rest.split(END, 1)[1]}")

@@ -4,28 +4,25 @@
 
 Launches itself through bench/launch.py (``torchrun``, gloo, CPU, one thread per rank) at 4 and 2 ranks:
 
-(a) **bytes** one rank sends in one forward + backward of a tiny Llama (GQA, ``SHAPE``, packed documents)
-    per layout ``(ulysses U, ring R)`` over ``sp = U x R`` ranks, fp32 and bf16: the bytes
-    ``all_to_all_single`` sends to *other* ranks (the Ulysses exchange, ``bench.counters``; the
-    position-id gather is an all-gather and is not counted) and the bytes ring attention sends
-    (``attention.ring_stats``), against the analytic volume per layer, forward + backward:
-    Ulysses (``U > 1``) ``2 (U-1)/U B S_l D (2 H + 2 Hkv_U) b`` with ``S_l = S/sp``, ``Hkv_U = max(Hkv, U)``
-    (kv heads replicated before the exchange when fewer than ``U``); ring (``R > 1``) ``2 (R-1)`` K/V hops
-    in the input dtype and ``R`` fp32 dK/dV hops of ``KV = 2 B (Hkv_U / U) (S/R) D`` elements;
-(b) **FLOPs** per rank of ring attention alone under the causal mask (``BlockCounts``: computed
-    blocks, forward and backward), zigzag vs contiguous layout, max/min over ranks, at R = 2 and 4.
+(a) **bytes** one rank sends in one forward + backward of a tiny Llama (GQA, ``SHAPE``, packed documents) per
+    layout ``(ulysses U, ring R)`` over ``sp = U x R`` ranks, fp32 and bf16: the bytes ``all_to_all_single``
+    sends to *other* ranks (the Ulysses exchange, ``bench.counters``; the position-id gather is an all-gather
+    and is not counted) and the bytes ring attention sends (``attention.ring_stats``), against the analytic
+    volume per layer, forward + backward: Ulysses (``U > 1``) ``2 (U-1)/U B S_l D (2 H + 2 Hkv_U) b`` with
+    ``S_l = S/sp``, ``Hkv_U = max(Hkv, U)`` (kv heads replicated before the exchange when fewer than ``U``);
+    ring (``R > 1``) ``2 (R-1)`` K/V hops in the input dtype and ``R`` fp32 dK/dV hops of ``KV = 2 B (Hkv_U /
+    U) (S/R) D`` elements;
+(b) **FLOPs** per rank of ring attention alone under the causal mask (``BlockCounts``: computed blocks,
+    forward and backward), zigzag vs contiguous layout, max/min over ranks, at R = 2 and 4.
 """
 
 from __future__ import annotations
-
-import argparse
-import sys
 
 import torch
 import torch.distributed as dist
 
 from bench import md
-from bench.launch import finish_worker, init_worker, run_worker, under_torchrun
+from bench.launch import parser, run_worker, serve
 
 LAYOUTS = ((2, 2), (1, 4), (4, 1), (1, 2), (2, 1))
 """``(ulysses, ring)``: the hybrid, ring alone and Ulysses alone over 4 and 2 ranks."""
@@ -103,18 +100,14 @@ def worker(smoke: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, "ring.md")
     ap.add_argument("--smoke", action="store_true", help="a tiny shape for (b)")
-    ap.add_argument("--out", default=str(md.ROOT / "bench" / "results" / "ring.md"))
     args = ap.parse_args(argv)
-    if under_torchrun():
-        init_worker()
-        return finish_worker(worker(args.smoke), args.out)
-    run = md.provenance(" ".join(["python -m bench.ring_bench", *(argv if argv is not None else sys.argv[1:])]))
-    byte_rows, flop_rows = [], []
+    if serve(lambda: worker(args.smoke), args.out):
+        return
+    run, byte_rows, flop_rows = md.provenance(md.command("bench.ring_bench", argv)), [], []
     for world in (4, 2):
-        res, cmd, wall = run_worker("bench.ring_bench", world, ["--smoke"] * args.smoke)
-        print(f"{cmd}: {wall:.0f} s", file=sys.stderr)
+        res = run_worker("bench.ring_bench", world, ["--smoke"] * args.smoke)[0]
         for r in res["bytes"]:
             want, sent = r["analytic"], r["sent"]
             ratio = sum(s["all_to_all"] + s["ring"] for s in sent) / len(sent) / (want["all_to_all"] + want["ring"])

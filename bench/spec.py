@@ -97,11 +97,9 @@ def make_optimizer(params, lr: float) -> torch.optim.Optimizer:
 
 def causal_lm_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Mean next-token cross entropy of a full (unsharded) batch: the oracle's loss."""
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-    shift = torch.nn.functional.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[:, 1:]
-    return torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), shift.reshape(-1), ignore_index=IGNORE_INDEX
-    )
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits  # [B, S, V]
+    shift = torch.nn.functional.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[:, 1:]  # [B, S], next tokens
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), shift.flatten(), ignore_index=IGNORE_INDEX)
 
 
 def sp_loss_combine(loss_sum, good, group, combine: str = "all_gather") -> torch.Tensor:

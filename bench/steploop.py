@@ -3,8 +3,8 @@
     python -m torch.distributed.run --nproc-per-node 2 -m bench.steploop --impl ours --out /tmp/ours.json
     (bench/.venv-deepspeed/bin/python for ``--impl deepspeed``; --dp --sp --zero --steps --seq-len ...)
 
-Both sides build the same model and per-rank data (bench/spec.py) and hand ``run`` their
-``forward(batch) -> loss``, ``backward(loss)`` and ``step()``, each as its library documents it:
+Both sides build the same model and per-rank data (bench/spec.py) and hand ``run`` their ``forward(batch) ->
+loss``, ``backward(loss)`` and ``step()``, each as its library documents it:
 
 * ``ours``: ``register_with_transformers`` (sdpa core) -> ``ulysses_sp.engine.initialize(model, config,
   mpu=..., optimizer=AdamW)`` -> ``UlyssesSPDataLoaderAdapter`` -> ``engine(**batch).loss``,
@@ -12,14 +12,14 @@ Both sides build the same model and per-rank data (bench/spec.py) and hand ``run
 * ``deepspeed`` (in bench/.venv-deepspeed; ``deepspeed`` imported only there): its
   ``UlyssesSPAttentionHF.register_with_transformers``, ``deepspeed.initialize(..., mpu=...)``, its
   ``UlyssesSPDataLoaderAdapter``, the per-shard loss combined over the SP group with a differentiable
-  all-gather weighted by valid-token counts (an all-reduce at dp > 1: torch's gloo all-gather backward
-  fails for SP groups without global rank 0); ZeRO buckets of the model's size (the default allocates 2 GB).
+  all-gather weighted by valid-token counts (an all-reduce at dp > 1: torch's gloo all-gather backward fails
+  for SP groups without global rank 0); ZeRO buckets of the model's size (the default allocates 2 GB).
 
 The loop is the protocol both sides are measured by: step 0 counts the bytes through the collectives
-(``CollectiveCounter``) and records the gradient norm before the optimizer step; the last step (when
-there are several) is metered for peak tensor memory (``ulysses_sp.memory.track_peak_memory`` over
-every live tensor: parameters, gradients, optimizer state), the others are timed per phase. Rank 0
-writes the same JSON keys for both. The DeepSpeed venv finds the meter in this checkout's src/.
+(``CollectiveCounter``) and records the gradient norm before the optimizer step; the last step (when there are
+several) is metered for peak tensor memory (``ulysses_sp.memory.track_peak_memory`` over every live tensor:
+parameters, gradients, optimizer state), the others are timed per phase. Rank 0 writes the same JSON keys for
+both. The DeepSpeed venv finds the meter in this checkout's src/.
 """
 
 from __future__ import annotations
@@ -47,14 +47,13 @@ if importlib.util.find_spec("ulysses_sp") is None:  # the DeepSpeed venv: the me
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--impl", choices=("ours", "deepspeed"), required=True)
-    for flag, default in (("--dp", 1), ("--sp", 2), ("--zero", 1), ("--steps", 4), ("--seq-len", 64),
-                          ("--micro-batch", 1), ("--seed", 0)):  # fmt: skip
+    for flag, default in (("--dp", 1), ("--sp", 2), ("--zero", 1), ("--steps", 4), ("--seq-len", 64), ("--micro-batch", 1)):
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     init_worker(120, deepspeed=args.impl == "deepspeed")
-    model = S.build_model(S.ModelSpec(), seed=args.seed)
+    model = S.build_model(S.ModelSpec())  # seed 0, as the oracle's (spec.reference_run)
     numel = sum(p.numel() for p in model.parameters())
     out = (ours if args.impl == "ours" else deepspeed)(args, model)
     finish_worker({**out, "param_numel": numel}, args.out)
@@ -120,11 +119,9 @@ def run(args, batches, *, forward, backward, step, grad_norm) -> dict:
     tokens = args.micro_batch * batch["input_ids"].shape[1]
     steady = times[1:] or times
     return {"torch_version": torch.__version__, "args": vars(args), "losses": losses, "step_times": times,
-            "tokens_per_rank_per_step": tokens,
             # min over the steady steps: the estimator least disturbed by other load on the machine
-            "tokens_per_s_per_rank": tokens / min(steady), "phase_s": timer.best(),
-            "peak_bytes": peak,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "tokens_per_rank_per_step": tokens, "tokens_per_s_per_rank": tokens / min(steady), "phase_s": timer.best(),
+            "peak_bytes": peak, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "grad_norm_step1": local_norms[dist.get_rank()], "grad_norm_step1_per_rank": local_norms,
             "comm_bytes": {f"{p}/{o}": v for (p, o), v in counter.sent.items()}}  # fmt: skip
 
@@ -152,8 +149,7 @@ def ours(args, model) -> dict:
     # meter: add them (stage 2 keeps all of them from forward to backward).
     unsharded = sum(p.numel() * p.element_size() for p in model.parameters()) if args.zero >= 2 else 0
     out.update(impl="ulysses-sp", peak_bytes=out["peak_bytes"] + unsharded, peak_bytes_measured=out["peak_bytes"],
-               unsharded_param_bytes=unsharded, param_spread_in_sp_group=spread([full(p) for p in
-                                                                                  engine.module.parameters()], group))  # fmt: skip
+               unsharded_param_bytes=unsharded, param_spread_in_sp_group=spread(map(full, engine.module.parameters()), group))
     return out
 
 

@@ -2,24 +2,23 @@
 
 Run (about 5 minutes on 2 CPU cores): ``python -m bench.vlm_memory [--out bench/results/vlm_memory.md]``
 
-A random Qwen2.5-VL (text: hidden 256, 4 layers, 8 heads, vocab 1024; vision: hidden 128, depth 4)
-trains one fp32 step on one sample of 32x32-patch images (256 tokens each) and 256 text tokens,
-at sp 1, 2 and 4 (gloo ranks under bench/launch.py), the images encoded on every rank or split
-over the group (``shard_vlm(split_images_over=)``). Each rank measures with
-``ulysses_sp.memory.track_peak_memory`` (CPU dispatch counter, parameters in the baseline): the
-whole step's extra bytes (forward, loss, backward), and the vision tower's forward + backward over
-the sample's images alone: it runs whole on every rank (``ulysses_sp.vlm.shard``).
+A random Qwen2.5-VL (text: hidden 256, 4 layers, 8 heads, vocab 1024; vision: hidden 128, depth 4) trains one
+fp32 step on one sample of 32x32-patch images (256 tokens each) and 256 text tokens, at sp 1, 2 and 4 (gloo
+ranks under bench/launch.py), the images encoded on every rank or split over the group
+(``shard_vlm(split_images_over=)``). Each rank measures with ``ulysses_sp.memory.track_peak_memory`` (CPU
+dispatch counter, parameters in the baseline): the whole step's extra bytes (forward, loss, backward), and the
+vision tower's forward + backward over the sample's images alone: it runs whole on every rank
+(``ulysses_sp.vlm.shard``).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 
 from bench import md
-from bench.launch import finish_worker, init_worker, max_over_ranks, run_worker, under_torchrun
+from bench.launch import max_over_ranks, parser, run_worker, serve
 
 MIB, IMAGE_TOKENS, TEXT_TOKENS = 2**20, 256, 256
 
@@ -75,15 +74,13 @@ def worker(images: int, split: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(md.ROOT / "bench" / "results" / "vlm_memory.md"))
+    ap = parser(__doc__, "vlm_memory.md")
     ap.add_argument("--images", type=int, help=argparse.SUPPRESS)  # the torchrun worker
     ap.add_argument("--split", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if under_torchrun():
-        init_worker()
-        return finish_worker(worker(args.images, args.split), args.out)
-    run = md.provenance(" ".join(["python -m bench.vlm_memory", *(argv if argv is not None else sys.argv[1:])]))
+    if serve(lambda: worker(args.images, args.split), args.out):
+        return
+    run = md.provenance(md.command("bench.vlm_memory", argv))
     rows = []
     for images in (4, 8):
         for sp, split in ((1, False), (2, False), (4, False), (2, True), (4, True)):

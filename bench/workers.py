@@ -3,15 +3,15 @@
     python -m torch.distributed.run --nproc-per-node 2 -m bench.workers \\
         --tasks comm,flops,memory --out /tmp/w2.json [--smoke]
 
-Every task loops over the sequence-parallel sizes ``sp`` that divide W, on the layout ``(W/sp, sp)``
-(so ``sp=1`` runs W independent replicas under the same CPU contention as ``sp=W``) and returns
-records (plain dicts) with the per-rank values reduced (max over ranks); rank 0 writes them to
-``--out``. Batches go through the library's own ``prepare_batch`` / ``shard_batch``.
+Every task loops over the sequence-parallel sizes ``sp`` that divide W, on the layout ``(W/sp, sp)`` (so
+``sp=1`` runs W independent replicas under the same CPU contention as ``sp=W``) and returns records (plain
+dicts) with the per-rank values reduced (max over ranks); rank 0 writes them to ``--out``. Batches go through
+the library's own ``prepare_batch`` / ``shard_batch``.
 
-* ``comm``: bytes sent per attention layer, forward and backward (all-to-all; the step's other
-  collectives beside), MHA and GQA with ``Hkv`` above, equal to and below ``P``.
-* ``flops``: ``FlopCounterMode`` FLOPs of the local shard's forward+backward and of the model without
-  SP on the full sequence. Core attention ``eager``: the counter has no formula for CPU sdpa.
+* ``comm``: bytes sent per attention layer, forward and backward (all-to-all; the step's other collectives
+  beside), MHA and GQA with ``Hkv`` above, equal to and below ``P``.
+* ``flops``: ``FlopCounterMode`` FLOPs of the local shard's forward+backward and of the model without SP on
+  the full sequence. Core attention ``eager``: the counter has no formula for CPU sdpa.
 * ``memory``: peak tensor bytes (``ulysses_sp.memory.track_peak_memory``, parameters included) of
   forward+backward vs sequence length, with and without tiling (tiled MLP + tiled loss).
 """
