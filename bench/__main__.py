@@ -6,8 +6,7 @@
     python -m bench --render bench/results/bench.json      # re-render the tables only
 
 Sections: comm, flops, memory (bench/workers.py, one launch per world size) and deepspeed (bench/steploop.py:
-one step loop, both sides; needs ``bash bench/setup_deepspeed.sh``). Every worker is launched by
-bench/launch.py.
+one step loop, both sides; needs ``bash bench/setup_deepspeed.sh``), each launched by bench/launch.py.
 
 A run into bench/results carries every section it did not run from the previous bench.json, still labelled
 with the run that produced it, and refreshes the targets block of docs/readme/performance.md (then README.md
@@ -60,9 +59,8 @@ def run_pair(point: dict, *, steps: int, seq: int, repeats: int, run: dict, lr: 
     best = {side: {**runs[0], "tokens_per_s_per_rank": max(r["tokens_per_s_per_rank"] for r in runs), "repeats":
                    len(runs), "phase_s": {k: min(r["phase_s"][k] for r in runs) for k in runs[0]["phase_s"]}}
             for side, runs in sides.items()}  # deterministic fields from the first launch, the best timings of all
-    return {"point": point, "steps": steps, "seq": seq, "micro_batch": 1, "lr": lr, **best,
-            "reference": ref, "ours_command": best["ours"]["command"],
-            "deepspeed_command": best["deepspeed"]["command"]}  # fmt: skip
+    return {"point": point, "steps": steps, "seq": seq, "micro_batch": 1, "lr": lr, **best, "reference": ref,
+            "ours_command": best["ours"]["command"], "deepspeed_command": best["deepspeed"]["command"]}  # fmt: skip
 
 
 def run_sections(sections: list[str], smoke: bool, run: dict) -> dict:
@@ -120,8 +118,7 @@ def main(argv=None) -> int:
     if readme and not result["smoke"]:
         report.write_readme(result, str(ROOT / "docs" / "readme" / "performance.md"))
         subprocess.run([sys.executable, str(ROOT / "scripts" / "build_readme.py")], cwd=ROOT, check=True)
-    log(summary)
-    log(f"bench: done -> {args.out_dir}")
+    log(f"{summary}\nbench: done -> {args.out_dir}")
     return 0
 
 

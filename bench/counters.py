@@ -4,7 +4,7 @@ Pure torch (imported in both virtual environments). ``CollectiveCounter`` wraps 
 ``torch.distributed`` that ulysses-sp's parallel/comm.py and DeepSpeed's comm layer both end up calling,
 looked up at call time, and records for each call the bytes this rank sends to *other* ranks (its own slice of
 an all-to-all never leaves the process, so it is not counted) under the current phase label. ``PhaseTimer``
-times named phases of a step. Peak tensor memory is the library's ``ulysses_sp.memory.track_peak_memory``.
+times named phases of a step, ``timed`` one call on every rank at once. Peak tensor memory is the library's ``ulysses_sp.memory.track_peak_memory``.
 """
 
 from __future__ import annotations
@@ -86,6 +86,14 @@ class CollectiveCounter:
     def __exit__(self, *exc) -> None:
         for name, orig in self._saved.items():
             setattr(dist, name, orig)
+
+
+def timed(fn) -> float:
+    """Wall seconds of ``fn()``, started on every rank together (a barrier first)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 class PhaseTimer:

@@ -27,8 +27,14 @@ import torch
 
 if __package__ in (None, ""):  # `python bench/gpu_check.py` as well as `python -m bench.gpu_check`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, LlamaConfig
+
 from bench import md
 from bench.launch import parser
+from ulysses_sp.engine import initialize
+from ulysses_sp.memory.offload import enable_activation_checkpointing
+from ulysses_sp.memory.tiling import TiledCausalLMLoss, apply_tiled_mlp
 
 MODEL = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
              num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True,
@@ -36,13 +42,7 @@ MODEL = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hi
 
 
 def run_case(seq: int, offload: bool) -> dict:
-    import torch.distributed as dist
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from ulysses_sp.engine import initialize
-    from ulysses_sp.memory.offload import enable_activation_checkpointing
-    from ulysses_sp.memory.tiling import TiledCausalLMLoss, apply_tiled_mlp
-
+    """One case: a fresh model, 1 warm-up and 3 timed steps; tokens/s, peak allocated, the last loss."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**MODEL), attn_implementation="sdpa")
     n_params = sum(p.numel() for p in model.parameters())
@@ -73,8 +73,6 @@ def run_case(seq: int, offload: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import torch.distributed as dist
-
     ap = parser(__doc__, "gpu_check.md")
     ap.add_argument("--lengths", type=int, nargs="+", default=[32768, 65536, 131072])
     args = ap.parse_args(argv)

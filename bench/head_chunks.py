@@ -8,12 +8,11 @@ against one sdpa call per document (after). Writes ``bench/results/head_chunks.m
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
-import torch.distributed as dist
 
 from bench import md
+from bench.counters import timed
 from bench.launch import max_over_ranks, parser, run_worker, serve
 from bench.spec import llama, packed_positions
 from ulysses_sp.attention.blockwise import resolve_chunk
@@ -50,7 +49,7 @@ def layer_memory(seq: int) -> list[list[int]]:  # [peak, kept] of one attention 
                                                    attention_mask=None, position_ids=pos)  # fmt: skip
             kept = mem.current_bytes  # what the layer keeps for its backward (+ x and its output)
             y.sum().backward()
-        out.append([int(max_over_ranks(mem.peak_bytes)), int(max_over_ranks(kept))])
+        out.append([max_over_ranks(mem.peak_bytes), max_over_ranks(kept)])
     reg.remove()
     return out
 
@@ -64,10 +63,7 @@ def step_times(seq: int, packed: bool, variants: list[tuple], steps: int) -> lis
     for _ in range(steps + 1):
         for variant, got in zip(variants, times):
             _use(reg, *variant)
-            dist.barrier()
-            t0 = time.perf_counter()
-            model(input_ids=ids, position_ids=pos).logits.float().logsumexp(-1).sum().backward()
-            got.append(time.perf_counter() - t0)
+            got.append(timed(lambda: model(input_ids=ids, position_ids=pos).logits.float().logsumexp(-1).sum().backward()))
     reg.remove()
     return [statistics.median(t[1:]) for t in times]
 

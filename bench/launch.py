@@ -30,10 +30,7 @@ class WorkerFailed(RuntimeError):
 
 def _shown(python: str) -> str:
     p = Path(python)
-    try:
-        return str(p.relative_to(ROOT))
-    except ValueError:
-        return "python" if p == Path(sys.executable) else str(p)
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else "python" if p == Path(sys.executable) else str(p)
 
 
 def run_worker(
@@ -105,13 +102,13 @@ def init_worker(timeout_s: float = 600, *, deepspeed: bool = False) -> None:
     torch.set_num_threads(1)
 
 
-def max_over_ranks(x: float, group=None) -> float:
+def max_over_ranks(x, group=None):
     import torch
     import torch.distributed as dist
 
     t = torch.tensor([float(x)], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.item()
+    return type(x)(t.item())  # ints stay ints (byte and FLOP counts)
 
 
 def finish_worker(result, out: str | None) -> None:

@@ -1,8 +1,6 @@
 """Peak host memory of sharded loading at ZeRO 3: RSS growth per rank / the model's fp32 bytes.
 
-Run (a few minutes on 2 CPU cores; ``--small --dp 2`` is the quick check)::
-
-    python -m bench.load_memory [--small] [--dp 2 4] [--out bench/results/load_memory.md]
+Run: ``python -m bench.load_memory [--small] [--dp 2 4]`` (minutes on 2 CPU cores; ``--small --dp 2``: quick).
 
 A random Llama (hidden 1024, 8 layers, vocab 32000, untied: 155M parameters, 594 MiB in fp32) is written with
 ``save_pretrained(max_shard_size="150MB")`` as fp32 and as bf16 files under /tmp. For each file dtype and dp
@@ -29,6 +27,7 @@ if __package__ in (None, ""):  # `python bench/load_memory.py` as well as `pytho
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import md
 from bench.launch import parser, run_worker, serve
+from bench.spec import llama
 
 CONFIG = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
               num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=False)  # fmt: skip
@@ -42,10 +41,7 @@ def _status(key: str) -> int:
 
 def write_model(path: str, dtype: torch.dtype, config: dict = CONFIG) -> int:
     """Save a random ``config`` Llama in ``dtype`` to ``path``; return its parameter count."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**config))
+    model = llama(**config)
     model.to(dtype).save_pretrained(path, max_shard_size="150MB")
     return sum(p.numel() for p in model.parameters())
 

@@ -21,13 +21,17 @@ Gloo ranks on CPU (bench/launch.py: one world per sp size, one thread per rank).
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
+import transformers as tf
 
 from bench import md
+from bench.counters import CollectiveCounter, timed
 from bench.launch import max_over_ranks, parser, run_worker, serve
+from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
+from ulysses_sp.memory.meter import track_peak_memory
+from ulysses_sp.mixers.apply import apply_mixers
+from ulysses_sp.parallel.mesh import init_mesh
 
 WIDTH = {"hidden": 64, "heads": 4, "mamba_heads": 8, "head_dim": 8, "state": 16, "groups": 2}
 
@@ -35,8 +39,6 @@ WIDTH = {"hidden": 64, "heads": 4, "mamba_heads": 8, "head_dim": 8, "state": 16,
 def hybrid(kind: str, groups: int = WIDTH["groups"]):
     """A small fp32 seeded model of ``kind``: ``lfm2``, ``nemotron_h``, ``llama``, ``gated_deltanet`` (a
     Qwen3-Next of two gated delta-net layers) or ``qwen3_next`` (the same plus one attention layer)."""
-    import transformers as tf
-
     torch.manual_seed(0)
     h = WIDTH["hidden"]
     common = dict(vocab_size=256, hidden_size=h, intermediate_size=2 * h, num_attention_heads=WIDTH["heads"],
@@ -67,9 +69,7 @@ def analytic_bytes(kind: str, mixer, b: int, s_local: int, p: int, itemsize: int
 
 
 def mixer_bytes(mesh, s: int) -> list[dict]:
-    from bench.counters import CollectiveCounter
-    from ulysses_sp.mixers.apply import apply_mixers
-
+    """Bytes each mixer layer's all-to-alls send at ``S = s`` on this rank, against ``analytic_bytes``."""
     rows, p, b = [], mesh.sp_size, 1
     for kind, model, path in (
         ("short_conv", hybrid("lfm2"), "model.layers.0.conv"),
@@ -89,10 +89,7 @@ def mixer_bytes(mesh, s: int) -> list[dict]:
 
 
 def step(mesh, kind: str, s: int, repeats: int, memory: bool) -> dict:
-    from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
-    from ulysses_sp.memory.meter import track_peak_memory
-    from ulysses_sp.mixers.apply import apply_mixers
-
+    """The fastest of ``repeats`` steps of model ``kind`` at ``S = s`` (and its peak when ``memory``)."""
     model, p = hybrid(kind), mesh.sp_size
     # at sp 1 too: the causal path without an S x S mask, as at sp > 1
     reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", p, 1, mesh=mesh)
@@ -106,12 +103,7 @@ def step(mesh, kind: str, s: int, repeats: int, memory: bool) -> dict:
         model.zero_grad(set_to_none=True)
 
     run()  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - t0)
+    best = min((timed(run) for _ in range(repeats)), default=float("inf"))
     out = {"model": kind, "sp": p, "S": s, "step_s": max_over_ranks(best)}
     if memory:
         with track_peak_memory("cpu", include=list(model.parameters())) as peak:
@@ -123,13 +115,10 @@ def step(mesh, kind: str, s: int, repeats: int, memory: bool) -> dict:
 
 
 def worker(smoke: bool) -> dict:
-    from ulysses_sp.parallel.mesh import init_mesh
-
     mesh = init_mesh((1, dist.get_world_size()))
     s_time, s_mem = (256, (512, 1024)) if smoke else (2048, (8192, 16384))
     return {"bytes": mixer_bytes(mesh, 256) if mesh.sp_size > 1 else [],
-            "time": [step(mesh, k, s_time, 1 if smoke else 5, memory=False) for k in ("nemotron_h", "qwen3_next",
-                                                                                      "llama")],
+            "time": [step(mesh, k, s_time, 1 if smoke else 5, memory=False) for k in ("nemotron_h", "qwen3_next", "llama")],
             "memory": [step(mesh, k, s, 0, memory=True) for k in ("nemotron_h", "gated_deltanet") for s in s_mem]}  # fmt: skip
 
 

@@ -18,7 +18,7 @@ or the memory cap: every model runs in its own processes under ``RLIMIT_AS``).
 from __future__ import annotations
 
 import contextlib
-import importlib
+import copy
 import json
 import logging
 import multiprocessing as mp
@@ -32,8 +32,20 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import transformers
+from transformers import AutoModelForCausalLM
+from transformers.models.auto import modeling_auto as auto
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
 from bench import md
-from bench.launch import parser
+from bench.launch import max_over_ranks, parser
+from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
+from ulysses_sp.mixers.apply import apply_mixers, has_unsharded_mixers
+from ulysses_sp.mixers.guard import check_sequence_mixing
+from ulysses_sp.parallel.loss import sp_causal_lm_loss
 
 SEQ = 32
 """Tokens per sequence (rank holds 16): longer than the tiny sliding window and attention chunk (8)."""
@@ -53,8 +65,6 @@ LAYER_TYPES = {"lfm2": ["conv", "full_attention"], "lfm2_moe": ["conv", "full_at
 
 def families() -> list[str]:
     """Decoder-only causal-LM model types of the installed transformers, from its auto registries."""
-    from transformers.models.auto import modeling_auto as auto
-
     not_decoder_only = (auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES, auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
                         auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)  # fmt: skip
     return sorted(set(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES).difference(*not_decoder_only))
@@ -62,8 +72,6 @@ def families() -> list[str]:
 
 def tiny_config(model_type: str) -> Any:
     """The config class's defaults, shrunk (``SHRINK``), with every default layer type in its layers."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
     cls = CONFIG_MAPPING[model_type]
     defaults = cls().to_dict()
     # a per-layer input embedding (Gemma 3n/4) is shrunk where the family has one (default 0: it has none)
@@ -85,9 +93,6 @@ def tiny_config(model_type: str) -> Any:
 
 def build(model_type: str, seed: int = 0) -> Any:
     """The tiny fp32 model with random weights (matrices N(0, 0.2), vectors 1 + N(0, 0.1)), eval mode."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     torch.manual_seed(seed)
     config = tiny_config(model_type)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
@@ -103,17 +108,6 @@ def compare(model: Any, *, guard: bool = True, seed: int = 1) -> dict[str, Any]:
     ``guard=False``: neither the closed-world guard nor the mixer handlers (what SP did before them).
     Returns ``{"verdict": "exact"|"refused"|"wrong", "detail": ...}`` (the same on every rank).
     """
-    import copy
-
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
-    from ulysses_sp.mixers.apply import apply_mixers, has_unsharded_mixers
-    from ulysses_sp.mixers.guard import check_sequence_mixing
-    from ulysses_sp.parallel.loss import sp_causal_lm_loss
-
     sp, rank = dist.get_world_size(), dist.get_rank()
     if guard:
         try:
@@ -155,22 +149,17 @@ def compare(model: Any, *, guard: bool = True, seed: int = 1) -> dict[str, Any]:
         dist.all_reduce(g)  # sum over the SP group, as the engine reduces gradients
         if r.grad is not None:
             problems += _mismatches(g, r.grad, name, floor)
-    bad = torch.tensor([len(problems)])
-    dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # one verdict for the group
-    if int(bad):
+    if max_over_ranks(len(problems)):  # one verdict for the group
         return {"verdict": "wrong", "detail": problems[0] if problems else "another rank differs"}
     return {"verdict": "exact", "detail": ""}
 
 
 def _mismatches(got: Any, want: Any, name: str, floor: float) -> list[str]:
-    import torch
-
     scale = float(want.abs().max())
     if torch.allclose(got, want, rtol=1e-4, atol=max(1e-5 * scale, floor, 1e-12)):
         return []
     err = (got - want).abs()
-    flat = int(err.argmax())
-    return [f"{name} differs by {float(err.max()) / max(scale, 1e-30):.1%} of its scale (at index {flat})"]
+    return [f"{name} differs by {float(err.max()) / max(scale, 1e-30):.1%} of its scale (at index {int(err.argmax())})"]
 
 
 def _rank_main(model_type: str, rank: int, store: str, mem_bytes: int, out: Any) -> None:
@@ -178,9 +167,6 @@ def _rank_main(model_type: str, rank: int, store: str, mem_bytes: int, out: Any)
     resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     try:
         try:
@@ -231,8 +217,6 @@ def run_family(model_type: str, *, timeout: float, mem_gb: float, tries: int = 2
 
 def write_table(rows: list[dict[str, Any]], path: Path, run: dict, note: str = "") -> str:
     """The results page (the run's header, the counts, ``note``, one row per family); returns the text."""
-    import transformers
-
     counts = {v: sum(r["verdict"] == v for r in rows) for v in ("exact", "refused", "skipped", "crash", "wrong")}
     return md.page(path, "Model coverage sweep", run, [
         f"transformers {transformers.__version__}: {len(rows)} decoder-only causal-LM families from its auto "
@@ -258,16 +242,12 @@ def main(argv: list[str] | None = None) -> None:
         latest = {row["family"]: row for row in logs}
         write_table([latest[f] for f in sorted(latest)], Path(args.out), run, args.note)
         return
-    # imported once here, shared by every forked family run (and fixed for the whole run)
-    import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as classes
-
-    for name in ("attention.ulysses", "mixers.apply", "mixers.guard", "parallel.loss"):
-        importlib.import_module("ulysses_sp." + name)
     todo = [t for t in args.only.split(",") if t] or families()
-    for model_type in todo:  # the modeling modules too, once (a family that fails to import: its run says so)
+    # every module a family run needs is imported here once, shared by the forked runs (fixed for the whole
+    # run): this module's imports, and the modeling modules (a family that fails to import: its run says so)
+    for model_type in todo:
         with contextlib.suppress(Exception):
-            getattr(transformers, classes[model_type])
+            getattr(transformers, auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
 
     def one(model_type: str) -> dict[str, Any]:
         row = run_family(model_type, timeout=args.timeout, mem_gb=args.mem_gb)

@@ -22,7 +22,15 @@ import torch
 import torch.distributed as dist
 
 from bench import md
+from bench.counters import CollectiveCounter
 from bench.launch import parser, run_worker, serve
+from bench.spec import llama, packed_positions
+from ulysses_sp.attention.blockwise import BlockCounts
+from ulysses_sp.attention.ring import ring_attention
+from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
+from ulysses_sp.data import prepare_batch, shard_batch
+from ulysses_sp.parallel.loss import sp_causal_lm_loss
+from ulysses_sp.parallel.mesh import init_mesh
 
 LAYOUTS = ((2, 2), (1, 4), (4, 1), (1, 2), (2, 1))
 """``(ulysses, ring)``: the hybrid, ring alone and Ulysses alone over 4 and 2 ranks."""
@@ -46,13 +54,6 @@ def analytic(ulysses: int, ring: int, shape: dict = SHAPE, itemsize: int = 4) ->
 def measure(ulysses: int, ring: int, shape: dict = SHAPE, dtype: torch.dtype = torch.float32) -> dict[str, int]:
     """Run the model once on this rank (a process group of ``ulysses * ring`` ranks must exist);
     return the bytes this rank sent: ``{"all_to_all": ..., "ring": ...}``."""
-    from bench.counters import CollectiveCounter
-    from bench.spec import llama, packed_positions
-    from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
-    from ulysses_sp.data import prepare_batch, shard_batch
-    from ulysses_sp.parallel.loss import sp_causal_lm_loss
-    from ulysses_sp.parallel.mesh import init_mesh
-
     sp = ulysses * ring
     mesh = init_mesh((1, sp), ring_size=ring)
     model = llama(vocab_size=64, hidden_size=shape["h"] * shape["d"], intermediate_size=64,
@@ -73,9 +74,6 @@ def measure(ulysses: int, ring: int, shape: dict = SHAPE, dtype: torch.dtype = t
 
 def balance(shape: dict) -> dict[str, list]:
     """This rank's ``(flops, computed, skipped)`` blocks of one ring-attention call (fwd + bwd) per layout."""
-    from ulysses_sp.attention.blockwise import BlockCounts
-    from ulysses_sp.attention.ring import ring_attention
-
     group, rank, out = dist.new_group(list(range(dist.get_world_size()))), dist.get_rank(), {}
     for zigzag in (True, False):
         g, counts = torch.Generator().manual_seed(rank), BlockCounts()

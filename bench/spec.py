@@ -72,9 +72,8 @@ def make_batch(indices: list[int], seq_len: int, vocab: int) -> dict[str, torch.
 
 
 def rank_samples(rank: int, world: int, mb: int, items: int, seq_len: int, vocab: int) -> list[dict]:
-    """The samples one global rank's ordinary DataLoader yields (before any SP adapter): item ``j`` of
-    rank ``r`` is sample ``(j * world + r) * mb + e`` for ``e`` in the micro-batch, so ranks never repeat
-    each other's data."""
+    """The samples one global rank's ordinary DataLoader yields (before any SP adapter): item ``j`` of rank ``r``
+    is sample ``(j * world + r) * mb + e`` for ``e`` in the micro-batch, so ranks never repeat each other's data."""
     samples = (make_sample((j * world + rank) * mb + e, seq_len, vocab) for j in range(items) for e in range(mb))
     return [{key: v[0] for key, v in s.items()} for s in samples]
 
@@ -113,14 +112,13 @@ def sp_loss_combine(loss_sum, good, group, combine: str = "all_gather") -> torch
     return dnn.all_reduce(loss_sum, group=group) / max(int(goods), 1)
 
 
-def reference_run(spec: ModelSpec, *, steps: int, dp_size: int, sp_size: int, mb: int, seq_len: int, lr: float,
-                  seed: int = 0) -> dict:  # fmt: skip
+def reference_run(spec: ModelSpec, *, steps: int, dp_size: int, sp_size: int, mb: int, seq_len: int, lr: float) -> dict:
     """The oracle: the same optimizer steps in one process without parallelism.
 
     Each step averages the dp replicas' mean losses (equal token counts, so this is the global token mean),
     as DP gradient averaging does. Returns per-step losses and the step-1 gradient norm.
     """
-    model = build_model(spec, seed=seed)
+    model = build_model(spec)  # seed 0, as the workers'
     opt = make_optimizer(model.parameters(), lr)
     losses, grad_norm = [], None
     for step in range(steps):

@@ -155,13 +155,10 @@ def ours(args, model) -> dict:
 
 def deepspeed(args, model) -> dict:
     import deepspeed as ds
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import (
-        UlyssesSPAttentionHF,
-        UlyssesSPDataLoaderAdapter,
-    )
+    from deepspeed.runtime.sequence_parallel import ulysses_sp as ds_sp
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
-    mpu = UlyssesSPAttentionHF.register_with_transformers(
+    mpu = ds_sp.UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=args.sp,
         micro_batch_size=args.micro_batch, seq_length_is_variable=True)  # fmt: skip
     numel = sum(p.numel() for p in model.parameters())
@@ -173,8 +170,8 @@ def deepspeed(args, model) -> dict:
     opt = S.make_optimizer(model.parameters(), args.lr)
     engine, _, _, _ = ds.initialize(model=model, optimizer=opt, config=config, mpu=mpu)
     group = mpu.get_sequence_parallel_group()
-    batches = UlyssesSPDataLoaderAdapter(loader(args), sp_rank=mpu.get_sequence_parallel_rank(), sp_group=group,
-                                         sp_world_size=args.sp, device=torch.device("cpu"))  # fmt: skip
+    batches = ds_sp.UlyssesSPDataLoaderAdapter(loader(args), sp_rank=mpu.get_sequence_parallel_rank(), sp_group=group,
+                                               sp_world_size=args.sp, device=torch.device("cpu"))  # fmt: skip
     combine = "all_gather" if args.dp == 1 else "all_reduce"
 
     def forward(b):

@@ -16,16 +16,22 @@ from __future__ import annotations
 import argparse
 
 import torch
+import torch.distributed as dist
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from bench import md
 from bench.launch import max_over_ranks, parser, run_worker, serve
+from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
+from ulysses_sp.memory.meter import track_peak_memory
+from ulysses_sp.parallel.loss import sp_causal_lm_loss
+from ulysses_sp.parallel.mesh import init_mesh
+from ulysses_sp.vlm import prepare_vlm_batch, shard_vlm
 
 MIB, IMAGE_TOKENS, TEXT_TOKENS = 2**20, 256, 256
 
 
 def _model():
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
+    """The random Qwen2.5-VL of the module docstring, fp32, seed 0."""
     text = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
                 num_key_value_heads=4, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [4, 6, 6]})  # fmt: skip
     vision = dict(depth=4, hidden_size=128, intermediate_size=256, num_heads=4, patch_size=4, spatial_merge_size=2,
@@ -48,14 +54,7 @@ def _sample(images: int) -> dict:
 
 
 def worker(images: int, split: bool) -> dict:
-    import torch.distributed as dist
-
-    from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
-    from ulysses_sp.memory.meter import track_peak_memory
-    from ulysses_sp.parallel.loss import sp_causal_lm_loss
-    from ulysses_sp.parallel.mesh import init_mesh
-    from ulysses_sp.vlm import prepare_vlm_batch, shard_vlm
-
+    """This rank's step and vision-tower peaks (max over ranks) with ``images`` images at sp = world size."""
     sp = dist.get_world_size()
     model, batch = _model(), _sample(images)
     mesh = init_mesh((1, sp))

@@ -29,6 +29,11 @@ from bench import analytic
 from bench import spec as S
 from bench.counters import CollectiveCounter
 from bench.launch import finish_worker, init_worker, max_over_ranks
+from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
+from ulysses_sp.data.shard import prepare_batch, shard_batch
+from ulysses_sp.memory.meter import track_peak_memory
+from ulysses_sp.memory.tiling import TiledCausalLMLoss, apply_tiled_mlp
+from ulysses_sp.parallel.loss import sp_causal_lm_loss
 
 
 def sp_sizes(world: int) -> list[int]:
@@ -38,35 +43,22 @@ def sp_sizes(world: int) -> list[int]:
 def sp_setup(spec: S.ModelSpec, sp: int, *, core: str, mb: int, seed: int = 0):
     """``(model, registration)`` on the layout ``(W/sp, sp)``; no registration at ``sp=1``."""
     model = S.build_model(spec, seed=seed, attn_implementation=core)
-    if sp == 1:
-        return model, None
-    from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
-
-    return model, UlyssesSPAttentionHF.register_with_transformers(model, core, sp, mb)
+    return model, UlyssesSPAttentionHF.register_with_transformers(model, core, sp, mb) if sp > 1 else None
 
 
 def local_batch(batch: dict[str, torch.Tensor], reg) -> dict[str, torch.Tensor]:
     """Full batch ``[B, S]`` -> this rank's ``{input_ids, position_ids, shift_labels}`` ``[B, S_l]``."""
-    from ulysses_sp.data.shard import prepare_batch, shard_batch
-
-    sp = 1 if reg is None else reg.get_sequence_parallel_world_size()
-    rank = 0 if reg is None else reg.get_sequence_parallel_rank()
+    sp, rank = (1, 0) if reg is None else (reg.get_sequence_parallel_world_size(), reg.get_sequence_parallel_rank())
     return shard_batch(prepare_batch(batch, sp, strict=True), rank, sp)
 
 
 def loss_of(model, local: dict, reg, *, tiled: bool = False) -> torch.Tensor:
-    from ulysses_sp.memory.tiling import TiledCausalLMLoss
-    from ulysses_sp.parallel.loss import sp_causal_lm_loss
-
+    """The SP causal-LM loss of this rank's shard (the tiled loss when ``tiled``)."""
     group = None if reg is None else reg.get_sequence_parallel_group()
     inputs = {"input_ids": local["input_ids"], "position_ids": local["position_ids"]}
     if tiled:
         return TiledCausalLMLoss()(model, inputs, local["shift_labels"], group).loss
     return sp_causal_lm_loss(model(**inputs, use_cache=False).logits, local["shift_labels"], group)
-
-
-def gather_max(value: float) -> float:
-    return type(value)(max_over_ranks(value))  # ints stay ints (byte and FLOP counts)
 
 
 def done(reg) -> None:
@@ -99,8 +91,8 @@ def task_comm(smoke: bool) -> list[dict]:
             layers, a2a = spec.num_hidden_layers, "all_to_all_single"
             kw = dict(B=b, S=seq, H=h_q, Hkv=hkv, D=d, P=sp, b=4)
             minimum = analytic.ulysses_min_bytes_per_layer(**kw)
-            fwd = gather_max(counter.total("forward", a2a) / layers)
-            bwd = gather_max(counter.total("backward", a2a) / layers)
+            fwd = max_over_ranks(counter.total("forward", a2a) / layers)
+            bwd = max_over_ranks(counter.total("backward", a2a) / layers)
             records.append({
                 "task": "comm", "sp": sp, "dp": world // sp, "heads": h_q, "kv_heads": hkv, "head_dim": d,
                 "batch": b, "seq": seq, "dtype_bytes": 4,
@@ -109,8 +101,8 @@ def task_comm(smoke: bool) -> list[dict]:
                 "fwd_bytes_per_layer": fwd, "bwd_bytes_per_layer": bwd, "min_bytes_per_layer": minimum,
                 "naive_kv_bytes_per_layer": analytic.naive_kv_bytes_per_layer(**kw),
                 "fwd_ratio": fwd / minimum, "bwd_ratio": bwd / minimum,
-                "other_fwd_bytes_per_step": gather_max(counter.total("forward") - counter.total("forward", a2a)),
-                "other_bwd_bytes_per_step": gather_max(counter.total("backward") - counter.total("backward", a2a)),
+                "other_fwd_bytes_per_step": max_over_ranks(counter.total("forward") - counter.total("forward", a2a)),
+                "other_bwd_bytes_per_step": max_over_ranks(counter.total("backward") - counter.total("backward", a2a)),
             })  # fmt: skip
     return records
 
@@ -127,7 +119,7 @@ def task_flops(smoke: bool) -> list[dict]:
     for sp in sp_sizes(world):
         model, reg = sp_setup(spec, sp, core="eager", mb=1)
         local = local_batch(batch, reg)
-        worst = gather_max(count_flops(lambda: loss_of(model, local, reg).backward()))  # noqa: B023
+        worst = max_over_ranks(count_flops(lambda: loss_of(model, local, reg).backward()))  # noqa: B023
         done(reg)
         records.append({
             "task": "flops", "sp": sp, "dp": world // sp, "seq": seq, "flops_per_rank": worst,
@@ -138,9 +130,6 @@ def task_flops(smoke: bool) -> list[dict]:
 
 def task_memory(smoke: bool) -> list[dict]:
     """Peak tensor bytes of forward+backward vs S for each sp, with and without tiling."""
-    from ulysses_sp.memory.meter import track_peak_memory
-    from ulysses_sp.memory.tiling import apply_tiled_mlp
-
     world = dist.get_world_size()
     spec = S.ModelSpec(hidden_size=64, num_attention_heads=8, num_key_value_heads=8, intermediate_size=256, vocab_size=1024)
     records = []
@@ -155,7 +144,7 @@ def task_memory(smoke: bool) -> list[dict]:
                     loss_of(model, local, reg, tiled=tiled).backward()
                 records.append({
                     "task": "memory", "sp": sp, "dp": world // sp, "tiled": tiled, "seq": seq,
-                    "peak_bytes": gather_max(m.peak_bytes), "baseline_bytes": gather_max(m.baseline_bytes),
+                    "peak_bytes": max_over_ranks(m.peak_bytes), "baseline_bytes": max_over_ranks(m.baseline_bytes),
                 })  # fmt: skip
             if handle is not None:
                 handle.remove()
@@ -177,9 +166,7 @@ def main(argv=None) -> None:
     for name in args.tasks.split(","):
         t0 = time.perf_counter()
         recs = TASKS[name](args.smoke)
-        for r in recs:
-            r.update(world=dist.get_world_size(), task_wall_s=round(time.perf_counter() - t0, 2))
-        records += recs
+        records += [{**r, "world": dist.get_world_size(), "task_wall_s": round(time.perf_counter() - t0, 2)} for r in recs]
     finish_worker(records, args.out)
 
 
