@@ -1,10 +1,11 @@
 """Instruments: bytes through collectives (deterministic), and wall time per phase of a step.
 
 Pure torch (imported in both virtual environments). ``CollectiveCounter`` wraps the functions of
-``torch.distributed`` that ulysses-sp's parallel/comm.py and DeepSpeed's comm layer both end up calling,
-looked up at call time, and records for each call the bytes this rank sends to *other* ranks (its own slice of
-an all-to-all never leaves the process, so it is not counted) under the current phase label. ``PhaseTimer``
-times named phases of a step, ``timed`` one call on every rank at once. Peak tensor memory is the library's ``ulysses_sp.memory.track_peak_memory``.
+``torch.distributed`` that ulysses-sp's parallel/comm.py and DeepSpeed's comm layer both end up calling, looked
+up at call time, and records for each call the bytes this rank sends to *other* ranks (its own slice of
+an all-to-all never leaves the process, so it is not counted) under the current phase label.
+``PhaseTimer`` times named phases of a step.
+Peak tensor memory is the library's ``ulysses_sp.memory.track_peak_memory``.
 """
 
 from __future__ import annotations
@@ -115,3 +116,5 @@ class PhaseTimer:
 
     def best(self, skip: int = 1) -> dict[str, float]:
         return {k: min(v[skip:] or v) for k, v in self.times.items()}
+
+

@@ -28,18 +28,10 @@ from transformers import AutoModelForCausalLM
 
 from bench import md
 from bench.launch import max_over_ranks, parser, run_worker, serve, under_torchrun
-from ulysses_sp import tasks
-from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
 from ulysses_sp.cli.plan import load_shape  # what `ulysses-sp plan` reads: layer kinds and mixers too
-from ulysses_sp.engine import initialize
-from ulysses_sp.memory.meter import track_peak_memory
-from ulysses_sp.parallel.comm_timing import record_comm_times
-from ulysses_sp.parallel.mesh import init_mesh
 from ulysses_sp.plan.hardware import DEVICES
 from ulysses_sp.plan.inputs import Settings
 from ulysses_sp.plan.model import predict
-from ulysses_sp.run.config import TrainConfig
-from ulysses_sp.run.loop import _techniques
 
 CASES_TECH: list[dict[str, bool]] = [
     {}, {"activation_checkpointing": True}, {"activation_checkpointing": True, "offload_activations": True},
@@ -98,6 +90,15 @@ def _opt_tensors(optimizer) -> list:
 
 def measure(case: dict[str, Any]) -> dict[str, Any]:
     """On every rank of an initialised 2-rank group: the second step's peak and comm times."""
+    from ulysses_sp import tasks
+    from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
+    from ulysses_sp.engine import initialize
+    from ulysses_sp.memory.meter import track_peak_memory
+    from ulysses_sp.parallel.comm_timing import record_comm_times
+    from ulysses_sp.parallel.mesh import init_mesh
+    from ulysses_sp.run.config import TrainConfig
+    from ulysses_sp.run.loop import _techniques
+
     cfg = TrainConfig(micro_batch_size=1, **case)
     s, sp = cfg.seq_len, cfg.sp
     mesh = init_mesh(sp_size=sp)
@@ -112,7 +113,8 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
     batch = {"input_ids": ids[:, cols], "position_ids": torch.arange(s)[cols][None], "shift_labels": labels[:, cols]}
 
     def step() -> None:
-        engine.backward(engine(**batch).loss)
+        out = engine(**batch)
+        engine.backward(out.loss)
         engine.step()
 
     try:
@@ -127,8 +129,8 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
             h.remove()
         if mpu is not None:
             mpu.remove()
-    return {"peak_bytes": max_over_ranks(mem.peak_bytes, mesh.reduce_group), "host_peak_bytes": mem.host_peak_bytes, "comm_s": times.sp,
-            "dp_comm_s": times.dp, "step_s": dt, "comm_share": (times.sp + times.dp) / dt}  # fmt: skip
+    return {"peak_bytes": max_over_ranks(mem.peak_bytes, mesh.reduce_group), "host_peak_bytes": mem.host_peak_bytes,
+            "comm_s": times.sp, "dp_comm_s": times.dp, "step_s": dt, "comm_share": (times.sp + times.dp) / dt}  # fmt: skip
 
 
 def predict_case(case: dict[str, Any], world: int = 2) -> dict[str, Any]:
