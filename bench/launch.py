@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -41,9 +42,7 @@ def run_worker(
     Returns ``(result, command, wall_seconds)`` (and logs the last two); raises ``WorkerFailed`` on failure.
     """
     python = str(python or sys.executable)
-    fd, out = tempfile.mkstemp(prefix="bench-", suffix=".json")
-    os.close(fd)
-    os.unlink(out)
+    out = os.path.join(tempfile.mkdtemp(prefix="bench-"), "result.json")  # the worker's rank 0 writes it
     base = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m", module]
     shown = " ".join([_shown(python), *base, *map(shlex.quote, args)])
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # keep the caller's
@@ -59,8 +58,7 @@ def run_worker(
         print(f"  {shown}: {wall:.0f} s", file=sys.stderr, flush=True)
         return json.loads(Path(out).read_text()), shown, wall
     finally:
-        if os.path.exists(out):
-            os.unlink(out)
+        shutil.rmtree(os.path.dirname(out), ignore_errors=True)
 
 
 def deepspeed_available() -> bool:

@@ -25,7 +25,6 @@ import multiprocessing as mp
 import os
 import resource
 import tempfile
-import traceback
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -178,8 +177,7 @@ def _rank_main(model_type: str, rank: int, store: str, mem_bytes: int, out: Any)
                                 timeout=timedelta(seconds=120))  # fmt: skip
         out.put((rank, compare(model)))
     except BaseException as err:  # noqa: BLE001 - reported as a crash with its reason
-        last = traceback.format_exc().strip().splitlines()[-1]
-        out.put((rank, {"verdict": "crash", "detail": f"{type(err).__name__}: {err}"[:300] or last}))
+        out.put((rank, {"verdict": "crash", "detail": f"{type(err).__name__}: {err}"[:300]}))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

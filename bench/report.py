@@ -32,11 +32,9 @@ def memory_fits(records: list[dict]) -> list[dict]:
         rs = sorted(rs, key=lambda r: r["seq"])[-3:]
         a, c = statistics.linear_regression([r["seq"] for r in rs], [r["peak_bytes"] - r["baseline_bytes"] for r in rs])
         budget = BUDGET_MIB * MIB - rs[-1]["baseline_bytes"] - c
-        fits[(w, sp, tiled)] = {
-            "world": w, "sp": sp, "tiled": tiled, "seqs": [r["seq"] for r in rs],
+        fits[(w, sp, tiled)] = {"world": w, "sp": sp, "tiled": tiled, "seqs": [r["seq"] for r in rs],
             "peak_mib": [round(r["peak_bytes"] / MIB, 2) for r in rs], "slope_bytes_per_token": a,
-            "max_seq_in_budget": int(budget / a) if a > 0 else None, "command": rs[-1]["command"],
-        }  # fmt: skip
+            "max_seq_in_budget": int(budget / a) if a > 0 else None, "command": rs[-1]["command"]}  # fmt: skip
     for (w, _, tiled), f in fits.items():
         ref = fits.get((w, 1, tiled))
         f["slope_ratio_to_sp1"] = f["slope_bytes_per_token"] / ref["slope_bytes_per_token"] if ref else None
@@ -47,13 +45,10 @@ def ds_rows(pairs: list[dict]) -> list[dict]:
     rows = []
     for p in (p for p in pairs if "error" not in p):
         o, d = p["ours"], p["deepspeed"]
-        rows.append({
-            **p["point"], "steps": p["steps"], "seq": p["seq"], "o": o, "d": d, "ref": p["reference"],
+        rows.append({**p["point"], "steps": p["steps"], "seq": p["seq"], "o": o, "d": d, "ref": p["reference"],
             "loss1_diff": abs(o["losses"][0] - d["losses"][0]), "lossN_diff": abs(o["losses"][-1] - d["losses"][-1]),
-            "tps_ratio": o["tokens_per_s_per_rank"] / d["tokens_per_s_per_rank"],
-            "peak_ratio": o["peak_bytes"] / d["peak_bytes"],
-            "commands": f"`{p['ours_command']}`<br>`{p['deepspeed_command']}`",
-        })  # fmt: skip
+            "tps_ratio": o["tokens_per_s_per_rank"] / d["tokens_per_s_per_rank"], "peak_ratio": o["peak_bytes"] / d["peak_bytes"],
+            "commands": f"`{p['ours_command']}`<br>`{p['deepspeed_command']}`"})  # fmt: skip
     return rows
 
 

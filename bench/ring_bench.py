@@ -52,8 +52,7 @@ def analytic(ulysses: int, ring: int, shape: dict = SHAPE, itemsize: int = 4) ->
 
 
 def measure(ulysses: int, ring: int, shape: dict = SHAPE, dtype: torch.dtype = torch.float32) -> dict[str, int]:
-    """Run the model once on this rank (a process group of ``ulysses * ring`` ranks must exist);
-    return the bytes this rank sent: ``{"all_to_all": ..., "ring": ...}``."""
+    """Bytes this rank sends in one step of the model, ``{"all_to_all": ..., "ring": ...}`` (on ulysses * ring ranks)."""
     sp = ulysses * ring
     mesh = init_mesh((1, sp), ring_size=ring)
     model = llama(vocab_size=64, hidden_size=shape["h"] * shape["d"], intermediate_size=64,
