@@ -19,6 +19,7 @@ from ulysses_sp.checks import check_seq_len_divisible, optional_positive_int, po
 from ulysses_sp.parallel.mesh_shape import head_counts, resolve_ring_size, resolve_ring_size_for_layers
 from ulysses_sp.run.config import TrainConfig
 from ulysses_sp.run.prelaunch import check_attention_available, check_seq_len_fits
+from ulysses_sp.vlm import SUPPORTED_VLMS
 
 
 def _flag(name: str) -> str:
@@ -92,8 +93,6 @@ def model_config(model: str, vocab_size: int, *, sharded_load: bool = False):
 def check_text_model(path: str, config: Any) -> None:
     """Refuse a multimodal model directory unless it is an admitted VLM (``vlm.SUPPORTED_VLMS``:
     ``run.vlm`` trains those on chat JSONL with images); the CLI's other loading is text-only."""
-    from ulysses_sp.vlm import SUPPORTED_VLMS
-
     subs = [k for k in getattr(config, "sub_configs", {}) or {} if k in ("vision_config", "audio_config")]
     if subs and config.model_type not in SUPPORTED_VLMS:
         raise ValueError(
@@ -175,6 +174,9 @@ def check_run(
         tok = tasks.load_tokenizer(tokenizer, model)
         first = first or tok
         configs.append(check_model(model, tok, sp=sp, seq_len=seq_len, ring_size=ring_size)[0])
+        if getattr(configs[-1], "model_type", None) in SUPPORTED_VLMS:
+            raise ValueError(f"{model!r} is a vision-language model ({configs[-1].model_type}): `ulysses-sp eval` "
+                             "scores text models only; evaluate it from Python (README, Vision-language models)")  # fmt: skip
     tasks.build_dataset(data, tokenizer=first, seq_len=seq_len, seed=seed, num_samples=1, held_out=held_out,
                         settings=data_settings, probe=True)  # fmt: skip
     return configs

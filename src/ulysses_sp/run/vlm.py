@@ -59,7 +59,9 @@ def check_vlm_options(cfg: TrainConfig) -> None:
     for name, (value, allowed, why) in settings.items():
         if value not in allowed:
             flag = "--" + name.replace("_", "-")
-            raise ValueError(f"{where}: {flag} {value!r} is not supported ({why}); use {allowed[-1]!r} or drop it")
+            raise ValueError(
+                f"{where}: {flag} {value!r} is not supported ({why}); use {allowed[-1]!r} or drop it"
+            )
     if cfg.long_samples != "truncate":
         raise ValueError(f"{where}: --long-samples {cfg.long_samples!r} is not supported: a sample longer than "
                          "--seq-len is refused by name (its images cannot be cut); drop the flag")  # fmt: skip
@@ -79,7 +81,9 @@ def collate_vlm(samples: list[dict[str, torch.Tensor]], *, pad_id: int) -> dict[
     width = max(s["input_ids"].shape[1] for s in samples)
     fills = {"input_ids": pad_id, "labels": -100, "mm_token_type_ids": 0}
     out = {
-        key: torch.cat([torch.nn.functional.pad(s[key], (0, width - s[key].shape[1]), value=fill) for s in samples])
+        key: torch.cat(
+            [torch.nn.functional.pad(s[key], (0, width - s[key].shape[1]), value=fill) for s in samples]
+        )
         for key, fill in fills.items()
     }
     for key in ("pixel_values", "image_grid_thw"):
