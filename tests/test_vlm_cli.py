@@ -1,6 +1,7 @@
 """``ulysses-sp train`` on a local vision-language model directory with chat JSONL with images
 (issue 24): at sp 2 exactly as at sp 1 (per-step losses and gradient norms, fp32), for the README's
-tiny Qwen2.5-VL run as documented and for a Qwen3-VL loaded shard by shard at ZeRO 3; bad input
+tiny Qwen2.5-VL run as documented and for a Qwen3-VL loaded shard by shard at ZeRO 3 with
+activation checkpointing; bad input
 and options that do not apply are refused before launch, naming the sample or the flag."""
 
 from __future__ import annotations
@@ -75,17 +76,20 @@ def qwen3_dir(tmp_path_factory):
 def test_readme_vlm_cli_example_trains_at_sp2_as_at_sp1(tmp_path):
     script, args = _readme_vlm_example()
     (tmp_path / "make_tiny_vlm.py").write_text(script)
-    subprocess.run([sys.executable, "make_tiny_vlm.py"], cwd=tmp_path, check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "make_tiny_vlm.py"], cwd=tmp_path, check=True, capture_output=True, timeout=300
+    )
     two = _train(tmp_path, args, "sp2")  # as documented: --sp 2 --nproc 2, micro-batches of 2 (padded)
     one = _train(tmp_path, args, "sp1", sp=1, nproc=1)
     _same(one, two, steps=3)
 
 
-def test_cli_trains_qwen3_vl_loaded_at_zero3_at_sp2_as_at_sp1(qwen3_dir):
+def test_cli_trains_qwen3_vl_at_zero3_with_checkpointing_at_sp2_as_at_sp1(qwen3_dir):
     args = ["train", "--model", "qwen3", "--data", "chat.jsonl", "--seq-len", "96", "--steps", "2",
             "--micro-batch-size", "1"]  # fmt: skip
     one = _train(qwen3_dir, args, "z0sp1", sp=1, nproc=1)
-    three = _train(qwen3_dir, args, "z3sp2", sp=2, nproc=2, zero_stage=3)  # weights loaded shard by shard
+    three = _train(qwen3_dir, [*args, "--activation-checkpointing"], "z3sp2", sp=2, nproc=2,
+                   zero_stage=3)  # weights loaded shard by shard  # fmt: skip
     _same(one, three, steps=2)
 
 
@@ -100,7 +104,9 @@ def test_resolve_reads_the_chat_once_with_image_tokens_in_the_length(qwen3_dir):
     assert len(run.dataset) == 6 and run.model_config.model_type == "qwen3_vl"
     s = run.dataset[1]  # two images: 32x16 -> 8x4 patches, 12x12 -> 16x16 pixels (min_pixels) -> 4x4
     assert s["image_grid_thw"].tolist() == [[1, 8, 4], [1, 4, 4]]
-    assert int((s["mm_token_type_ids"] == 1).sum()) == 8 + 4 == int((s["labels"][0] == -100).sum())  # 2x2 merge
+    assert (
+        int((s["mm_token_type_ids"] == 1).sum()) == 8 + 4 == int((s["labels"][0] == -100).sum())
+    )  # 2x2 merge
 
 
 @pytest.mark.parametrize(
@@ -125,6 +131,8 @@ def test_bad_input_and_options_refused_before_launch(qwen3_dir, tmp_path, kw, re
 def test_eval_refuses_a_vlm_dir(qwen3_dir):
     from ulysses_sp.run.checks import check_run
 
-    with pytest.raises(ValueError, match=r"vision-language model \(qwen3_vl\): `ulysses-sp eval` scores text"):
+    with pytest.raises(
+        ValueError, match=r"vision-language model \(qwen3_vl\): `ulysses-sp eval` scores text"
+    ):
         check_run(2, sp=2, seq_len=96, sizes={}, attn="sdpa", models=[str(qwen3_dir / "qwen3")], tokenizer=None,
                   data=str(qwen3_dir / "chat.jsonl"), seed=0)  # fmt: skip
