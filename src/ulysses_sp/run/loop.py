@@ -14,7 +14,8 @@ group initialised) then builds and trains:
    warmup + cosine: the recipe is ``TrainConfig``'s fields);
 3. data: ``sp_dataloader`` per rank -> ``UlyssesSPDataLoaderAdapter``, so a run with ``sp = P``
    processes the same global batches as ``sp = 1`` with the same ``dp``;
-4. per optimizer step: ``grad_accum`` micro-steps of ``engine(**batch)`` / ``backward`` / ``step``,
+4. per optimizer step: ``grad_accum`` micro-steps of ``engine.backward(engine(**batch).loss)`` (the
+   output and its logits freed before the backward: ``micro_step``) / ``step``,
    a metrics line, and every ``save_every`` steps an atomic checkpoint (``state/checkpoint.py``, through
    ``rundir.checked_save``: finite weights, free space).
 
@@ -235,6 +236,16 @@ def _preflight(cfg: TrainConfig, world: int, model_config: Any, mesh) -> str:
     return line
 
 
+def micro_step(engine, batch: dict[str, Any]) -> None:
+    """One micro-step's forward and backward; the model output is dropped before the backward.
+
+    Only ``.loss`` outlives the forward: the output's untiled logits ``[B, S_l, V]`` (autograd saves
+    the fp32 log-softmax, not them) are freed before the backward starts instead of staying alive
+    through it (and through the next micro-step's forward). ``bench/plan_check.py`` measures this.
+    """
+    engine.backward(engine(**batch).loss)
+
+
 def _comm_fields(times, dt: float) -> dict[str, Any]:
     if times is None:
         return {}
@@ -270,8 +281,7 @@ def _loop(cfg, engine, stream, state, tokenizer, manifest, track_peak_memory, st
             profile = comm_timing.record_comm_times(engine.device) if cfg.profile_comm else contextlib.nullcontext()  # fmt: skip
             with track_peak_memory(engine.device) as mem, profile as times:
                 for _ in range(cfg.grad_accum):
-                    out = engine(**next(batches))
-                    engine.backward(out.loss)
+                    micro_step(engine, next(batches))
                     try:
                         loss = engine.step()
                     except DivergenceError as e:
