@@ -4,7 +4,7 @@ Pure torch (imported in both virtual environments). ``CollectiveCounter`` wraps 
 ``torch.distributed`` that ulysses-sp's parallel/comm.py and DeepSpeed's comm layer both end up calling, looked
 up at call time, and records for each call the bytes this rank sends to *other* ranks (its own slice of
 an all-to-all never leaves the process, so it is not counted) under the current phase label.
-``PhaseTimer`` times named phases of a step.
+``PhaseTimer`` times named phases of a step; ``CallTimer`` sums the time spent inside one function.
 Peak tensor memory is the library's ``ulysses_sp.memory.track_peak_memory``.
 """
 
@@ -118,3 +118,28 @@ class PhaseTimer:
         return {k: min(v[skip:] or v) for k, v in self.times.items()}
 
 
+class CallTimer:
+    """Seconds spent inside ``owner.name`` while active: ``with CallTimer(dist, "all_to_all_single") as t``.
+
+    ``t.seconds`` accumulates (reset it by assignment); the original function is restored on exit.
+    Used by ``bench/hf_trainer.py`` (time in collectives per step).
+    """
+
+    def __init__(self, owner, name: str) -> None:
+        self.owner, self.name, self.seconds = owner, name, 0.0
+
+    def __enter__(self) -> CallTimer:
+        self._orig = orig = getattr(self.owner, self.name)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        setattr(self.owner, self.name, timed)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        setattr(self.owner, self.name, self._orig)

@@ -97,7 +97,7 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
     from ulysses_sp.parallel.comm_timing import record_comm_times
     from ulysses_sp.parallel.mesh import init_mesh
     from ulysses_sp.run.config import TrainConfig
-    from ulysses_sp.run.loop import _techniques
+    from ulysses_sp.run.loop import _techniques, micro_step
 
     cfg = TrainConfig(micro_batch_size=1, **case)
     s, sp = cfg.seq_len, cfg.sp
@@ -112,9 +112,8 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
     cols = slice(mesh.sp_rank * s // sp, (mesh.sp_rank + 1) * s // sp)
     batch = {"input_ids": ids[:, cols], "position_ids": torch.arange(s)[cols][None], "shift_labels": labels[:, cols]}
 
-    def step() -> None:
-        out = engine(**batch)
-        engine.backward(out.loss)
+    def step() -> None:  # the training loop's micro-step: the output (logits) freed before backward
+        micro_step(engine, batch)
         engine.step()
 
     try:

@@ -105,8 +105,12 @@ def test_placeholders_that_do_not_match_the_grids_are_refused(vlm_dir):
         prepare_vlm_batch(model, s, sp_rank=0, sp_size=2)
 
 
-def test_the_cli_refuses_a_vlm_directory_pointing_to_the_python_path(vlm_dir):
+def test_the_cli_refuses_a_multimodal_directory_of_another_family(tmp_path):
+    from transformers import Qwen2VLConfig
+
     from ulysses_sp.run.checks import model_config
 
-    with pytest.raises(ValueError, match=r"is a multimodal model \(qwen2_5_vl: vision_config\); `ulysses-sp train`"):
-        model_config(str(vlm_dir / "model"), 256)
+    Qwen2VLConfig().save_pretrained(tmp_path)  # config.json only: refused before any weight is read
+    with pytest.raises(ValueError, match=r"is a multimodal model \(qwen2_vl: vision_config\); `ulysses-sp train`.*"
+                       r"qwen2_5_vl, qwen3_vl"):  # fmt: skip
+        model_config(str(tmp_path), 256)

@@ -192,6 +192,7 @@ def _evaluate_model(cfg: EvalConfig, model_name: str) -> dict[str, Any]:
                 bins = (batch["position_ids"].clamp(0, cfg.seq_len - 1) * cfg.bins // cfg.seq_len).flatten()
                 parts = torch.stack([token_loss.double(), valid.double(), correct.double()], -1).view(-1, 3)
                 stats.index_add_(0, bins[valid.flatten()], parts[valid.flatten()])
+                del logits  # [B, S_l, V]: not alive through the next batch's forward
     finally:
         if mpu is not None:
             mpu.remove()

@@ -89,6 +89,7 @@ def load_shape(model: str):
         from ulysses_sp.tasks import load_tokenizer
 
         config = model_config(model, len(load_tokenizer(None, model)))
+    config = config.get_text_config()  # a vision-language model: its language model (the tower is not planned)
     return model_shape(config, max_positions=max_trained_length(config)[0])
 
 

@@ -19,14 +19,15 @@ walked as the allocator sees it, in units of one element per *local* token (``T 
   terms, the MLP's, a sequence mixer's (``plan.mixers``: measured bytes per local token, its input
   norm added when no attention carries it) — and its backward's high point is the larger of the
   MLP's and the mixer's (or attention's) workspace; the all-to-all bytes are each mixer's exchange.
-* the head: the final norm's input and its two tensors; untiled logits ``V`` (held by the model output), the fp32
-  log-softmax ``V`` and, in the loss backward, two ``V`` gradients; tiled: the same for one tile.
+* the head: the final norm's input and its two tensors; untiled: the fp32 log-softmax ``V`` (what
+  autograd saves of the loss) and, in the loss backward, two fp32 ``V`` gradients — the logits
+  themselves (model dtype) are freed with the model output before the backward (``run.loop.micro_step``)
+  and in the forward they never meet the two gradients; tiled: the same for one tile.
 * backward walks the layers down: the layer's activations (recomputed when checkpointed), then
   the larger of the MLP backward's ``3I`` workspace (per tile, with the tile's recompute, when
   tiled) and the attention backward's (grads of q, k, v and the output, + the exchange buffers
   with ``P > 1``); the gradient flowing and the residual's ``2h`` (+ ``h``: the tiled MLP's own
-  input-gradient buffer), the logits still held by the model output (untiled loss), and the
-  parameter gradients accumulated so far (shards from stage 2).
+  input-gradient buffer), and the parameter gradients accumulated so far (shards from stage 2).
 * the optimizer step: gradients, optimizer state, and a workspace (AdamW: one temporary per
   parameter tensor, multi-tensor (``foreach``) on accelerators: the whole shard).
 
@@ -146,7 +147,7 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
         t = _tile_tokens(tok, h, s.tiled_loss_shards)
         loss_ws = 4 * v * t * 4 // e + h * tok  # one tile's fp32 logits/lsm/grads + the hidden's grad
     else:
-        loss_ws = v * tok + 3 * v * tok * 4 // e  # logits (model dtype) + fp32 lsm and two fp32 grads
+        loss_ws = 3 * v * tok * 4 // e  # fp32 lsm and its two fp32 grads (the logits are freed by then)
     # MLP backward: grad of the product, of act and of up (per tile when tiled, with the recompute)
     if s.tiled_mlp:
         t = _tile_tokens(tok, h, s.tiled_mlp_shards)
@@ -159,8 +160,6 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
     # the gradient flowing down and the residual's; the tiled MLP adds its input gradient, summed
     # over the tiles in a buffer of its own
     grad_flow = (3 if s.tiled_mlp else 2) * h * tok
-    if not s.tiled_loss:  # the model output holds the logits until the step is over
-        grad_flow += v * tok
     # per layer (per local token): what its forward keeps, and its backward's high point
     full, per_layer, here = [], [], []
     for kind in m.kinds():

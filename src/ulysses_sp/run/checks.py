@@ -19,6 +19,7 @@ from ulysses_sp.checks import check_seq_len_divisible, optional_positive_int, po
 from ulysses_sp.parallel.mesh_shape import head_counts, resolve_ring_size, resolve_ring_size_for_layers
 from ulysses_sp.run.config import TrainConfig
 from ulysses_sp.run.prelaunch import check_attention_available, check_seq_len_fits
+from ulysses_sp.vlm import SUPPORTED_VLMS
 
 
 def _flag(name: str) -> str:
@@ -90,14 +91,14 @@ def model_config(model: str, vocab_size: int, *, sharded_load: bool = False):
 
 
 def check_text_model(path: str, config: Any) -> None:
-    """Refuse a vision-language model directory: the CLI's data and model loading are text-only."""
+    """Refuse a multimodal model directory unless it is an admitted VLM (``vlm.SUPPORTED_VLMS``:
+    ``run.vlm`` trains those on chat JSONL with images); the CLI's other loading is text-only."""
     subs = [k for k in getattr(config, "sub_configs", {}) or {} if k in ("vision_config", "audio_config")]
-    if subs:
+    if subs and config.model_type not in SUPPORTED_VLMS:
         raise ValueError(
             f"{path!r} is a multimodal model ({config.model_type}: {', '.join(subs)}); `ulysses-sp train` loads "
-            "causal LMs and text data only. Train a vision-language model from Python with ulysses_sp.vlm "
-            "(README, Vision-language models: Qwen2.5-VL and Qwen3-VL are exact under SP; chat JSONL with "
-            "images through ulysses_sp.vlm.data.load_vlm_chat)"
+            f"causal LMs with text data, and vision-language models of the families {', '.join(SUPPORTED_VLMS)} "
+            "with chat JSONL with images (README, Vision-language models); others are not proven exact under SP"
         )
 
 
@@ -137,14 +138,15 @@ def check_model(
     ``None`` = auto), ``seq_len`` divides into the ring's chunks and is within the model's positions;
     ``sharded_load``: the weights load at ZeRO 2/3 (what that load cannot read is refused)."""
     mcfg = model_config(model, len(tokenizer), sharded_load=sharded_load)
-    if len(tokenizer) > mcfg.vocab_size:
+    text = mcfg.get_text_config()  # a VLM's language model; a text model's own config
+    if len(tokenizer) > text.vocab_size:
         raise ValueError(
-            f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {mcfg.vocab_size}; "
+            f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {text.vocab_size}; "
             "pass the model's own tokenizer with --tokenizer"
         )
     ring = ring_size_for(mcfg, sp, ring_size)
     check_seq_len_divisible(seq_len, sp, ring, name="--seq-len")
-    check_seq_len_fits(seq_len, mcfg, model)
+    check_seq_len_fits(seq_len, text, model)
     return mcfg, ring
 
 
@@ -172,6 +174,9 @@ def check_run(
         tok = tasks.load_tokenizer(tokenizer, model)
         first = first or tok
         configs.append(check_model(model, tok, sp=sp, seq_len=seq_len, ring_size=ring_size)[0])
+        if getattr(configs[-1], "model_type", None) in SUPPORTED_VLMS:
+            raise ValueError(f"{model!r} is a vision-language model ({configs[-1].model_type}): `ulysses-sp eval` "
+                             "scores text models only; evaluate it from Python (README, Vision-language models)")  # fmt: skip
     tasks.build_dataset(data, tokenizer=first, seq_len=seq_len, seed=seed, num_samples=1, held_out=held_out,
                         settings=data_settings, probe=True)  # fmt: skip
     return configs

@@ -14,7 +14,8 @@ group initialised) then builds and trains:
    warmup + cosine: the recipe is ``TrainConfig``'s fields);
 3. data: ``sp_dataloader`` per rank -> ``UlyssesSPDataLoaderAdapter``, so a run with ``sp = P``
    processes the same global batches as ``sp = 1`` with the same ``dp``;
-4. per optimizer step: ``grad_accum`` micro-steps of ``engine(**batch)`` / ``backward`` / ``step``,
+4. per optimizer step: ``grad_accum`` micro-steps of ``engine.backward(engine(**batch).loss)`` (the
+   output and its logits freed before the backward: ``micro_step``) / ``step``,
    a metrics line, and every ``save_every`` steps an atomic checkpoint (``state/checkpoint.py``, through
    ``rundir.checked_save``: finite weights, free space).
 
@@ -49,6 +50,7 @@ from ulysses_sp.run.config import TrainConfig, startup_summary
 from ulysses_sp.run.lock import RunLock, RunLockedError
 from ulysses_sp.run.resolve import ResolvedRun, resolve_run
 from ulysses_sp.run.rundir import checked_save, prepare_output_dir
+from ulysses_sp.run.vlm import is_vlm_config
 from ulysses_sp.state import checkpoint as ckpt
 from ulysses_sp.state.precision import DTYPES
 
@@ -64,8 +66,8 @@ class DataStream:
     """
 
     def __init__(self, dataset, engine, *, micro_batch_size: int, seed: int, shuffle: bool, pad_id: int,
-                 epoch: int = 0, offset: int = 0) -> None:  # fmt: skip
-        self.dataset, self.engine = dataset, engine
+                 epoch: int = 0, offset: int = 0, vlm: Any = None) -> None:  # fmt: skip
+        self.dataset, self.engine, self.vlm = dataset, engine, vlm  # vlm: the model, for a VLM's batches
         self.micro_batch_size, self.seed, self.shuffle, self.pad_id = micro_batch_size, seed, shuffle, pad_id
         self.epoch, self.offset = epoch, offset
 
@@ -73,19 +75,29 @@ class DataStream:
         return {"epoch": self.epoch, "offset": self.offset}
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        from functools import partial
+
         from ulysses_sp.data import UlyssesSPDataLoaderAdapter, sp_dataloader
+        from ulysses_sp.run.vlm import collate_vlm
+        from ulysses_sp.vlm import VLMDataLoaderAdapter
 
         e, b = self.engine, self.micro_batch_size
+        collate = None if self.vlm is None else partial(collate_vlm, pad_id=self.pad_id)
         while True:
             rounds, rest = divmod(self.offset, e.sp_size)
             loader = sp_dataloader(
                 self.dataset, batch_size=b, dp_size=e.dp_size, sp_size=e.sp_size, dp_rank=e.dp_rank,
                 sp_rank=e.sp_rank, shuffle=self.shuffle, seed=self.seed, epoch=self.epoch, start_batch=rounds,
+                collate_fn=collate,
             )  # fmt: skip
             group = e.sp_group if e.sp_size > 1 else None
-            adapter = UlyssesSPDataLoaderAdapter(
-                loader, e.sp_rank, group, e.sp_size, e.device, pad_token_id=self.pad_id
-            )
+            if self.vlm is None:
+                adapter = UlyssesSPDataLoaderAdapter(
+                    loader, e.sp_rank, group, e.sp_size, e.device, pad_token_id=self.pad_id
+                )
+            else:  # whole batches to every rank of the group: the merge and mrope need the full sample
+                adapter = VLMDataLoaderAdapter(loader, e.sp_rank, group, e.sp_size, e.device, model=self.vlm,
+                                               pad_token_id=self.pad_id, ring_size=e.mesh.ring_size)  # fmt: skip
             for i, batch in enumerate(adapter):
                 if i < rest:
                     continue
@@ -196,6 +208,7 @@ def _run(resolved: ResolvedRun, stop: Any, held: ExitStack) -> dict[str, Any]:
     stream = DataStream(
         dataset, engine, micro_batch_size=cfg.micro_batch_size, seed=cfg.seed,
         shuffle=cfg.data != tasks.RECALL, pad_id=tokenizer.pad_token_id or 0, **state["data"],
+        vlm=engine.module if is_vlm_config(resolved.model_config) else None,
     )  # fmt: skip
     if rank == 0:
         logger.info(startup_summary(cfg, engine, model, dataset, resume_dir) + "\n" + predicted)
@@ -221,6 +234,16 @@ def _preflight(cfg: TrainConfig, world: int, model_config: Any, mesh) -> str:
         error = str(e)
     raise_if_any_rank_failed(error, mesh.reduce_group)  # budgets may differ between hosts
     return line
+
+
+def micro_step(engine, batch: dict[str, Any]) -> None:
+    """One micro-step's forward and backward; the model output is dropped before the backward.
+
+    Only ``.loss`` outlives the forward: the output's untiled logits ``[B, S_l, V]`` (autograd saves
+    the fp32 log-softmax, not them) are freed before the backward starts instead of staying alive
+    through it (and through the next micro-step's forward). ``bench/plan_check.py`` measures this.
+    """
+    engine.backward(engine(**batch).loss)
 
 
 def _comm_fields(times, dt: float) -> dict[str, Any]:
@@ -258,8 +281,7 @@ def _loop(cfg, engine, stream, state, tokenizer, manifest, track_peak_memory, st
             profile = comm_timing.record_comm_times(engine.device) if cfg.profile_comm else contextlib.nullcontext()  # fmt: skip
             with track_peak_memory(engine.device) as mem, profile as times:
                 for _ in range(cfg.grad_accum):
-                    out = engine(**next(batches))
-                    engine.backward(out.loss)
+                    micro_step(engine, next(batches))
                     try:
                         loss = engine.step()
                     except DivergenceError as e:

@@ -85,9 +85,12 @@ def model_shape(config: Any, *, max_positions: int | None = None) -> ModelShape:
 
 
 def prediction(cfg: TrainConfig, world_size: int, model_config: Any, device: torch.device) -> Prediction:
-    """The planner's prediction for this run (reserve 0 on CPU, the table's on accelerators)."""
+    """The planner's prediction for this run (reserve 0 on CPU, the table's on accelerators). For a
+    vision-language model it is its language model's: the vision tower is not in the prediction."""
     hw: Hardware = DEVICES["cpu" if device.type == "cpu" else "h100"]
-    return predict(model_shape(model_config), settings_for(cfg, world_size, device.type), hw)
+    text = model_config.get_text_config()  # a text model's own config
+    shape = model_shape(text) if text is model_config else ModelShape.from_hf_config(text)
+    return predict(shape, settings_for(cfg, world_size, device.type), hw)
 
 
 def check_fits(cfg: TrainConfig, pred: Prediction, device: torch.device) -> str:

@@ -26,6 +26,7 @@ from ulysses_sp.data.packed import check_scored
 from ulysses_sp.run.checks import check_layout, check_model, check_train_options
 from ulysses_sp.run.config import TrainConfig
 from ulysses_sp.run.rundir import check_output_dir, manifest_for
+from ulysses_sp.run.vlm import check_vlm_options, is_vlm_config, vlm_dataset
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +47,9 @@ class ResolvedRun:
     """Ring groups the SP axis factors into (1: Ulysses alone)."""
     manifest: dict[str, Any]
     """What the run's checkpoints record and a resume compares (``rundir.manifest_for``)."""
-    dataset: Dataset
-    """The training samples: recall, text blocks, or packed blocks over the memory-mapped token cache."""
+    dataset: Dataset | list[dict[str, Any]]
+    """The training samples: recall, text blocks, packed blocks over the memory-mapped token cache, or
+    a VLM's chat samples with their pixels (``run.vlm``)."""
 
 
 def num_samples(cfg: TrainConfig, dp: int) -> int:
@@ -68,14 +70,20 @@ def resolve_run(cfg: TrainConfig, world_size: int, *, progress: bool | None = No
     tokenizer = tasks.load_tokenizer(cfg.tokenizer, cfg.model)
     mcfg, ring = check_model(cfg.model, tokenizer, sp=cfg.sp, seq_len=cfg.seq_len, ring_size=cfg.ring_size,
                              sharded_load=cfg.zero_stage >= 2)  # fmt: skip
+    vlm = is_vlm_config(mcfg)
+    if vlm:
+        check_vlm_options(cfg)
     manifest = manifest_for(cfg, world_size, mcfg)
     check_output_dir(cfg, manifest)  # before the data: a refused output dir should not wait for tokenizing
-    dataset = tasks.build_dataset(
-        cfg.data, tokenizer=tokenizer, seq_len=cfg.seq_len, seed=cfg.seed,
-        num_samples=num_samples(cfg, world_size // cfg.sp),
-        settings=cfg.data_settings(), progress=cfg.progress if progress is None else progress,
-    )  # fmt: skip
-    check_scored(dataset, seq_len=cfg.seq_len, data=cfg.data)
+    if vlm:  # chat JSONL with images: image tokens count toward --seq-len; a bad sample is named
+        dataset = vlm_dataset(cfg, mcfg)
+    else:
+        dataset = tasks.build_dataset(
+            cfg.data, tokenizer=tokenizer, seq_len=cfg.seq_len, seed=cfg.seed,
+            num_samples=num_samples(cfg, world_size // cfg.sp),
+            settings=cfg.data_settings(), progress=cfg.progress if progress is None else progress,
+        )  # fmt: skip
+        check_scored(dataset, seq_len=cfg.seq_len, data=cfg.data)
     return ResolvedRun(cfg=cfg, world_size=world_size, model_config=mcfg, tokenizer=tokenizer, ring_size=ring,
                        manifest=manifest, dataset=dataset)  # fmt: skip
 

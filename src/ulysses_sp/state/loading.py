@@ -42,6 +42,7 @@ from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
 from ulysses_sp.state.model_dir import (
+    auto_model_class,
     check_model_dir,
     file_keys,
     load_config,
@@ -59,7 +60,8 @@ BLOCK_BYTES = 8 * 2**20
 def init_empty_model(
     path: str, *, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32
 ) -> nn.Module:
-    """The ``AutoModelForCausalLM`` of the HF directory ``path`` with parameters on the meta device.
+    """The ``AutoModelForCausalLM`` of the HF directory ``path`` (``AutoModelForImageTextToText`` for a
+    vision-language model: ``model_dir.auto_model_class``) with parameters on the meta device.
 
     Args:
         path: a local HF model directory (``config.json`` + safetensors weights).
@@ -67,10 +69,8 @@ def init_empty_model(
         dtype: the parameters' dtype once materialised: fp32 master weights by default (mixed
             precision casts the compute copy, ``precision.py``).
     """
-    from transformers import AutoModelForCausalLM
-
     config = load_config(path)
-    build = lambda: AutoModelForCausalLM.from_config(  # noqa: E731
+    build = lambda: auto_model_class(config).from_config(  # noqa: E731
         config, attn_implementation=attn_implementation, dtype=dtype
     )
     with torch.device("meta"):

@@ -16,8 +16,10 @@ transformers merges into one fused parameter at load).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
 INDEX = "model.safetensors.index.json"
@@ -115,7 +117,8 @@ def file_keys(model: Any, names: Any) -> tuple[dict[str, str], dict[str, list[st
         from transformers.core_model_loading import WeightConverter, rename_source_key
     except ImportError:  # transformers 4.x: no conversion at load
         return {n: n for n in names}, {}
-    transforms = get_model_conversion_mapping(model)
+    with _own_classes(model):  # transformers finds a model's mapping by its class
+        transforms = get_model_conversion_mapping(model)
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
     meta = model.state_dict()
@@ -130,6 +133,25 @@ def file_keys(model: Any, names: Any) -> tuple[dict[str, str], dict[str, list[st
     return direct, merged
 
 
+@contextlib.contextmanager
+def _own_classes(model: Any) -> Iterator[None]:
+    """Modules FSDP2's ``fully_shard`` gave a generated class (``FSDPQwen2_5_VL...``, defined outside
+    transformers, so transformers skips it as custom code) carry their own class meanwhile."""
+    from torch.distributed.fsdp import FSDPModule
+
+    swapped = []
+    for module in model.modules():
+        cls = type(module)
+        if len(cls.__bases__) == 2 and cls.__bases__[0] is FSDPModule:  # FSDP<X>(FSDPModule, X)
+            swapped.append((module, cls))
+            module.__class__ = cls.__bases__[1]
+    try:
+        yield
+    finally:
+        for module, cls in swapped:
+            module.__class__ = cls
+
+
 def merged_message(path: str, merged: dict[str, list[str]]) -> str:
     """Why ZeRO 2/3's sharded load refuses a checkpoint that transformers converts while loading."""
     name, sources = next(iter(sorted(merged.items())))
@@ -137,6 +159,14 @@ def merged_message(path: str, merged: dict[str, list[str]]) -> str:
             f"while loading (e.g. {name} from {len(sources)} tensors such as {sources[0]}); the sharded load "
             "of --zero-stage 2/3 reads each stored tensor into its shard as it is: use --zero-stage 0 or 1, "
             "where from_pretrained converts them")  # fmt: skip
+
+
+def auto_model_class(config: Any) -> Any:
+    """The transformers auto class that builds ``config``: ``AutoModelForImageTextToText`` for a
+    vision-language model (a ``vision_config``), else ``AutoModelForCausalLM``."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
 
 
 def check_model_dir(path: str, *, require_weights: bool = False, sharded_load: bool = False) -> Any:
@@ -152,7 +182,6 @@ def check_model_dir(path: str, *, require_weights: bool = False, sharded_load: b
             files lack, or a shape that differs from the config's model.
     """
     import torch
-    from transformers import AutoModelForCausalLM
 
     if not os.path.isdir(path):
         raise ValueError(f"{path!r}: no such model directory")
@@ -165,7 +194,7 @@ def check_model_dir(path: str, *, require_weights: bool = False, sharded_load: b
         shapes.update(read_header(file))
     try:
         with torch.device("meta"):  # shapes only: no memory
-            model = AutoModelForCausalLM.from_config(config)
+            model = auto_model_class(config).from_config(config)
     except (ValueError, ZeroDivisionError, TypeError, KeyError, AttributeError) as e:
         raise ValueError(f"{os.path.join(path, CONFIG)}: transformers cannot build this model: {e}") from None
     direct, merged = file_keys(model, shapes)

@@ -68,9 +68,11 @@ def build_model(
     """A preset with weights drawn from ``seed`` (identical on every rank), or a local HF model.
 
     ``config``: the model's config when the caller already has it (not read or built again).
-    The model is fp32 on the CPU; the engine moves it to the run's device.
+    A directory whose config has a ``vision_config`` (a vision-language model) is built with
+    ``AutoModelForImageTextToText`` (its ``*ForConditionalGeneration``), any other with
+    ``AutoModelForCausalLM``. The model is fp32 on the CPU; the engine moves it to the run's device.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     if is_preset(name_or_path):
         config = (
@@ -85,6 +87,8 @@ def build_model(
             return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     check_model_dir(name_or_path)
     extra = {} if config is None else {"config": copy.deepcopy(config)}
-    return AutoModelForCausalLM.from_pretrained(
+    seen = config if config is not None else AutoConfig.from_pretrained(name_or_path, local_files_only=True)
+    auto = AutoModelForImageTextToText if getattr(seen, "vision_config", None) is not None else AutoModelForCausalLM
+    return auto.from_pretrained(
         name_or_path, attn_implementation=attn_implementation, dtype=torch.float32, **extra
     )

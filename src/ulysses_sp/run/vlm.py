@@ -1,0 +1,93 @@
+"""``ulysses-sp train`` on a local Qwen2.5-VL / Qwen3-VL directory: what differs from a text run.
+
+The model path is ``ulysses_sp.vlm`` (``initialize()`` installs the language model's pre-hook at
+``sp > 1``); this module is the CLI's side of it:
+
+- ``is_vlm_config``: whether a model's transformers config is an admitted VLM (``SUPPORTED_VLMS``);
+- ``check_vlm_options``: the options a VLM run does not take, refused by flag with the reason,
+  before anything is loaded;
+- ``vlm_dataset``: ``--data`` chat JSONL with local image paths, read once in the launcher with the
+  directory's tokenizer and image processor (``vlm.data.load_vlm_chat``: image tokens count toward
+  ``--seq-len``, every bad sample is a ``ValueError`` naming it);
+- ``collate_vlm``: a micro-batch of such samples as one processor-style batch (right-padded).
+
+Shape legend: ``B`` micro-batch, ``S`` the batch's longest sample, ``N_p`` patches of the batch's images.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ulysses_sp.run.config import TrainConfig
+from ulysses_sp.vlm import SUPPORTED_VLMS
+
+_UNTESTED = "has not been tested against the same model without SP for vision-language models"
+_REFUSED_FLAGS: dict[str, str] = {
+    "tiled_mlp": f"--tiled-mlp {_UNTESTED}",
+    "tiled_loss": "--tiled-loss computes the loss from the text model's hidden states; a VLM's forward "
+    "goes through its vision merge first",
+    "offload_activations": f"--offload-activations {_UNTESTED}",
+    "offload_attention": f"--offload-attention {_UNTESTED}",
+    "attn_chunk": f"--attn-chunk {_UNTESTED}",
+    "tokenizer": "--tokenizer: a VLM run uses the model directory's own tokenizer and image processor",
+}
+
+
+def is_vlm_config(config: Any) -> bool:
+    """``config`` (a transformers config) is one of ``vlm.SUPPORTED_VLMS``."""
+    return getattr(config, "model_type", None) in SUPPORTED_VLMS
+
+
+def check_vlm_options(cfg: TrainConfig) -> None:
+    """Refuse (``ValueError``, naming the flag) what a VLM run does not take."""
+    where = f"--model {cfg.model!r} is a vision-language model"
+    for name, why in _REFUSED_FLAGS.items():
+        if getattr(cfg, name) not in (None, False):
+            raise ValueError(f"{where}: {why}; drop the flag")
+    if cfg.data == "recall":
+        raise ValueError(f"{where}: --data recall is a text task; pass chat JSONL with image paths (README, "
+                         "Vision-language models)")  # fmt: skip
+    settings = {
+        "data_format": (cfg.data_format, ("auto", "chat"), "the data is chat JSONL with image parts"),
+        "loss_on": (cfg.loss_on, (None, "all"), "the loss is on every text token (image placeholders -100)"),
+        "chat_template": (cfg.chat_template, (None,), "the model directory's chat template renders the images"),
+        "packing": (cfg.packing, (None, "none"), "each sample is its own row (packed VLM rows are not built here)"),
+        "eval_split": (cfg.eval_split, (0, 0.0), "no held-out split is made from VLM data"),
+    }  # fmt: skip
+    for name, (value, allowed, why) in settings.items():
+        if value not in allowed:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(
+                f"{where}: {flag} {value!r} is not supported ({why}); use {allowed[-1]!r} or drop it"
+            )
+    if cfg.long_samples != "truncate":
+        raise ValueError(f"{where}: --long-samples {cfg.long_samples!r} is not supported: a sample longer than "
+                         "--seq-len is refused by name (its images cannot be cut); drop the flag")  # fmt: skip
+
+
+def vlm_dataset(cfg: TrainConfig, config: Any) -> list[dict[str, torch.Tensor]]:
+    """``cfg.data`` read with ``cfg.model``'s tokenizer and image processor (module docstring)."""
+    from ulysses_sp.vlm.data import load_vlm_chat
+
+    return load_vlm_chat(cfg.data, cfg.model, config=config, seq_len=cfg.seq_len)
+
+
+def collate_vlm(samples: list[dict[str, torch.Tensor]], *, pad_id: int) -> dict[str, torch.Tensor]:
+    """``[1, S_i]`` samples -> ``input_ids``/``labels``/``mm_token_type_ids [B, S]`` right-padded
+    (pad id, ``-100``, ``0``: causal attention keeps pads out of the real tokens) and the images'
+    ``pixel_values [N_p, C*T*p*p]`` / ``image_grid_thw`` concatenated in sample order."""
+    width = max(s["input_ids"].shape[1] for s in samples)
+    fills = {"input_ids": pad_id, "labels": -100, "mm_token_type_ids": 0}
+    out = {
+        key: torch.cat(
+            [torch.nn.functional.pad(s[key], (0, width - s[key].shape[1]), value=fill) for s in samples]
+        )
+        for key, fill in fills.items()
+    }
+    for key in ("pixel_values", "image_grid_thw"):
+        parts = [s[key] for s in samples if key in s]
+        if parts:
+            out[key] = torch.cat(parts)
+    return out

@@ -1,0 +1,138 @@
+"""``ulysses-sp train`` on a local vision-language model directory with chat JSONL with images
+(issue 24): at sp 2 exactly as at sp 1 (per-step losses and gradient norms, fp32), for the README's
+tiny Qwen2.5-VL run as documented and for a Qwen3-VL loaded shard by shard at ZeRO 3 with
+activation checkpointing; bad input
+and options that do not apply are refused before launch, naming the sample or the flag."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+from vlm_models import save_vlm_dir
+
+from ulysses_sp.run.config import TrainConfig
+from ulysses_sp.run.resolve import resolve_run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLI = [sys.executable, "-m", "ulysses_sp.cli.main"]
+
+
+def _readme_vlm_example() -> tuple[str, list[str]]:
+    """The README's tiny-VLM script and its `ulysses-sp train` command (argv after the program)."""
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    script = re.search(r"```python\n(# make_tiny_vlm\.py — .*?)```", text, re.S).group(1)
+    command = re.search(r"```bash\n(ulysses-sp train --model tiny-vlm [^\n]*)\n```", text).group(1)
+    return script, command.split()[1:]
+
+
+def _train(cwd, args: list[str], out: str, **flags) -> list[dict]:
+    args = [*args, "--output-dir", out, "--no-progress", "--timeout", "120"]
+    for flag, value in flags.items():
+        name = "--" + flag.replace("_", "-")
+        if name in args:
+            args[args.index(name) + 1] = str(value)
+        else:
+            args += [name, str(value)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=400, cwd=cwd, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in (cwd / out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _same(one: list[dict], two: list[dict], steps: int) -> None:
+    assert len(one) == len(two) == steps
+    for a, b in zip(one, two):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * a["grad_norm"], (a, b)
+        assert a["grad_norm"] > 0.1  # large weights: one wrong token would show
+
+
+def _chat(images: list[str], text: str, answer: str) -> dict:
+    parts = [{"type": "image", "image": p} for p in images] + [{"type": "text", "text": text}]
+    return {"messages": [{"role": "user", "content": parts},
+                         {"role": "assistant", "content": [{"type": "text", "text": answer}]}]}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("vlm_cli")
+    save_vlm_dir(str(path / "qwen3"), "qwen3_vl")
+    rng = np.random.default_rng(1)
+    for i, (h, w) in enumerate([(16, 24), (32, 16), (12, 12)]):
+        Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")).save(path / f"p{i}.png")
+    records = [_chat([f"p{i % 3}.png", f"p{(i + 1) % 3}.png"][: 1 + i % 2], f"describe {i}", "dots " * (1 + i))
+               for i in range(6)]  # fmt: skip
+    (path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_readme_vlm_cli_example_trains_at_sp2_as_at_sp1(tmp_path):
+    script, args = _readme_vlm_example()
+    (tmp_path / "make_tiny_vlm.py").write_text(script)
+    subprocess.run(
+        [sys.executable, "make_tiny_vlm.py"], cwd=tmp_path, check=True, capture_output=True, timeout=300
+    )
+    two = _train(tmp_path, args, "sp2")  # as documented: --sp 2 --nproc 2, micro-batches of 2 (padded)
+    one = _train(tmp_path, args, "sp1", sp=1, nproc=1)
+    _same(one, two, steps=3)
+
+
+def test_cli_trains_qwen3_vl_at_zero3_with_checkpointing_at_sp2_as_at_sp1(qwen3_dir):
+    args = ["train", "--model", "qwen3", "--data", "chat.jsonl", "--seq-len", "96", "--steps", "2",
+            "--micro-batch-size", "1"]  # fmt: skip
+    one = _train(qwen3_dir, args, "z0sp1", sp=1, nproc=1)
+    three = _train(qwen3_dir, [*args, "--activation-checkpointing"], "z3sp2", sp=2, nproc=2,
+                   zero_stage=3)  # weights loaded shard by shard  # fmt: skip
+    _same(one, three, steps=2)
+
+
+def _resolve(path, **kw):
+    kw = {"model": str(path / "qwen3"), "data": str(path / "chat.jsonl"), "seq_len": 96, **kw}
+    cfg = TrainConfig(sp=2, steps=1, output_dir=str(path / "unused"), **kw)
+    return resolve_run(cfg, 2, progress=False)
+
+
+def test_resolve_reads_the_chat_once_with_image_tokens_in_the_length(qwen3_dir):
+    run = _resolve(qwen3_dir)
+    assert len(run.dataset) == 6 and run.model_config.model_type == "qwen3_vl"
+    s = run.dataset[1]  # two images: 32x16 -> 8x4 patches, 12x12 -> 16x16 pixels (min_pixels) -> 4x4
+    assert s["image_grid_thw"].tolist() == [[1, 8, 4], [1, 4, 4]]
+    assert (
+        int((s["mm_token_type_ids"] == 1).sum()) == 8 + 4 == int((s["labels"][0] == -100).sum())
+    )  # 2x2 merge
+
+
+@pytest.mark.parametrize(
+    "kw, records, match",
+    [
+        ({}, [_chat(["gone.png"], "hi", "x")], r"chat.jsonl:1 \(sample 0\): image file 'gone.png' not found"),
+        ({"seq_len": 32}, None, r"sample 0\): \d+ tokens \(6 of them image tokens\) exceed seq_len 32"),
+        ({"packing": "best-fit"}, None, r"vision-language model: --packing 'best-fit' is not supported"),
+        ({"tiled_loss": True}, None, r"vision-language model: --tiled-loss computes the loss"),
+        ({"data": "recall"}, None, r"--data recall is a text task"),
+    ],
+    ids=["missing-image", "too-long", "packing", "tiled-loss", "recall"],
+)
+def test_bad_input_and_options_refused_before_launch(qwen3_dir, tmp_path, kw, records, match):
+    if records is not None:
+        (tmp_path / "qwen3").symlink_to(qwen3_dir / "qwen3")
+        (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(ValueError, match=match):
+        _resolve(tmp_path if records is not None else qwen3_dir, **kw)
+
+
+def test_eval_refuses_a_vlm_dir(qwen3_dir):
+    from ulysses_sp.run.checks import check_run
+
+    with pytest.raises(
+        ValueError, match=r"vision-language model \(qwen3_vl\): `ulysses-sp eval` scores text"
+    ):
+        check_run(2, sp=2, seq_len=96, sizes={}, attn="sdpa", models=[str(qwen3_dir / "qwen3")], tokenizer=None,
+                  data=str(qwen3_dir / "chat.jsonl"), seed=0)  # fmt: skip
