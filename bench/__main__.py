@@ -35,13 +35,6 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def launch(run: dict, module: str, nproc: int, args: list[str], **kw):
-    """``run_worker`` that records the launch (command, wall time) in ``run``."""
-    res, cmd, wall = run_worker(module, nproc, args, **kw)
-    run["launches"].append({"command": cmd, "wall_s": wall})
-    return res, cmd
-
-
 def run_pair(point: dict, *, steps: int, seq: int, repeats: int, run: dict, lr: float = 1e-3) -> dict:
     """ulysses-sp and DeepSpeed on one (dp, sp, zero) point, alternating launches (so a burst of load from
     elsewhere hits neither side alone), each side's best timing; plus the single-process oracle."""
@@ -50,7 +43,8 @@ def run_pair(point: dict, *, steps: int, seq: int, repeats: int, run: dict, lr: 
     try:
         for _ in range(repeats):
             for side, py in (("ours", None), ("deepspeed", DS_PYTHON)):
-                res, cmd = launch(run, "bench.steploop", point["dp"] * point["sp"], ["--impl", side, *args], python=py)
+                res, cmd, _ = run_worker("bench.steploop", point["dp"] * point["sp"], ["--impl", side, *args], python=py,
+                                         launches=run["launches"])  # fmt: skip
                 sides[side].append({**res, "command": cmd})
     except WorkerFailed as e:
         log(f"  {point}: FAILED {str(e).splitlines()[0]}")
@@ -67,7 +61,7 @@ def run_sections(sections: list[str], smoke: bool, run: dict) -> dict:
     """``{section: data}`` for the sections of this run."""
     out: dict = {t: [] for t in LIBRARY if t in sections}
     for world in ([2] if smoke else [2, 4]) if out else []:
-        recs, cmd = launch(run, "bench.workers", world, ["--tasks", ",".join(out)] + ["--smoke"] * smoke)
+        recs, cmd, _ = run_worker("bench.workers", world, ["--tasks", ",".join(out), *["--smoke"] * smoke], launches=run["launches"])
         for r in recs:
             out[r["task"]].append({**r, "command": cmd})
     if "deepspeed" in sections:

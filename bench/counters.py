@@ -1,10 +1,10 @@
 """Instruments: bytes through collectives (deterministic), and wall time per phase of a step.
 
 Pure torch (imported in both virtual environments). ``CollectiveCounter`` wraps the functions of
-``torch.distributed`` that ulysses-sp's parallel/comm.py and DeepSpeed's comm layer both end up calling, looked
-up at call time, and records for each call the bytes this rank sends to *other* ranks (its own slice of
-an all-to-all never leaves the process, so it is not counted) under the current phase label.
-``PhaseTimer`` times named phases of a step; ``CallTimer`` sums the time spent inside one function.
+``torch.distributed`` that ulysses-sp's parallel/comm.py and DeepSpeed's comm layer both end up calling,
+looked up at call time, and records for each call the bytes this rank sends to *other* ranks (its own slice of
+an all-to-all never leaves the process, so it is not counted) under the current phase label. ``timed`` times
+one call on every rank, ``PhaseTimer`` named phases of a step; ``CallTimer`` sums the time inside one function.
 Peak tensor memory is the library's ``ulysses_sp.memory.track_peak_memory``.
 """
 
@@ -119,11 +119,8 @@ class PhaseTimer:
 
 
 class CallTimer:
-    """Seconds spent inside ``owner.name`` while active: ``with CallTimer(dist, "all_to_all_single") as t``.
-
-    ``t.seconds`` accumulates (reset it by assignment); the original function is restored on exit.
-    Used by ``bench/hf_trainer.py`` (time in collectives per step).
-    """
+    """Seconds inside ``owner.name`` while active, ``with CallTimer(dist, "all_to_all_single") as t``: ``t.seconds``
+    accumulates (reset it by assignment), the original is restored on exit (bench/hf_trainer.py's collectives)."""
 
     def __init__(self, owner, name: str) -> None:
         self.owner, self.name, self.seconds = owner, name, 0.0
@@ -131,14 +128,14 @@ class CallTimer:
     def __enter__(self) -> CallTimer:
         self._orig = orig = getattr(self.owner, self.name)
 
-        def timed(*args, **kwargs):
+        def wrapped(*args, **kwargs):
             t0 = time.perf_counter()
             try:
                 return orig(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - t0
 
-        setattr(self.owner, self.name, timed)
+        setattr(self.owner, self.name, wrapped)
         return self
 
     def __exit__(self, *exc) -> None:

@@ -7,12 +7,8 @@ tiled logits + loss, activation checkpointing). For each case: tokens/s (median 
 ``torch.cuda.max_memory_allocated``, the loss, or the exception if it failed (OOM included). Writes
 ``bench/results/gpu_check.md``.
 
-Run on a CUDA machine (about 5-10 minutes)::
-
-    python -m bench.gpu_check                    # all cases (or: python bench/gpu_check.py)
-    python -m bench.gpu_check --lengths 32768    # a subset
-
-Benchmark code may name CUDA (the library does not): it measures this device's allocator.
+Run on a CUDA machine (5-10 minutes): ``python -m bench.gpu_check [--lengths 32768]`` (or ``python
+bench/gpu_check.py``). Benchmark code may name CUDA (the library does not): it measures this device's allocator.
 """
 
 from __future__ import annotations

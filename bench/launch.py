@@ -34,12 +34,12 @@ def _shown(python: str) -> str:
     return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else "python" if p == Path(sys.executable) else str(p)
 
 
-def run_worker(
-    module: str, nproc: int, args: list[str], *, python: Path | str | None = None, timeout: float = 600
-) -> tuple[dict | list, str, float]:
+def run_worker(module: str, nproc: int, args: list[str], *, python: Path | str | None = None, timeout: float = 600,
+               launches: list | None = None) -> tuple[dict | list, str, float]:  # fmt: skip
     """``python -m torch.distributed.run --nproc-per-node N -m MODULE ARGS --out TMP``.
 
-    Returns ``(result, command, wall_seconds)`` (and logs the last two); raises ``WorkerFailed`` on failure.
+    Returns ``(result, command, wall_seconds)``, logs the last two (appended to ``launches`` too, when given);
+    raises ``WorkerFailed`` when the worker fails.
     """
     python = str(python or sys.executable)
     out = os.path.join(tempfile.mkdtemp(prefix="bench-"), "result.json")  # the worker's rank 0 writes it
@@ -56,6 +56,8 @@ def run_worker(
             raise WorkerFailed(f"{shown} failed (exit {proc.returncode}):\n{tail}")
         wall = time.perf_counter() - t0
         print(f"  {shown}: {wall:.0f} s", file=sys.stderr, flush=True)
+        if launches is not None:
+            launches.append({"command": shown, "wall_s": wall})
         return json.loads(Path(out).read_text()), shown, wall
     finally:
         shutil.rmtree(os.path.dirname(out), ignore_errors=True)

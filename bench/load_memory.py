@@ -5,12 +5,11 @@ Run: ``python -m bench.load_memory [--small] [--dp 2 4]`` (minutes on 2 CPU core
 A random Llama (hidden 1024, 8 layers, vocab 32000, untied: 155M parameters, 594 MiB in fp32) is written with
 ``save_pretrained(max_shard_size="150MB")`` as fp32 and as bf16 files under /tmp. For each file dtype and dp
 in (2, 4), dp gloo ranks run ``init_empty_model`` -> ``initialize`` (ZeRO 3, fp32 master weights) ->
-``load_pretrained_weights`` (ranks under bench/launch.py). Each rank resets its peak RSS (``VmHWM``, via
-``/proc/self/clear_refs``) after imports and the process group, so ``growth = VmHWM - VmRSS before`` counts
-everything loading adds: the model object, its shards, and the file pages it maps. The goal: growth <= (1/dp +
-0.05) x the model's fp32 bytes. ``stock reader`` rows run the same load with DCP's own
-``HuggingFaceStorageReader.read_data`` (a file stays mapped while this rank reads its parts of every tensor in
-it) instead of the library's block reader.
+``load_pretrained_weights``. Each rank resets its peak RSS (``VmHWM``, via ``/proc/self/clear_refs``) after
+imports and the process group, so ``growth = VmHWM - VmRSS before`` counts everything loading adds: the model
+object, its shards, and the file pages it maps. The goal: growth <= (1/dp + 0.05) x the model's fp32 bytes.
+``stock reader`` rows run the same load with DCP's own ``HuggingFaceStorageReader.read_data`` (a file stays
+mapped while this rank reads its parts of every tensor in it) instead of the library's block reader.
 """
 
 from __future__ import annotations

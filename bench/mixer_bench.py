@@ -1,8 +1,6 @@
 """Sequence mixers under Ulysses SP: exchanges and bytes per mixer layer, step time, memory growth.
 
-    python -m bench.mixer_bench [--smoke] [--sp 1 2 4] [--out bench/results/mixer_bench.md]
-
-Gloo ranks on CPU (bench/launch.py: one world per sp size, one thread per rank).
+``python -m bench.mixer_bench [--smoke] [--sp 1 2 4]``: gloo ranks on CPU, one world per sp size, one thread each.
 
 * **Bytes**: one forward + backward of a single mixer module (LFM2's short conv; a Nemotron-H Mamba-2 mixer
   with ``G < P`` and ``G >= P``), sharded by ``mixers.apply.apply_mixers``; every ``all_to_all_single``

@@ -1,7 +1,6 @@
 """Coverage sweep: every decoder-only causal LM of the installed transformers, at sp=2 against no SP.
 
-    python -m bench.model_sweep                       # all families -> bench/results/model_sweep.md
-    python -m bench.model_sweep --only llama,lfm2     # a few, printed (the table is not rewritten)
+    python -m bench.model_sweep [--only llama,lfm2]  # all -> bench/results/model_sweep.md; a few: printed only
 
 The families come from transformers' own auto registry (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` minus the
 encoder-decoder and masked-LM registries), not from a list kept here. Each gets a tiny config shrunk from its

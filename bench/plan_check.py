@@ -10,9 +10,7 @@ FSDP2 (ZeRO 2-3) is left out on CPU: its unsharded parameters are allocated with
 invisible to the tracker (``memory.py``'s blind spots).
 
 Hybrid models (``HYBRIDS``: a Mamba-2 and a gated delta-net hybrid) are checked the same way, at sp 1 and 2,
-two lengths each (``hybrid_grid``).
-
-    python -m bench.plan_check [--cases N] [--out bench/results/plan_check.md]    # ~2-3 min
+two lengths each (``hybrid_grid``). Run: ``python -m bench.plan_check [--cases N]`` (2-3 minutes).
 """
 
 from __future__ import annotations
@@ -28,10 +26,18 @@ from transformers import AutoModelForCausalLM
 
 from bench import md
 from bench.launch import max_over_ranks, parser, run_worker, serve, under_torchrun
+from ulysses_sp import tasks
+from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
 from ulysses_sp.cli.plan import load_shape  # what `ulysses-sp plan` reads: layer kinds and mixers too
+from ulysses_sp.engine import initialize
+from ulysses_sp.memory.meter import track_peak_memory
+from ulysses_sp.parallel.comm_timing import record_comm_times
+from ulysses_sp.parallel.mesh import init_mesh
 from ulysses_sp.plan.hardware import DEVICES
 from ulysses_sp.plan.inputs import Settings
 from ulysses_sp.plan.model import predict
+from ulysses_sp.run.config import TrainConfig
+from ulysses_sp.run.loop import _techniques, micro_step
 
 CASES_TECH: list[dict[str, bool]] = [
     {}, {"activation_checkpointing": True}, {"activation_checkpointing": True, "offload_activations": True},
@@ -90,15 +96,6 @@ def _opt_tensors(optimizer) -> list:
 
 def measure(case: dict[str, Any]) -> dict[str, Any]:
     """On every rank of an initialised 2-rank group: the second step's peak and comm times."""
-    from ulysses_sp import tasks
-    from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
-    from ulysses_sp.engine import initialize
-    from ulysses_sp.memory.meter import track_peak_memory
-    from ulysses_sp.parallel.comm_timing import record_comm_times
-    from ulysses_sp.parallel.mesh import init_mesh
-    from ulysses_sp.run.config import TrainConfig
-    from ulysses_sp.run.loop import _techniques, micro_step
-
     cfg = TrainConfig(micro_batch_size=1, **case)
     s, sp = cfg.seq_len, cfg.sp
     mesh = init_mesh(sp_size=sp)

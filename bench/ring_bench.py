@@ -1,8 +1,6 @@
 """Ring attention and the hybrid Ulysses x Ring layout: bytes on the wire and the causal load balance.
 
-    python -m bench.ring_bench [--smoke] [--out bench/results/ring.md]       # seconds
-
-Launches itself through bench/launch.py (``torchrun``, gloo, CPU, one thread per rank) at 4 and 2 ranks:
+``python -m bench.ring_bench [--smoke]`` (seconds) launches itself (gloo, CPU, one thread per rank) at 4 and 2 ranks:
 
 (a) **bytes** one rank sends in one forward + backward of a tiny Llama (GQA, ``SHAPE``, packed documents) per
     layout ``(ulysses U, ring R)`` over ``sp = U x R`` ranks, fp32 and bf16: the bytes ``all_to_all_single``

@@ -48,11 +48,8 @@ def packed_positions(seq: int) -> torch.Tensor:
 
 
 def make_sample(index: int, seq_len: int, vocab: int, *, seed: int = 1234) -> dict[str, torch.Tensor]:
-    """One learnable sample ``{input_ids, labels, position_ids}`` of shape [1, seq_len].
-
-    Tokens follow a noisy affine recurrence, so the loss falls over a few steps; labels equal input_ids
-    (the causal-LM shift happens in the loss / the SP data adapter), with the first token ignored.
-    """
+    """One learnable sample ``{input_ids, labels, position_ids}`` [1, seq_len]: a noisy affine recurrence (the
+    loss falls over a few steps); labels = input_ids, the first ignored (the loss / SP adapter shifts them)."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + index)
     a = int(torch.randint(1, vocab, (1,), generator=g))
     ids = torch.empty(seq_len, dtype=torch.long)
@@ -79,12 +76,9 @@ def rank_samples(rank: int, world: int, mb: int, items: int, seq_len: int, vocab
 
 
 def adapter_sample_ids(step: int, dp_rank: int, dp_size: int, sp_size: int, mb: int) -> list[int]:
-    """Sample ids that SP group ``dp_rank`` trains on at ``step`` under the round-robin SP adapter.
-
-    The adapter gathers one loader item from each of the group's ``sp_size`` ranks and processes them on
-    consecutive steps: step ``s`` uses item ``s // P`` of group rank ``s % P`` (global rank
-    ``dp_rank * P + s % P``) when ranks are laid out dp-major, as both DeepSpeed and ulysses-sp do.
-    """
+    """Sample ids that SP group ``dp_rank`` trains on at ``step`` under the round-robin SP adapter: it gathers one
+    loader item from each of the group's ``P`` ranks and processes them on consecutive steps, so step ``s`` uses
+    item ``s // P`` of global rank ``dp_rank * P + s % P`` (ranks dp-major, as DeepSpeed and ulysses-sp lay them)."""
     rank, j = dp_rank * sp_size + step % sp_size, step // sp_size
     return [(j * dp_size * sp_size + rank) * mb + e for e in range(mb)]
 
@@ -113,11 +107,9 @@ def sp_loss_combine(loss_sum, good, group, combine: str = "all_gather") -> torch
 
 
 def reference_run(spec: ModelSpec, *, steps: int, dp_size: int, sp_size: int, mb: int, seq_len: int, lr: float) -> dict:
-    """The oracle: the same optimizer steps in one process without parallelism.
-
-    Each step averages the dp replicas' mean losses (equal token counts, so this is the global token mean),
-    as DP gradient averaging does. Returns per-step losses and the step-1 gradient norm.
-    """
+    """The oracle: the same optimizer steps in one process without parallelism; each step averages the dp
+    replicas' mean losses (equal token counts: the global token mean), as DP gradient averaging does.
+    Returns per-step losses and the step-1 gradient norm."""
     model = build_model(spec)  # seed 0, as the workers'
     opt = make_optimizer(model.parameters(), lr)
     losses, grad_norm = [], None

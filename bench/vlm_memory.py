@@ -4,8 +4,7 @@ Run (about 5 minutes on 2 CPU cores): ``python -m bench.vlm_memory [--out bench/
 
 A random Qwen2.5-VL (text: hidden 256, 4 layers, 8 heads, vocab 1024; vision: hidden 128, depth 4) trains one
 fp32 step on one sample of 32x32-patch images (256 tokens each) and 256 text tokens, at sp 1, 2 and 4 (gloo
-ranks under bench/launch.py), the images encoded on every rank or split over the group
-(``shard_vlm(split_images_over=)``). Each rank measures with ``ulysses_sp.memory.track_peak_memory`` (CPU
+ranks), the images encoded on every rank or split over the group (``shard_vlm(split_images_over=)``). Each rank measures with ``ulysses_sp.memory.track_peak_memory`` (CPU
 dispatch counter, parameters in the baseline): the whole step's extra bytes (forward, loss, backward), and the
 vision tower's forward + backward over the sample's images alone: it runs whole on every rank
 (``ulysses_sp.vlm.shard``).

@@ -1,7 +1,6 @@
 """Tasks of the ulysses-sp side: one launch runs a list of measurements on W ranks.
 
-    python -m torch.distributed.run --nproc-per-node 2 -m bench.workers \\
-        --tasks comm,flops,memory --out /tmp/w2.json [--smoke]
+    python -m torch.distributed.run --nproc-per-node 2 -m bench.workers --tasks comm,flops,memory --out w2.json
 
 Every task loops over the sequence-parallel sizes ``sp`` that divide W, on the layout ``(W/sp, sp)`` (so
 ``sp=1`` runs W independent replicas under the same CPU contention as ``sp=W``) and returns records (plain
