@@ -29,14 +29,14 @@ from bench.launch import finish_worker, init_worker, max_over_ranks, run_worker,
 from bench.spec import llama
 from ulysses_sp.integrations.transformers import prepare
 from ulysses_sp.memory.meter import track_peak_memory
-from ulysses_sp.run.config import TrainConfig
+from ulysses_sp.run.config import RunConfig
 from ulysses_sp.run.loop import run as run_cli
 
 SMALL = dict(vocab_size=259, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 WIDE = dict(vocab_size=8192, hidden_size=64, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)
 CKPT, OFF = {"gradient_checkpointing": True}, {"activation_checkpointing": True, "offload_activations": True}
 ALL, TL, TM, UO = {"tiled_loss": True, "tiled_mlp": True, "offload_attention": True}, {"tiled_loss": True}, {"tiled_mlp": True}, {"offload_attention": True}
-TECHNIQUES = {  # name: (prepare() options, TrainingArguments fields, the CLI's TrainConfig fields)
+TECHNIQUES = {  # name: (prepare() options, TrainingArguments fields, the CLI's RunConfig fields)
     "SP only": ({}, {}, {}), "tiled loss": (TL, {}, TL), "tiled MLP": (TM, {}, TM), "Ulysses-Offload": (UO, {}, UO),
     "checkpointing": ({}, CKPT, {"activation_checkpointing": True}), "checkpointing + offload": ({"offload_activations": True}, CKPT, OFF),
     "bf16": ({}, {"bf16": True}, {"dtype": "bf16"}), "all, fp32": ({**ALL, "offload_activations": True}, CKPT, {**ALL, **OFF})}  # fmt: skip
@@ -80,7 +80,7 @@ def worker(seq: int, steps: int, rounds: int, mem_seq: int) -> dict:
     _ = dist.get_rank() == 0 and llama(**WIDE, max_position_embeddings=mem_seq).save_pretrained(f"{tmp[0]}/model")
     dist.barrier()
     for i, (name, (options, fields, cli)) in enumerate(TECHNIQUES.items()):
-        cfg = TrainConfig(model=f"{tmp[0]}/model", seq_len=mem_seq, sp=2, steps=3, micro_batch_size=1, grad_accum=2, output_dir=f"{tmp[0]}/cli{i}", progress=False, **cli)  # fmt: skip
+        cfg = RunConfig(model=f"{tmp[0]}/model", seq_len=mem_seq, sp=2, steps=3, micro_batch_size=1, grad_accum=2, output_dir=f"{tmp[0]}/cli{i}", progress=False, **cli)  # fmt: skip
         run_cli(cfg)
         # the last step: in the second, the CLI's DDP rebuilds its gradient buckets (reducer._rebuild_buckets),
         # which the CPU meter sees allocated but not the old ones (made at construction) freed

@@ -36,7 +36,7 @@ from ulysses_sp.parallel.mesh import init_mesh
 from ulysses_sp.plan.hardware import DEVICES
 from ulysses_sp.plan.inputs import Settings
 from ulysses_sp.plan.model import predict
-from ulysses_sp.run.config import TrainConfig
+from ulysses_sp.run.config import RunConfig
 from ulysses_sp.run.loop import _techniques, micro_step
 
 CASES_TECH: list[dict[str, bool]] = [
@@ -96,7 +96,7 @@ def _opt_tensors(optimizer) -> list:
 
 def measure(case: dict[str, Any]) -> dict[str, Any]:
     """On every rank of an initialised 2-rank group: the second step's peak and comm times."""
-    cfg = TrainConfig(micro_batch_size=1, **case)
+    cfg = RunConfig(micro_batch_size=1, **case)
     s, sp = cfg.seq_len, cfg.sp
     mesh = init_mesh(sp_size=sp)
     model = tasks.build_model(cfg.model, vocab_size=len(tasks.load_tokenizer(None, cfg.model)), seed=0)

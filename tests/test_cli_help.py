@@ -1,5 +1,5 @@
 """Every ``--help`` read as a new user reads it: each default stated once and true (``train``'s are
-``TrainConfig``'s), nothing stale; and the data flags have one definition (``DataSettings``)."""
+``RunConfig``'s), nothing stale; and the data flags have one definition (``DataSettings``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ulysses_sp.cli.args import build_parser
 from ulysses_sp.cli.evaluate import EvalConfig, eval_options
 from ulysses_sp.cli.flags import DATA_FLAGS
 from ulysses_sp.cli.main import main
-from ulysses_sp.run.config import TrainConfig
+from ulysses_sp.run.config import RunConfig
 from ulysses_sp.tasks import DataSettings
 
 
@@ -44,7 +44,7 @@ def test_each_default_is_stated_once(capsys, monkeypatch, command):
 
 def test_train_help_states_train_config_defaults_and_the_data_formats(capsys, monkeypatch):
     flags = _help(capsys, monkeypatch, "train")
-    cfg = TrainConfig()
+    cfg = RunConfig()
     for flag, field in (("--seq-len", "seq_len"), ("--sp", "sp"), ("--steps", "steps"), ("--lr", "lr"),
                         ("--micro-batch-size", "micro_batch_size"), ("--dtype", "dtype"), ("--model", "model"),
                         ("--max-nonfinite-steps", "max_nonfinite_steps")):  # fmt: skip
@@ -73,9 +73,9 @@ def test_plan_and_eval_help_are_current(capsys, monkeypatch):
 def test_data_flags_have_one_definition():
     fields = {f.name for f in dataclasses.fields(DataSettings)}
     assert {flag[2:].replace("-", "_") for flag, *_ in DATA_FLAGS} == fields  # flag for field, same names
-    assert issubclass(TrainConfig, DataSettings) and issubclass(EvalConfig, DataSettings)
+    assert issubclass(RunConfig, DataSettings) and issubclass(EvalConfig, DataSettings)
     assert not hasattr(tasks, "DataFlags")
-    cfg = TrainConfig(data_cache="/c", data_workers=3, loss_on="all")
+    cfg = RunConfig(data_cache="/c", data_workers=3, loss_on="all")
     assert cfg.data_settings() == DataSettings(data_cache="/c", data_workers=3, loss_on="all")
     ecfg, _ = eval_options(
         build_parser().parse_args(["eval", "--model", "tiny-llama", "--data-workers", "2"])

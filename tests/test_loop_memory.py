@@ -14,7 +14,7 @@ def _logits_alive_at_backward(out_dir: str, zero_stage: int) -> list[bool]:
     import torch
 
     from ulysses_sp.engine.engine import Engine
-    from ulysses_sp.run.config import TrainConfig
+    from ulysses_sp.run.config import RunConfig
     from ulysses_sp.run.loop import run
 
     outputs: list[tuple[torch.nn.Module, weakref.ref]] = []  # (module, its forward output)
@@ -34,7 +34,7 @@ def _logits_alive_at_backward(out_dir: str, zero_stage: int) -> list[bool]:
         outputs.clear()
         return original(self, loss)
 
-    cfg = TrainConfig(output_dir=out_dir, seq_len=64, sp=2, micro_batch_size=1, grad_accum=2, steps=2,
+    cfg = RunConfig(output_dir=out_dir, seq_len=64, sp=2, micro_batch_size=1, grad_accum=2, steps=2,
                       zero_stage=zero_stage, progress=False)  # fmt: skip
     hook = torch.nn.modules.module.register_module_forward_hook(record)
     Engine.backward = backward

@@ -162,10 +162,10 @@ def test_force_turns_the_refusal_into_a_warning(caplog):
     import torch
 
     from ulysses_sp.run.checks import model_config
-    from ulysses_sp.run.config import TrainConfig
+    from ulysses_sp.run.config import RunConfig
     from ulysses_sp.run.preflight import check_fits, prediction
 
-    cfg = TrainConfig(memory="1MB", force=True, seq_len=64)
+    cfg = RunConfig(memory="1MB", force=True, seq_len=64)
     pred = prediction(cfg, 2, model_config("tiny-llama", 259), torch.device("cpu"))
     with caplog.at_level(logging.WARNING):
         line = check_fits(cfg, pred, torch.device("cpu"))

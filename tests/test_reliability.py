@@ -23,7 +23,7 @@ import torch
 from harness import WorkerError
 
 from ulysses_sp.engine.divergence import DivergenceError, DivergenceGuard
-from ulysses_sp.run.config import TrainConfig, config_from_dict
+from ulysses_sp.run.config import RunConfig, config_from_dict
 from ulysses_sp.run.lock import RunLock, RunLockedError, check_unlocked
 from ulysses_sp.run.resolve import validate
 from ulysses_sp.run.rundir import prepare_output_dir, read_metrics_lines
@@ -46,7 +46,7 @@ def test_guard_skips_nonfinite_steps_and_stops_after_n_in_a_row():
 
 @pytest.mark.parametrize("lr", ["inf", "nan", "-inf"])
 def test_non_finite_lr_is_refused(lr):
-    cfg = TrainConfig(lr=float(lr), output_dir="unused")
+    cfg = RunConfig(lr=float(lr), output_dir="unused")
     with pytest.raises(ValueError, match="--lr must be"):
         validate(cfg, 2)
 
@@ -187,7 +187,7 @@ def test_overwrite_never_deletes_a_live_runs_files(tmp_path):
     (out / "checkpoint-2" / "manifest.json").write_text("{}")
     proc = _holder(out)
     try:
-        cfg = TrainConfig(output_dir=str(out), overwrite=True, seq_len=32, steps=2)
+        cfg = RunConfig(output_dir=str(out), overwrite=True, seq_len=32, steps=2)
         validate(cfg, 2)  # --overwrite is a valid request...
         with pytest.raises(RunLockedError):  # ...refused while the other run lives
             check_unlocked(cfg.output_dir)
@@ -199,7 +199,7 @@ def test_overwrite_never_deletes_a_live_runs_files(tmp_path):
 
 # ---------------------------------------------------------------- files
 def test_torn_last_metrics_line_is_dropped_on_resume_with_a_warning(tmp_path, caplog):
-    cfg = TrainConfig(output_dir=str(tmp_path))
+    cfg = RunConfig(output_dir=str(tmp_path))
     lines = [json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3)]
     (tmp_path / "metrics.jsonl").write_text("".join(lines) + '{"step": 4, "lo')
     with caplog.at_level(logging.WARNING):
@@ -209,7 +209,7 @@ def test_torn_last_metrics_line_is_dropped_on_resume_with_a_warning(tmp_path, ca
     assert read_metrics_lines(str(tmp_path / "metrics.jsonl")) == lines[:2]
 
 
-def _fake_checkpoint(cfg: TrainConfig, world: int = 1) -> None:
+def _fake_checkpoint(cfg: RunConfig, world: int = 1) -> None:
     manifest = validate(cfg, world)
     path = os.path.join(cfg.output_dir, "checkpoint-1")
     os.makedirs(path)
@@ -220,7 +220,7 @@ def _fake_checkpoint(cfg: TrainConfig, world: int = 1) -> None:
 def test_resume_refuses_changed_data_unless_allowed(tmp_path):
     data = tmp_path / "corpus.txt"
     data.write_text("the quick brown fox jumps over the lazy dog. " * 40)
-    cfg = TrainConfig(data=str(data), seq_len=32, sp=1, steps=2, output_dir=str(tmp_path / "run"))
+    cfg = RunConfig(data=str(data), seq_len=32, sp=1, steps=2, output_dir=str(tmp_path / "run"))
     _fake_checkpoint(cfg)
     resume = dataclasses.replace(cfg, resume="latest")
     no_state = r"checkpoint-1/training_state/dcp/.metadata is damaged"  # a manifest alone: checked last
@@ -368,16 +368,16 @@ def test_wrong_config_types_name_the_key_and_the_type():
 def test_unwritable_output_dir_missing_attention_backend_and_too_long_seq_len_refused(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match=r"--output-dir .* is a file, not a directory"):
-        validate(TrainConfig(output_dir=str(tmp_path / "file" / "run"), seq_len=32), 2)
+        validate(RunConfig(output_dir=str(tmp_path / "file" / "run"), seq_len=32), 2)
     with pytest.raises(
         ValueError, match=r"--attn flash_attention_2 is not available here: it needs the flash-attn"
     ):
-        validate(TrainConfig(output_dir=str(tmp_path / "a"), seq_len=32, attn="flash_attention_2"), 2)
+        validate(RunConfig(output_dir=str(tmp_path / "a"), seq_len=32, attn="flash_attention_2"), 2)
     with pytest.raises(
         ValueError,
         match=r"--seq-len 262144 is longer than model 'tiny-llama' covers \(max_position_embeddings 131072\)",
     ):
-        validate(TrainConfig(output_dir=str(tmp_path / "b"), seq_len=1 << 18, micro_batch_size=1), 2)
+        validate(RunConfig(output_dir=str(tmp_path / "b"), seq_len=1 << 18, micro_batch_size=1), 2)
 
 
 def test_rope_scaling_extends_the_allowed_seq_len():

@@ -29,7 +29,7 @@ from ulysses_sp import tasks
 from ulysses_sp.cli.main import main
 from ulysses_sp.data import cache as data_cache
 from ulysses_sp.run import checks as run_checks
-from ulysses_sp.run.config import TrainConfig
+from ulysses_sp.run.config import RunConfig
 from ulysses_sp.run.resolve import resolve_run
 from ulysses_sp.run.stops import EXIT_PEER_LOST, FailureWatch, Stopped, blame, run_reporting
 from ulysses_sp.tasks import DataSettings, build_local_dataset
@@ -85,7 +85,7 @@ def test_a_chat_run_builds_its_token_cache_once_and_ranks_get_it_by_path(tmp_pat
     assert counted == {"tokenize_text": 0, "tokenize_cache": 1, "tokenizer": 1, "model_config": 1}
     assert [json.loads(line)["step"] for line in open(os.path.join(out, "metrics.jsonl"))] == [1, 2]
     # what a rank receives: the corpus travels as its cache path and is memory-mapped on arrival
-    cfg = TrainConfig(data=data, seq_len=64, chat_template=str(tmp_path / "t.jinja"), output_dir=str(tmp_path / "o"),
+    cfg = RunConfig(data=data, seq_len=64, chat_template=str(tmp_path / "t.jinja"), output_dir=str(tmp_path / "o"),
                       data_cache=str(tmp_path / "cache"))  # fmt: skip
     resolved = resolve_run(cfg, 2)
     blob = pickle.dumps(resolved)
@@ -97,8 +97,8 @@ def test_a_chat_run_builds_its_token_cache_once_and_ranks_get_it_by_path(tmp_pat
     assert counted["tokenize_cache"] == 1  # resolving again read the cache
 
 
-def _cfg(tmp_path, data: str, **kw) -> TrainConfig:
-    return TrainConfig(data=data, seq_len=kw.pop("seq_len", 64), output_dir=str(tmp_path / "out"),
+def _cfg(tmp_path, data: str, **kw) -> RunConfig:
+    return RunConfig(data=data, seq_len=kw.pop("seq_len", 64), output_dir=str(tmp_path / "out"),
                        data_cache=str(tmp_path / "cache"), data_workers=1, **kw)  # fmt: skip
 
 
@@ -175,7 +175,7 @@ def test_a_damaged_checkpoint_is_named_with_the_previous_one(tmp_path):
     data = tmp_path / "corpus.txt"
     data.write_text(" ".join(f"word{i % 37}" for i in range(3000)))
     out = _train_in_process(tmp_path, str(data))
-    resume = TrainConfig(data=str(data), seq_len=64, micro_batch_size=2, steps=3, sp=1, output_dir=out,
+    resume = RunConfig(data=str(data), seq_len=64, micro_batch_size=2, steps=3, sp=1, output_dir=out,
                          resume="latest", data_cache=str(tmp_path / "cache"))  # fmt: skip
     resolve_run(resume, 1)  # whole: fine
     first = os.path.join(out, "checkpoint-1")

@@ -14,12 +14,12 @@ from ulysses_sp.cli.main import main
 from ulysses_sp.config import TrainingConfig
 from ulysses_sp.data import sp_data_sampler, sp_dataloader
 from ulysses_sp.run.checks import check_recipe
-from ulysses_sp.run.config import TrainConfig, config_from_dict
+from ulysses_sp.run.config import RunConfig, config_from_dict
 from ulysses_sp.run.resolve import validate
 
 
 def _previous_recipe(steps: int, lr: float = 1e-2, warmup: int | None = None) -> dict:
-    """The engine config ``train.py`` hard-coded before the recipe became ``TrainConfig`` fields."""
+    """The engine config ``train.py`` hard-coded before the recipe became ``RunConfig`` fields."""
     warmup = warmup if warmup is not None else max(1, min(20, steps // 10))
     return {
         "train_micro_batch_size_per_gpu": 8,
@@ -42,12 +42,12 @@ def _previous_recipe(steps: int, lr: float = 1e-2, warmup: int | None = None) ->
 
 @pytest.mark.parametrize("steps, warmup", [(300, None), (8, None), (50, 7), (3, 5)])
 def test_default_recipe_is_the_previous_hard_coded_one(steps, warmup):
-    cfg = TrainConfig(steps=steps, warmup_steps=warmup)
+    cfg = RunConfig(steps=steps, warmup_steps=warmup)
     assert cfg.training_config() == TrainingConfig.from_dict(_previous_recipe(steps, warmup=warmup))
 
 
 def test_recipe_fields_reach_the_engine_config():
-    cfg = TrainConfig(steps=100, lr=3e-4, betas=(0.8, 0.99), weight_decay=0.1, warmup_ratio=0.05,
+    cfg = RunConfig(steps=100, lr=3e-4, betas=(0.8, 0.99), weight_decay=0.1, warmup_ratio=0.05,
                       warmup_min_ratio=0.0, cos_min_ratio=0.2, warmup_type="log", zero_stage=3, grad_accum=2)  # fmt: skip
     tc = cfg.training_config()
     assert tc.optimizer.params == {"lr": 3e-4, "betas": (0.8, 0.99), "weight_decay": 0.1}
@@ -69,7 +69,7 @@ def test_recipe_fields_reach_the_engine_config():
     ],
 )
 def test_warmup_ratio_is_ceil_of_a_fraction_of_steps_at_least_one(steps, ratio, want):
-    assert TrainConfig(steps=steps, warmup_ratio=ratio).warmup_num_steps == want
+    assert RunConfig(steps=steps, warmup_ratio=ratio).warmup_num_steps == want
 
 
 @pytest.mark.parametrize(
@@ -96,9 +96,9 @@ def test_warmup_ratio_is_ceil_of_a_fraction_of_steps_at_least_one(steps, ratio, 
 )
 def test_bad_recipe_raises_naming_the_flag(fields, match):
     with pytest.raises(ValueError, match=match):
-        check_recipe(TrainConfig(**fields))
+        check_recipe(RunConfig(**fields))
     with pytest.raises(ValueError, match=match):  # validate checks it before model, data, output dir
-        validate(TrainConfig(**fields), 2)
+        validate(RunConfig(**fields), 2)
 
 
 def test_recipe_flags_and_json_config(tmp_path):
@@ -111,7 +111,7 @@ def test_recipe_flags_and_json_config(tmp_path):
     (tmp_path / "c.json").write_text(json.dumps({"betas": [0.5, 0.6], "warmup-min-ratio": 0.0}))
     cfg, _ = train_options(build_parser().parse_args(["train", "--config", str(tmp_path / "c.json")]))
     assert (cfg.betas, cfg.warmup_min_ratio) == ((0.5, 0.6), 0.0)
-    assert config_from_dict({"betas": [0.9, 0.95]}) == TrainConfig()
+    assert config_from_dict({"betas": [0.9, 0.95]}) == RunConfig()
 
 
 def test_bad_recipe_flags_exit_2_before_launch(capsys, tmp_path):
@@ -142,9 +142,9 @@ def test_train_and_eval_share_their_checks():
     ):
         validate_eval(EvalConfig(models=("tiny-llama",), seq_len=30, sp=4), 4)
     with pytest.raises(ValueError, match=r"--seq-len must be a positive int, got 1.5 \(float\)"):
-        validate(TrainConfig(seq_len=1.5), 2)
+        validate(RunConfig(seq_len=1.5), 2)
     with pytest.raises(ValueError, match=r"--save-every must be >= 0, got -1"):
-        validate(TrainConfig(save_every=-1), 2)
+        validate(RunConfig(save_every=-1), 2)
 
 
 def test_positive_int_vocabulary():

@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 from vlm_models import save_vlm_dir
 
-from ulysses_sp.run.config import TrainConfig
+from ulysses_sp.run.config import RunConfig
 from ulysses_sp.run.resolve import resolve_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -95,7 +95,7 @@ def test_cli_trains_qwen3_vl_at_zero3_with_checkpointing_at_sp2_as_at_sp1(qwen3_
 
 def _resolve(path, **kw):
     kw = {"model": str(path / "qwen3"), "data": str(path / "chat.jsonl"), "seq_len": 96, **kw}
-    cfg = TrainConfig(sp=2, steps=1, output_dir=str(path / "unused"), **kw)
+    cfg = RunConfig(sp=2, steps=1, output_dir=str(path / "unused"), **kw)
     return resolve_run(cfg, 2, progress=False)
 
 

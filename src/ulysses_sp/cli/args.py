@@ -1,4 +1,4 @@
-"""The ``ulysses-sp`` argument parser: the ``train`` / ``eval`` / ``plan`` flags, and ``TrainConfig``
+"""The ``ulysses-sp`` argument parser: the ``train`` / ``eval`` / ``plan`` flags, and ``RunConfig``
 from defaults <- ``--config`` JSON <- the flags given. Pure: no processes, no environment.
 """
 
@@ -89,12 +89,12 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ulysses_sp.run.config import TrainConfig
+    from ulysses_sp.run.config import RunConfig
 
     s = argparse.SUPPRESS  # only flags actually given override --config and the defaults
 
     class TrainHelp(HelpFormatter):
-        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+        defaults = {f.name: f.default for f in dataclasses.fields(RunConfig)}
 
     parser = argparse.ArgumentParser(
         prog="ulysses-sp",
@@ -219,7 +219,7 @@ def _load_json_config(path: str) -> dict[str, Any]:
 
 
 def train_options(ns: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
-    """``(TrainConfig, launch options)`` from defaults <- ``--config`` JSON <- given flags."""
+    """``(RunConfig, launch options)`` from defaults <- ``--config`` JSON <- given flags."""
     from ulysses_sp.run.config import config_from_dict
 
     given = {k: v for k, v in vars(ns).items() if k != "command"}

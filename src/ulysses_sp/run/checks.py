@@ -17,7 +17,7 @@ from ulysses_sp import tasks
 from ulysses_sp.attention.core import CORE_ATTENTIONS, check_blockwise_options
 from ulysses_sp.checks import check_seq_len_divisible, optional_positive_int, positive_int
 from ulysses_sp.parallel.mesh_shape import head_counts, resolve_ring_size, resolve_ring_size_for_layers
-from ulysses_sp.run.config import TrainConfig
+from ulysses_sp.run.config import RunConfig
 from ulysses_sp.run.prelaunch import check_attention_available, check_seq_len_fits
 from ulysses_sp.vlm import SUPPORTED_VLMS
 
@@ -36,7 +36,7 @@ def _fraction(name: str, value: Any, *, below_one: bool = False) -> None:
         raise ValueError(f"{_flag(name)} must be a number in {interval}, got {value!r}")
 
 
-def check_recipe(cfg: TrainConfig) -> None:
+def check_recipe(cfg: RunConfig) -> None:
     """The optimizer and schedule settings, named by their flags (``ValueError``)."""
     if isinstance(cfg.lr, float) and not math.isfinite(cfg.lr):
         raise ValueError(f"--lr must be a finite number (it scales every update), got {cfg.lr}")
@@ -63,7 +63,7 @@ def check_recipe(cfg: TrainConfig) -> None:
         raise ValueError(f"--warmup-type must be 'linear' or 'log', got {cfg.warmup_type!r}")
 
 
-def check_precision(cfg: TrainConfig) -> None:
+def check_precision(cfg: RunConfig) -> None:
     """``--dtype``, ``--save-dtype`` and ``--cpu-offload`` (``ValueError`` naming the flags)."""
     names = ("fp32", "bf16", "fp16")
     if cfg.dtype not in names:
@@ -182,7 +182,7 @@ def check_run(
     return configs
 
 
-def check_train_options(cfg: TrainConfig) -> None:
+def check_train_options(cfg: RunConfig) -> None:
     """Every ``train`` option that needs no model, tokenizer or data (``ValueError`` naming the flag)."""
     for name in ("micro_batch_size", "grad_accum", "steps"):
         positive_int(_flag(name), getattr(cfg, name))

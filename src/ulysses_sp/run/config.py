@@ -1,7 +1,7 @@
-"""The ``train`` command's settings: ``TrainConfig``, one field per flag, and their startup summary.
+"""The ``train`` command's settings: ``RunConfig``, one field per flag, and their startup summary.
 
-``TrainConfig`` is what ``ulysses-sp train`` (and ``ulysses_sp.run.loop.run``) takes, optimizer and
-schedule recipe included; ``TrainConfig.training_config()`` is the engine's ``TrainingConfig`` it
+``RunConfig`` is what ``ulysses-sp train`` (and ``ulysses_sp.run.loop.run``) takes, optimizer and
+schedule recipe included; ``RunConfig.training_config()`` is the engine's ``TrainingConfig`` it
 means; ``config_from_dict`` builds one from a ``--config`` JSON object. What is checked before any
 process starts is ``train_checks``'s; the run directory (manifest, output-dir checks) ``rundir``'s.
 """
@@ -31,8 +31,9 @@ from ulysses_sp.run.prelaunch import check_option_types
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainConfig(tasks.DataSettings):
-    """Everything ``run`` needs; the CLI flags of the same names fill it."""
+class RunConfig(tasks.DataSettings):
+    """One training run, everything ``run`` needs; the CLI flags of the same names fill it. The engine's
+    ``config.TrainingConfig`` (optimizer, ZeRO, precision sections) is derived from it by ``training_config()``."""
 
     model: str = "tiny-llama"
     """A preset (``tiny-llama``, ``tiny-qwen2``, ``tiny-mistral``) or a local HF model directory."""
@@ -185,16 +186,16 @@ class TrainConfig(tasks.DataSettings):
         )
 
 
-def config_from_dict(values: dict[str, Any]) -> TrainConfig:
-    """A ``TrainConfig`` from a dict (e.g. a ``--config`` JSON file); unknown keys are an error."""
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
+def config_from_dict(values: dict[str, Any]) -> RunConfig:
+    """A ``RunConfig`` from a dict (e.g. a ``--config`` JSON file); unknown keys are an error."""
+    known = {f.name for f in dataclasses.fields(RunConfig)}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ValueError(f"unknown training option(s) {unknown}; known: {sorted(known)}")
-    check_option_types(TrainConfig, values)
+    check_option_types(RunConfig, values)
     if isinstance(values.get("betas"), list):  # JSON has no tuples
         values = {**values, "betas": tuple(values["betas"])}
-    return TrainConfig(**values)
+    return RunConfig(**values)
 
 
 def _on_off(flag: bool, shards: int | None = None) -> str:
@@ -207,7 +208,7 @@ def _ring_note(mesh) -> str:
     return f" (ring {mesh.ring_size} x ulysses {mesh.ulysses_size}: ring attention)" if mesh.ring_size > 1 else ""
 
 
-def startup_summary(cfg: TrainConfig, engine, model, dataset, resumed: str | None) -> str:
+def startup_summary(cfg: RunConfig, engine, model, dataset, resumed: str | None) -> str:
     n_params = sum(p.numel() for p in model.parameters())
     bs = engine.batch_sizes
     lines = [

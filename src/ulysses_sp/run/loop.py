@@ -11,7 +11,7 @@ group initialised) then builds and trains:
    on resume the checkpoint's training state fills model and optimizer), ALST transforms (tiled MLP, activation checkpointing / offload);
 2. sequence parallelism (``sp > 1``): ``UlyssesSPAttentionHF.register_with_transformers`` ->
    ``mpu``; the engine: ``initialize(model, cfg.training_config(), mpu=...)`` (ZeRO stage, AdamW,
-   warmup + cosine: the recipe is ``TrainConfig``'s fields);
+   warmup + cosine: the recipe is ``RunConfig``'s fields);
 3. data: ``sp_dataloader`` per rank -> ``UlyssesSPDataLoaderAdapter``, so a run with ``sp = P``
    processes the same global batches as ``sp = 1`` with the same ``dp``;
 4. per optimizer step: ``grad_accum`` micro-steps of ``engine.backward(engine(**batch).loss)`` (the
@@ -25,7 +25,7 @@ diverged run raises ``DivergenceError`` naming the last good checkpoint; ``stop`
 CLI sets on SIGTERM with ``--save-on-signal``) is agreed across ranks inside the per-step metrics
 reduction, then the run saves and returns with ``"stopped": True``.
 
-The library never reads argv or launcher variables; the CLI does and passes a ``TrainConfig``.
+The library never reads argv or launcher variables; the CLI does and passes a ``RunConfig``.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from ulysses_sp import tasks
 from ulysses_sp.engine.divergence import DivergenceError
 from ulysses_sp.parallel import comm_timing
 from ulysses_sp.parallel.comm import all_reduce_max, barrier, raise_if_any_rank_failed
-from ulysses_sp.run.config import TrainConfig, startup_summary
+from ulysses_sp.run.config import RunConfig, startup_summary
 from ulysses_sp.run.lock import RunLock, RunLockedError
 from ulysses_sp.run.resolve import ResolvedRun, resolve_run
 from ulysses_sp.run.rundir import checked_save, prepare_output_dir
@@ -107,7 +107,7 @@ class DataStream:
 
 
 # ---------------------------------------------------------------- building
-def _techniques(cfg: TrainConfig, model) -> tuple[list[Any], Any]:
+def _techniques(cfg: RunConfig, model) -> tuple[list[Any], Any]:
     """Apply the ALST transforms to the bare model; return (undo handles, loss_fn or None)."""
     handles: list[Any] = []
     loss_fn = None
@@ -131,7 +131,7 @@ def _techniques(cfg: TrainConfig, model) -> tuple[list[Any], Any]:
 
 
 # ---------------------------------------------------------------- the loop
-def run(cfg: TrainConfig, *, stop: Any = None, resolved: ResolvedRun | None = None) -> dict[str, Any]:
+def run(cfg: RunConfig, *, stop: Any = None, resolved: ResolvedRun | None = None) -> dict[str, Any]:
     """Train on every rank of the initialised process group; return a summary (same on every rank).
 
     ``resolved``: ``cfg`` as ``resolve_run`` checked and resolved it in the launching process (the
@@ -221,7 +221,7 @@ def _run(resolved: ResolvedRun, stop: Any, held: ExitStack) -> dict[str, Any]:
             mpu.remove()
 
 
-def _preflight(cfg: TrainConfig, world: int, model_config: Any, mesh) -> str:
+def _preflight(cfg: RunConfig, world: int, model_config: Any, mesh) -> str:
     """The planner's predicted peak (summary line); every rank refuses alike when it cannot fit."""
     from ulysses_sp.parallel.comm import raise_if_any_rank_failed
     from ulysses_sp.run.preflight import check_fits, prediction
@@ -254,7 +254,7 @@ def _comm_fields(times, dt: float) -> dict[str, Any]:
             "comm_share": (comm_s + dp_s) / dt if dt > 0 else 0.0}  # fmt: skip
 
 
-def _last_good(cfg: TrainConfig) -> str:
+def _last_good(cfg: RunConfig) -> str:
     found = ckpt.list_checkpoints(cfg.output_dir)
     return found[-1][1] if found else "none (no checkpoint was saved yet)"
 

@@ -1,6 +1,6 @@
 """The planner's prediction for one ``ulysses-sp train`` run, and the check that it fits.
 
-``prediction(cfg, world_size, model_config, device_type)`` maps the run's ``TrainConfig`` onto
+``prediction(cfg, world_size, model_config, device_type)`` maps the run's ``RunConfig`` onto
 ``plan.Settings`` and returns ``plan.predict``'s answer; ``check_fits`` raises ``ValueError``
 (or, with ``--force``, only warns) before anything is built when the predicted peak per rank
 exceeds the memory budget: ``--memory`` when given, else the accelerator's total memory, else
@@ -20,12 +20,12 @@ import torch
 from ulysses_sp.plan.hardware import DEVICES, Hardware, parse_bytes
 from ulysses_sp.plan.inputs import ModelShape, Settings
 from ulysses_sp.plan.model import Prediction, predict
-from ulysses_sp.run.config import TrainConfig
+from ulysses_sp.run.config import RunConfig
 
 logger = logging.getLogger(__name__)
 
 
-def settings_for(cfg: TrainConfig, world_size: int, device_type: str) -> Settings:
+def settings_for(cfg: RunConfig, world_size: int, device_type: str) -> Settings:
     """The planner's view of a training run's settings."""
     return Settings(
         seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, dp=world_size // cfg.sp, sp=cfg.sp,
@@ -45,7 +45,7 @@ def _host_available_bytes() -> int | None:
         return None
 
 
-def memory_budget(cfg: TrainConfig, device: torch.device) -> tuple[int | None, str]:
+def memory_budget(cfg: RunConfig, device: torch.device) -> tuple[int | None, str]:
     """``(bytes one rank may use, where the number comes from)``; ``None`` when unknown."""
     if cfg.memory is not None:
         return parse_bytes(cfg.memory), "--memory"
@@ -84,7 +84,7 @@ def model_shape(config: Any, *, max_positions: int | None = None) -> ModelShape:
         for k in kinds))  # fmt: skip
 
 
-def prediction(cfg: TrainConfig, world_size: int, model_config: Any, device: torch.device) -> Prediction:
+def prediction(cfg: RunConfig, world_size: int, model_config: Any, device: torch.device) -> Prediction:
     """The planner's prediction for this run (reserve 0 on CPU, the table's on accelerators). For a
     vision-language model it is its language model's: the vision tower is not in the prediction."""
     hw: Hardware = DEVICES["cpu" if device.type == "cpu" else "h100"]
@@ -93,7 +93,7 @@ def prediction(cfg: TrainConfig, world_size: int, model_config: Any, device: tor
     return predict(shape, settings_for(cfg, world_size, device.type), hw)
 
 
-def check_fits(cfg: TrainConfig, pred: Prediction, device: torch.device) -> str:
+def check_fits(cfg: RunConfig, pred: Prediction, device: torch.device) -> str:
     """Raise ``ValueError`` (warn with ``--force``) when ``pred`` exceeds the budget; return the
     startup summary's line."""
     budget, source = memory_budget(cfg, device)
@@ -114,7 +114,7 @@ def check_fits(cfg: TrainConfig, pred: Prediction, device: torch.device) -> str:
     return line
 
 
-def check_before_launch(cfg: TrainConfig, world_size: int, model_config: Any) -> None:
+def check_before_launch(cfg: RunConfig, world_size: int, model_config: Any) -> None:
     """In the launching process, with ``--memory`` given: the same verdict before any rank starts."""
     if cfg.memory is None:
         return

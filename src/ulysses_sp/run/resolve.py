@@ -1,4 +1,4 @@
-"""The run-level check: a ``TrainConfig`` checked once and resolved into what every rank needs.
+"""The run-level check: a ``RunConfig`` checked once and resolved into what every rank needs.
 
 ``resolve_run(cfg, world_size)`` composes the components' own checks (``run.checks``: options,
 layout, model with tokenizer; the data layer's: formats, loss mask, template, scored tokens;
@@ -24,7 +24,7 @@ from torch.utils.data import Dataset
 from ulysses_sp import tasks
 from ulysses_sp.data.packed import check_scored
 from ulysses_sp.run.checks import check_layout, check_model, check_train_options
-from ulysses_sp.run.config import TrainConfig
+from ulysses_sp.run.config import RunConfig
 from ulysses_sp.run.rundir import check_output_dir, manifest_for
 from ulysses_sp.run.vlm import check_vlm_options, is_vlm_config, vlm_dataset
 
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 class ResolvedRun:
     """A checked run: what the ranks build from instead of checking and loading again."""
 
-    cfg: TrainConfig
+    cfg: RunConfig
     """The run's settings."""
     world_size: int
     """Processes the run was checked for (a rank refuses a run resolved for another world size)."""
@@ -52,12 +52,12 @@ class ResolvedRun:
     a VLM's chat samples with their pixels (``run.vlm``)."""
 
 
-def num_samples(cfg: TrainConfig, dp: int) -> int:
+def num_samples(cfg: RunConfig, dp: int) -> int:
     """Recall samples are generated, not stored: exactly enough for every step, never repeated."""
     return cfg.steps * cfg.micro_batch_size * cfg.grad_accum * dp
 
 
-def resolve_run(cfg: TrainConfig, world_size: int, *, progress: bool | None = None) -> ResolvedRun:
+def resolve_run(cfg: RunConfig, world_size: int, *, progress: bool | None = None) -> ResolvedRun:
     """Check ``cfg`` for ``world_size`` processes and resolve it (see the module docstring).
 
     ``progress``: a tokenizing progress bar (``None``: ``cfg.progress``). Raises ``ValueError``.
@@ -88,6 +88,6 @@ def resolve_run(cfg: TrainConfig, world_size: int, *, progress: bool | None = No
                        manifest=manifest, dataset=dataset)  # fmt: skip
 
 
-def validate(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
+def validate(cfg: RunConfig, world_size: int) -> dict[str, Any]:
     """``resolve_run``'s checks; return the run's manifest."""
     return resolve_run(cfg, world_size, progress=False).manifest

@@ -29,7 +29,7 @@ from ulysses_sp.run.resume import check_checkpoint_files, read_checkpoint
 from ulysses_sp.state import checkpoint as ckpt
 
 if TYPE_CHECKING:
-    from ulysses_sp.run.config import TrainConfig
+    from ulysses_sp.run.config import RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ RUN_KEYS = ("model", "data", "seq_len", "micro_batch_size", "grad_accum", "seed"
 """Settings a resumed run must share with its checkpoint (else the batches or model differ)."""
 
 
-def manifest_for(cfg: TrainConfig, world_size: int, model_cfg) -> dict[str, Any]:
+def manifest_for(cfg: RunConfig, world_size: int, model_cfg) -> dict[str, Any]:
     """The ``world`` / ``run`` / ``model_config`` sections a checkpoint records and resume compares."""
     mc = model_cfg.to_dict()
     # what may legitimately differ between the saving and the resuming run: not the architecture
@@ -131,7 +131,7 @@ def _check_writable(output_dir: str) -> None:
 
 
 def _check_data_unchanged(
-    cfg: TrainConfig, saved: dict[str, Any], manifest: dict[str, Any], path: str
+    cfg: RunConfig, saved: dict[str, Any], manifest: dict[str, Any], path: str
 ) -> None:
     old, new = saved.get("data_fingerprint"), manifest["data_fingerprint"]
     if old is None or old == new or cfg.allow_data_change:
@@ -146,7 +146,7 @@ def _check_data_unchanged(
     )
 
 
-def check_output_dir(cfg: TrainConfig, manifest: dict[str, Any]) -> None:
+def check_output_dir(cfg: RunConfig, manifest: dict[str, Any]) -> None:
     """Refuse to mix runs: another run's checkpoints need ``--resume`` or ``--overwrite``;
     ``--resume`` needs a compatible checkpoint (the message lists every difference) and unchanged data."""
     _check_writable(cfg.output_dir)
@@ -176,7 +176,7 @@ def check_output_dir(cfg: TrainConfig, manifest: dict[str, Any]) -> None:
         )
 
 
-def prepare_output_dir(cfg: TrainConfig, resumed_step: int | None) -> None:
+def prepare_output_dir(cfg: RunConfig, resumed_step: int | None) -> None:
     """Rank 0: create the output dir; with ``--overwrite`` remove the old run's checkpoints and
     metrics (only those); on resume drop metrics lines past the resumed step."""
     os.makedirs(cfg.output_dir, exist_ok=True)

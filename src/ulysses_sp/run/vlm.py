@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ulysses_sp.run.config import TrainConfig
+from ulysses_sp.run.config import RunConfig
 from ulysses_sp.vlm import SUPPORTED_VLMS
 
 _UNTESTED = "has not been tested against the same model without SP for vision-language models"
@@ -40,7 +40,7 @@ def is_vlm_config(config: Any) -> bool:
     return getattr(config, "model_type", None) in SUPPORTED_VLMS
 
 
-def check_vlm_options(cfg: TrainConfig) -> None:
+def check_vlm_options(cfg: RunConfig) -> None:
     """Refuse (``ValueError``, naming the flag) what a VLM run does not take."""
     where = f"--model {cfg.model!r} is a vision-language model"
     for name, why in _REFUSED_FLAGS.items():
@@ -67,7 +67,7 @@ def check_vlm_options(cfg: TrainConfig) -> None:
                          "--seq-len is refused by name (its images cannot be cut); drop the flag")  # fmt: skip
 
 
-def vlm_dataset(cfg: TrainConfig, config: Any) -> list[dict[str, torch.Tensor]]:
+def vlm_dataset(cfg: RunConfig, config: Any) -> list[dict[str, torch.Tensor]]:
     """``cfg.data`` read with ``cfg.model``'s tokenizer and image processor (module docstring)."""
     from ulysses_sp.vlm.data import load_vlm_chat
 

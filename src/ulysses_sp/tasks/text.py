@@ -110,7 +110,7 @@ class TextBlockDataset(Dataset):
 class DataSettings:
     """How local data becomes training blocks: the fine-tuning data flags, one field per flag of the
     same name (``data_format`` is ``--data-format``, ``data_cache`` is ``--data-cache``). The one
-    definition: ``TrainConfig`` and ``EvalConfig`` inherit it, ``--config`` files use these keys."""
+    definition: ``RunConfig`` and ``EvalConfig`` inherit it, ``--config`` files use these keys."""
 
     data_format: str = "auto"
     """``auto`` (from the columns), ``text``, ``chat`` or ``prompt-completion``."""
