@@ -148,6 +148,7 @@ def _launch(command: str, options: Any, nproc: int, timeout_s: float, resolved: 
     output_dir = getattr(options, "output_dir", None)
     # --save-on-signal: SIGTERM goes to the workers and the launch ends once they have saved
     forwarding = forward_sigterm(save_on_signal) if save_on_signal > 0 else contextlib.nullcontext()
+    stopped_by = None
     with FailureWatch() as watch, forwarding:
         try:
             results = elastic_launch(config, _run_rank)(
@@ -155,15 +156,28 @@ def _launch(command: str, options: Any, nproc: int, timeout_s: float, resolved: 
             )
         except SignalException as e:
             print(stop_line(command, e.sigval, output_dir), file=sys.stderr)
-            sys.exit(128 + e.sigval)
+            stopped_by = e.sigval
         except ChildFailedError as e:
             failures = watch.exit_codes({r: exit_code_of(f) for r, f in e.failures.items()})
             print(f"ulysses-sp {command}: failed: {blame(failures, nproc, timeout_s)}", file=sys.stderr)
             sys.exit(1)
+    if stopped_by is not None:
+        _exit_now(128 + stopped_by)
     summary = (results or {}).get(0)
     if isinstance(summary, dict) and summary.get("stopped"):  # --save-on-signal: saved, then stopped
         print(stop_line(command, signal.SIGTERM, output_dir), file=sys.stderr)
         sys.exit(128 + signal.SIGTERM)
+
+
+def _exit_now(code: int) -> None:
+    """End the launcher with ``code`` once its output is flushed, without interpreter finalization: a
+    signal interrupts torch's elastic agent with its rendezvous store's C++ thread still running, and
+    destroying that thread at exit can abort the process ("terminate called without an active
+    exception", exit -6) after the one-line stop message was already printed."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> None:
