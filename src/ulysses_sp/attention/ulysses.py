@@ -209,9 +209,10 @@ class UlyssesSPAttentionHF:
                 # [B, Hkv, S_l, D] -> [B, P, S_l, D]: rank j will receive the kv head its queries use.
                 key = key.repeat_interleave(p // hkv, dim=1)
                 value = value.repeat_interleave(p // hkv, dim=1)
-            # one all-to-all: [B, H, S_l, D] -> [B, H_l, S, D], [B, Hkv|P, S_l, D] -> [B, Hkv_l, S, D]
+            # the exchange, head by head: [B, H, S_l, D] -> [B, H_l, S, D], [B, Hkv|P, S_l, D] -> [B, Hkv_l, S, D]
             query, key, value = qkv_seq_to_heads(query, key, value, self.ulysses_group)
         out = self._attend(module, query, key, value, layouts, args, kwargs, h, rank, ring=sp)  # [B, S, H_l, D]
+        del query, key, value  # the full-sequence q/k/v (not what the core saved) go before the output exchange
         if a2a:
             out = heads_to_seq(out, self.ulysses_group, head_dim=2, seq_dim=1)  # [B, S, H_l, D] -> [B, S_l, H, D]
         return out, None
