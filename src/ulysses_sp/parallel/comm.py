@@ -4,7 +4,7 @@ error agreement.
 
 Every function takes its process group explicitly (from the ``SPMesh``'s named views). Where each
 sits in the step (DESIGN.md): the shard exchange once per round of the data adapter (step 2); the
-all-to-all twice per attention layer, q/k/v in (packed, one collective) and the output out (step 4);
+all-to-all twice per attention layer, q/k/v in and the output out (step 4; ``headwise``: head by head);
 under ring attention, point-to-point hops around the ring axis inside each layer (step 4, overlapped
 with compute, counted by ``ring.RingStats``, not timed by ``record_comm_times``); the gather of
 position ids once per forward; the loss reduction once per micro-step (step 5); the gradient
@@ -17,7 +17,7 @@ Shape legend: ``B`` batch, ``S`` global sequence, ``S_l = S/P`` local sequence, 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -25,18 +25,7 @@ import torch.distributed as dist
 
 from ulysses_sp.parallel.comm_timing import CommTimes, active_comm_times
 from ulysses_sp.parallel.comm_timing import timed as _timed
-from ulysses_sp.parallel.packing import (
-    alias,
-    dim_order,
-    empty_in_order,
-    head_pieces,
-    layout_of,
-    pack,
-    rank_parts,
-    release,
-    segment_sizes,
-    unpack,
-)
+from ulysses_sp.parallel.packing import layout_of, pack, rank_parts, release, segment_sizes, unpack
 
 
 def _all_to_all(
@@ -51,13 +40,9 @@ def _all_to_all(
     p = dist.get_world_size(group)
     if p == 1:
         return x
-    scatter_dim %= x.dim()
     gather_dim %= x.dim()
-    n = x.shape[scatter_dim]
-    if n % p:
-        raise ValueError(f"dim {scatter_dim} of shape {tuple(x.shape)} is not divisible by sp_size {p}")
     # [..., n, ...] -> [P, ..., n/P, ...]: chunk j (for rank j) first, contiguous for the collective.
-    send = x.unflatten(scatter_dim, (p, n // p)).movedim(scatter_dim, 0).contiguous()
+    send = rank_parts((x,), scatter_dim, p)[0].contiguous()
     recv = torch.empty_like(send)
     with _timed("sp", times):
         dist.all_to_all_single(recv, send, group=group)
@@ -91,8 +76,7 @@ def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
     Differentiable; the backward is ``heads_to_seq`` of the gradient.
     """
-    if x.dim() == 4 and dist.get_world_size(group) > 1:  # [B, H, S_l, D] -> [B, H/P, P*S_l, D]
-        return _HeadwiseAllToAll.apply(group, (1, 2), True, x)[0]
+    # [B, H, S_l, D] -> [B, H/P, P*S_l, D]
     return _AllToAll.apply(x, 1, 2, group)
 
 
@@ -102,8 +86,6 @@ def heads_to_seq(
     """``[B, H_l, S, D] -> [B, H, S_l, D]`` (or any layout, naming the two dims): the inverse of
     ``seq_to_heads``. Differentiable."""
     # [.., H_l, .., S, ..] -> [.., H, .., S_l, ..]
-    if x.dim() == 4 and {head_dim % 4, seq_dim % 4} == {1, 2} and dist.get_world_size(group) > 1:
-        return _HeadwiseAllToAll.apply(group, (head_dim % 4, seq_dim % 4), False, x)[0]
     return _AllToAll.apply(x, seq_dim, head_dim, group)
 
 
@@ -155,10 +137,9 @@ def start_exchange(
             with _timed("sp", times):
                 work.wait()
         release(send)  # peak: inputs + recv + outputs, not + send
-        send = work = None
         outs = unpack(recv, layouts, sizes, gather_dims)
         release(recv)  # (kept by the outputs that are views of it)
-        recv = None
+        send = work = recv = None
         return outs
 
     return finish
@@ -191,68 +172,16 @@ class _AllToAllPacked(torch.autograd.Function):
         return None, None, None, *_all_to_all_packed(tuple(full), gather_dim, scatter_dim, ctx.group, ctx.times)
 
 
-def _exchange_pieces(pieces: Iterator[tuple[torch.Tensor, torch.Tensor]], group: dist.ProcessGroup) -> None:
-    """One all-to-all per ``(src, dest)`` pair of ``[P, ...]`` views: ``src`` row ``r`` to rank ``r``, rank
-    ``r``'s row into ``dest`` row ``r``; staged through a piece-sized buffer only where not contiguous."""
+def exchange_pieces(pieces: Iterable[tuple[torch.Tensor, torch.Tensor]], group: dist.ProcessGroup) -> None:
+    """One all-to-all per ``(src, dest)`` pair of ``[P, ...]`` views (``headwise``, not differentiable): ``src``
+    row ``r`` to rank ``r``, rank ``r``'s row into ``dest`` row ``r``; staged where not contiguous."""
     for src, dest in pieces:
-        send = alias(src) if src.is_contiguous() else src.contiguous()
-        recv = alias(dest) if dest.is_contiguous() else torch.empty_like(send)
+        send = src.contiguous()  # the piece itself, or a copy
+        recv = dest if dest.is_contiguous() else torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=group)
-        if not dest.is_contiguous():
+        if recv is not dest:
             dest.copy_(recv)
-        release(send, recv)
-
-
-class _HeadwiseAllToAll(torch.autograd.Function):
-    """Several 4-D tensors seq->heads (``to_heads``) or heads->seq forward, the inverse backward; one
-    batch row and local head at a time, each piece straight from the input into the output
-    (``packing.head_pieces``): the inputs and outputs alive plus at most two pieces, no whole-tensor
-    send and receive buffers. Each gradient is laid out in memory like its input (a transposed input
-    gets a transposed gradient: no copy downstream); a missing gradient gives none."""
-
-    @staticmethod
-    def forward(ctx: Any, group: dist.ProcessGroup, dims: tuple[int, int], to_heads: bool, *xs: torch.Tensor):
-        ctx.group, ctx.dims, ctx.to_heads = group, dims, to_heads
-        ctx.times = active_comm_times()  # as _AllToAll: backward may run on another thread
-        ctx.orders = [dim_order(x) for x in xs]
-        return _headwise(xs, [None] * len(xs), group, dims, to_heads, ctx.times)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None):
-        got = [(g, order) for g, order in zip(grads, ctx.orders) if g is not None]
-        outs = iter(_headwise([g for g, _ in got], [o for _, o in got], ctx.group, ctx.dims, not ctx.to_heads,
-                              ctx.times))  # fmt: skip
-        return None, None, None, *(None if g is None else next(outs) for g in grads)
-
-
-def _headwise(xs, orders, group: dist.ProcessGroup, dims: tuple[int, int], to_heads: bool, times) -> tuple:
-    """Each ``x`` through ``_exchange_pieces`` into a new tensor (laid out in ``order``; ``None``: contiguous)."""
-    p, outs = dist.get_world_size(group), []
-    with _timed("sp", times):
-        for x, order in zip(xs, orders):
-            shape = list(x.shape)  # seq->heads: heads / P, seq * P; heads->seq: the reverse
-            shape[dims[0]], shape[dims[1]] = (shape[dims[0]] // p, shape[dims[1]] * p) if to_heads else (
-                shape[dims[0]] * p, shape[dims[1]] // p)  # fmt: skip
-            outs.append(empty_in_order(x, shape, order))
-            _exchange_pieces(head_pieces(x, outs[-1], p, dims, to_heads), group)
-    return tuple(outs)
-
-
-def qkv_seq_to_heads(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``seq_to_heads`` of q, k and v with the least memory alive: ``[B, H, S_l, D] -> [B, H_l, S, D]``
-    for q and ``[B, Hkv|P, S_l, D] -> [B, Hkv_l, S, D]`` for k, v. Differentiable.
-
-    Each rank's piece arrives straight in the output and the gradients leave straight from theirs
-    (``_HeadwiseAllToAll``): no packed send or receive buffer of all three and no unpacking copy (they
-    doubled the exchange's memory, the peak of a causal layer). ``B (H_l + 2 Hkv_l)`` collectives each
-    way instead of one: latency, not bytes.
-    """
-    if dist.get_world_size(group) == 1:
-        return q.view_as(q), k.view_as(k), v.view_as(v)
-    # [B, H*, S_l, D] -> [B, H*/P, P*S_l, D] for each
-    return _HeadwiseAllToAll.apply(group, (1, 2), True, q, k, v)
+        release(send, recv)  # the copies (views are the caller's)
 
 
 def seq_to_heads_packed(

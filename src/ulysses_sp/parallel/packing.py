@@ -11,8 +11,6 @@ Shape legend: ``P`` the group size; ``n`` a tensor's scatter-dim length.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 
 
@@ -75,44 +73,8 @@ def release(*bufs: torch.Tensor) -> None:
     while longer (gloo's worker thread drops its references when it next runs and, their Python objects
     gone, only once it holds the GIL), so they would otherwise outlive the call into the next allocations.
     Detaches each buffer's own tensor from its storage (what else shares the storage keeps it); views are
-    skipped: detaching one would bump its base's version counter (pass an ``alias`` instead)."""
+    skipped (detaching one would bump its base's version counter; its base is the caller's)."""
     with torch.no_grad():
         for buf in bufs:
             if buf._base is None:
                 buf.set_()
-
-
-def alias(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s memory as a new tensor outside autograd, with its own version counter (``release`` may
-    detach it without touching ``t``)."""
-    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
-
-
-def dim_order(t: torch.Tensor) -> tuple[int, ...]:
-    """``t``'s dims from the outermost in memory to the innermost (``(0, 1, 2, 3)``: contiguous)."""
-    return tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
-
-
-def empty_in_order(like: torch.Tensor, shape: list[int], order: tuple[int, ...] | None) -> torch.Tensor:
-    """A new ``shape`` tensor of ``like``'s dtype and device whose memory runs in ``order`` (``dim_order``)."""
-    if order is None:
-        return like.new_empty(shape)
-    # [shape in memory order] -> the logical dims (a permuted view)
-    return like.new_empty([shape[d] for d in order]).permute(sorted(range(len(order)), key=order.__getitem__))
-
-
-def head_pieces(x: torch.Tensor, out: torch.Tensor, p: int, dims: tuple[int, int], to_heads: bool
-                ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
-    """The ``(src, dest)`` views, each ``[P, S_l, D]``, of a head-wise all-to-all between 4-D tensors with
-    the heads at ``dims[0]`` and the sequence at ``dims[1]`` (batch first, ``D`` last): one per batch row
-    and local head ``j``. Seq->heads (``to_heads``): ``x [B, H, S_l, D]``'s heads ``r H_l + j`` (row ``r``
-    for rank ``r``) -> ``out [B, H_l, S, D]``'s head ``j``, rank ``r``'s tokens at ``[r S_l, (r+1) S_l)``;
-    heads->seq: the same pairs with the roles swapped (dims named in ``[B, H, S, D]`` order)."""
-    heads, seqs = (x, out) if to_heads else (out, x)
-    heads, seqs = (t.movedim(dims, (1, 2)) for t in (heads, seqs))  # [B, H, S_l, D], [B, H_l, S, D] (views)
-    h_l, s_l = seqs.shape[1], heads.shape[2]
-    for i in range(heads.shape[0]):
-        for j in range(h_l):
-            by_head = heads[i].unflatten(0, (p, h_l))[:, j]  # [P, S_l, D]: head r H_l + j of every rank r
-            by_seq = seqs[i, j].unflatten(0, (p, s_l))  # [P, S_l, D]: rank r's tokens of head j
-            yield (by_head, by_seq) if to_heads else (by_seq, by_head)
