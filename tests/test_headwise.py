@@ -1,7 +1,6 @@
 """The attention exchange head by head (``parallel/headwise.py``): bitwise the whole-tensor all-to-all,
-gradients laid out like the inputs, and the memory it adds bounded by its outputs plus one head's
-pieces each way (the packed exchange added a send and a receive buffer of every tensor on top),
-forward and backward."""
+gradients laid out like the inputs, and the memory it adds bounded by its outputs plus two pieces
+(the packed exchange added a send and a receive buffer of every tensor on top), forward and backward."""
 
 from __future__ import annotations
 
@@ -53,8 +52,7 @@ def _exchange_and_memory() -> dict:
         "layouts": [t.stride() == x.stride() for t, x in zip([*grads, core.grad], [q, k, v, core])],
         "out_contiguous": out.is_contiguous(),
         "extra": (fwd_extra, bwd_extra, out_extra, out_bwd_extra),
-        # q, k and v's pieces of one head cross together (3 staged each way); the output's alone (2)
-        "bounds": (_nbytes(outs) + 6 * piece, _nbytes(grads) + 6 * piece, _nbytes([out]) + 2 * piece,
+        "bounds": (_nbytes(outs) + 2 * piece, _nbytes(grads) + 2 * piece, _nbytes([out]) + 2 * piece,
                    _nbytes([core]) + 2 * piece),  # fmt: skip
         "packed": (2 * _nbytes(outs), 2 * _nbytes(grads)),  # what send + receive buffers alone added
     }

@@ -6,10 +6,9 @@ exchanged bytes, the peak of a causal attention layer (in forward and, for the g
 backward). Here each batch row and local head goes on its own: for seq->heads, rank ``r``'s head
 ``r H_l + j`` of ``x [B, H, S_l, D]`` is the ``[S_l, D]`` piece it sends to rank ``r``, and what
 arrives from rank ``r`` is the contiguous slice ``[r S_l, (r+1) S_l)`` of head ``j`` of
-``out [B, H_l, S, D]``, received in place; heads->seq is the same with the roles swapped. q, k and v's
-head ``j`` cross in one collective (packed and unpacked through buffers of one head each). Alive: the
-inputs and the outputs plus one head's pieces each way. The same bytes cross the group as one packed
-exchange; ``B max(H_l, Hkv_l)`` collectives in and ``B H_l`` out instead of one each
+``out [B, H_l, S, D]``, received in place; heads->seq is the same with the roles swapped. Alive: the
+inputs and the outputs plus at most a staging piece each way (``comm.exchange_pieces``). The same
+bytes cross the group as one packed exchange; ``B (H_l + 2 Hkv_l)`` collectives in instead of one
 (latency, not bytes). Pure data movement: exact.
 
 Layouts: gradients come out laid out in memory like the forward's inputs (``dim_order``): the core's
@@ -25,14 +24,13 @@ replication), ``H_l = H/P``, ``D`` head dim, ``P`` the Ulysses group size.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ulysses_sp.parallel.comm import exchange_pieces, start_exchange
+from ulysses_sp.parallel.comm import exchange_pieces
 from ulysses_sp.parallel.comm_timing import CommTimes, active_comm_times
 from ulysses_sp.parallel.comm_timing import timed as _timed
 
@@ -70,27 +68,16 @@ def head_pieces(
 
 def _exchange(xs: Sequence[torch.Tensor], orders: Sequence[tuple[int, ...] | None], group: dist.ProcessGroup,
               dims: tuple[int, int], to_heads: bool, times: CommTimes | None) -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """Each ``x`` into a new tensor laid out in its ``order`` (seq->heads divides the heads by ``P`` and
-    multiplies the sequence, heads->seq the reverse): the ``n``-th pieces of every tensor in one
-    collective (q, k and v's head ``j`` together), received straight into a lone tensor's output."""
+    """Each ``x`` into a new tensor laid out in its ``order``: seq->heads divides the heads by ``P`` and
+    multiplies the sequence, heads->seq the reverse."""
     p, outs = dist.get_world_size(group), []
-    for x, order in zip(xs, orders):
-        shape = list(x.shape)
-        h, s = shape[dims[0]], shape[dims[1]]
-        shape[dims[0]], shape[dims[1]] = (h // p, s * p) if to_heads else (h * p, s // p)
-        outs.append(empty_in_order(x, shape, order))
-    pieces = [head_pieces(x, out, p, dims, to_heads) for x, out in zip(xs, outs)]
-    for step in itertools.zip_longest(*pieces):
-        pairs = [pair for pair in step if pair is not None]
-        if len(pairs) == 1:
-            with _timed("sp", times):
-                exchange_pieces(pairs, group)
-            continue
-        # [P, S_l, D] pieces, packed per rank: arriving [P(src), S_l, D] views of the receive buffer
-        got = start_exchange([src for src, _ in pairs], [None] * len(pairs), group, times, async_op=False)()
-        for (_, dest), piece in zip(pairs, got):
-            dest.copy_(piece)
-        del got, piece  # the receive buffer goes before the next step's
+    with _timed("sp", times):
+        for x, order in zip(xs, orders):
+            shape = list(x.shape)
+            h, s = shape[dims[0]], shape[dims[1]]
+            shape[dims[0]], shape[dims[1]] = (h // p, s * p) if to_heads else (h * p, s // p)
+            outs.append(empty_in_order(x, shape, order))
+            exchange_pieces(head_pieces(x, outs[-1], p, dims, to_heads), group)
     return tuple(outs)
 
 
