@@ -137,7 +137,7 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
     attn_saved = norm + (q + 2 * kv) + 2 * q
     exchange_in = q + 2 * kv if s.sp > 1 else 0  # see the module docstring
     if s.attention == "blockwise":
-        attn_saved = norm + 2 * q  # q/k/v go to the host with the blocks
+        attn_saved = norm + q  # q/k/v and the core's output go to the host with the blocks
     mlp_saved = 0 if s.tiled_mlp else 4 * big_i
     ckpt = s.activation_checkpointing
     kept = 0 if s.offload_activations else h
@@ -200,7 +200,7 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
     phase = max(acts, key=acts.get)
     host = m.layers * h * tok * e if (ckpt and s.offload_activations) else 0
     if s.attention == "blockwise":
-        host += m.layers * (q + 2 * kv) * tok * e
+        host += m.layers * (2 * q + 2 * kv) * tok * e
     if phase == "activations":
         out = {
             "activations": saved * e,
