@@ -169,19 +169,13 @@ def test_planner_exchange_buffers_scale_by_head_chunks():
     # fp32 (the CPU runs): the attention backward is the layer's peak, not the norms' fp32 copies
     s = Settings(seq_len=1 << 20, sp=8, dp=1, zero_stage=3, partition="all", dtype="fp32", tiled_mlp=True,
                  tiled_loss=True, activation_checkpointing=True, offload_activations=True)  # fmt: skip
-    one, two, four = (predict(LLAMA_8B, replace(s, head_chunks=n), hw) for n in (1, 2, 4))
+    one, two = predict(LLAMA_8B, s, hw), predict(LLAMA_8B, replace(s, head_chunks=2), hw)
     tok, q = s.seq_len // s.sp, LLAMA_8B.heads * LLAMA_8B.head_dim
-    # a head group's exchange: send + receive buffers of its q, 2 q / N per token in fp32; the plain
-    # exchange goes head by head (parallel/headwise.py) and has none
-    # (here the tiled MLP's backward is the layer's high point once the exchange holds no more than q)
-    ws = {n: p.breakdown["backward_workspace"] for n, p in ((1, one), (2, two), (4, four))}
-    assert ws[1] <= ws[4] <= ws[2] and ws[2] - ws[1] <= 2 * q // 2 * tok * 4, ws
+    # the backward's send + receive buffers of q, 2 q per token in fp32: half of them with 2 head groups
+    # (the saving stops where the MLP's backward becomes the layer's peak)
+    assert 0 < one.breakdown["backward_workspace"] - two.breakdown["backward_workspace"] <= 2 * q * tok * 4 // 2
     assert two.step_s > one.step_s  # one more q/k/v exchange and attention forward per layer
-    assert max_seq_len(LLAMA_8B, s, hw) >= max_seq_len(LLAMA_8B, replace(s, head_chunks=2), hw)
-    longer = replace(s, seq_len=4 << 20)  # where a group's exchange buffers are the layer's high point
-    plain, grouped = (predict(LLAMA_8B, replace(longer, head_chunks=n), hw).breakdown["backward_workspace"]
-                      for n in (1, 2))  # fmt: skip
-    assert plain < grouped
+    assert max_seq_len(LLAMA_8B, replace(s, head_chunks=2), hw) > max_seq_len(LLAMA_8B, s, hw)
 
 
 def _register_refused(chunks):

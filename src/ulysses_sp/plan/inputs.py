@@ -162,9 +162,8 @@ class Settings:
     """``sdpa``/``flash``: memory-efficient core attention (O(S) workspace); ``blockwise``: the same
     in blocks, attention inputs offloaded (a setting of the attention engineers' branch)."""
     head_chunks: int = 1
-    """Head groups exchanged and attended one at a time (``--head-chunks``): the attention backward holds
-    one group's exchange buffers (``2 q / head_chunks``; the plain exchange, head by head, has none); one
-    more q/k/v exchange and attention forward."""
+    """Head groups exchanged and attended one at a time (``--head-chunks``): the attention backward's
+    exchange buffers scale by ``1/head_chunks``; one more q/k/v exchange and attention forward."""
     device_type: str = "cuda"
     """``cpu``: single-tensor AdamW; accelerators: multi-tensor (whole-shard workspace)."""
 

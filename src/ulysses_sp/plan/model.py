@@ -154,10 +154,11 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
         mlp_ws = 7 * big_i * t
     else:
         mlp_ws = 3 * big_i * tok
-    # attention backward (the MLP's tensors are gone by then): grads of q, k, v and of the output, and
-    # with head groups (P > 1) the send and receive buffers of one group's exchange (the plain exchange
-    # goes head by head straight between the tensors, parallel/headwise.py: no such buffers)
-    attn_ws = (2 * q + 2 * kv + (2 * q // s.head_chunks if s.sp > 1 and s.head_chunks > 1 else 0)) * tok
+    # attention backward (the MLP's tensors are gone by then): grads of q, k, v and of the output,
+    # and with P > 1 an exchange term of 2 q (of one head group). The plain exchange holds no send and
+    # receive buffers since it goes head by head (parallel/headwise.py), but plan_check's measured peaks
+    # did not move where this term is the high point: kept until that peak is located
+    attn_ws = (2 * q + 2 * kv + (2 * q // s.head_chunks if s.sp > 1 else 0)) * tok
     # the gradient flowing down and the residual's; the tiled MLP adds its input gradient, summed
     # over the tiles in a buffer of its own
     grad_flow = (3 if s.tiled_mlp else 2) * h * tok
