@@ -103,7 +103,8 @@ def varlen_segment_attention(
     cu = cu.to(q.device, non_blocking=True)
     if kernel is None:
         from torch.nn.attention.varlen import varlen_attn as kernel  # CUDA kernels; importing is cheap
-    # [B, H*, S, D] -> [B, S, H*, D] -> [B*S, H*, D]: tokens of all rows back to back (one copy)
+    # [B, H*, S, D] -> [B, S, H*, D] -> [B*S, H*, D]: tokens of all rows back to back; a strided view when B = 1
+    # (the kernel takes row and head strides; only the last dim must be contiguous), one copy when B > 1
     qt, kt, vt = (t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (q, k, v))
     out = kernel(qt, kt, vt, cu, cu, longest, longest, scale=scale, window_size=(-1, 0), enable_gqa=h != k.shape[1])
     return out.view(b, s, h, d)  # [B*S, H_l, D] -> [B, S, H_l, D]
