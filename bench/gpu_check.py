@@ -42,7 +42,7 @@ from ulysses_sp.parallel.mesh import init_mesh
 MODEL = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
              num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True,
              max_position_embeddings=131072, rope_theta=500000.0)  # fmt: skip
-SMALL = dict(vocab_size=1000, hidden_size=256, intermediate_size=512)  # --device cpu: 16 heads of 16, 8 kv heads
+SMALL = dict(vocab_size=1000, hidden_size=256, intermediate_size=512)  # --device cpu: 32 heads of 8, 8 kv heads
 PARTS = ("states", "packed", "head-chunks")
 
 
@@ -77,27 +77,23 @@ def run_case(seq: int, offload: bool) -> dict:
 
 
 def _timed(device: str, fn) -> tuple:
-    """``fn()`` once: ``(its result, seconds, bytes allocated at the peak above the start (-1 on CPU))``."""
-    cuda = device == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
+    """``fn()`` once: ``(its result, seconds, "peak MiB allocated above the start" ("n/a" on CPU))``."""
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
+    sync()
+    if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    base, t0, out = torch.cuda.memory_allocated() if cuda else 0, time.perf_counter(), fn()
-    if cuda:
-        torch.cuda.synchronize()
-    return out, time.perf_counter() - t0, torch.cuda.max_memory_allocated() - base if cuda else -1
+    base, t0, out = torch.cuda.memory_allocated() if device == "cuda" else 0, time.perf_counter(), fn()
+    sync()
+    peak = f"{(torch.cuda.max_memory_allocated() - base) / 2**20:,.0f} MiB" if device == "cuda" else "n/a"
+    return out, time.perf_counter() - t0, peak
 
 
 def _rel(got: list, ref: list) -> float:
     return max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(got, ref))
 
 
-def _mib(x: float) -> str:
-    return f"{x / 2**20:,.0f} MiB" if x >= 0 else "n/a"
-
-
 def packed_rows(seq: int, device: str, dtype: torch.dtype) -> list[list]:
-    """19 packed documents, ``H_l`` 16, ``Hkv_l`` 4, D 128: each path's fwd+bwd vs a dense fp32 reference."""
+    """19 packed documents, ``H_l`` 16, ``Hkv_l`` 4, D 128: each path's fwd+bwd (the second of two) vs dense fp32."""
     docs = [seq // 2, seq // 4, seq // 8] + [seq // 128] * 16
     g = torch.Generator(device).manual_seed(0)
     q, k, v, dout = (torch.randn(1, h, seq, 128, generator=g, device=device) for h in (16, 4, 4, 16))
@@ -112,18 +108,18 @@ def packed_rows(seq: int, device: str, dtype: torch.dtype) -> list[list]:
         if name == "varlen" and not use_varlen(*leaves[:2]):
             rows.append([seq, len(docs), name, "", "", "", f"not used here ({device}, {dtype})"])
             continue
-        for _ in range(2):  # a warm-up, then the measured pass
+        for _ in range(2):
             for t in leaves:
                 t.grad = None
             out, sec, peak = _timed(device, lambda: [o := attend(*leaves), o.backward(dout.to(o.dtype))][0])  # noqa: B023
         ref = ref or [out.detach(), *(t.grad for t in leaves)]
-        rows.append([seq, len(docs), name, f"{sec * 1e3:.1f}", _mib(peak), f"{_rel([out, *(t.grad for t in leaves)], ref):.1e}", ""])
+        rows.append([seq, len(docs), name, f"{sec * 1e3:.1f}", peak, f"{_rel([out, *(t.grad for t in leaves)], ref):.1e}", ""])
     return rows
 
 
-def head_chunk_worker(seq: int, device: str) -> list:
-    """On each of 2 ranks: one fwd+bwd per ``head_chunks`` 1 and 4; the max over ranks of peak, time and difference."""
-    cuda, dtype = device == "cuda", torch.bfloat16 if device == "cuda" else torch.float32
+def head_chunk_rows(seq: int, device: str) -> list:
+    """A rank of 2: fwd+bwd with ``head_chunks`` 1 and 4 (rank 0's peak and time; the max difference over ranks)."""
+    cuda = device == "cuda"
     if cuda:  # NCCL with a GPU per rank; else both ranks on GPU 0 over gloo (it stages CUDA tensors on the host)
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
     dist.init_process_group("nccl" if cuda and torch.cuda.device_count() > 1 else "gloo")
@@ -133,36 +129,34 @@ def head_chunk_worker(seq: int, device: str) -> list:
     runs = []
     for chunks in (1, 4):
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device, dtype)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device, torch.bfloat16 if cuda else torch.float32)
         model.gradient_checkpointing_enable()
         model.lm_head = torch.nn.Identity()  # "logits" = the last hidden states: the peak is the layers'
         reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, 1, mesh=mesh, head_chunks=chunks)
 
-        def step(model=model):
-            (hidden := model(input_ids=ids[:, cols], position_ids=pos[:, cols]).logits).float().square().mean().backward()
-            return [hidden.detach(), *(p.grad for p in model.parameters())]
+        def step(m=model):
+            (x := m(input_ids=ids[:, cols], position_ids=pos[:, cols]).logits).float().square().mean().backward()
+            return [x.detach(), *(p.grad for p in m.parameters())]
 
         runs.append(_timed(device, step))
         reg.remove()
-    stats = torch.tensor([runs[0][2], runs[1][2], runs[0][1], runs[1][1], _rel(runs[1][0], runs[0][0])], device=device)
-    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-    return [[seq, c, _mib(stats[i].item()), f"{stats[2 + i]:.2f} s", f"{stats[4]:.1e}" if i else "(reference)"]
-            for i, c in enumerate((1, 4))]  # fmt: skip
+    diff = torch.tensor(_rel(runs[1][0], runs[0][0]), device=device)
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    return [[seq, c, peak, f"{sec:.2f} s", f"{diff.item():.1e}" if c > 1 else "(reference)"] for c, (_, sec, peak) in zip((1, 4), runs)]
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = parser(__doc__, "gpu_check.md")
     ap.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS))
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    ap.add_argument("--lengths", type=int, nargs="+", default=[32768, 65536, 131072], help="states")
-    ap.add_argument("--packed-lengths", type=int, nargs="+", default=[8192, 16384])
-    ap.add_argument("--head-chunk-length", type=int, default=65536)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[32768, 65536, 131072], help="for states")
     args = ap.parse_args(argv)
+    small = args.device == "cpu"  # packed at 128 tokens, head chunks at 64, fp32
     if under_torchrun():  # a head-chunks rank
-        return finish_worker(head_chunk_worker(args.head_chunk_length, args.device), args.out)
-    if args.device == "cuda" and not torch.cuda.is_available() or args.device == "cpu" and "states" in args.only:
+        return finish_worker(head_chunk_rows(64 if small else 65536, args.device), args.out)
+    if not small and not torch.cuda.is_available() or small and "states" in args.only:
         raise SystemExit("bench/gpu_check.py needs a CUDA device (--device cpu: --only packed head-chunks)")
-    name = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
+    name = "CPU" if small else torch.cuda.get_device_name(0)
     run, body = md.provenance(md.command("bench.gpu_check", argv), backend=f"nccl/gloo, {name}"), []
     if "states" in args.only:
         torch.cuda.set_device(0)
@@ -183,20 +177,19 @@ def main(argv: list[str] | None = None) -> None:
                  "checkpointing.", md.table(["tokens", "CPU offload", "params", "tokens/s", "max_memory_allocated",
                  "loss", "failure"], rows)]  # fmt: skip
     if "packed" in args.only:
-        dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-        rows = [r for seq in args.packed_lengths for r in packed_rows(seq, args.device, dtype)]
-        body += [f"Packed documents, {dtype}, H_l 16 / Hkv_l 4 / D 128: error relative to the dense fp32 reference (max "
-                 "over the output and the q/k/v gradients).", md.table(["tokens", "documents", "path", "fwd+bwd ms",
-                 "peak above inputs", "rel. error", "note"], rows)]  # fmt: skip
+        rows = [r for seq in ([128] if small else [8192, 16384]) for r in packed_rows(seq, args.device, torch.float32 if small else torch.bfloat16)]
+        body += ["Packed documents, H_l 16 / Hkv_l 4 / D 128: error relative to the dense fp32 reference (max over the output "
+                 "and the q/k/v gradients).", md.table(["tokens", "documents", "path", "fwd+bwd ms", "peak above inputs",
+                 "rel. error", "note"], rows)]  # fmt: skip
     if "head-chunks" in args.only:
         try:
-            rows = run_worker("bench.gpu_check", 2, ["--device", args.device, "--head-chunk-length", str(args.head_chunk_length)])[0]
+            rows = run_worker("bench.gpu_check", 2, ["--device", args.device])[0]
         except WorkerFailed as e:
-            rows = [[args.head_chunk_length, "", "", "", f"failed: {str(e)[-300:]}"]]
-        body += ["Head chunks: 2 ranks, sp 2, 2-layer Llama, 4 packed documents, activation checkpointing; difference "
-                 "relative to head_chunks 1 (hidden states and gradients, max over ranks).",
-                 md.table(["tokens", "head_chunks", "peak max_memory_allocated (max over ranks)", "fwd+bwd", "rel. diff"], rows)]  # fmt: skip
-    md.page(args.out, "gpu_check: bf16 on a GPU (states, packed documents, head chunks)", run, body)
+            rows = [["", "", "", "", f"failed: {str(e)[-300:]}"]]
+        body += ["Head chunks: 2 ranks, sp 2, 2-layer Llama, 4 packed documents, activation checkpointing; rank 0's peak "
+                 "and time, the difference from head_chunks 1 (hidden states, gradients) the max over ranks.",
+                 md.table(["tokens", "head_chunks", "peak above the start", "fwd+bwd", "rel. diff"], rows)]  # fmt: skip
+    md.page(args.out, "gpu_check: states, packed documents, head chunks on a GPU", run, body)
 
 
 if __name__ == "__main__":

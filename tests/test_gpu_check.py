@@ -30,8 +30,7 @@ def _rows(text: str, first_cell: str) -> list[list[str]]:
 
 def test_cpu_smoke_runs_packed_and_head_chunk_tables(tmp_path):
     out = tmp_path / "gpu_check.md"
-    gpu_check.main(["--device", "cpu", "--only", "packed", "head-chunks", "--packed-lengths", "128",
-                    "--head-chunk-length", "64", "--out", str(out)])  # fmt: skip
+    gpu_check.main(["--device", "cpu", "--only", "packed", "head-chunks", "--out", str(out)])  # 128 and 64 tokens
     text = out.read_text()
     packed = {r[2]: r for r in _rows(text, "128")}
     assert set(packed) == {"dense fp32 (reference)", "dense mask", "segments", "varlen"}
