@@ -2,8 +2,8 @@
 decision, the ``cu_seqlens`` construction, and the packing around the kernel. The kernel itself is
 CUDA-only and **not run here** (no GPU): the packing is checked with a reference kernel written from
 ``varlen_attn``'s documented contract against dense block-diagonal attention (fp64, outputs and
-gradients, rows with different documents, GQA), and the call against torch's real op on meta tensors
-(its schema, fake kernel and registered backward)."""
+gradients, rows with different documents, GQA), the call against torch's real op on meta tensors
+(its schema, fake kernel and registered backward), and ``core.run_segments``'s branch to it."""
 
 from __future__ import annotations
 
@@ -93,3 +93,21 @@ def test_the_call_matches_torch_varlen_op_and_its_backward():
         assert out.shape == (2, 16, 6, 64) and out.dtype == torch.bfloat16
         out.sum().backward()
         assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
+def test_run_segments_takes_the_varlen_branch_where_chosen(monkeypatch):
+    """The wiring in ``core.run_segments``: when ``use_varlen`` says yes, the varlen call's ``[B, S, H_l, D]``
+    is returned as it is and equals the per-document sdpa branch (here with the reference kernel)."""
+    from functools import partial
+
+    from ulysses_sp.attention import core
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, n, 24, 8, generator=g, dtype=torch.float64) for n in (4, 2, 2))
+    lengths, kwargs, module = [[5, 19], [24]], {"scaling": 0.4}, torch.nn.Module()
+    expected = core.run_segments(module, q, k, v, lengths, kwargs)  # CPU: the per-document sdpa
+    taken = []
+    monkeypatch.setattr(core, "use_varlen", lambda q, k: taken.append(q.shape) is None)
+    monkeypatch.setattr(core, "varlen_segment_attention", partial(varlen_segment_attention, kernel=_reference_varlen))
+    torch.testing.assert_close(core.run_segments(module, q, k, v, lengths, kwargs), expected, rtol=1e-12, atol=1e-12)
+    assert taken == [q.shape]

@@ -3,7 +3,7 @@
 **Not run on a GPU here**: the development machines have none. The decision (``varlen_refusal``), the
 ``cu_seqlens`` construction and the packing around the kernel are tested on CPU (``tests/test_varlen.py``,
 with a reference kernel written from ``varlen_attn``'s documented contract); the kernel call itself is
-checked by ``bench/gpu_check.py --only attention`` on a CUDA machine.
+checked by ``python -m bench.gpu_check --only packed`` on a CUDA machine.
 
 After the q/k/v all-to-all each rank holds the full sequence for its heads (DESIGN.md step 4), so each
 packed document is one contiguous run of tokens ``[a, b)`` of a batch row. ``varlen_attn`` takes every
