@@ -66,10 +66,7 @@ def loader(args: argparse.Namespace) -> torch.utils.data.DataLoader:
     if world != args.dp * args.sp:
         raise ValueError(f"world size ({world}) != dp ({args.dp}) * sp ({args.sp})")
     items = S.rank_samples(rank, world, args.micro_batch, -(-args.steps // args.sp), args.seq_len, S.ModelSpec().vocab_size)
-    if args.data == "packed":  # restarting positions; no label across a document boundary
-        pos = S.packed_positions(args.seq_len)[0]
-        for item in items:
-            item["position_ids"], item["labels"] = pos, item["labels"].masked_fill(pos == 0, S.IGNORE_INDEX)
+    items = [S.pack_documents(item) for item in items] if args.data == "packed" else items
     return torch.utils.data.DataLoader(items, batch_size=args.micro_batch)
 
 
