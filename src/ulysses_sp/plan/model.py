@@ -14,7 +14,9 @@ walked as the allocator sees it, in units of one element per *local* token (``T 
   referenced until the layer's backward starts; not located in the code);
   the attention output ``q`` and the o-projection input ``q``; the residual sum and the post-norm's
   two tensors ``3h``; the MLP's gate, act, up and product ``4I`` (none with tiled MLP, which keeps
-  only its input). Checkpointing keeps only the layer input (on the host when offloaded).
+  only its input). Checkpointing keeps only the layer input (on the host when offloaded). With
+  ``recompute_norms`` each norm keeps only its output ``h``; its backward holds its full set again
+  for one norm (at the post-attention norm: the attention's terms still alive).
 * hybrid models (``ModelShape.layer_kinds``): a layer keeps only what it holds — the attention's
   terms, the MLP's, a sequence mixer's (``plan.mixers``: measured bytes per local token, its input
   norm added when no attention carries it) — and its backward's high point is the larger of the
@@ -133,7 +135,11 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
     q, kv = m.heads * d, max(m.kv_heads, s.sp) * d
     # RMSNorm keeps its normalised input and output; in 16-bit it computes in fp32 and keeps the
     # fp32 input copy, the fp32 normalised input, its 16-bit cast and the output: 12 bytes per h
-    norm = 2 * h if e == 4 else 12 * h // e
+    norm_full = 2 * h if e == 4 else 12 * h // e
+    # recomputed (memory.norms): a layer's norm keeps its output only (its input is the layer input or
+    # the residual sum, held anyway); its own backward re-creates the rest, one norm at a time
+    norm = h if s.recompute_norms else norm_full
+    norm_ws = norm_full if s.recompute_norms else 0
     attn_saved = norm + (q + 2 * kv) + 2 * q
     exchange_in = q + 2 * kv if s.sp > 1 else 0  # see the module docstring
     if s.attention == "blockwise":
@@ -142,7 +148,7 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
     ckpt = s.activation_checkpointing
     kept = 0 if s.offload_activations else h
     rope = 2 * d
-    head_saved = h + norm
+    head_saved = h + norm_full  # the final norm sits outside the layers: not recomputed
     if s.tiled_loss:
         t = _tile_tokens(tok, h, s.tiled_loss_shards)
         loss_ws = 4 * v * t * 4 // e + h * tok  # one tile's fp32 logits/lsm/grads + the hidden's grad
@@ -174,8 +180,10 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
         layer_full = h + mixed + mlp  # the layer input included
         full.append(layer_full)
         per_layer.append(kept if ckpt else layer_full + exch)
-        here.append(max(layer_full * tok + (mlp_ws if kind.mlp else 0), (layer_full - mlp) * tok + mix_ws)
-                    + rope * tok + grad_flow)  # fmt: skip
+        # recomputed norms: the post-attention norm's backward (the MLP's tensors gone, its input kept)
+        norm_here = (layer_full - mlp + (h if kind.mlp else 0) + norm_ws) * tok if norm_ws else 0
+        here.append(max(layer_full * tok + (mlp_ws if kind.mlp else 0), (layer_full - mlp) * tok + mix_ws,
+                        norm_here) + rope * tok + grad_flow)  # fmt: skip
     # gradients made so far: whole layers (stages 0-1) or their shards after each reduce-scatter
     layer_grads = m.layer_params * e if s.zero_stage < 2 else m.layer_params * e // s.shard
     head_grads = (m.vocab * h + h) * e // (s.shard if s.zero_stage >= 2 else 1)
