@@ -137,9 +137,11 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
     # fp32 input copy, the fp32 normalised input, its 16-bit cast and the output: 12 bytes per h
     norm_full = 2 * h if e == 4 else 12 * h // e
     # recomputed (memory.norms): a layer's norm keeps its output only (its input is the layer input or
-    # the residual sum, held anyway); its own backward re-creates the rest, one norm at a time
+    # the residual sum, held anyway); its backward re-creates its saved set (fp32: the normalised input;
+    # 16-bit: the fp32 input copy and the cast) next to two fp32 gradient temporaries (and the cast's
+    # 16-bit gradient), one norm at a time: 12 bytes per h in fp32, 16 in 16-bit (bench.plan_check)
     norm = h if s.recompute_norms else norm_full
-    norm_ws = norm_full if s.recompute_norms else 0
+    norm_ws = ((12 if e == 4 else 16) * h // e) if s.recompute_norms else 0
     attn_saved = norm + (q + 2 * kv) + 2 * q
     exchange_in = q + 2 * kv if s.sp > 1 else 0  # see the module docstring
     if s.attention == "blockwise":
