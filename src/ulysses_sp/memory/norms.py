@@ -5,13 +5,17 @@ what its ops save: in fp32 the normalised input ``[B, S_l, h]`` next to the outp
 the fp32 copy of the input and the 16-bit cast of the normalised input as well (``3 x`` the
 output's bytes on top of it). Per decoder layer there are two such norms (input and
 post-attention), plus ``q_norm``/``k_norm`` on ``[B, S_l, H, D]`` where the model has them.
-``apply_norm_recompute(model)`` makes each of them run its own, unchanged ``forward`` under a
-non-reentrant ``torch.utils.checkpoint`` (``preserve_rng_state=False``: a norm draws no random
-numbers): forward keeps only the norm's input (a tensor the layer holds anyway: the layer input or
-the residual sum) and the output its consumer saves; backward re-runs the norm's forward for one
-norm at a time and frees it again. The result and every gradient equal those without recompute
-bitwise (same ops, same order). Where it sits in the step: inside each decoder layer (step 3 of
-DESIGN.md's data flow), the recompute in step 6.
+``apply_norm_recompute(model)`` makes each of them run its own, unchanged ``forward`` through
+``memory.tiling.sequence_tiled_compute`` (the tiled MLP's autograd function; no RNG replay: a norm
+draws no random numbers): forward runs without autograd and keeps only the norm's input (a tensor
+the layer holds anyway: the layer input or the residual sum) next to the output its consumer saves;
+backward re-runs the norm's forward and its backward one tile of the sequence at a time (tiles of
+about ``h`` tokens, the tiled MLP's rule), so that its fp32 internals and gradient temporaries exist
+for one tile only, next to the ``[B, S_l, h]`` input gradient. A norm normalises over its last dim,
+so any split of the other dims is exact: the output equals the one without recompute bitwise, the
+gradients to rounding (the weight's is the sum of the tiles', the input's is accumulated with the
+residual's in another order). Where it sits in the step: inside each decoder layer (step 3 of DESIGN.md's data
+flow), the recompute in step 6.
 
 Which modules: every submodule of a decoder layer (a transformers ``GradientCheckpointingLayer``;
 a model without them: every submodule of the model) whose class name ends in ``RMSNorm``, or that
@@ -19,12 +23,13 @@ has a ``variance_epsilon`` attribute and a 1-D ``weight`` parameter. ``nn.LayerN
 model's final norm are left alone (the first saves only its input and two statistics; the second
 is outside the layers, one per model).
 
-Composes with activation checkpointing (the norm's checkpoint nests inside the layer's: during the
-layer's recompute it again keeps only input and output, and its internals exist one norm at a
-time in the layer's backward), FSDP2 and DDP (the weight is read at recompute time, while the
-layer's unit is still unsharded for its backward), tiled MLP (a different submodule), autocast
-(the checkpoint restores the autocast state) and activation offload (the norm's own saved-tensor
-hooks take precedence inside it). Costs one more norm forward per norm in backward.
+Composes with activation checkpointing (inside the layer's recompute the norm again keeps only
+input and output, and its internals exist one tile at a time in the layer's backward), FSDP2 and
+DDP (the weight is read at recompute time, while the layer's unit is still unsharded for its
+backward), tiled MLP (a different submodule), autocast (a norm's ops are on none of autocast's
+lists: the backward's recompute, which runs outside autocast, computes the same) and activation
+offload (the norm saves only its input, the tensor the checkpoint offloads). Costs one more norm
+forward per norm in backward.
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+
+from ulysses_sp.memory._tiled import auto_num_shards, check_num_shards
+from ulysses_sp.memory.tiling import sequence_tiled_compute
 
 __all__ = ["NormRecomputeHandle", "apply_norm_recompute", "is_rms_norm"]
 
@@ -59,8 +66,10 @@ class NormRecomputeHandle:
     """Undo handle of ``apply_norm_recompute``: ``remove()`` (or leaving a ``with`` block) restores
     every patched norm's original ``forward`` object."""
 
-    def __init__(self, patched: list[tuple[str, nn.Module, Any]]) -> None:
+    def __init__(self, patched: list[tuple[str, nn.Module, Any]], num_shards: int | None) -> None:
         self._patched = patched
+        self.num_shards = num_shards
+        """Tiles per norm call in backward; ``None`` = ``auto_num_shards`` per call."""
 
     @property
     def module_names(self) -> list[str]:
@@ -76,7 +85,8 @@ class NormRecomputeHandle:
         self._patched = []
 
     def __repr__(self) -> str:
-        return f"NormRecomputeHandle(modules={len(self._patched)})"
+        shards = "auto" if self.num_shards is None else self.num_shards
+        return f"NormRecomputeHandle(modules={len(self._patched)}, num_shards={shards})"
 
     def __enter__(self) -> NormRecomputeHandle:
         return self
@@ -85,27 +95,34 @@ class NormRecomputeHandle:
         self.remove()
 
 
-def apply_norm_recompute(model: nn.Module) -> NormRecomputeHandle:
+def apply_norm_recompute(model: nn.Module, num_shards: int | None = None) -> NormRecomputeHandle:
     """Make every RMSNorm-like module inside ``model``'s decoder layers recompute in backward.
 
     Each matched norm's ``forward`` is replaced, on the instance, by one that calls the original
-    under ``torch.utils.checkpoint(..., use_reentrant=False, preserve_rng_state=False)`` when
-    gradients are on (unchanged without them: evaluation keeps nothing anyway).
+    through ``sequence_tiled_compute`` over ``num_shards`` tiles of the sequence (dim 1 of a
+    ``[B, S_l, ...]`` input, dim 0 of ``[T, h]``) when gradients are on (unchanged without them:
+    evaluation keeps nothing anyway).
 
     Args:
         model: an HF model (or any module); norms are searched inside its decoder layers
             (``GradientCheckpointingLayer``), or in the whole module when it has none.
+        num_shards: tiles of the norm's backward recompute; ``None`` = ``auto_num_shards`` at each
+            call (tiles of about as many tokens as a token has elements); ``1``: the whole norm at
+            once (its full internals for one norm at a time).
 
     Returns:
         A handle; ``handle.remove()`` restores the original ``forward`` objects.
 
     Raises:
-        ValueError: no RMSNorm-like module inside the decoder layers (names the model's class);
-            applying twice (names the module).
+        ValueError: ``num_shards < 1``; no RMSNorm-like module inside the decoder layers (names
+            the model's class); applying twice (names the module); at a call, fewer tokens than
+            ``num_shards``.
 
     Apply before or after ``fully_shard``/DDP, before or after ``apply_tiled_mlp`` and activation
     checkpointing: it patches only the norms' ``forward``.
     """
+    if num_shards is not None:
+        check_num_shards(num_shards, what="norm recompute num_shards")
     norms: dict[int, tuple[str, nn.Module]] = {}
     names = {id(m): n for n, m in model.named_modules()}
     for layer in _decoder_layers(model):
@@ -124,16 +141,21 @@ def apply_norm_recompute(model: nn.Module) -> NormRecomputeHandle:
     patched = []
     for name, norm in norms.values():
         previous = norm.__dict__.get("forward")
-        norm.forward = _recompute_forward(norm.forward)
+        norm.forward = _recompute_forward(name, norm, norm.forward, num_shards)
         patched.append((name, norm, previous))
-    return NormRecomputeHandle(patched)
+    return NormRecomputeHandle(patched, num_shards)
 
 
-def _recompute_forward(forward: Callable) -> Callable:
-    def recompute_forward(*args: Any, **kwargs: Any) -> Any:
+def _recompute_forward(name: str, norm: nn.Module, forward: Callable, num_shards: int | None) -> Callable:
+    def recompute_forward(x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
-            return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
+            return forward(x)
+        seq_dim = 1 if x.dim() >= 3 else 0  # [B, S_l, h] / [B, S_l, H, D] / [T, h]: the tokens
+        b = x.shape[0] if seq_dim == 1 else 1
+        n = auto_num_shards(x.shape[seq_dim], x[(0,) * (seq_dim + 1)].numel(), b) if num_shards is None else num_shards
+        check_num_shards(n, x.shape[seq_dim], what=f"{name}: norm recompute num_shards")
+        return sequence_tiled_compute(forward, x, n, params=list(norm.parameters()), seq_dim=seq_dim,
+                                      preserve_rng_state=False)  # fmt: skip
 
     recompute_forward.__wrapped__ = forward  # type: ignore[attr-defined]
     recompute_forward._ulysses_sp_norm_recompute = True  # type: ignore[attr-defined]

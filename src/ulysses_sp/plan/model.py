@@ -15,8 +15,8 @@ walked as the allocator sees it, in units of one element per *local* token (``T 
   the attention output ``q`` and the o-projection input ``q``; the residual sum and the post-norm's
   two tensors ``3h``; the MLP's gate, act, up and product ``4I`` (none with tiled MLP, which keeps
   only its input). Checkpointing keeps only the layer input (on the host when offloaded). With
-  ``recompute_norms`` each norm keeps only its output ``h``; its backward holds its full set again
-  for one norm (at the post-attention norm: the attention's terms still alive).
+  ``recompute_norms`` each norm keeps only its output ``h``; its backward holds its input gradient
+  and, for one tile, its full set again (at the post-attention norm: the attention's terms alive).
 * hybrid models (``ModelShape.layer_kinds``): a layer keeps only what it holds — the attention's
   terms, the MLP's, a sequence mixer's (``plan.mixers``: measured bytes per local token, its input
   norm added when no attention carries it) — and its backward's high point is the larger of the
@@ -137,11 +137,12 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
     # fp32 input copy, the fp32 normalised input, its 16-bit cast and the output: 12 bytes per h
     norm_full = 2 * h if e == 4 else 12 * h // e
     # recomputed (memory.norms): a layer's norm keeps its output only (its input is the layer input or
-    # the residual sum, held anyway); its backward re-creates its saved set (fp32: the normalised input;
-    # 16-bit: the fp32 input copy and the cast) next to two fp32 gradient temporaries (and the cast's
-    # 16-bit gradient), one norm at a time: 12 bytes per h in fp32, 16 in 16-bit (bench.plan_check)
+    # the residual sum, held anyway); its backward holds its input gradient h and, for one tile of about
+    # h tokens, its saved set again (fp32: the normalised input; 16-bit: the fp32 input copy and the cast)
+    # next to two fp32 gradient temporaries (and the cast's 16-bit gradient): 12 bytes per h in fp32,
+    # 16 in 16-bit (bench.plan_check)
     norm = h if s.recompute_norms else norm_full
-    norm_ws = ((12 if e == 4 else 16) * h // e) if s.recompute_norms else 0
+    norm_ws = (h * tok + (12 if e == 4 else 16) * h // e * _tile_tokens(tok, h, None)) if s.recompute_norms else 0
     attn_saved = norm + (q + 2 * kv) + 2 * q
     exchange_in = q + 2 * kv if s.sp > 1 else 0  # see the module docstring
     if s.attention == "blockwise":
@@ -183,8 +184,10 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
         full.append(layer_full)
         per_layer.append(kept if ckpt else layer_full + exch)
         # recomputed norms: the post-attention norm's backward (the MLP's tensors gone, its input kept)
-        norm_here = (layer_full - mlp + (h if kind.mlp else 0) + norm_ws) * tok if norm_ws else 0
-        here.append(max(layer_full * tok + (mlp_ws if kind.mlp else 0), (layer_full - mlp) * tok + mix_ws,
+        norm_here = (layer_full - mlp + (h if kind.mlp else 0)) * tok + norm_ws if norm_ws else 0
+        # at the mixer's (attention's) backward the tiled MLP's input-gradient buffer is summed and freed
+        mlp_grad = h if (s.tiled_mlp and kind.mlp) else 0
+        here.append(max(layer_full * tok + (mlp_ws if kind.mlp else 0), (layer_full - mlp - mlp_grad) * tok + mix_ws,
                         norm_here) + rope * tok + grad_flow)  # fmt: skip
     # gradients made so far: whole layers (stages 0-1) or their shards after each reduce-scatter
     layer_grads = m.layer_params * e if s.zero_stage < 2 else m.layer_params * e // s.shard
