@@ -179,3 +179,25 @@ def test_meter_shows_the_saving(dtype, ckpt):
     predicted = (2 if ckpt else 4) * seq * hidden * per
     saved = _peak(dtype, ckpt, False, seq, hidden) - _peak(dtype, ckpt, True, seq, hidden)
     assert 0.8 * predicted <= saved <= 1.2 * predicted, (saved, predicted)
+
+
+class _GatedNorm(torch.nn.Module):
+    """A gated RMSNorm (as in sequence mixers): matched by its ``variance_epsilon`` and 1-D weight."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.weight, self.variance_epsilon = torch.nn.Parameter(torch.ones(hidden)), 1e-6
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon) * self.weight
+        return y if gate is None else y * torch.sigmoid(gate)
+
+
+def test_a_norm_called_with_a_gate_runs_unchanged():
+    norm = _GatedNorm(8)
+    x, gate = torch.randn(2, 6, 8, requires_grad=True), torch.randn(2, 6, 8)
+    want = norm(x, gate)
+    with apply_norm_recompute(torch.nn.Sequential(norm), 3) as handle:
+        assert handle.module_names == ["0"]
+        torch.testing.assert_close(norm(x, gate), want, rtol=0, atol=0)
+        torch.testing.assert_close(norm(x), norm.forward.__wrapped__(x), rtol=1e-6, atol=1e-6)

@@ -12,16 +12,20 @@ the layer holds anyway: the layer input or the residual sum) next to the output 
 backward re-runs the norm's forward and its backward one tile of the sequence at a time (tiles of
 about ``h`` tokens, the tiled MLP's rule), so that its fp32 internals and gradient temporaries exist
 for one tile only, next to the ``[B, S_l, h]`` input gradient. A norm normalises over its last dim,
-so any split of the other dims is exact: the output equals the one without recompute bitwise, the
-gradients to rounding (the weight's is the sum of the tiles', the input's is accumulated with the
-residual's in another order). Where it sits in the step: inside each decoder layer (step 3 of DESIGN.md's data
-flow), the recompute in step 6.
+so any split of the other dims is exact: the same ops per token, the gradients equal to rounding
+(the weight's is the sum of the tiles', the input's is accumulated with the residual's in another
+order). Where it sits in the step: inside each decoder layer (step 3 of DESIGN.md's data flow), the
+recompute in step 6.
+
+Shape legend: ``B`` batch, ``S_l`` local sequence, ``h`` hidden, ``H`` heads, ``D`` head dim, ``T``
+tokens of a flattened ``[T, h]`` input; a tile is a ``narrow`` of the token dim (no reshape).
 
 Which modules: every submodule of a decoder layer (a transformers ``GradientCheckpointingLayer``;
 a model without them: every submodule of the model) whose class name ends in ``RMSNorm``, or that
 has a ``variance_epsilon`` attribute and a 1-D ``weight`` parameter. ``nn.LayerNorm`` and the
 model's final norm are left alone (the first saves only its input and two statistics; the second
-is outside the layers, one per model).
+is outside the layers, one per model). A matched norm called with more than its input (a gated
+norm, ``RMSNormGated(x, gate)``, inside a sequence mixer) runs unchanged.
 
 Composes with activation checkpointing (inside the layer's recompute the norm again keeps only
 input and output, and its internals exist one tile at a time in the layer's backward), FSDP2 and
@@ -147,9 +151,9 @@ def apply_norm_recompute(model: nn.Module, num_shards: int | None = None) -> Nor
 
 
 def _recompute_forward(name: str, norm: nn.Module, forward: Callable, num_shards: int | None) -> Callable:
-    def recompute_forward(x: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled():
-            return forward(x)
+    def recompute_forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args or kwargs or not torch.is_grad_enabled():  # a gated norm; evaluation keeps nothing anyway
+            return forward(x, *args, **kwargs)
         seq_dim = 1 if x.dim() >= 3 else 0  # [B, S_l, h] / [B, S_l, H, D] / [T, h]: the tokens
         b = x.shape[0] if seq_dim == 1 else 1
         n = auto_num_shards(x.shape[seq_dim], x[(0,) * (seq_dim + 1)].numel(), b) if num_shards is None else num_shards
