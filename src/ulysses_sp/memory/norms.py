@@ -1,10 +1,12 @@
-"""Norm recompute: each RMSNorm inside the decoder layers keeps only its input and output.
+"""Norm recompute: each RMSNorm of the decoder keeps only its input and output.
 
 An RMSNorm in transformers (``LlamaRMSNorm`` and its copies) computes in fp32 and autograd keeps
 what its ops save: in fp32 the normalised input ``[B, S_l, h]`` next to the output; in 16-bit
 the fp32 copy of the input and the 16-bit cast of the normalised input as well (``3 x`` the
 output's bytes on top of it). Per decoder layer there are two such norms (input and
-post-attention), plus ``q_norm``/``k_norm`` on ``[B, S_l, H, D]`` where the model has them.
+post-attention), plus ``q_norm``/``k_norm`` on ``[B, S_l, H, D]`` where the model has them, and the
+final norm after the last layer (whose backward, untiled, holds fp32 temporaries of the whole shard
+at the start of the backward).
 ``apply_norm_recompute(model)`` makes each of them run its own, unchanged ``forward`` through
 ``memory.tiling.sequence_tiled_compute`` (the tiled MLP's autograd function; no RNG replay: a norm
 draws no random numbers): forward runs without autograd and keeps only the norm's input (a tensor
@@ -20,11 +22,9 @@ recompute in step 6.
 Shape legend: ``B`` batch, ``S_l`` local sequence, ``h`` hidden, ``H`` heads, ``D`` head dim, ``T``
 tokens of a flattened ``[T, h]`` input; a tile is a ``narrow`` of the token dim (no reshape).
 
-Which modules: every submodule of a decoder layer (a transformers ``GradientCheckpointingLayer``;
-a model without them: every submodule of the model) whose class name ends in ``RMSNorm``, or that
-has a ``variance_epsilon`` attribute and a 1-D ``weight`` parameter. ``nn.LayerNorm`` and the
-model's final norm are left alone (the first saves only its input and two statistics; the second
-is outside the layers, one per model). A matched norm called with more than its input (a gated
+Which modules: every submodule of the model whose class name ends in ``RMSNorm``, or that has a
+``variance_epsilon`` attribute and a 1-D ``weight`` parameter (``nn.LayerNorm`` is left alone: it
+saves only its input and two statistics). A matched norm called with more than its input (a gated
 norm, ``RMSNormGated(x, gate)``, inside a sequence mixer) runs unchanged.
 
 Composes with activation checkpointing (inside the layer's recompute the norm again keeps only
@@ -57,13 +57,6 @@ def is_rms_norm(module: nn.Module) -> bool:
         return True
     weight = getattr(module, "weight", None)
     return hasattr(module, "variance_epsilon") and isinstance(weight, nn.Parameter) and weight.dim() == 1
-
-
-def _decoder_layers(model: nn.Module) -> list[nn.Module]:
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    return layers or [model]
 
 
 class NormRecomputeHandle:
@@ -100,7 +93,7 @@ class NormRecomputeHandle:
 
 
 def apply_norm_recompute(model: nn.Module, num_shards: int | None = None) -> NormRecomputeHandle:
-    """Make every RMSNorm-like module inside ``model``'s decoder layers recompute in backward.
+    """Make every RMSNorm-like module of ``model`` recompute in backward.
 
     Each matched norm's ``forward`` is replaced, on the instance, by one that calls the original
     through ``sequence_tiled_compute`` over ``num_shards`` tiles of the sequence (dim 1 of a
@@ -108,8 +101,7 @@ def apply_norm_recompute(model: nn.Module, num_shards: int | None = None) -> Nor
     evaluation keeps nothing anyway).
 
     Args:
-        model: an HF model (or any module); norms are searched inside its decoder layers
-            (``GradientCheckpointingLayer``), or in the whole module when it has none.
+        model: an HF model (or any module); every RMSNorm-like submodule (``is_rms_norm``).
         num_shards: tiles of the norm's backward recompute; ``None`` = ``auto_num_shards`` at each
             call (tiles of about as many tokens as a token has elements); ``1``: the whole norm at
             once (its full internals for one norm at a time).
@@ -118,8 +110,7 @@ def apply_norm_recompute(model: nn.Module, num_shards: int | None = None) -> Nor
         A handle; ``handle.remove()`` restores the original ``forward`` objects.
 
     Raises:
-        ValueError: ``num_shards < 1``; no RMSNorm-like module inside the decoder layers (names
-            the model's class); applying twice (names the module); at a call, fewer tokens than
+        ValueError: ``num_shards < 1``; no RMSNorm-like module (names the model's class); applying twice (names the module); at a call, fewer tokens than
             ``num_shards``.
 
     Apply before or after ``fully_shard``/DDP, before or after ``apply_tiled_mlp`` and activation
@@ -128,14 +119,12 @@ def apply_norm_recompute(model: nn.Module, num_shards: int | None = None) -> Nor
     if num_shards is not None:
         check_num_shards(num_shards, what="norm recompute num_shards")
     norms: dict[int, tuple[str, nn.Module]] = {}
-    names = {id(m): n for n, m in model.named_modules()}
-    for layer in _decoder_layers(model):
-        for m in layer.modules():
-            if is_rms_norm(m):
-                norms.setdefault(id(m), (names.get(id(m), type(m).__name__), m))
+    for name, m in model.named_modules():
+        if is_rms_norm(m):
+            norms.setdefault(id(m), (name or type(m).__name__, m))
     if not norms:
         raise ValueError(
-            f"{type(model).__name__} has no RMSNorm-like module inside its decoder layers (a class named "
+            f"{type(model).__name__} has no RMSNorm-like module (a class named "
             "*RMSNorm, or one with variance_epsilon and a 1-D weight): norm recompute has nothing to do; "
             "leave it off for this model"
         )

@@ -29,7 +29,9 @@ walked as the allocator sees it, in units of one element per *local* token (``T 
   the larger of the MLP backward's ``3I`` workspace (per tile, with the tile's recompute, when
   tiled) and the attention backward's (grads of q, k, v and the output, + the exchange buffers
   with ``P > 1``); the gradient flowing and the residual's ``2h`` (+ ``h``: the tiled MLP's own
-  input-gradient buffer), and the parameter gradients accumulated so far (shards from stage 2).
+  input-gradient buffer, gone by the attention's backward; in the MLP's and the post-attention
+  norm's backward the residual's gradient is still the one flowing in), and the parameter gradients
+  accumulated so far (shards from stage 2).
 * the optimizer step: gradients, optimizer state, and a workspace (AdamW: one temporary per
   parameter tensor, multi-tensor (``foreach``) on accelerators: the whole shard).
 
@@ -151,7 +153,7 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
     ckpt = s.activation_checkpointing
     kept = 0 if s.offload_activations else h
     rope = 2 * d
-    head_saved = h + norm_full  # the final norm sits outside the layers: not recomputed
+    head_saved = h + norm  # the final norm recomputes too (its backward's tile: below the loss workspace)
     if s.tiled_loss:
         t = _tile_tokens(tok, h, s.tiled_loss_shards)
         loss_ws = 4 * v * t * 4 // e + h * tok  # one tile's fp32 logits/lsm/grads + the hidden's grad
@@ -183,11 +185,12 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
         layer_full = h + mixed + mlp  # the layer input included
         full.append(layer_full)
         per_layer.append(kept if ckpt else layer_full + exch)
-        # recomputed norms: the post-attention norm's backward (the MLP's tensors gone, its input kept)
-        norm_here = (layer_full - mlp + (h if kind.mlp else 0)) * tok + norm_ws if norm_ws else 0
-        # at the mixer's (attention's) backward the tiled MLP's input-gradient buffer is summed and freed
+        # the tiled MLP's input-gradient buffer: freed before the attention's backward, and in the MLP's
+        # and the post-attention norm's the residual's gradient is the one flowing in (no buffer of its own)
         mlp_grad = h if (s.tiled_mlp and kind.mlp) else 0
-        here.append(max(layer_full * tok + (mlp_ws if kind.mlp else 0), (layer_full - mlp - mlp_grad) * tok + mix_ws,
+        # recomputed norms: the post-attention norm's backward (the MLP's tensors gone, its input kept)
+        norm_here = (layer_full - mlp - mlp_grad + (h if kind.mlp else 0)) * tok + norm_ws if norm_ws else 0
+        here.append(max((layer_full - mlp_grad) * tok + (mlp_ws if kind.mlp else 0), (layer_full - mlp - mlp_grad) * tok + mix_ws,
                         norm_here) + rope * tok + grad_flow)  # fmt: skip
     # gradients made so far: whole layers (stages 0-1) or their shards after each reduce-scatter
     layer_grads = m.layer_params * e if s.zero_stage < 2 else m.layer_params * e // s.shard
