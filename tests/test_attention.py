@@ -350,7 +350,8 @@ def test_each_forward_uses_its_own_position_ids(pool):
 
 
 def _mixed_dtype_exchange():
-    from ulysses_sp.parallel.comm import qkv_seq_to_heads, seq_to_heads
+    from ulysses_sp.parallel.comm import seq_to_heads
+    from ulysses_sp.parallel.headwise import qkv_seq_to_heads
 
     mesh = init_mesh((1, dist.get_world_size()))
     g = torch.Generator().manual_seed(dist.get_rank())

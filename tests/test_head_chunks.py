@@ -24,7 +24,8 @@ from ulysses_sp.attention.head_chunks import (
 )
 from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
 from ulysses_sp.memory.meter import track_peak_memory
-from ulysses_sp.parallel.comm import heads_to_seq, qkv_seq_to_heads
+from ulysses_sp.parallel.comm import heads_to_seq
+from ulysses_sp.parallel.headwise import qkv_seq_to_heads
 from ulysses_sp.parallel.mesh import init_mesh
 from ulysses_sp.parallel.mesh_shape import shard_spans
 

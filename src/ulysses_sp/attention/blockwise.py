@@ -267,7 +267,7 @@ class _BlockwiseAttention(torch.autograd.Function):
     """Blockwise attention forward (online softmax over key chunks) returning ``(out, lse)``; backward
     recomputes each block from the saved LSE (a gradient of the LSE, when it was used, folds into
     ``delta``: ``dS = P * (dP - (delta - dlse))``). Saves ``q, out, lse`` and K/V (on the device, or
-    as host chunks)."""
+    q, out and K/V on the host)."""
 
     @staticmethod
     def forward(ctx, q, k, v, structure, scale, chunk, offload, counts):
@@ -283,19 +283,23 @@ class _BlockwiseAttention(torch.autograd.Function):
         ctx.meta = (structure, scale, chunk, offload, counts, len(kv_spans), k.shape)
         if offload is None:
             ctx.save_for_backward(q, out, lse, k, v)
-        else:
+        else:  # q and the output too (whole): nothing of the layer's S-long tensors stays on the device
             host = offload.stash(k, kv_spans) + offload.stash(v, kv_spans)
+            q_out = [offload.stash_whole(t) for t in (q, out)]
             offload.settle(q.device)
             # Through save_for_backward, so activation checkpointing drops and recomputes them too.
-            ctx.save_for_backward(q, out, lse, *host)
+            ctx.save_for_backward(*q_out, lse, *host)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         structure, scale, chunk, offload, counts, n, kv_shape = ctx.meta
         q, out, lse, *kv = ctx.saved_tensors
+        if offload is not None:
+            q, out = (offload.restore(t, dout.device) for t in (q, out))
         dout = dout.contiguous()
         delta = (_acc(dout) * _acc(out)).sum(-1)  # [B, H, S]
+        del out
         if dlse is not None:  # the LSE was used (attention sinks): d lse_i / d s_ij = p_ij
             delta = delta - dlse.to(delta.dtype)
         dq = torch.zeros_like(q, dtype=lse.dtype)

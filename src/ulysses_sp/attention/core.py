@@ -178,7 +178,9 @@ def run_blockwise(
                               offload=offload, counts=counts, return_lse=sinks is not None)  # fmt: skip
     if sinks is not None:  # [B, H_l, S, D] rescaled by each head's sink
         out = apply_sinks(*out, sinks)
-    return out.transpose(1, 2).contiguous()  # [B, H_l, S, D] -> [B, S, H_l, D]
+    # [B, H_l, S, D] -> [B, S, H_l, D]: a view (the exchange reads it head by head; no copy of what
+    # the core saved), whose gradient comes back in the same layout (no copy in the core's backward)
+    return out.transpose(1, 2)
 
 
 def run_segments(

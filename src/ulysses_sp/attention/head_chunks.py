@@ -1,10 +1,10 @@
 """Head-chunked Ulysses attention (the idea behind UPipe): one group of heads through the exchange at a time.
 
-Plain Ulysses moves all heads at once: the q/k/v all-to-all's send and receive buffers and their
-unpacked full-sequence copies, the core's saved tensors and, in backward, the gradients' buffers
-are all alive together — the attention layer's peak. Here each rank's ``H_l = H/P`` heads (the ones
-plain Ulysses gives it) are cut into ``N`` groups of ``H_c = H_l/N``; for group ``g`` in turn: the
-all-to-all brings every rank its ``g``-th ``H_c`` query heads over the full sequence
+Plain Ulysses attends all heads at once: the full-sequence q/k/v, the core's saved tensors and, in
+backward, their gradients are alive together (its exchange, ``parallel/headwise.py``, goes head by
+head and adds no buffers; a head group's exchange here packs the group: two buffers of its size).
+Here each rank's ``H_l = H/P`` heads (the ones plain Ulysses gives it) are cut into ``N`` groups of
+``H_c = H_l/N``; for group ``g`` in turn: the all-to-all brings every rank its ``g``-th ``H_c`` query heads over the full sequence
 (``[B, P*H_c, S_l, D] -> [B, H_c, S, D]``), the same core attends (sdpa, segments, blockwise,
 offload, ring), and the output goes back (``[B, S, H_c, D] -> [B, S_l, P*H_c, D]``). Attention is
 independent per head: the same math, exact.

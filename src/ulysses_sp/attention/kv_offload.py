@@ -4,7 +4,8 @@ After the q/k/v all-to-all each rank holds K/V for the whole sequence (``[B, Hkv
 With ``offload_attention`` the blockwise core (``blockwise.blockwise_attention``) copies them to
 host memory chunk by chunk in forward and keeps only the host chunks for backward; backward streams
 them back one chunk at a time, prefetching the next while the current one computes. Device memory
-for K/V between forward and backward is then zero, and during backward two chunks.
+for K/V between forward and backward is then zero, and during backward two chunks. The saved q and
+output go to the host too, whole (``stash_whole``), and come back at the start of the backward.
 
 * On an accelerator: pinned host buffers; the device-to-host copies on a side stream (the compute
   stream waits for them once, at the end of the layer's attention forward, so later host-to-device
@@ -59,10 +60,11 @@ class KVOffload:
             stream = self._streams[device] = mod.Stream(device)
         return stream
 
-    def stash(self, x: torch.Tensor, spans: list[tuple[int, int]]) -> list[torch.Tensor]:
-        """Host copies of ``x [B, Hkv_l, S, D]`` cut along ``S`` at ``spans``: ``[B, Hkv_l, c, D]`` each."""
-        self.stats.chunks += len(spans)
-        self.stats.offloaded_bytes += x.numel() * x.element_size()
+    def stash(self, x: torch.Tensor, spans: list[tuple[int, int]], *, count: bool = True) -> list[torch.Tensor]:
+        """Host copies of ``x [B, Hkv_l, S, D]`` cut along ``S`` at ``spans``: ``[B, Hkv_l, c, D]`` each
+        (``count``: in the K/V ``stats``)."""
+        self.stats.chunks += len(spans) * count
+        self.stats.offloaded_bytes += x.numel() * x.element_size() * count
         if x.device.type == "cpu":
             with host_allocations(), torch.no_grad():
                 return [x[:, :, a:b].clone() for a, b in spans]
@@ -83,6 +85,14 @@ class KVOffload:
         if device.type != "cpu":
             mod = torch.get_device_module(device.type)
             mod.current_stream(device).wait_stream(self._stream(device))
+
+    def stash_whole(self, x: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``x [B, H, S, D]`` in one piece (q and the output; not in the K/V ``stats``)."""
+        return self.stash(x, [(0, x.shape[2])], count=False)[0]
+
+    def restore(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The device copy of a ``stash_whole``, ordered on the compute stream."""
+        return host.clone() if device.type == "cpu" else host.to(device, non_blocking=True)
 
     def stream_in(
         self, k_host: list[torch.Tensor], v_host: list[torch.Tensor], device: torch.device

@@ -13,8 +13,8 @@ sequence, so we never use it. We gather the full sequence's ``position_ids`` ove
 per forward) and run the path ``attention/core.py`` picks: plain causal through the kernel's own
 causal mode; packed documents (position ids restart at 0) and sliding windows through the blockwise
 core for sdpa (no ``S x S`` tensor), varlen for flash, a ``BlockMask`` for flex, a dense mask for eager.
-q, k and v cross the SP group in one packed all-to-all. Where the positions come from, chunked
-attention layers and the query temperature of NoPE layers: ``attention/positions.py``; per-head
+q, k and v (and the output) cross the SP group head by head (``parallel/headwise.py``: no
+whole-tensor buffers). Where the positions come from, chunked attention layers and the query temperature of NoPE layers: ``attention/positions.py``; per-head
 parameters the core reads (attention sinks) cut to the rank's heads: ``attention/heads.py``.
 
 GQA/MQA: kv heads split over ranks like query heads when ``Hkv % P == 0``; when ``Hkv < P`` each kv
@@ -65,7 +65,7 @@ from ulysses_sp.attention.positions import (
 from ulysses_sp.attention.registration import SPRegistration, model_and_config, resolve_layout
 from ulysses_sp.attention.ring import RingStats
 from ulysses_sp.attention.segments import segment_lengths
-from ulysses_sp.parallel.comm import heads_to_seq, qkv_seq_to_heads
+from ulysses_sp.parallel.headwise import out_heads_to_seq, qkv_seq_to_heads
 from ulysses_sp.parallel.mesh import SPMesh, require_process_group
 from ulysses_sp.parallel.mesh_shape import check_heads, head_counts, resolve_ring_size_for_layers
 
@@ -209,11 +209,12 @@ class UlyssesSPAttentionHF:
                 # [B, Hkv, S_l, D] -> [B, P, S_l, D]: rank j will receive the kv head its queries use.
                 key = key.repeat_interleave(p // hkv, dim=1)
                 value = value.repeat_interleave(p // hkv, dim=1)
-            # one all-to-all: [B, H, S_l, D] -> [B, H_l, S, D], [B, Hkv|P, S_l, D] -> [B, Hkv_l, S, D]
+            # the exchange, head by head: [B, H, S_l, D] -> [B, H_l, S, D], [B, Hkv|P, S_l, D] -> [B, Hkv_l, S, D]
             query, key, value = qkv_seq_to_heads(query, key, value, self.ulysses_group)
         out = self._attend(module, query, key, value, layouts, args, kwargs, h, rank, ring=sp)  # [B, S, H_l, D]
+        del query, key, value  # the full-sequence q/k/v (not what the core saved) go before the output exchange
         if a2a:
-            out = heads_to_seq(out, self.ulysses_group, head_dim=2, seq_dim=1)  # [B, S, H_l, D] -> [B, S_l, H, D]
+            out = out_heads_to_seq(out, self.ulysses_group)  # [B, S, H_l, D] -> [B, S_l, H, D]
         return out, None
 
     def _attend(self, module, q, k, v, layouts: tuple, args: tuple, kwargs: dict[str, Any], num_heads: int,

@@ -4,7 +4,7 @@ error agreement.
 
 Every function takes its process group explicitly (from the ``SPMesh``'s named views). Where each
 sits in the step (DESIGN.md): the shard exchange once per round of the data adapter (step 2); the
-all-to-all twice per attention layer, q/k/v in (packed, one collective) and the output out (step 4);
+all-to-all twice per attention layer, q/k/v in and the output out (step 4; ``headwise``: head by head);
 under ring attention, point-to-point hops around the ring axis inside each layer (step 4, overlapped
 with compute, counted by ``ring.RingStats``, not timed by ``record_comm_times``); the gather of
 position ids once per forward; the loss reduction once per micro-step (step 5); the gradient
@@ -17,7 +17,7 @@ Shape legend: ``B`` batch, ``S`` global sequence, ``S_l = S/P`` local sequence, 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ulysses_sp.parallel.comm_timing import CommTimes, active_comm_times
 from ulysses_sp.parallel.comm_timing import timed as _timed
-from ulysses_sp.parallel.packing import layout_of, pack, rank_parts, segment_sizes, unpack
+from ulysses_sp.parallel.packing import layout_of, pack, rank_parts, release, segment_sizes, unpack
 
 
 def _all_to_all(
@@ -40,20 +40,17 @@ def _all_to_all(
     p = dist.get_world_size(group)
     if p == 1:
         return x
-    scatter_dim %= x.dim()
     gather_dim %= x.dim()
-    n = x.shape[scatter_dim]
-    if n % p:
-        raise ValueError(f"dim {scatter_dim} of shape {tuple(x.shape)} is not divisible by sp_size {p}")
     # [..., n, ...] -> [P, ..., n/P, ...]: chunk j (for rank j) first, contiguous for the collective.
-    send = x.unflatten(scatter_dim, (p, n // p)).movedim(scatter_dim, 0).contiguous()
+    send = rank_parts((x,), scatter_dim, p)[0].contiguous()
     recv = torch.empty_like(send)
     with _timed("sp", times):
         dist.all_to_all_single(recv, send, group=group)
-    del send  # freed before the unpacking copy: the send buffer, recv and the output never coexist
+    release(send)  # freed before the unpacking copy: the send buffer, recv and the output never coexist
     # [P(src), ..., g, ...] -> [..., P*g, ...]: the source rank's block goes before its elements.
-    recv = recv.movedim(0, gather_dim)
-    return recv.flatten(gather_dim, gather_dim + 1)
+    out = recv.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
+    release(recv)  # (a view keeps it)
+    return out
 
 
 class _AllToAll(torch.autograd.Function):
@@ -139,8 +136,10 @@ def start_exchange(
         if work is not None:
             with _timed("sp", times):
                 work.wait()
-        send = work = None  # (the work holds the buffers too) peak: inputs + recv + outputs, not + send
-        outs, recv = unpack(recv, layouts, sizes, gather_dims), None  # recv not kept by this closure
+        release(send)  # peak: inputs + recv + outputs, not + send
+        outs = unpack(recv, layouts, sizes, gather_dims)
+        release(recv)  # (kept by the outputs that are views of it)
+        send = work = recv = None
         return outs
 
     return finish
@@ -173,16 +172,16 @@ class _AllToAllPacked(torch.autograd.Function):
         return None, None, None, *_all_to_all_packed(tuple(full), gather_dim, scatter_dim, ctx.group, ctx.times)
 
 
-def qkv_seq_to_heads(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``seq_to_heads`` of q, k and v in **one** all-to-all (same bytes as three).
-
-    ``[B, H, S_l, D] -> [B, H_l, S, D]`` for q and ``[B, Hkv|P, S_l, D] -> [B, Hkv_l, S, D]`` for
-    k, v. Differentiable; the backward is one inverse all-to-all of the three gradients.
-    """
-    # [B, H*, S_l, D] -> [B, H*/P, P*S_l, D] for each, packed per destination rank
-    return _AllToAllPacked.apply(1, 2, group, q, k, v)
+def exchange_pieces(pieces: Iterable[tuple[torch.Tensor, torch.Tensor]], group: dist.ProcessGroup) -> None:
+    """One all-to-all per ``(src, dest)`` pair of ``[P, ...]`` views (``headwise``, not differentiable): ``src``
+    row ``r`` to rank ``r``, rank ``r``'s row into ``dest`` row ``r``; staged where not contiguous."""
+    for src, dest in pieces:
+        send = src.contiguous()  # the piece itself, or a copy
+        recv = dest if dest.is_contiguous() else torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        if recv is not dest:
+            dest.copy_(recv)
+        release(send, recv)  # the copies (views are the caller's)
 
 
 def seq_to_heads_packed(

@@ -66,3 +66,15 @@ def segment(buf: torch.Tensor, offset: int, shape: torch.Size, dtype: torch.dtyp
     ``[P, ...]`` (a view)."""
     nbytes = shape[1:].numel() * dtype.itemsize
     return buf[:, offset : offset + nbytes].view(dtype).view(shape)
+
+
+def release(*bufs: torch.Tensor) -> None:
+    """Free buffers of a finished collective now, in this thread. The process group's work may hold them a
+    while longer (gloo's worker thread drops its references when it next runs and, their Python objects
+    gone, only once it holds the GIL), so they would otherwise outlive the call into the next allocations.
+    Detaches each buffer's own tensor from its storage (what else shares the storage keeps it); views are
+    skipped (detaching one would bump its base's version counter; its base is the caller's)."""
+    with torch.no_grad():
+        for buf in bufs:
+            if buf._base is None:
+                buf.set_()

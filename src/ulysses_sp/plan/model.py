@@ -148,7 +148,7 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
     attn_saved = norm + (q + 2 * kv) + 2 * q
     exchange_in = q + 2 * kv if s.sp > 1 else 0  # see the module docstring
     if s.attention == "blockwise":
-        attn_saved = norm + 2 * q  # q/k/v go to the host with the blocks
+        attn_saved = norm + q  # q/k/v and the core's output go to the host with the blocks
     mlp_saved = 0 if s.tiled_mlp else 4 * big_i
     ckpt = s.activation_checkpointing
     kept = 0 if s.offload_activations else h
@@ -166,7 +166,9 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
     else:
         mlp_ws = 3 * big_i * tok
     # attention backward (the MLP's tensors are gone by then): grads of q, k, v and of the output,
-    # and with P > 1 the exchange's send and receive buffers of the largest of them (of one head group)
+    # and with P > 1 an exchange term of 2 q (of one head group). The plain exchange holds no send and
+    # receive buffers since it goes head by head (parallel/headwise.py), but plan_check's measured peaks
+    # did not move where this term is the high point: kept until that peak is located
     attn_ws = (2 * q + 2 * kv + (2 * q // s.head_chunks if s.sp > 1 else 0)) * tok
     # the gradient flowing down and the residual's; the tiled MLP adds its input gradient, summed
     # over the tiles in a buffer of its own
@@ -215,7 +217,7 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
     phase = max(acts, key=acts.get)
     host = m.layers * h * tok * e if (ckpt and s.offload_activations) else 0
     if s.attention == "blockwise":
-        host += m.layers * (q + 2 * kv) * tok * e
+        host += m.layers * (2 * q + 2 * kv) * tok * e
     if phase == "activations":
         out = {
             "activations": saved * e,
