@@ -199,7 +199,7 @@ def run_section(launches: list) -> list[dict]:
 
     out = []
     for data in ("causal", "packed"):
-        for name, impl, tech, _ in SYSTEMS:
+        for name, impl, tech in SYSTEMS:
             args = ["--impl", impl, *(["--tech", tech[data]] if tech else []), "--data", data,
                     "--start-seq", str(START[impl][data])]  # fmt: skip
             res, cmd, _ = run_worker("bench.longest_fit", 2, args, python=DS_PYTHON if impl == "deepspeed" else None,
