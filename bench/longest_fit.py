@@ -1,23 +1,16 @@
 """Section 7: the longest sequence in one per-rank budget, ulysses-sp and DeepSpeed side by side.
 
-    python -m bench --sections longest_fit      # both sides, causal and packed (~15 min, 2-core CPU)
-    python -m torch.distributed.run --nproc-per-node 2 -m bench.longest_fit --impl ours \\
-        --tech ckpt,offload,mlp,heads2 --data causal --out /tmp/ours.json
-    bench/.venv-deepspeed/bin/python -m torch.distributed.run --nproc-per-node 2 -m bench.longest_fit \\
-        --impl deepspeed --data packed --out /tmp/ds.json
+    python -m bench --sections longest_fit      # every system on causal and packed data (~10 min, 2-core CPU)
+    python -m torch.distributed.run --nproc-per-node 2 -m bench.longest_fit --impl ours --tech ckpt,mlp --data causal \\
+        --out /tmp/ours.json
+    (bench/.venv-deepspeed/bin/python for ``--impl deepspeed``; --budget-mib --start-seq --time-seq ...)
 
-Each side builds the same wide Llama (``MODEL``, seed 0, sdpa) and gets the same tensors (``make_data``: one
-causal sequence, or three packed documents), rank k holding tokens ``[k S/2, (k+1) S/2)``, sp 2, gloo; one
-forward + backward per length (no optimizer: its states are the same on both sides); the loss is always tiled
-(ours ``TiledCausalLMLoss``, DeepSpeed ``TiledFusedLogitsLoss`` with its documented all-gather combine).
-``deepspeed``: its UlyssesSPAttentionHF, TiledMLP patched in as its docstring shows, HF checkpointing and its
-checkpoint offload context. ``ours --tech``: a comma list of ``TECHS`` (packed documents take the per-document
-sdpa path by themselves unless ``kv_offload`` routes them through the blockwise core). The meter is the same
-(``track_peak_memory`` with the parameters, max over ranks); *device* bytes leave out what our offloads stage
-on the host. Search (``search``): from ``--start-seq``, steps of 2, 4, 8 x ``--granularity`` up (or down) to
-the first change, then bisection; then the best of ``--time-steps`` steps at ``--time-seq``, unmetered.
+Both sides build the same wide Llama (``MODEL``, seed 0, sdpa) and get the same tensors (``make_data``), rank k
+holding tokens ``[k S/2, (k+1) S/2)``, sp 2; one forward + backward per length, the loss tiled on both sides (no
+optimizer: its states are the same). ``--tech``: ulysses-sp's techniques (``TECHS``); packed documents take the
+per-document sdpa path unless ``kv_offload`` sends them through the blockwise core. One meter
+(``track_peak_memory``, max over ranks); *device* bytes leave out what our offloads stage on the host.
 """
-
 from __future__ import annotations
 
 import importlib.util
@@ -29,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from bench.counters import timed
-from bench.launch import ROOT, finish_worker, init_worker, parser, run_worker, under_torchrun
+from bench.launch import DS_PYTHON, ROOT, finish_worker, init_worker, parser, run_worker, under_torchrun
 from bench.launch import max_over_ranks as _max
 from bench.md import table
 from bench.spec import IGNORE_INDEX as IGNORE
@@ -39,7 +32,8 @@ MODEL = {"hidden": 64, "intermediate": 512, "layers": 4, "heads": 4, "vocab": 20
 """A small vocabulary-heavy Llama: wide MLP, so that each technique shows."""
 TECHS = {"ckpt": "activation checkpointing", "offload": "activation (checkpoint) offload to host",
          "mlp": "tiled MLP", "kv_offload": "Ulysses-Offload (blockwise core, K/V on host)",
-         "headsN": "head-chunked attention, N head groups (`--head-chunks N`)"}  # fmt: skip
+         "headsN": "head-chunked attention, N head groups (`--head-chunks N`)",
+         "norms": "norm recompute (`--recompute-norms`: RMSNorms keep only input and output)"}  # fmt: skip
 """``ours --tech`` names (new techniques: a name here and a line in ``ours``)."""
 DEEPSPEED = ("UlyssesSPAttentionHF (sdpa), TiledMLP, TiledFusedLogitsLoss, HF checkpointing, checkpoint offload "
              "context (on; skips every tensor on CPU)")
@@ -49,8 +43,7 @@ SYSTEMS = [("DeepSpeed", "deepspeed", {}),
 """``(name, impl, {data: --tech})``: what section 7 runs. "All techniques" is each data's lowest device peak of
 the ``TECHS`` sets at S 8192 (2026-11-25, sp 2: heads2 raised the causal peak 19.86 -> 21.04 MiB and lowered
 the packed one 21.60 -> 21.10; kv_offload raised both, by 1.0 / 0.4 MiB with heads2)."""
-START = {"deepspeed": {"causal": 8192, "packed": 5120}, "ours": {"causal": 8192, "packed": 8192}}
-"""First length each search tries (the last run's results: a good guess saves probes, never changes the fit)."""
+START = {"deepspeed": {"causal": 8192, "packed": 5120}, "ours": {"causal": 8192, "packed": 8192}}  # near the fits
 
 
 def make_data(seq: int, vocab: int, packed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -78,6 +71,9 @@ def ours(model, world: int, tech: list[str]):
     offload = enable_activation_offload(model) if "offload" in tech else None
     if "mlp" in tech:
         apply_tiled_mlp(model)
+    if "norms" in tech:
+        from ulysses_sp.memory.norms import apply_norm_recompute  # (norms26; main after 2026-11-25)
+        apply_norm_recompute(model)
     loss_fn, group = TiledCausalLMLoss(), reg.get_sequence_parallel_group()
 
     def step(ids, pos, shift):
@@ -106,18 +102,14 @@ def deepspeed(model, world: int):
     group = mpu.get_sequence_parallel_group()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
-    def tiled_mlp_forward(self, x):  # TiledMLP's docstring recipe
-        shards = torch.tensor(math.ceil(x.shape[1] / x.shape[2]))
-        dist.all_reduce(shards, op=dist.ReduceOp.MAX)  # every rank the same count (no deadlock)
-        params = [self.down_proj.weight, self.gate_proj.weight, self.up_proj.weight]
+    def tiled_mlp_forward(self, x):  # TiledMLP's docstring recipe; every rank the same count (no deadlock)
+        dist.all_reduce(shards := torch.tensor(math.ceil(x.shape[1] / x.shape[2])), op=dist.ReduceOp.MAX)
         fwd = lambda self, x: self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))  # noqa: E731
-        return TiledMLP.apply(fwd, self, x, int(shards), params)
+        return TiledMLP.apply(fwd, self, x, int(shards), [self.down_proj.weight, self.gate_proj.weight, self.up_proj.weight])
 
     modeling_llama.LlamaMLP.forward = tiled_mlp_forward
-    vocab = model.config.vocab_size
-
     def loss_fn(self, x, y):  # one tile: logits and the sum of its token losses
-        logits = self.lm_head(x).view(-1, vocab).float()
+        logits = self.lm_head(x).view(-1, MODEL["vocab"]).float()
         return torch.nn.functional.cross_entropy(logits, y.view(-1), ignore_index=IGNORE, reduction="sum")
 
     def step(ids, pos, shift):
@@ -170,7 +162,7 @@ def search(fits, start: int, gran: int, max_seq: int) -> dict:
 
 
 def worker(args) -> dict:
-    """One system on one kind of data: the search, then the timed steps."""
+    """One system on one kind of data: the search (``--start-seq`` 0: none), then the timed steps (if any)."""
     init_worker(1800, deepspeed=args.impl == "deepspeed")
     world, m, packed = dist.get_world_size(), MODEL, args.data == "packed"
     model = llama(hidden_size=m["hidden"], intermediate_size=m["intermediate"], num_hidden_layers=m["layers"],
@@ -184,28 +176,32 @@ def worker(args) -> dict:
             probes[seq] = probe(step, model, seq, packed)
         return probes[seq]["device"] <= args.budget_mib * 2**20
 
-    fit = search(fits, args.start_seq, args.granularity, args.max_seq)
+    fit = search(fits, args.start_seq, args.granularity, args.max_seq) if args.start_seq else None
     data, times, got = local_data(args.time_seq, packed), [], {}
-    for _ in range(args.time_steps + 1):  # the first one warms up
+    for _ in range(args.time_steps + 1 if args.time_steps else 0):  # the first one warms up
         times.append(_max(timed(lambda: got.setdefault("loss", step(*data)[0]))))
         model.zero_grad(set_to_none=True)
     return {"args": vars(args), "world": world, "model": m, "fit": fit, "probes": [probes[s] for s in sorted(probes)],
-            "step_seconds": min(times[1:]), "loss_at_time_seq": float(got["loss"].detach())}  # fmt: skip
+            "step_seconds": min(times[1:], default=None), "loss_at_time_seq": float(got["loss"].detach()) if got else None}
 
 
-def run_section(launches: list) -> list[dict]:
-    """Every system on causal and packed data (alternating sides), each with its exact command."""
-    from bench.launch import DS_PYTHON
-
-    out = []
-    for data in ("causal", "packed"):
-        for name, impl, tech in SYSTEMS:
+def run_section(launches: list, rounds: int = 2) -> list[dict]:
+    """Every system on causal and packed data: its search, then ``rounds`` rounds of timed steps (``--start-seq
+    0``), the systems interleaved so that a burst of load from elsewhere hits no one side alone; the best step."""
+    out, plan = {}, [(data, *system) for data in ("causal", "packed") for system in SYSTEMS]
+    for i in range(rounds + 1):
+        for data, name, impl, tech in plan:
             args = ["--impl", impl, *(["--tech", tech[data]] if tech else []), "--data", data,
-                    "--start-seq", str(START[impl][data])]  # fmt: skip
+                    *(["--start-seq", str(START[impl][data]), "--time-steps", "0"] if i == 0 else ["--start-seq", "0"])]
             res, cmd, _ = run_worker("bench.longest_fit", 2, args, python=DS_PYTHON if impl == "deepspeed" else None,
                                      timeout=1800, launches=launches)  # fmt: skip
-            out.append({**res, "system": name, "command": cmd})
-    return out
+            if i == 0:
+                out[data, name] = {**res, "system": name, "command": cmd, "steps_timed": 0}
+            else:
+                best = min(x for x in (out[data, name]["step_seconds"], res["step_seconds"]) if x is not None)
+                out[data, name].update(step_seconds=best, loss_at_time_seq=res["loss_at_time_seq"],
+                                       steps_timed=out[data, name]["steps_timed"] + res["args"]["time_steps"])
+    return list(out.values())
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -220,12 +216,9 @@ def targets(runs: list[dict]) -> list[list]:
     """Issue 26's goals: ``[measure, target, measured, met, section]`` (report.targets' rows)."""
     if not runs:
         return []
-    r = lambda x: "—" if x is None else f"{x:.2f}x"  # noqa: E731
-    t = lambda r: r["step_seconds"]  # noqa: E731
-    all_, same = SYSTEMS[2][0], SYSTEMS[1][0]
-    fit = {d: ratio(runs, d, all_) for d in ("causal", "packed")}
-    step = {d: ratio(runs, d, same, t) for d in ("causal", "packed")}
-    s = runs[0]["args"]["time_seq"]
+    fit = {d: ratio(runs, d, SYSTEMS[2][0]) for d in ("causal", "packed")}
+    step = {d: ratio(runs, d, SYSTEMS[1][0], lambda r: r["step_seconds"]) for d in ("causal", "packed")}
+    r, s = lambda x: "—" if x is None else f"{x:.2f}x", runs[0]["args"]["time_seq"]  # noqa: E731
     return [["7a. longest S in the same budget (device bytes), ulysses-sp all techniques / DeepSpeed", ">= 1.5",
              f"causal {r(fit['causal'])}, packed {r(fit['packed'])}", all(x and x >= 1.5 for x in fit.values())],
             [f"7b. step time at S={s}, same techniques, ulysses-sp / DeepSpeed: causal; packed (ours exact)", "<= 1.0",
@@ -256,7 +249,9 @@ def section(runs: list[dict]) -> tuple[str, str]:
         "(what would leave an accelerator); the host peak is listed beside them.", "",
         f"- DeepSpeed: {DEEPSPEED}", "- ulysses-sp: UlyssesSPAttentionHF (sdpa), tiled loss, and `--tech`: "
         + "; ".join(f"`{k}` {v}" for k, v in TECHS.items()) + ". Packed documents take the per-document sdpa path "
-        "unless `kv_offload` sends them through the blockwise core.", "",
+        "unless `kv_offload` sends them through the blockwise core. Step: the best of "
+        f"{runs[0]['steps_timed']} unmetered steps at S={a['time_seq']} (a warm-up step before each launch's), in "
+        "launches with `--start-seq 0` (no search) after the searches, the systems interleaved.", "",
         table(["data", "system", "--tech", "longest S (device)", "vs DeepSpeed", "MiB device / host at fit",
                "attention path", f"loss at S={a['time_seq']}", f"step s at S={a['time_seq']}", "step vs DeepSpeed",
                "probes (S: device MiB)", "command"], rows),
@@ -270,11 +265,11 @@ def main(argv=None) -> None:
     ap.add_argument("--tech", default="ckpt,mlp", help=f"ours: comma list of {', '.join(TECHS)}")
     ap.add_argument("--data", choices=("causal", "packed"), required=True)
     ap.add_argument("--budget-mib", type=float, default=24.0, help="per-rank budget of device bytes")
-    ap.add_argument("--start-seq", type=int, default=8192, help="first length tried (a guess of the fit)")
+    ap.add_argument("--start-seq", type=int, default=8192, help="first length tried (a guess of the fit); 0: no search")
     ap.add_argument("--granularity", type=int, default=512)
     ap.add_argument("--max-seq", type=int, default=32768)
     ap.add_argument("--time-seq", type=int, default=4096, help="length of the timed (unmetered) steps")
-    ap.add_argument("--time-steps", type=int, default=2)
+    ap.add_argument("--time-steps", type=int, default=2, help="0: no timing")
     args = ap.parse_args(argv)
     if not under_torchrun():
         ap.error("a worker: run it under torch.distributed.run (or python -m bench --sections longest_fit)")
