@@ -221,8 +221,10 @@ def targets(runs: list[dict]) -> list[list]:
     r, s = lambda x: "—" if x is None else f"{x:.2f}x", runs[0]["args"]["time_seq"]  # noqa: E731
     return [["7a. longest S in the same budget (device bytes), ulysses-sp all techniques / DeepSpeed", ">= 1.5",
              f"causal {r(fit['causal'])}, packed {r(fit['packed'])}", all(x and x >= 1.5 for x in fit.values())],
-            [f"7b. step time at S={s}, same techniques, ulysses-sp / DeepSpeed: causal; packed (ours exact)", "<= 1.0",
-             f"causal {r(step['causal'])}, packed {r(step['packed'])}", all(x and x <= 1.0 for x in step.values())]]
+            [f"7b. step at S={s}, same techniques, ulysses-sp / DeepSpeed (causal)", "<= 1.0", r(step["causal"]),
+             bool(step["causal"] and step["causal"] <= 1.0)],
+            [f"7c. step at S={s}, packed documents: ulysses-sp exact / DeepSpeed", "<= 1.0", r(step["packed"]),
+             bool(step["packed"] and step["packed"] <= 1.0)]]  # fmt: skip
 
 
 def section(runs: list[dict]) -> tuple[str, str]:

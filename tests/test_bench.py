@@ -143,8 +143,8 @@ def test_longest_fit_targets_are_ours_over_deepspeed_per_data():
     ds, same, best = (s[0] for s in longest_fit.SYSTEMS)
     runs = [run(ds, "causal", 4096, 2.0), run(same, "causal", 4096, 1.0), run(best, "causal", 6144, 3.0),
             run(ds, "packed", 2048, 1.0), run(same, "packed", 4096, 1.5), run(best, "packed", 4096, 2.0)]  # fmt: skip
-    fit, step = longest_fit.targets(runs)
-    assert fit[2:] == ["causal 1.50x, packed 2.00x", True] and step[2:] == ["causal 0.50x, packed 1.50x", False]
+    fit, causal, packed = longest_fit.targets(runs)
+    assert fit[2:] == ["causal 1.50x, packed 2.00x", True] and causal[2:] == ["0.50x", True] and packed[2:] == ["1.50x", False]
     assert longest_fit.ratio(runs[:3], "packed", best) is None and longest_fit.targets([]) == []
 
 
