@@ -39,10 +39,10 @@ DEEPSPEED = ("UlyssesSPAttentionHF (sdpa), TiledMLP, TiledFusedLogitsLoss, HF ch
              "context (on; skips every tensor on CPU)")
 SYSTEMS = [("DeepSpeed", "deepspeed", {}),
            ("ulysses-sp, same techniques", "ours", {"causal": "ckpt,mlp", "packed": "ckpt,mlp"}),
-           ("ulysses-sp, all techniques", "ours", {"causal": "ckpt,offload,mlp", "packed": "ckpt,offload,mlp,heads2"})]
-"""``(name, impl, {data: --tech})``: what section 7 runs. "All techniques" is each data's lowest device peak of
-the ``TECHS`` sets at S 8192 (2026-11-25, sp 2: heads2 raised the causal peak 19.86 -> 21.04 MiB and lowered
-the packed one 21.60 -> 21.10; kv_offload raised both, by 1.0 / 0.4 MiB with heads2)."""
+           ("ulysses-sp, all techniques", "ours", {"causal": "ckpt,offload,mlp,heads2", "packed": "ckpt,offload,mlp,heads2"})]
+"""``(name, impl, {data: --tech})``: what section 7 runs. All techniques: every one that applies, except
+``kv_offload``, which raised the device peak at S 8192 (+1.0 MiB causal, +0.4 packed, 2026-11-25: its blockwise
+core holds more than the fused kernel); heads2 moved it by -0.2 to +1.2 MiB between 8192 and 9728 (noise: 0.6)."""
 START = {"deepspeed": {"causal": 8192, "packed": 5120}, "ours": {"causal": 8192, "packed": 8192}}  # near the fits
 
 
