@@ -146,6 +146,8 @@ def test_longest_fit_targets_are_ours_over_deepspeed_per_data():
     fit, causal, packed = longest_fit.targets(runs)
     assert fit[2:] == ["causal 1.50x, packed 2.00x", True] and causal[2:] == ["0.50x", True] and packed[2:] == ["1.50x", False]
     assert longest_fit.ratio(runs[:3], "packed", best) is None and longest_fit.targets([]) == []
+    with pytest.raises(ValueError, match=r"unknown --tech \['heads', 'tiled'\]; choose from"):
+        longest_fit.ours(None, 2, ["ckpt", "heads", "heads2", "tiled"])  # refused before anything is built
 
 
 @pytest.mark.slow
