@@ -8,7 +8,9 @@ choice; what runs for it, per forward, depends on the sequence's structure (``ma
 core                plain causal            packed documents / sliding window
 ==================  ======================  =====================================================
 ``sdpa``            sdpa ``is_causal``      documents: one sdpa ``is_causal`` call per document
-                                            (``attention/segments.py``); windows, sinks, an explicit
+                                            (``attention/segments.py``), on CUDA fp16/bf16 one varlen
+                                            flash call (``attention/varlen.py``, untested on a GPU
+                                            here); windows, sinks, an explicit
                                             ``attn_chunk``: the **blockwise** core
                                             (``attention/blockwise.py``), no mask tensor, no score
                                             tensor larger than one block
@@ -44,6 +46,7 @@ from ulysses_sp.attention.kv_offload import KVOffload
 from ulysses_sp.attention.masks import SeqLayout
 from ulysses_sp.attention.ring import RingStats, ring_attention
 from ulysses_sp.attention.segments import segment_attention
+from ulysses_sp.attention.varlen import use_varlen, varlen_segment_attention
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +114,8 @@ def describe_paths(core: str, *, attn_chunk: int | None, offload_attention: bool
     if core == "sdpa":
         if attn_chunk:
             return f"sdpa is_causal for plain causal; blockwise core for packed documents / windows ({chunk})"
-        return f"sdpa is_causal for plain causal, per document for packed documents; blockwise core for windows ({chunk})"
+        return (f"sdpa is_causal for plain causal, per document for packed documents (one varlen call on CUDA "
+                f"fp16/bf16); blockwise core for windows ({chunk})")
     if core.startswith("flash"):
         return "flash causal; varlen for packed documents"
     if core == "flex_attention":
@@ -181,8 +185,11 @@ def run_segments(
     module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[list[int]],
     kwargs: dict[str, Any],
 ) -> torch.Tensor:
-    """Packed documents, one sdpa call per document: ``[B, H_l, S, D] -> [B, S, H_l, D]``."""
+    """Packed documents: one varlen kernel call on CUDA where it applies (``attention/varlen.py``), else one
+    sdpa call per document: ``[B, H_l, S, D] -> [B, S, H_l, D]``."""
     _check_kwargs(module, kwargs, ring=False)
+    if use_varlen(q, k):  # decided per call: CUDA, fp16/bf16, shapes torch's flash check accepts
+        return varlen_segment_attention(q, k, v, lengths, scale=kwargs.get("scaling"))
     out = segment_attention(q, k, v, lengths, scale=kwargs.get("scaling"))
     return out.transpose(1, 2).contiguous()  # [B, H_l, S, D] -> [B, S, H_l, D]
 
