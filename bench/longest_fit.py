@@ -88,36 +88,31 @@ def ours(model, world: int, tech: list[str]):
 def deepspeed(model, world: int):
     """DeepSpeed's ALST pieces on the same model; returns ``step(ids, pos, shift) -> (loss, notes)``."""
     import deepspeed as ds
-    from deepspeed.runtime.activation_checkpointing.offload_activations import (
-        get_checkpoint_hidden_states_offloading_ctx_manager as offload_ctx,
-    )
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import (
-        TiledFusedLogitsLoss,
-        TiledMLP,
-        UlyssesSPAttentionHF,
-    )
+    from deepspeed.runtime.activation_checkpointing import offload_activations
+    from deepspeed.runtime.sequence_parallel import ulysses_sp as alst
     from transformers.models.llama import modeling_llama
 
-    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", world, 1, seq_length_is_variable=True)
+    mpu = alst.UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", world, 1, seq_length_is_variable=True)
     group = mpu.get_sequence_parallel_group()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def tiled_mlp_forward(self, x):  # TiledMLP's docstring recipe; every rank the same count (no deadlock)
         dist.all_reduce(shards := torch.tensor(math.ceil(x.shape[1] / x.shape[2])), op=dist.ReduceOp.MAX)
         fwd = lambda self, x: self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))  # noqa: E731
-        return TiledMLP.apply(fwd, self, x, int(shards), [self.down_proj.weight, self.gate_proj.weight, self.up_proj.weight])
+        return alst.TiledMLP.apply(fwd, self, x, int(shards), [self.down_proj.weight, self.gate_proj.weight, self.up_proj.weight])
 
     modeling_llama.LlamaMLP.forward = tiled_mlp_forward
+
     def loss_fn(self, x, y):  # one tile: logits and the sum of its token losses
         logits = self.lm_head(x).view(-1, MODEL["vocab"]).float()
         return torch.nn.functional.cross_entropy(logits, y.view(-1), ignore_index=IGNORE, reduction="sum")
 
     def step(ids, pos, shift):
-        off = offload_ctx()
+        off = offload_activations.get_checkpoint_hidden_states_offloading_ctx_manager()
         with off:  # its __enter__ returns None
             hidden = model.model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
             shards = max(1, math.ceil(hidden.shape[1] / hidden.shape[2]))  # ours: ceil(S_l / h)
-            loss_sum = TiledFusedLogitsLoss.apply(loss_fn, model, hidden, shift, None, shards, [model.lm_head.weight],
+            loss_sum = alst.TiledFusedLogitsLoss.apply(loss_fn, model, hidden, shift, None, shards, [model.lm_head.weight],
                                                   "sum")  # fmt: skip
             loss = sp_loss_combine(loss_sum, (shift != IGNORE).sum(), group)  # DeepSpeed's documented recipe
             loss.backward()
