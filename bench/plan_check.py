@@ -9,6 +9,9 @@ tracker cannot see: DDP's gradient buckets (allocated at construction, outside a
 FSDP2 (ZeRO 2-3) is left out on CPU: its unsharded parameters are allocated with ``UntypedStorage.resize_``,
 invisible to the tracker (``memory.py``'s blind spots).
 
+bf16 compute (``bf16_grid``: FSDP2's bf16 residual stream, which ZeRO 0-1 autocast does not have) is
+checked in one process, the activation phases only (``measure_bf16``), with and without norm recompute.
+
 Hybrid models (``HYBRIDS``: a Mamba-2 and a gated delta-net hybrid) are checked the same way, at sp 1 and 2,
 two lengths each (``hybrid_grid``). Run: ``python -m bench.plan_check [--cases N]`` (2-3 minutes).
 """
@@ -32,10 +35,11 @@ from ulysses_sp.cli.plan import load_shape  # what `ulysses-sp plan` reads: laye
 from ulysses_sp.engine import initialize
 from ulysses_sp.memory.meter import track_peak_memory
 from ulysses_sp.parallel.comm_timing import record_comm_times
+from ulysses_sp.parallel.loss import sp_causal_lm_loss
 from ulysses_sp.parallel.mesh import init_mesh
 from ulysses_sp.plan.hardware import DEVICES
 from ulysses_sp.plan.inputs import Settings
-from ulysses_sp.plan.model import predict
+from ulysses_sp.plan.model import memory, predict
 from ulysses_sp.run.config import RunConfig
 from ulysses_sp.run.loop import _techniques, micro_step
 
@@ -44,7 +48,8 @@ CASES_TECH: list[dict[str, bool]] = [
     {"tiled_mlp": True}, {"tiled_loss": True},
     {"tiled_mlp": True, "tiled_loss": True, "activation_checkpointing": True, "offload_activations": True},
 ]  # fmt: skip
-SHORT = {"tiled_mlp": "mlp", "tiled_loss": "loss", "activation_checkpointing": "ckpt", "offload_activations": "offload"}
+SHORT = {"tiled_mlp": "mlp", "tiled_loss": "loss", "activation_checkpointing": "ckpt", "offload_activations": "offload",
+         "recompute_norms": "norms"}  # fmt: skip
 
 
 def grid() -> list[dict[str, Any]]:
@@ -53,7 +58,9 @@ def grid() -> list[dict[str, Any]]:
     return [{"model": model, **case} for model in ("tiny-llama", "tiny-qwen2") for case in (
         *({"seq_len": 2048, "sp": 2, "zero_stage": 0, **tech} for tech in CASES_TECH),
         {"seq_len": 1024, "sp": 1, "zero_stage": 1}, {"seq_len": 4096, "sp": 2, "zero_stage": 1, "tiled_loss": True},
-        {"seq_len": 2048, "sp": 1, "zero_stage": 0, **three}, {"seq_len": 4096, "sp": 2, "zero_stage": 0, **three})]
+        {"seq_len": 2048, "sp": 1, "zero_stage": 0, **three}, {"seq_len": 4096, "sp": 2, "zero_stage": 0, **three},
+        {"seq_len": 2048, "sp": 2, "zero_stage": 0, "activation_checkpointing": True, "recompute_norms": True},
+        {"seq_len": 2048, "sp": 1, "zero_stage": 0, **three, "recompute_norms": True})]
 
 
 _COMMON = dict(vocab_size=264, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
@@ -87,6 +94,48 @@ def hybrid_grid(*, create: bool = False) -> list[dict[str, Any]]:
              for name in HYBRIDS for sp, lengths in ((1, (1024, 2048)), (2, (2048, 4096))) for s in lengths]  # fmt: skip
     return cases + [{"model": hybrid_dir(name), "seq_len": 2048, "sp": 2, "zero_stage": 1, "tiled_loss": True,
                      "activation_checkpointing": True} for name in HYBRIDS]  # fmt: skip
+
+
+def bf16_grid() -> list[dict[str, Any]]:
+    """16-bit compute as FSDP2's ``param_dtype`` runs it (a bf16 residual stream; the CPU tracker cannot
+    see FSDP2, ZeRO 0-1 autocast keeps an fp32 stream): checkpointing, and every technique, each with and
+    without norm recompute, one rank, the activation phases only (``measure_bf16``)."""
+    three = {"tiled_mlp": True, "tiled_loss": True, "activation_checkpointing": True}
+    return [{"model": model, "seq_len": 2048, "sp": 1, "zero_stage": 0, "dtype": "bf16", **tech, "recompute_norms": r}
+            for model in ("tiny-llama", "tiny-qwen2") for tech in ({"activation_checkpointing": True}, three)
+            for r in (False, True)]  # fmt: skip
+
+
+def measure_bf16(case: dict[str, Any]) -> int:
+    """One forward + backward of ``case``'s model cast to bf16 (what each FSDP2 unit computes with under
+    ``MixedPrecisionPolicy(param_dtype=bf16)``), its techniques as ``train`` applies them, in this process:
+    the peak bytes above the parameters (activations, workspaces and the bf16 gradients made so far)."""
+    cfg = RunConfig(micro_batch_size=1, **case)
+    model = tasks.build_model(cfg.model, vocab_size=len(tasks.load_tokenizer(None, cfg.model)), seed=0)
+    model = model.to(torch.bfloat16).train()
+    handles, loss_fn = _techniques(cfg, model)
+    s = cfg.seq_len
+    ids = torch.randint(0, 250, (1, s), generator=torch.Generator().manual_seed(0))
+    labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], 1)
+    batch = {"input_ids": ids, "position_ids": torch.arange(s)[None]}
+    try:
+        with track_peak_memory("cpu", include=model.parameters()) as mem:
+            if loss_fn is None:  # the output (logits) freed before backward, as the training loop does
+                loss = sp_causal_lm_loss(model(**batch).logits, labels, None)
+            else:
+                loss = loss_fn(model, batch, labels, None).loss
+            loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+    return mem.peak_bytes - mem.baseline_bytes
+
+
+def predict_bf16(case: dict[str, Any]) -> int:
+    """The planner's activation phases for ``case`` (no model states: ``measure_bf16`` takes no step)."""
+    b, _ = memory(load_shape(case["model"]), Settings(**{k: v for k, v in case.items() if k != "model"},
+                                                      device_type="cpu"))  # fmt: skip
+    return b["activations"] + b["logits_loss"] + b["backward_workspace"] + b["grads_in_flight"]
 
 
 def _opt_tensors(optimizer) -> list:
@@ -173,7 +222,21 @@ def main(argv: list[str] | None = None) -> None:
         "their layer kinds as `ulysses-sp plan` does (`plan.mixers`: the measured mixer terms).",
         md.table(["model", "S", "sp", "zero", "techniques", "predicted MiB", "measured MiB", "pred/meas",
                   "host MiB pred/meas", "comm share pred", "comm share meas"], rows),
-        f"Largest deviation: {worst:.1%} over {len(cases)} settings."])  # fmt: skip
+        f"Largest deviation: {worst:.1%} over {len(cases)} settings.", *_bf16_section()])  # fmt: skip
+
+
+def _bf16_section() -> list[str]:
+    """The ``bf16_grid`` rows: predicted vs measured activation phases (one process)."""
+    rows, worst = [], 0.0
+    for case in bf16_grid():
+        pred, got = predict_bf16(case), measure_bf16(case)
+        worst = max(worst, abs(pred / got - 1))
+        rows.append([case["model"], case["seq_len"], "+".join(v for k, v in SHORT.items() if case.get(k)),
+                     f"{pred / 2**20:.2f}", f"{got / 2**20:.2f}", f"{pred / got:.3f}"])  # fmt: skip
+    return ["bf16 compute (`bf16_grid`: the model cast to bf16 as FSDP2's `param_dtype` computes, one process, "
+            "forward + backward; the activation phases without model states):",
+            md.table(["model", "S", "techniques", "predicted MiB", "measured MiB", "pred/meas"], rows),
+            f"Largest deviation (bf16): {worst:.1%} over {len(rows)} settings."]  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -47,6 +47,12 @@ def packed_positions(seq: int) -> torch.Tensor:
     return torch.cat([torch.arange(n) for n in (seq // 2, seq // 4, seq - seq // 2 - seq // 4)])[None]
 
 
+def pack_documents(sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``sample`` ([S] or [B, S]) as ``packed_positions``' documents: no label across a document boundary."""
+    pos = packed_positions(sample["input_ids"].shape[-1])[0].expand_as(sample["input_ids"])
+    return {**sample, "position_ids": pos, "labels": sample["labels"].masked_fill(pos == 0, IGNORE_INDEX)}
+
+
 def make_sample(index: int, seq_len: int, vocab: int, *, seed: int = 1234) -> dict[str, torch.Tensor]:
     """One learnable sample ``{input_ids, labels, position_ids}`` [1, seq_len]: a noisy affine recurrence (the
     loss falls over a few steps); labels = input_ids, the first ignored (the loss / SP adapter shifts them)."""
@@ -90,7 +96,7 @@ def make_optimizer(params, lr: float) -> torch.optim.Optimizer:
 
 def causal_lm_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Mean next-token cross entropy of a full (unsharded) batch: the oracle's loss."""
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits  # [B, S, V]
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits  # [B, S, V]
     shift = torch.nn.functional.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[:, 1:]  # [B, S], next tokens
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), shift.flatten(), ignore_index=IGNORE_INDEX)
 
@@ -106,16 +112,18 @@ def sp_loss_combine(loss_sum, good, group, combine: str = "all_gather") -> torch
     return dnn.all_reduce(loss_sum, group=group) / max(int(goods), 1)
 
 
-def reference_run(spec: ModelSpec, *, steps: int, dp_size: int, sp_size: int, mb: int, seq_len: int, lr: float) -> dict:
+def reference_run(spec: ModelSpec, *, steps: int, dp_size: int, sp_size: int, mb: int, seq_len: int, lr: float,
+                  packed: bool = False) -> dict:  # fmt: skip
     """The oracle: the same optimizer steps in one process without parallelism; each step averages the dp
     replicas' mean losses (equal token counts: the global token mean), as DP gradient averaging does.
-    Returns per-step losses and the step-1 gradient norm."""
+    ``packed``: every sample as ``pack_documents``' documents. Returns per-step losses and the step-1 gradient norm."""
     model = build_model(spec)  # seed 0, as the workers'
     opt = make_optimizer(model.parameters(), lr)
     losses, grad_norm = [], None
     for step in range(steps):
         batches = [make_batch(adapter_sample_ids(step, d, dp_size, sp_size, mb), seq_len, spec.vocab_size)
                    for d in range(dp_size)]  # fmt: skip
+        batches = [pack_documents(b) for b in batches] if packed else batches
         loss = sum(causal_lm_loss(model, b) for b in batches) / dp_size
         loss.backward()
         if step == 0:

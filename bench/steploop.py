@@ -1,7 +1,7 @@
 """The DeepSpeed comparison (section 5): one timed step loop, and both sides' training set-up around it.
 
     python -m torch.distributed.run --nproc-per-node 2 -m bench.steploop --impl ours --out /tmp/ours.json
-    (bench/.venv-deepspeed/bin/python for ``--impl deepspeed``; --dp --sp --zero --steps --seq-len ...)
+    (bench/.venv-deepspeed/bin/python for ``--impl deepspeed``; --dp --sp --zero --steps --seq-len --data ...)
 
 Both sides build the same model and per-rank data (bench/spec.py) and hand ``run`` their ``forward(batch) ->
 loss``, ``backward(loss)`` and ``step()``, each as its library documents it:
@@ -50,6 +50,7 @@ def main(argv=None) -> None:
     for flag, default in (("--dp", 1), ("--sp", 2), ("--zero", 1), ("--steps", 4), ("--seq-len", 64), ("--micro-batch", 1)):
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--data", choices=("causal", "packed"), default="causal", help="packed: spec.packed_positions")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     init_worker(120, deepspeed=args.impl == "deepspeed")
@@ -65,6 +66,7 @@ def loader(args: argparse.Namespace) -> torch.utils.data.DataLoader:
     if world != args.dp * args.sp:
         raise ValueError(f"world size ({world}) != dp ({args.dp}) * sp ({args.sp})")
     items = S.rank_samples(rank, world, args.micro_batch, -(-args.steps // args.sp), args.seq_len, S.ModelSpec().vocab_size)
+    items = [S.pack_documents(item) for item in items] if args.data == "packed" else items
     return torch.utils.data.DataLoader(items, batch_size=args.micro_batch)
 
 
@@ -92,13 +94,13 @@ def run(args, batches, *, forward, backward, step, grad_norm) -> dict:
     from ulysses_sp.memory.meter import track_peak_memory
 
     world = dist.get_world_size()
-    losses, times, counter, timer, it, peak = [], [], CollectiveCounter(), PhaseTimer(), iter(batches), 0
+    losses, times, cpu, counter, timer, it, peak = [], [], [], CollectiveCounter(), PhaseTimer(), iter(batches), 0
     for i in range(args.steps):
         batch = next(it)
         measure = i == args.steps - 1 and args.steps > 1  # the meter slows every op: time the others
         region = track_peak_memory("cpu", include=_live_tensors()) if measure else contextlib.nullcontext()
         timer.active = not measure
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()  # process CPU time: robust to other load
         with region as mem, counter if i == 0 else contextlib.nullcontext():  # bytes of one step
             with counter.label("forward"), timer("forward"):
                 loss = forward(batch)
@@ -113,6 +115,7 @@ def run(args, batches, *, forward, backward, step, grad_norm) -> dict:
             peak = mem.peak_bytes
         else:
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
         lv = loss.detach().clone()
         dist.all_reduce(lv)  # the DP mean of the SP-group losses (what the oracle reports)
         losses.append(float(lv) / world)
@@ -121,6 +124,7 @@ def run(args, batches, *, forward, backward, step, grad_norm) -> dict:
     return {"torch_version": torch.__version__, "args": vars(args), "losses": losses, "step_times": times,
             # min over the steady steps: the estimator least disturbed by other load on the machine
             "tokens_per_rank_per_step": tokens, "tokens_per_s_per_rank": tokens / min(steady), "phase_s": timer.best(),
+            "cpu_s_per_step": min(cpu[1:] or cpu),
             "peak_bytes": peak, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "grad_norm_step1": local_norms[dist.get_rank()], "grad_norm_step1_per_rank": local_norms,
             "comm_bytes": {f"{p}/{o}": v for (p, o), v in counter.sent.items()}}  # fmt: skip
@@ -148,7 +152,7 @@ def ours(args, model) -> dict:
     # FSDP2 (ZeRO 2/3) gathers unsharded parameters into storages it resizes, invisible to the dispatch
     # meter: add them (stage 2 keeps all of them from forward to backward).
     unsharded = sum(p.numel() * p.element_size() for p in model.parameters()) if args.zero >= 2 else 0
-    out.update(impl="ulysses-sp", peak_bytes=out["peak_bytes"] + unsharded, peak_bytes_measured=out["peak_bytes"],
+    out.update(impl="ulysses-sp", attention_path=mpu.attention.last_path, peak_bytes=out["peak_bytes"] + unsharded, peak_bytes_measured=out["peak_bytes"],
                unsharded_param_bytes=unsharded, param_spread_in_sp_group=spread(map(full, engine.module.parameters()), group))
     return out
 

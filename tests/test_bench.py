@@ -151,12 +151,15 @@ def test_longest_fit_targets_are_ours_over_deepspeed_per_data():
 
 
 @pytest.mark.slow
-def test_step_loop_ours_trains_as_the_single_process_oracle():
+@pytest.mark.parametrize("data", ["causal", "packed"])
+def test_step_loop_ours_trains_as_the_single_process_oracle(data):
     """ulysses-sp's side of the shared step loop (bench/steploop.py), dp1 x sp2 ZeRO 1: the same
-    losses and step-1 gradient norm as ``spec.reference_run``, replicas equal, every meter filled."""
-    args = ["--impl", "ours", "--dp", "1", "--sp", "2", "--zero", "1", "--steps", "3", "--seq-len", "64", "--lr", "1e-2"]
+    losses and step-1 gradient norm as ``spec.reference_run``, replicas equal, every meter filled;
+    packed documents (``--data packed``) through the per-document sdpa path, as the packed oracle."""
+    args = ["--impl", "ours", "--steps", "3", "--seq-len", "64", "--lr", "1e-2", "--data", data]
     res, cmd, _ = run_worker("bench.steploop", 2, args, timeout=300)
-    ref = S.reference_run(S.ModelSpec(), steps=3, dp_size=1, sp_size=2, mb=1, seq_len=64, lr=1e-2)
+    ref = S.reference_run(S.ModelSpec(), steps=3, dp_size=1, sp_size=2, mb=1, seq_len=64, lr=1e-2, packed=data == "packed")
+    assert res["attention_path"] == {"causal": "sdpa", "packed": "segments"}[data]
     torch.testing.assert_close(res["losses"], ref["losses"], rtol=1e-5, atol=1e-5)
     assert res["grad_norm_step1"] == pytest.approx(ref["grad_norm_step1"], rel=1e-4)
     assert res["param_spread_in_sp_group"] == 0.0 and "bench.steploop --impl ours" in cmd

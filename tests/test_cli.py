@@ -108,9 +108,11 @@ def test_sp2_matches_sp1_at_dp2_with_alst_techniques_zero0_and_under_torchrun(tm
     proc = subprocess.run([*cmd, "--sp", "1", *common], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "dp 2 x sp 1" in proc.stderr
-    alst = ("--tiled-mlp", "2", "--tiled-loss", "--activation-checkpointing", "--offload-activations")
+    alst = ("--tiled-mlp", "2", "--tiled-loss", "--activation-checkpointing", "--offload-activations",
+            "--recompute-norms")  # fmt: skip
     proc = train(tmp_path / "sp2", "--sp", "2", "--nproc", "4", *common, *alst)
     assert "dp 2 x sp 2" in proc.stderr and "tiled MLP on (2 tiles), tiled loss on" in proc.stderr
+    assert "norm recompute on" in proc.stderr
     for a, b in zip(metrics(tmp_path / "sp1"), metrics(tmp_path / "sp2"), strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)

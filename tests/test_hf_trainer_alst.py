@@ -1,5 +1,5 @@
 """The ALST techniques in the HF Trainer path (``prepare(..., tiled_loss=, tiled_mlp=,
-offload_activations=, offload_attention=)``, the Trainer's ``gradient_checkpointing`` and ``bf16``):
+offload_activations=, offload_attention=, recompute_norms=)``, the Trainer's ``gradient_checkpointing`` and ``bf16``):
 with ``sp=2`` on 2 gloo processes every step's logged loss and grad norm and the eval loss equal the
 same Trainer without SP (fp32: tight; bf16: ``test_precision``'s tolerance), and each technique
 took effect (no full logits through ``lm_head``, bytes offloaded, MLPs tiled). All runs share one
@@ -22,7 +22,7 @@ from test_precision import BF16_RTOL  # noqa: E402
 
 from ulysses_sp.integrations.transformers import prepare  # noqa: E402
 
-ALL = {"tiled_loss": 3, "tiled_mlp": 3, "offload_activations": True, "offload_attention": True}
+ALL = {"tiled_loss": 3, "tiled_mlp": 3, "offload_activations": True, "offload_attention": True, "recompute_norms": True}
 RUNS = {  # name: (sp, prepare options, TrainingArguments fields); "sft_"/"lora_": packed SFT / LoRA runs
     "ref": (0, {}, {}),
     "tiled_loss": (2, {"tiled_loss": 3}, {}),
@@ -95,6 +95,7 @@ def _train(name: str) -> dict:
             alst, attention = handle.alst, handle.registration.attention
             result["tiled_mlps"] = len(alst.mlp.module_names) if alst and alst.mlp else 0
             result["offloaded"] = alst.offload.stats.offloaded_bytes if alst and alst.offload else 0
+            result["norms"] = len(alst.norms.module_names) if alst and alst.norms else 0
             kv = attention.kv_offload
             result["kv_offloaded"] = kv.stats.offloaded_bytes if kv is not None else 0
             handle.remove()
@@ -141,6 +142,7 @@ def test_all_techniques_with_packed_sft_and_with_lora_equal_runs_without_sp(runs
         runs["sft_all"]["head_seq"] == 0
         and runs["sft_all"]["offloaded"] > 0
         and runs["sft_all"]["kv_offloaded"] > 0
+        and runs["sft_all"]["norms"] == 5  # 2 layers x (input, post-attention), the final norm
     )
 
 

@@ -153,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--offload-activations", action="store_true", default=s,
                    help="checkpointed layer inputs to host memory (needs --activation-checkpointing)")  # fmt: skip
+    t.add_argument("--recompute-norms", action="store_true", default=s,
+                   help="RMSNorms in the layers keep only input and output, recomputed in backward (exact)")  # fmt: skip
     t.add_argument("--no-progress", dest="progress", action="store_false", default=s, help="no progress bar")
     t.add_argument("--ring-size", type=_ring_size, default=s, metavar="R|auto",
                    help="hybrid Ulysses x Ring: --sp = R ring groups x sp/R Ulysses ranks (default auto: "

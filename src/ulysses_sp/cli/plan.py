@@ -28,6 +28,8 @@ TECHNIQUES: list[dict[str, bool]] = [
     {"tiled_loss": True, "tiled_mlp": True},
     {"tiled_loss": True, "tiled_mlp": True, "activation_checkpointing": True},
     {"tiled_loss": True, "tiled_mlp": True, "activation_checkpointing": True, "offload_activations": True},
+    {"tiled_loss": True, "tiled_mlp": True, "activation_checkpointing": True, "offload_activations": True,
+     "recompute_norms": True},
 ]
 
 
@@ -159,7 +161,7 @@ def train_args(model: str, s: Any, nodes: int) -> tuple[dict[str, Any], list[str
         flags["zero_partition"] = s.partition
     if nodes == 1:
         flags["nproc"] = s.world
-    for name in ("tiled_mlp", "tiled_loss", "activation_checkpointing", "offload_activations"):
+    for name in ("tiled_mlp", "tiled_loss", "activation_checkpointing", "offload_activations", "recompute_norms"):
         if getattr(s, name):
             flags[name] = True
     if s.dtype != "fp32":
@@ -278,7 +280,8 @@ def candidates(ns: argparse.Namespace) -> dict[str, Any]:
 def _label(c: dict[str, Any]) -> str:
     s = c["settings"]
     tech = [n for n, k in (("loss", "tiled_loss"), ("mlp", "tiled_mlp"), ("ckpt", "activation_checkpointing"),
-                           ("offload", "offload_activations"), ("states->host", "cpu_offload")) if s.get(k)]  # fmt: skip
+                           ("offload", "offload_activations"), ("norms", "recompute_norms"),
+                           ("states->host", "cpu_offload")) if s.get(k)]  # fmt: skip
     part = "/all" if s.get("zero_partition") == "all" else ""
     ring = f" (ring {s['ring_size']})" if s.get("ring_size", 1) > 1 else ""
     return f"sp {s['sp']}{ring} zero {s['zero_stage']}{part} " + ("+".join(tech) or "plain")
@@ -287,9 +290,9 @@ def _label(c: dict[str, Any]) -> str:
 def render(doc: dict[str, Any]) -> str:
     """The human table: one row per candidate, then the recommendation and its breakdown."""
     gib = 2**30
-    rows = [f"{'setting':<50} {'peak GiB':>9} {'fits':>5} {'max S':>11} {'tokens/s':>10} {'comm':>5}"]
+    rows = [f"{'setting':<58} {'peak GiB':>9} {'fits':>5} {'max S':>11} {'tokens/s':>10} {'comm':>5}"]
     for c in doc["candidates"]:
-        rows.append(f"{_label(c):<50} {c['peak_bytes_per_rank'] / gib:>9.2f} {'yes' if c['fits'] else 'no':>5} "
+        rows.append(f"{_label(c):<58} {c['peak_bytes_per_rank'] / gib:>9.2f} {'yes' if c['fits'] else 'no':>5} "
                     f"{c['max_seq_len']:>11,} {c['tokens_per_s']:>10,.0f} {c['comm_share']:>5.0%}")  # fmt: skip
     best = doc["recommended"]
     rows += [""] + [f"note: {n}" for n in doc["notes"]]

@@ -1,7 +1,7 @@
 """The ALST memory techniques in the ``transformers.Trainer`` path: the options of ``prepare()``.
 
 ``prepare(trainer, sp_size=P, tiled_loss=..., tiled_mlp=..., offload_activations=...,
-offload_attention=...)`` builds one ``ALSTOptions`` and applies it with the library's own
+offload_attention=..., recompute_norms=...)`` builds one ``ALSTOptions`` and applies it with the library's own
 machinery, the same the CLI uses (``memory.tiling``, ``memory.offload``,
 ``attention.kv_offload``):
 
@@ -19,6 +19,8 @@ machinery, the same the CLI uses (``memory.tiling``, ``memory.offload``,
   decoder layers (their inputs in host memory between forward and backward). It needs
   ``gradient_checkpointing=True``; the Trainer turns checkpointing on when ``train()`` starts, the
   hooks act on the layers that are checkpointed at each forward.
+* **norm recompute** (``recompute_norms``): ``memory.norms.apply_norm_recompute`` on the model (the
+  decoder layers' RMSNorms keep only input and output), undone by ``remove()``.
 * **Ulysses-Offload** (``offload_attention``): the SP attention's blockwise core with the
   full-sequence K/V on the host (``attention.kv_offload``), passed to the registration.
 * **bf16** is ``TrainingArguments(bf16=True)`` (the Trainer's autocast); nothing to add.
@@ -40,6 +42,7 @@ from torch import nn
 
 from ulysses_sp.attention.core import check_blockwise_options
 from ulysses_sp.memory._tiled import auto_num_shards, check_num_shards
+from ulysses_sp.memory.norms import NormRecomputeHandle, apply_norm_recompute
 from ulysses_sp.memory.offload import ActivationOffloadHandle
 from ulysses_sp.memory.tiling import TiledMLPHandle, apply_tiled_mlp, sequence_tiled_compute
 from ulysses_sp.parallel.loss import IGNORE_INDEX, causal_lm_loss_parts
@@ -66,6 +69,8 @@ class ALSTOptions:
     """Checkpointed layer inputs in host memory (needs ``gradient_checkpointing=True``)."""
     offload_attention: bool = False
     """Ulysses-Offload: the full-sequence K/V on the host between forward and backward (sdpa)."""
+    recompute_norms: bool = False
+    """The decoder layers' RMSNorms keep only input and output, recomputed in backward (``memory.norms``)."""
 
     def __post_init__(self) -> None:
         for name in ("tiled_loss", "tiled_mlp"):
@@ -99,23 +104,24 @@ class ALSTOptions:
         """Patch the model (tiled MLP, checkpoint offload hooks); ``handle.remove()`` undoes it."""
         mlp = None if self.tiled_mlp is False else apply_tiled_mlp(model, _tiles(self.tiled_mlp, "tiled_mlp"))
         offload = ActivationOffloadHandle(model, min_bytes=1) if self.offload_activations else None
-        return ALSTHandle(self, mlp, offload)
+        norms = apply_norm_recompute(model) if self.recompute_norms else None
+        return ALSTHandle(self, mlp, offload, norms)
 
 
 class ALSTHandle:
     """What ``ALSTOptions.apply`` installed: ``mlp`` (``TiledMLPHandle``), ``offload``
-    (``ActivationOffloadHandle``, with byte counters), each ``None`` when off; ``remove()``."""
+    (``ActivationOffloadHandle``, with byte counters), ``norms`` (``NormRecomputeHandle``), each
+    ``None`` when off; ``remove()``."""
 
-    def __init__(
-        self, options: ALSTOptions, mlp: TiledMLPHandle | None, offload: ActivationOffloadHandle | None
-    ) -> None:
-        self.options, self.mlp, self.offload = options, mlp, offload
+    def __init__(self, options: ALSTOptions, mlp: TiledMLPHandle | None, offload: ActivationOffloadHandle | None,
+                 norms: NormRecomputeHandle | None = None) -> None:  # fmt: skip
+        self.options, self.mlp, self.offload, self.norms = options, mlp, offload, norms
 
     def remove(self) -> None:
-        for h in (self.mlp, self.offload):
+        for h in (self.mlp, self.offload, self.norms):
             if h is not None:
                 h.remove()
-        self.mlp = self.offload = None
+        self.mlp = self.offload = self.norms = None
 
 
 def _output_embeddings(model: nn.Module) -> nn.Module:

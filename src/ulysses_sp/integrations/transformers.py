@@ -128,6 +128,7 @@ def prepare(
     offload_activations: bool = False,
     offload_attention: bool = False,
     head_chunks: int = 1,
+    recompute_norms: bool = False,
 ) -> SPTrainerHandle:
     """Make ``trainer`` (a ``transformers.Trainer`` or subclass, e.g. TRL's ``SFTTrainer``) train
     and evaluate with Ulysses sequence parallelism over groups of ``sp_size`` ranks.
@@ -150,6 +151,8 @@ def prepare(
             activation checkpointing are the Trainer's own ``bf16`` / ``gradient_checkpointing``.
         head_chunks: exchange and attend the heads in this many groups, one at a time
             (``register_with_transformers``'s ``head_chunks``: less peak memory, more compute).
+        recompute_norms: the decoder layers' RMSNorms keep only input and output and recompute
+            the rest in backward (``memory.norms``; exact, works with ``gradient_checkpointing``).
 
     Returns:
         An ``SPTrainerHandle``; ``handle.remove()`` undoes the preparation.
@@ -165,7 +168,7 @@ def prepare(
     core = core_attn_implementation or _model_attention(model)
     _check_trainer(trainer, core)
     options = ALSTOptions(tiled_loss=tiled_loss, tiled_mlp=tiled_mlp, offload_activations=offload_activations,
-                          offload_attention=offload_attention)  # fmt: skip
+                          offload_attention=offload_attention, recompute_norms=recompute_norms)  # fmt: skip
     options.check(trainer, core)
     check_sequence_mixing(model, sp_size=sp_size)  # the closed-world guard, before any collective
     require_process_group("ulysses_sp.integrations.transformers.prepare")

@@ -156,6 +156,9 @@ class Settings:
     activation_checkpointing: bool = False
     offload_activations: bool = False
     """Checkpointed layer inputs on the host."""
+    recompute_norms: bool = False
+    """The decoder layers' RMSNorms keep only their output (the input is the layer's anyway) and
+    recompute their internals in backward, one norm at a time (``--recompute-norms``)."""
     offload_states: bool = False
     """Gradients, optimizer state and master weights on the host (one layer's on the device)."""
     attention: str = "sdpa"

@@ -14,7 +14,9 @@ walked as the allocator sees it, in units of one element per *local* token (``T 
   referenced until the layer's backward starts; not located in the code);
   the attention output ``q`` and the o-projection input ``q``; the residual sum and the post-norm's
   two tensors ``3h``; the MLP's gate, act, up and product ``4I`` (none with tiled MLP, which keeps
-  only its input). Checkpointing keeps only the layer input (on the host when offloaded).
+  only its input). Checkpointing keeps only the layer input (on the host when offloaded). With
+  ``recompute_norms`` each norm keeps only its output ``h``; its backward holds its input gradient
+  and, for one tile, its full set again (at the post-attention norm: the attention's terms alive).
 * hybrid models (``ModelShape.layer_kinds``): a layer keeps only what it holds — the attention's
   terms, the MLP's, a sequence mixer's (``plan.mixers``: measured bytes per local token, its input
   norm added when no attention carries it) — and its backward's high point is the larger of the
@@ -27,7 +29,9 @@ walked as the allocator sees it, in units of one element per *local* token (``T 
   the larger of the MLP backward's ``3I`` workspace (per tile, with the tile's recompute, when
   tiled) and the attention backward's (grads of q, k, v and the output, + the exchange buffers
   with ``P > 1``); the gradient flowing and the residual's ``2h`` (+ ``h``: the tiled MLP's own
-  input-gradient buffer), and the parameter gradients accumulated so far (shards from stage 2).
+  input-gradient buffer, gone by the attention's backward; in the MLP's and the post-attention
+  norm's backward the residual's gradient is still the one flowing in), and the parameter gradients
+  accumulated so far (shards from stage 2).
 * the optimizer step: gradients, optimizer state, and a workspace (AdamW: one temporary per
   parameter tensor, multi-tensor (``foreach``) on accelerators: the whole shard).
 
@@ -133,7 +137,14 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
     q, kv = m.heads * d, max(m.kv_heads, s.sp) * d
     # RMSNorm keeps its normalised input and output; in 16-bit it computes in fp32 and keeps the
     # fp32 input copy, the fp32 normalised input, its 16-bit cast and the output: 12 bytes per h
-    norm = 2 * h if e == 4 else 12 * h // e
+    norm_full = 2 * h if e == 4 else 12 * h // e
+    # recomputed (memory.norms): a layer's norm keeps its output only (its input is the layer input or
+    # the residual sum, held anyway); its backward holds its input gradient h and, for one tile of about
+    # h tokens, its saved set again (fp32: the normalised input; 16-bit: the fp32 input copy and the cast)
+    # next to two fp32 gradient temporaries (and the cast's 16-bit gradient): 12 bytes per h in fp32,
+    # 16 in 16-bit (bench.plan_check)
+    norm = h if s.recompute_norms else norm_full
+    norm_ws = (h * tok + (12 if e == 4 else 16) * h // e * _tile_tokens(tok, h, None)) if s.recompute_norms else 0
     attn_saved = norm + (q + 2 * kv) + 2 * q
     exchange_in = q + 2 * kv if s.sp > 1 else 0  # see the module docstring
     if s.attention == "blockwise":
@@ -142,7 +153,7 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
     ckpt = s.activation_checkpointing
     kept = 0 if s.offload_activations else h
     rope = 2 * d
-    head_saved = h + norm
+    head_saved = h + norm  # the final norm recomputes too (its backward's tile: below the loss workspace)
     if s.tiled_loss:
         t = _tile_tokens(tok, h, s.tiled_loss_shards)
         loss_ws = 4 * v * t * 4 // e + h * tok  # one tile's fp32 logits/lsm/grads + the hidden's grad
@@ -174,8 +185,13 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
         layer_full = h + mixed + mlp  # the layer input included
         full.append(layer_full)
         per_layer.append(kept if ckpt else layer_full + exch)
-        here.append(max(layer_full * tok + (mlp_ws if kind.mlp else 0), (layer_full - mlp) * tok + mix_ws)
-                    + rope * tok + grad_flow)  # fmt: skip
+        # the tiled MLP's input-gradient buffer: freed before the attention's backward, and in the MLP's
+        # and the post-attention norm's the residual's gradient is the one flowing in (no buffer of its own)
+        mlp_grad = h if (s.tiled_mlp and kind.mlp) else 0
+        # recomputed norms: the post-attention norm's backward (the MLP's tensors gone, its input kept)
+        norm_here = (layer_full - mlp - mlp_grad + (h if kind.mlp else 0)) * tok + norm_ws if norm_ws else 0
+        here.append(max((layer_full - mlp_grad) * tok + (mlp_ws if kind.mlp else 0), (layer_full - mlp - mlp_grad) * tok + mix_ws,
+                        norm_here) + rope * tok + grad_flow)  # fmt: skip
     # gradients made so far: whole layers (stages 0-1) or their shards after each reduce-scatter
     layer_grads = m.layer_params * e if s.zero_stage < 2 else m.layer_params * e // s.shard
     head_grads = (m.vocab * h + h) * e // (s.shard if s.zero_stage >= 2 else 1)

@@ -99,6 +99,9 @@ class RunConfig(tasks.DataSettings):
     """Recompute each decoder layer in backward."""
     offload_activations: bool = False
     """Keep checkpointed layer inputs in host memory (needs ``activation_checkpointing``)."""
+    recompute_norms: bool = False
+    """Each RMSNorm inside the decoder layers keeps only its input and output and recomputes the rest
+    in backward (``memory.norms``: exact, one more norm forward per norm)."""
     progress: bool = True
     """Show a progress bar on rank 0."""
 
@@ -231,7 +234,8 @@ def startup_summary(cfg: RunConfig, engine, model, dataset, resumed: str | None)
         *filter(None, [tasks.data_summary(dataset)]),
         f"  ALST: tiled MLP {_on_off(cfg.tiled_mlp, cfg.tiled_mlp_shards)}, tiled loss "
         f"{_on_off(cfg.tiled_loss, cfg.tiled_loss_shards)}, activation checkpointing "
-        f"{_on_off(cfg.activation_checkpointing)}, activation offload {_on_off(cfg.offload_activations)}",
+        f"{_on_off(cfg.activation_checkpointing)}, activation offload {_on_off(cfg.offload_activations)}, "
+        f"norm recompute {_on_off(cfg.recompute_norms)}",
         f"  precision {cfg.dtype}"
         + (" (fp32 master weights, optimizer state and gradient reduction)" if cfg.dtype != "fp32" else "")
         + f"; CPU offload of model states {_on_off(cfg.cpu_offload)}; "

@@ -115,6 +115,10 @@ def _techniques(cfg: RunConfig, model) -> tuple[list[Any], Any]:
         from ulysses_sp.memory.tiling import apply_tiled_mlp
 
         handles.append(apply_tiled_mlp(model, cfg.tiled_mlp_shards))
+    if cfg.recompute_norms:
+        from ulysses_sp.memory.norms import apply_norm_recompute
+
+        handles.append(apply_norm_recompute(model))
     if cfg.activation_checkpointing:
         from ulysses_sp.memory.offload import enable_activation_checkpointing
 

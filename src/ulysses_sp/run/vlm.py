@@ -29,6 +29,7 @@ _REFUSED_FLAGS: dict[str, str] = {
     "tiled_loss": "--tiled-loss computes the loss from the text model's hidden states; a VLM's forward "
     "goes through its vision merge first",
     "offload_activations": f"--offload-activations {_UNTESTED}",
+    "recompute_norms": f"--recompute-norms {_UNTESTED}",
     "offload_attention": f"--offload-attention {_UNTESTED}",
     "attn_chunk": f"--attn-chunk {_UNTESTED}",
     "tokenizer": "--tokenizer: a VLM run uses the model directory's own tokenizer and image processor",
