@@ -39,7 +39,7 @@ DEEPSPEED = ("UlyssesSPAttentionHF (sdpa), TiledMLP, TiledFusedLogitsLoss, HF ch
              "context (on; skips every tensor on CPU)")
 SYSTEMS = [("DeepSpeed", "deepspeed", {}),
            ("ulysses-sp, same techniques", "ours", {"causal": "ckpt,mlp", "packed": "ckpt,mlp"}),
-           ("ulysses-sp, all techniques", "ours", {"causal": "ckpt,offload,mlp,heads2", "packed": "ckpt,offload,mlp,heads2"})]
+           ("ulysses-sp, all techniques", "ours", {"causal": "ckpt,offload,mlp,heads2,norms", "packed": "ckpt,offload,mlp,heads2,norms"})]
 """``(name, impl, {data: --tech})``: what section 7 runs. All techniques: every one that applies, except
 ``kv_offload``, which raised the device peak at S 8192 (+1.0 MiB causal, +0.4 packed, 2026-11-25: its blockwise
 core holds more than the fused kernel); heads2 moved it by -0.2 to +1.2 MiB between 8192 and 9728 (noise: 0.6)."""
@@ -72,7 +72,8 @@ def ours(model, world: int, tech: list[str]):
     if "mlp" in tech:
         apply_tiled_mlp(model)
     if "norms" in tech:
-        from ulysses_sp.memory.norms import apply_norm_recompute  # (norms26; main after 2026-11-25)
+        from ulysses_sp.memory.norms import apply_norm_recompute
+
         apply_norm_recompute(model)
     loss_fn, group = TiledCausalLMLoss(), reg.get_sequence_parallel_group()
 
