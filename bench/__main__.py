@@ -3,10 +3,12 @@
     python -m bench                 # the default sections (~7 min on a 2-core CPU machine)
     python -m bench --smoke         # tiny sizes, ulysses-sp only (< 1 min; CI) -> smoke.{json,md}
     python -m bench --sections deepspeed
+    python -m bench --sections longest_fit                 # section 7 (~15 min, not in the default set)
     python -m bench --render bench/results/bench.json      # re-render the tables only
 
 Sections: comm, flops, memory (bench/workers.py, one launch per world size) and deepspeed (bench/steploop.py:
-one step loop, both sides; needs ``bash bench/setup_deepspeed.sh``), each launched by bench/launch.py.
+one step loop, both sides) and longest_fit (bench/longest_fit.py, both sides); the last two need ``bash
+bench/setup_deepspeed.sh``. Every worker is launched by bench/launch.py.
 
 A run into bench/results carries every section it did not run from the previous bench.json, still labelled
 with the run that produced it, and refreshes the targets block of docs/readme/performance.md (then README.md
@@ -22,12 +24,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench import md, report
+from bench import longest_fit, md, report
 from bench import spec as S
 from bench.launch import DS_PYTHON, ROOT, WorkerFailed, deepspeed_available, run_worker
 
 LIBRARY = ("comm", "flops", "memory")
-SECTIONS = (*LIBRARY, "deepspeed")
+SECTIONS = (*LIBRARY, "deepspeed", "longest_fit")
 DS_POINTS = [{"dp": 1, "sp": 2, "zero": 1}, {"dp": 1, "sp": 2, "zero": 2}, {"dp": 2, "sp": 2, "zero": 1}]
 
 
@@ -68,6 +70,8 @@ def run_sections(sections: list[str], smoke: bool, run: dict) -> dict:
         steps, seq, repeats = (3, 32, 1) if smoke else (20, 256, 2)
         out["deepspeed"] = [run_pair(p, steps=steps, seq=seq, repeats=repeats, run=run)
                             for p in DS_POINTS[: 1 if smoke else 3]]  # fmt: skip
+    if "longest_fit" in sections:
+        out["longest_fit"] = longest_fit.run_section(run["launches"])
     return out
 
 
@@ -95,12 +99,12 @@ def main(argv=None) -> int:
         result["runs"] = {k: v for k, v in result["runs"].items() if k in {s["run"] for s in result["sections"].values()}}
     else:
         sections = list(SECTIONS if args.sections == "all" else args.sections.split(",") if args.sections
-                        else LIBRARY if args.smoke else SECTIONS)  # fmt: skip
+                        else LIBRARY if args.smoke else SECTIONS[:-1])  # fmt: skip
         if unknown := set(sections) - set(SECTIONS):
             ap.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
-        if "deepspeed" in sections and not deepspeed_available():
-            log("bench: section deepspeed needs DeepSpeed: run `bash bench/setup_deepspeed.sh` first; skipping")
-            sections.remove("deepspeed")
+        if (needs := {"deepspeed", "longest_fit"} & set(sections)) and not deepspeed_available():
+            log(f"bench: sections {sorted(needs)} need DeepSpeed: run `bash bench/setup_deepspeed.sh` first; skipping")
+            sections = [s for s in sections if s not in needs]
         run = md.provenance(md.command("bench", argv))
         found = run_sections(sections, args.smoke, run)
         md.finish(run)

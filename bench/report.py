@@ -14,6 +14,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from bench import longest_fit
 from bench.md import data, label, produced_by, table
 
 MIB = 2**20
@@ -82,6 +83,7 @@ def targets(result: dict) -> list[list]:
             ["5c. peak tensor memory ours / DeepSpeed", "<= 1.0", each(lambda r: f"{r['peak_ratio']:.2f}"),
              all(r["peak_ratio"] <= 1.0 for r in rows), "deepspeed"],
         ]  # fmt: skip
+    out += [[*row, "longest_fit"] for row in longest_fit.targets(data(result, "longest_fit", []))]
     return out
 
 
@@ -153,7 +155,8 @@ def _sec_deepspeed(pairs: list[dict]) -> tuple[str, str]:
         "\n\n".join([main, "Per phase (fastest step of each side):", delta, *failed])  # fmt: skip
 
 
-SECTIONS_MD = {"comm": _sec_comm, "flops": _sec_flops, "memory": _sec_memory, "deepspeed": _sec_deepspeed}
+SECTIONS_MD = {"comm": _sec_comm, "flops": _sec_flops, "memory": _sec_memory, "deepspeed": _sec_deepspeed,
+               "longest_fit": longest_fit.section}  # fmt: skip
 
 
 def render(result: dict) -> str:
@@ -171,10 +174,13 @@ def render(result: dict) -> str:
 
 
 def write(result: dict, out_dir: str, *, name: str) -> str:
-    """``{name}.json`` and ``{name}.md``; returns the targets as text."""
+    """``{name}.json``, ``{name}.md`` and, with section 7, ``longest_fit.md``; returns the targets as text."""
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     (Path(out_dir) / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
     (Path(out_dir) / f"{name}.md").write_text(render(result))
+    if lf := data(result, "longest_fit"):  # also on its own page
+        head, body = longest_fit.section(lf)
+        (Path(out_dir) / "longest_fit.md").write_text(f"# {head}\n\n{produced_by(result, 'longest_fit')}\n\n{body}\n")
     return "\n".join(f"{t[0]}: target {t[1]}; measured {t[2]} [{_status(t[3])}]" for t in targets(result))
 
 
