@@ -181,7 +181,7 @@ def exchange_pieces(pieces: Iterable[tuple[torch.Tensor, torch.Tensor]], group: 
         dist.all_to_all_single(recv, send, group=group)
         if recv is not dest:
             dest.copy_(recv)
-        release(send, recv)  # the copies (views are the caller's)
+        release(*(t for t, own in ((send, src), (recv, dest)) if t is not own))  # our copies only
 
 
 def seq_to_heads_packed(
