@@ -20,7 +20,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -257,3 +257,39 @@ def check_token_local(name: str, mlp: nn.Module, hidden: int | None) -> None:
             )
     if hidden is not None:
         _probe_token_local(name, mlp, hidden)
+
+
+_H = TypeVar("_H", bound="ForwardPatchHandle")
+
+
+class ForwardPatchHandle:
+    """Undo handle of a per-module ``forward`` patch (tiled MLP, norm recompute): ``remove()`` (or leaving a
+    ``with`` block) restores every patched module's original ``forward`` object."""
+
+    def __init__(self, patched: list[tuple[str, nn.Module, Any]], num_shards: int | None) -> None:
+        self._patched = patched
+        self.num_shards = num_shards
+        """Tiles per patched call; ``None`` = ``auto_num_shards`` per call."""
+
+    @property
+    def module_names(self) -> list[str]:
+        """Qualified names of the patched modules."""
+        return [n for n, _, _ in self._patched]
+
+    def remove(self) -> None:
+        for _, module, previous in self._patched:
+            if previous is None:
+                del module.forward  # back to the class's forward
+            else:
+                module.forward = previous
+        self._patched = []
+
+    def __repr__(self) -> str:
+        shards = "auto" if self.num_shards is None else self.num_shards
+        return f"{type(self).__name__}(modules={len(self._patched)}, num_shards={shards})"
+
+    def __enter__(self: _H) -> _H:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ulysses_sp.memory._tiled import auto_num_shards, check_num_shards
+from ulysses_sp.memory._tiled import ForwardPatchHandle, auto_num_shards, check_num_shards
 from ulysses_sp.memory.tiling import sequence_tiled_compute
 
 __all__ = ["NormRecomputeHandle", "apply_norm_recompute", "is_rms_norm"]
@@ -59,37 +59,8 @@ def is_rms_norm(module: nn.Module) -> bool:
     return hasattr(module, "variance_epsilon") and isinstance(weight, nn.Parameter) and weight.dim() == 1
 
 
-class NormRecomputeHandle:
-    """Undo handle of ``apply_norm_recompute``: ``remove()`` (or leaving a ``with`` block) restores
-    every patched norm's original ``forward`` object."""
-
-    def __init__(self, patched: list[tuple[str, nn.Module, Any]], num_shards: int | None) -> None:
-        self._patched = patched
-        self.num_shards = num_shards
-        """Tiles per norm call in backward; ``None`` = ``auto_num_shards`` per call."""
-
-    @property
-    def module_names(self) -> list[str]:
-        """Qualified names of the norms that recompute."""
-        return [n for n, _, _ in self._patched]
-
-    def remove(self) -> None:
-        for _, norm, previous in self._patched:
-            if previous is None:
-                del norm.forward  # back to the class's forward
-            else:
-                norm.forward = previous
-        self._patched = []
-
-    def __repr__(self) -> str:
-        shards = "auto" if self.num_shards is None else self.num_shards
-        return f"NormRecomputeHandle(modules={len(self._patched)}, num_shards={shards})"
-
-    def __enter__(self) -> NormRecomputeHandle:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
+class NormRecomputeHandle(ForwardPatchHandle):
+    """Undo handle of ``apply_norm_recompute`` (``num_shards``: tiles per norm call in backward)."""
 
 
 def apply_norm_recompute(model: nn.Module, num_shards: int | None = None) -> NormRecomputeHandle:

@@ -45,6 +45,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from ulysses_sp.memory._tiled import (
+    ForwardPatchHandle,
     TiledCompute,
     TileSpec,
     auto_num_shards,
@@ -132,37 +133,8 @@ class TiledMLP:
         )
 
 
-class TiledMLPHandle:
-    """Undo handle of ``apply_tiled_mlp``: ``remove()`` (or leaving a ``with`` block) restores
-    every patched module's original ``forward`` object."""
-
-    def __init__(self, patched: list[tuple[str, nn.Module, Any]], num_shards: int | None) -> None:
-        self._patched = patched
-        self.num_shards = num_shards
-        """Tiles per MLP call; ``None`` = ``auto_num_shards`` per call."""
-
-    @property
-    def module_names(self) -> list[str]:
-        """Qualified names of the tiled MLPs."""
-        return [n for n, _, _ in self._patched]
-
-    def remove(self) -> None:
-        for _, mlp, previous in self._patched:
-            if previous is None:
-                del mlp.forward  # back to the class's forward
-            else:
-                mlp.forward = previous
-        self._patched = []
-
-    def __repr__(self) -> str:
-        shards = "auto" if self.num_shards is None else self.num_shards
-        return f"TiledMLPHandle(modules={len(self._patched)}, num_shards={shards})"
-
-    def __enter__(self) -> TiledMLPHandle:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
+class TiledMLPHandle(ForwardPatchHandle):
+    """Undo handle of ``apply_tiled_mlp`` (``num_shards``: tiles per MLP call)."""
 
 
 def apply_tiled_mlp(
