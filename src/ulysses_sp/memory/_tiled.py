@@ -128,6 +128,14 @@ class TileSpec:
     """Replay the forward's RNG in the backward recompute (dropout)."""
 
 
+def _autocast_state(device_type: str) -> dict[str, Any]:
+    """The forward's autocast state for ``device_type``, as ``torch.autocast`` kwargs: the backward's recompute
+    re-enters it (backward runs outside the forward's autocast context — on CUDA in autograd's own thread — so
+    without this a bf16-autocast forward would be recomputed, and differentiated, in fp32)."""
+    return {"device_type": device_type, "dtype": torch.get_autocast_dtype(device_type),
+            "enabled": torch.is_autocast_enabled(device_type), "cache_enabled": torch.is_autocast_cache_enabled()}  # fmt: skip
+
+
 class TiledCompute(torch.autograd.Function):
     """``TiledCompute.apply(fn, spec, x, *aux, *params)``.
 
@@ -140,6 +148,7 @@ class TiledCompute(torch.autograd.Function):
     def forward(ctx: Any, fn: Callable, spec: TileSpec, x: torch.Tensor, *rest: torch.Tensor):
         ctx.fn, ctx.spec, ctx.params = fn, spec, rest[spec.n_aux :]
         ctx.rng = _rng_state(x.device) if spec.preserve_rng else None
+        ctx.autocast = _autocast_state(x.device.type)
         aux = rest[: spec.n_aux]
         d, out = spec.seq_dim, None
         with torch.no_grad():
@@ -166,7 +175,7 @@ class TiledCompute(torch.autograd.Function):
         grad_x = torch.zeros_like(x) if want_x else None
         grad_p: list[torch.Tensor | None] = [None] * len(params)
         d, checked = spec.seq_dim, False
-        with _rng_restored(ctx.rng, x.device), torch.enable_grad():
+        with _rng_restored(ctx.rng, x.device), torch.enable_grad(), torch.autocast(**ctx.autocast):
             for start, size in _tiles(x.shape[d], spec.num_shards):
                 xt = x.narrow(d, start, size).detach().requires_grad_(want_x)
                 yt = ctx.fn(xt, *(a.narrow(d, start, size) for a in aux))
