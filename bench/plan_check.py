@@ -1,7 +1,7 @@
 """Predicted vs measured: the planner's peak per rank and comm share against real training steps.
 
 Each case builds the run's model with its techniques and engine exactly as ``ulysses-sp train`` does
-(``train._techniques``, ``register_with_transformers``, ``initialize``), takes one warm-up optimizer step (the
+(``run.loop.apply_techniques``, ``register_with_transformers``, ``initialize``), takes one warm-up optimizer step (the
 AdamW state then exists, as in every later step), and measures the second step with
 ``ulysses_sp.memory.meter.track_peak_memory`` (parameters and optimizer state counted in the baseline) and
 ``comm_timing.record_comm_times``. The prediction is ``plan.predict`` for the same settings, less what the CPU
@@ -41,7 +41,7 @@ from ulysses_sp.plan.hardware import DEVICES
 from ulysses_sp.plan.inputs import Settings
 from ulysses_sp.plan.model import memory, predict
 from ulysses_sp.run.config import RunConfig
-from ulysses_sp.run.loop import _techniques, micro_step
+from ulysses_sp.run.loop import apply_techniques, micro_step
 
 CASES_TECH: list[dict[str, bool]] = [
     {}, {"activation_checkpointing": True}, {"activation_checkpointing": True, "offload_activations": True},
@@ -113,7 +113,7 @@ def measure_bf16(case: dict[str, Any]) -> int:
     cfg = RunConfig(micro_batch_size=1, **case)
     model = tasks.build_model(cfg.model, vocab_size=len(tasks.load_tokenizer(None, cfg.model)), seed=0)
     model = model.to(torch.bfloat16).train()
-    handles, loss_fn = _techniques(cfg, model)
+    handles, loss_fn = apply_techniques(cfg, model)
     s = cfg.seq_len
     ids = torch.randint(0, 250, (1, s), generator=torch.Generator().manual_seed(0))
     labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], 1)
@@ -149,7 +149,7 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
     s, sp = cfg.seq_len, cfg.sp
     mesh = init_mesh(sp_size=sp)
     model = tasks.build_model(cfg.model, vocab_size=len(tasks.load_tokenizer(None, cfg.model)), seed=0)
-    handles, loss_fn = _techniques(cfg, model)
+    handles, loss_fn = apply_techniques(cfg, model)
     mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1, seq_length=s, mesh=mesh) if sp > 1 else None
     engine, *_ = initialize(model, cfg.training_config(), mpu=mpu or mesh.mpu, loss_fn=loss_fn)
     engine.train()  # as the training loop does (a model directory loads in eval mode: no checkpointing)

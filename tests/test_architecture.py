@@ -23,6 +23,7 @@ LAYERS = [
     {"state", "tasks"},  # precision, loading, checkpoints; the embedded defaults
     {"engine"},  # initialize(), Engine: wrapping, optimizer, divergence guard
     {"run", "integrations"},  # the train loop and its checks; HF Trainer / TRL
+    {"rehearse"},  # the run's step on fake tensors and a fake process group (train --rehearse)
     {"cli"},  # argv and the launcher
 ]
 MAX_LINES = 360

@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from ulysses_sp.checks import positive_int
-from ulysses_sp.cli.flags import LAUNCH_KEYS, add_data_args, show_default
+from ulysses_sp.cli.flags import LAUNCH_KEYS, REHEARSAL_KEYS, add_data_args, show_default
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -181,6 +181,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--zero-partition", choices=("data_parallel", "all"), default=s,
                    help="ZeRO partitions over the DP axis or all dp*sp ranks")  # fmt: skip
     add_data_args(t, s)
+    r = t.add_argument_group("rehearsal (--rehearse: one step on fake tensors at the real shapes; nothing runs)")
+    r.add_argument("--rehearse", action="store_true", default=s,
+                   help="rehearse one step of this run on fake tensors and a fake process group: peak memory, "
+                   "the largest tensors, collectives, FLOPs, beside the planner's prediction; exit 1 if it does not fit")  # fmt: skip
+    r.add_argument("--gpus", type=int, default=s, metavar="N", help="ranks to rehearse (default: --nproc, else --sp)")
+    r.add_argument("--device", choices=("cuda", "cpu"), default=s, help="the rehearsed device (default cuda)")
+    r.add_argument("--gpu-memory", default=s, metavar="SIZE", help="memory of one GPU (default 80GB, an H100)")
+    r.add_argument("--host-memory", default=s, metavar="SIZE",
+                   help="host memory of one node (default 2TiB, a DGX H100-class node)")  # fmt: skip
+    r.add_argument("--json", action="store_true", default=s, help="print the rehearsal as JSON")
     t.add_argument("--max-nonfinite-steps", type=int, default=s, metavar="N",
                    help="skip up to N steps in a row with a non-finite loss/gradient, then stop")  # fmt: skip
     t.add_argument("--save-on-signal", type=float, nargs="?", const=60.0, default=s, metavar="SECONDS",
@@ -236,4 +246,5 @@ def train_options(ns: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         if values.get(name) == "auto":  # a --config file may say "auto" too
             values[name] = None
     launch = {k: values.pop(k) for k in LAUNCH_KEYS if k in values}
+    launch.update({k: values.pop(k) for k in REHEARSAL_KEYS if k in values})
     return config_from_dict(values), launch

@@ -199,6 +199,9 @@ def main(argv: list[str] | None = None) -> None:
             from ulysses_sp.cli.evaluate import eval_options
 
             options, launch = eval_options(args)
+        if launch.get("rehearse"):
+            code = _rehearse(options, launch)
+            sys.exit(code)
         timeout_s = launch.get("timeout", DEFAULT_TIMEOUT_S)
         if (
             isinstance(timeout_s, bool)
@@ -219,6 +222,21 @@ def main(argv: list[str] | None = None) -> None:
         _run_rank(args.command, options, timeout_s, single=True, resolved=resolved)
     else:
         _launch(args.command, options, nproc, timeout_s, resolved)
+
+
+def _rehearse(options: Any, launch: dict[str, Any]) -> int:
+    """``train --rehearse``: one step of the run on fake tensors; 0 when it fits, 1 when it does not."""
+    import json
+
+    from ulysses_sp.rehearse.report import format_rehearsal
+    from ulysses_sp.rehearse.run import rehearse_run
+
+    gpus = launch.get("gpus", launch.get("nproc", default_nproc(options.sp)))
+    print(f"rehearsing one step on {gpus} fake rank(s) ...", file=sys.stderr)
+    result = rehearse_run(options, gpus=gpus, device=launch.get("device", "cuda"),
+                          gpu_memory=launch.get("gpu_memory"), host_memory=launch.get("host_memory"))  # fmt: skip
+    print(json.dumps(result.as_dict(), indent=1, default=str) if launch.get("json") else format_rehearsal(result))
+    return 0 if result.fits else 1
 
 
 def _check_before_launch(command: str, options: Any, nproc: int) -> Any:

@@ -67,6 +67,11 @@ def host_allocations() -> Iterator[None]:
         _HOST_SIDE.reset(token)
 
 
+def is_host_allocation() -> bool:
+    """Whether tensors made now are host-side staging (inside ``host_allocations()``)."""
+    return _HOST_SIDE.get()
+
+
 class PeakMemory:
     """What ``track_peak_memory`` measured: live while the region runs, final after it.
 

@@ -107,7 +107,7 @@ class DataStream:
 
 
 # ---------------------------------------------------------------- building
-def _techniques(cfg: RunConfig, model) -> tuple[list[Any], Any]:
+def apply_techniques(cfg: RunConfig, model) -> tuple[list[Any], Any]:
     """Apply the ALST transforms to the bare model; return (undo handles, loss_fn or None)."""
     handles: list[Any] = []
     loss_fn = None
@@ -195,7 +195,7 @@ def _run(resolved: ResolvedRun, stop: Any, held: ExitStack) -> dict[str, Any]:
     else:
         model = tasks.build_model(cfg.model, vocab_size=len(tokenizer), seed=cfg.seed, attn_implementation=cfg.attn,
                                   config=resolved.model_config)  # fmt: skip
-    handles, loss_fn = _techniques(cfg, model)
+    handles, loss_fn = apply_techniques(cfg, model)
     mpu = None
     if cfg.sp > 1 or cfg.offload_attention or cfg.attn_chunk is not None:  # sp 1: for the blockwise core
         mpu = UlyssesSPAttentionHF.register_with_transformers(

@@ -69,7 +69,14 @@ def init_empty_model(
         dtype: the parameters' dtype once materialised: fp32 master weights by default (mixed
             precision casts the compute copy, ``precision.py``).
     """
-    config = load_config(path)
+    return empty_model_from_config(load_config(path), attn_implementation=attn_implementation, dtype=dtype)
+
+
+def empty_model_from_config(
+    config: Any, *, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32
+) -> nn.Module:
+    """``init_empty_model`` for a transformers ``config`` (no directory, no weights): parameters on
+    the meta device, buffers computed on the CPU (the rehearsal builds its model this way)."""
     build = lambda: auto_model_class(config).from_config(  # noqa: E731
         config, attn_implementation=attn_implementation, dtype=dtype
     )

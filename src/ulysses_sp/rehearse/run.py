@@ -1,0 +1,184 @@
+"""``train --rehearse``: the run's own step rehearsed at its real shapes, beside the planner's prediction.
+
+``rehearse_run(cfg, gpus=N, device="cuda")`` takes the ``RunConfig`` a ``train`` command line makes,
+builds the model from its ``config.json`` alone (or the preset's config; no weights are read), draws
+one micro-batch of the run's sequence length (synthetic tokens, plain causal or packed documents as
+``--packing`` would give), cuts this rank's shard exactly as the data adapter does
+(``data.shard.prepare_batch`` / ``shard_batch``) and rehearses one step (``rehearse.step``) as rank 0
+and as the last rank of the first SP group of ``N`` ranks. The verdict compares the device peak
+with ``--gpu-memory`` (less the planner's reserve for what a rehearsal cannot see: CUDA context and
+kernel workspaces, NCCL buffers, allocator fragmentation) and the host bytes of a node with
+``--host-memory``.
+
+Where it sits: a command of its own, above ``run`` (it builds what ``run.loop`` builds); no real
+process group, no real tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from ulysses_sp.plan.hardware import DEVICES, GB, parse_bytes
+from ulysses_sp.rehearse.fake import RehearsalDevice, rehearsal_device
+from ulysses_sp.rehearse.step import StepResult, quiet, rehearse_step
+from ulysses_sp.run.config import RunConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HOST_MEMORY = 2 * 1024 * GB
+"""A DGX H100-class node's host memory (2 TiB), which a single GPU may use whole."""
+
+
+@dataclass
+class Rehearsal:
+    """A rehearsed ``train`` step: per rank what it measured, the planner's prediction, the verdict."""
+
+    device: str
+    gpus: int
+    seq_len: int
+    ranks: list[StepResult]
+    predicted: dict[str, Any]
+    """The planner's ``Prediction`` for the same run (``as_dict``)."""
+    gpu_memory: int
+    reserve: int
+    host_memory: int
+    gpus_per_node: int
+    host_states: int = 0
+    """Model states held in host memory per rank (FSDP2 CPU offload), counted directly."""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def device_peak(self) -> int:
+        return max(r.device_peak for r in self.ranks)
+
+    @property
+    def host_per_node(self) -> int:
+        """Host bytes of one node: each of its ranks' host peak and host-held states."""
+        per_rank = max(r.host_peak for r in self.ranks) + self.host_states
+        return per_rank * min(self.gpus, self.gpus_per_node)
+
+    @property
+    def fits(self) -> bool:
+        return self.device_peak + self.reserve <= self.gpu_memory and self.host_per_node <= self.host_memory
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(device_peak=self.device_peak, host_per_node=self.host_per_node, fits=self.fits)
+        return out
+
+
+def _model_config(cfg: RunConfig) -> Any:
+    from ulysses_sp import tasks
+
+    if tasks.is_preset(cfg.model):
+        return tasks.preset_config(cfg.model, vocab_size=tasks.VOCAB_SIZE)
+    from ulysses_sp.state.model_dir import load_config
+
+    return load_config(cfg.model)  # config.json alone: no weights, no tokenizer needed
+
+
+def synthetic_batch(cfg: RunConfig, vocab_size: int, *, seed: int = 0) -> dict[str, torch.Tensor]:
+    """``[B, S]`` tokens of the run's length; with ``--packing`` documents of S/8 tokens each
+    (position ids restarting at 0), else one causal sequence per row."""
+    g = torch.Generator().manual_seed(seed)
+    b, s = cfg.micro_batch_size, cfg.seq_len
+    ids = torch.randint(0, vocab_size, (b, s), generator=g)
+    pos = torch.arange(s).repeat(b, 1)
+    if getattr(cfg, "packing", None) not in (None, "none"):
+        pos = pos % max(s // 8, 1)
+    return {"input_ids": ids, "position_ids": pos}
+
+
+def rehearse_run(
+    cfg: RunConfig,
+    *,
+    gpus: int,
+    device: str = "cuda",
+    gpu_memory: str | int | None = None,
+    host_memory: str | int | None = None,
+    ranks: tuple[int, ...] | None = None,
+) -> Rehearsal:
+    """Rehearse ``cfg``'s step on ``gpus`` ranks (see the module docstring). Raises ``ValueError``
+    for a bad layout or option, ``rehearse.fake.HostReadError`` when the step reads a device value."""
+    from ulysses_sp.checks import check_seq_len_divisible, positive_int
+    from ulysses_sp.run.preflight import prediction
+
+    positive_int("--gpus", gpus)
+    if gpus % cfg.sp:
+        raise ValueError(f"--gpus ({gpus}) must be a multiple of --sp ({cfg.sp}): dp = gpus / sp")
+    check_seq_len_divisible(cfg.seq_len, cfg.sp, 1, fix="use --seq-len")
+    if cfg.zero_stage < 2:
+        raise ValueError(
+            f"--rehearse needs --zero-stage 2 or 3 (FSDP2), got {cfg.zero_stage}: stages 0-1 wrap the model in "
+            "DDP, whose C++ reducer reads parameter memory that fake tensors do not have"
+        )
+    where = rehearsal_device(device)
+    hw = DEVICES["cpu" if device == "cpu" else "h100"]
+    budget = parse_bytes(gpu_memory, what="--gpu-memory") if gpu_memory is not None else hw.memory_bytes
+    host = parse_bytes(host_memory, what="--host-memory") if host_memory is not None else DEFAULT_HOST_MEMORY
+    config = _model_config(cfg)
+    vocab = config.get_text_config().vocab_size
+    batch = synthetic_batch(cfg, vocab, seed=cfg.seed)
+    ranks = ranks if ranks is not None else tuple(sorted({0, cfg.sp - 1}))
+    results = []
+    with quiet():
+        for rank in ranks:
+            results.append(_rehearse_rank(cfg, config, batch, gpus=gpus, rank=rank, where=where))
+    pred = prediction(cfg, gpus, config, torch.device("cpu" if device == "cpu" else "cuda"))
+    notes = [f"device: {where.describe()}",
+             "not seen by a rehearsal: CUDA context, kernel workspaces (cuBLAS, flash/sdpa), NCCL buffers, allocator "
+             f"fragmentation, pinned staging; the planner keeps {hw.reserve_bytes / GB:.0f} GB for them"]  # fmt: skip
+    return Rehearsal(device=where.describe(), gpus=gpus, seq_len=cfg.seq_len, ranks=results, predicted=pred.as_dict(),
+                     gpu_memory=budget, reserve=hw.reserve_bytes, host_memory=host, gpus_per_node=hw.gpus_per_node,
+                     host_states=_host_states(cfg, config, gpus), notes=notes)  # fmt: skip
+
+
+def _host_states(cfg: RunConfig, config: Any, gpus: int) -> int:
+    """Bytes of model states one rank keeps on the host under FSDP2 CPU offload (fp32 parameters,
+    gradients and two AdamW moments, sharded over the partition)."""
+    if not cfg.cpu_offload:
+        return 0
+    from ulysses_sp.plan.inputs import ModelShape
+
+    shard = gpus if cfg.zero_partition == "all" else gpus // cfg.sp
+    return 16 * ModelShape.from_hf_config(config.get_text_config()).param_count // shard
+
+
+def _rehearse_rank(cfg: RunConfig, config: Any, batch: dict[str, torch.Tensor], *, gpus: int, rank: int,
+                   where: RehearsalDevice) -> StepResult:  # fmt: skip
+    from ulysses_sp.data.shard import prepare_batch, shard_batch
+    from ulysses_sp.run.loop import micro_step
+
+    sp_rank = rank % cfg.sp
+    local = shard_batch(prepare_batch(batch, cfg.sp), sp_rank, cfg.sp)
+
+    def build():
+        from ulysses_sp.parallel.mesh import init_mesh
+        from ulysses_sp.parallel.mesh_shape import head_counts, resolve_ring_size_for_layers
+        from ulysses_sp.state.loading import empty_model_from_config
+
+        ring = resolve_ring_size_for_layers(cfg.sp, head_counts(config), cfg.ring_size) if cfg.sp > 1 else 1
+        mesh = init_mesh(sp_size=cfg.sp, ring_size=ring, device_type=where.tensor_device)
+        return empty_model_from_config(config, attn_implementation=cfg.attn), mesh
+
+    def make_engine(model, mesh):
+        from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
+        from ulysses_sp.engine import initialize
+        from ulysses_sp.run.loop import apply_techniques
+
+        _, loss_fn = apply_techniques(cfg, model)
+        mpu = None
+        if cfg.sp > 1 or cfg.offload_attention or cfg.attn_chunk is not None:
+            mpu = UlyssesSPAttentionHF.register_with_transformers(
+                model, cfg.attn, cfg.sp, cfg.micro_batch_size, seq_length=cfg.seq_len, mesh=mesh,
+                attn_chunk=cfg.attn_chunk, offload_attention=cfg.offload_attention, head_chunks=cfg.head_chunks,
+            )  # fmt: skip
+        engine, _, _, _ = initialize(model, cfg.training_config(), mpu=mpu or mesh.mpu, loss_fn=loss_fn)
+        return engine
+
+    return rehearse_step(build, make_engine, local, gpus=gpus, rank=rank, device=where, zero_stage=cfg.zero_stage,
+                         micro_step=micro_step)  # fmt: skip

@@ -1,0 +1,225 @@
+"""One training step of a ``train`` run, rehearsed on fake tensors: the real program at real shapes.
+
+``rehearse_step(cfg, model_config, batch, gpus=..., rank=..., device=...)`` builds what ``run.loop``
+builds — the model from its config alone (parameters on the meta device, no weight read), the ALST
+transforms (``run.loop.apply_techniques``), the SP registration, ``initialize`` (FSDP2 / DDP, the
+optimizer) — as ``rank`` of ``gpus`` ranks on a fake process group, and runs one micro-step
+(``run.loop.micro_step``: forward, backward) and ``engine.step()`` under ``StepTracker`` (bytes per
+place, the tensors alive at the peak, collectives) and ``FlopCounterMode``. Nothing is allocated:
+a Llama-3-8B step at a million tokens runs in a minute of CPU time.
+
+Model states are counted directly (the issue's advice: count what you can count): the rank's
+parameter shards, gradient shards and optimizer state after the step, by storage identity, and the
+step's peak is split into them and the rest (activations alive from the forward, temporaries).
+
+Shape legend: ``B`` micro-batch, ``S`` sequence, ``S_l = S/P``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ulysses_sp.rehearse.fake import HostReadError, HostReads, RehearsalDevice, fake_world, real_submeshes
+from ulysses_sp.rehearse.tracker import ModuleStack, StepTracker, following_resize
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    """What a rehearsed step measured on one rank. Bytes unless named otherwise."""
+
+    rank: int
+    device_peak: int
+    host_peak: int
+    breakdown: dict[str, int]
+    """The device peak split: parameters, gradients, optimizer state, activations, temporaries."""
+    host_breakdown: dict[str, int]
+    top: list[dict[str, Any]]
+    """The largest device tensors alive at the peak: bytes, shape, dtype, op, module, phase."""
+    peak_phase: str
+    peak_module: str
+    phase_peaks: dict[str, int]
+    """The device's high point within each phase (forward, backward, optimizer)."""
+    collectives: dict[str, dict[str, int]]
+    """Per kind: ``count`` and ``bytes`` sent by this rank in the step."""
+    flops: int
+    seconds: float
+    phases: dict[str, float] = field(default_factory=dict)
+    """Wall seconds of each phase of the rehearsal (build, forward+backward, optimizer)."""
+
+
+def _fake_parameters(model: nn.Module, device: str) -> None:
+    """Meta parameters -> fake ``device`` tensors of the same shapes (tied parameters stay tied)."""
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in made:
+                made[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+            module._parameters[name] = made[id(p)]
+
+
+def _fake_buffers(model: nn.Module, mode: Any) -> None:
+    """Real (CPU) buffers -> fake tensors, so device moves stay inside the fake mode."""
+    for module in model.modules():
+        for name, b in list(module._buffers.items()):
+            if b is not None and not b.is_meta:
+                module._buffers[name] = mode.from_tensor(b)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _state_storages(engine: Any) -> dict[str, set[int]]:
+    """Storage keys of this rank's parameter shards, gradient shards and optimizer state."""
+    params = [p for p in engine.module.parameters()]
+    keys: dict[str, set[int]] = {"parameters": set(), "gradients": set(), "optimizer state": set()}
+    for p in params:
+        keys["parameters"].add(_local(p).untyped_storage()._cdata)
+        if p.grad is not None:
+            keys["gradients"].add(_local(p.grad).untyped_storage()._cdata)
+    opt = engine.optimizer
+    inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer wraps the local optimizer
+    for state in getattr(inner, "state", {}).values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.numel() > 1:
+                keys["optimizer state"].add(_local(v).untyped_storage()._cdata)
+    return keys
+
+
+def _split(allocs: list[tuple[Any, int, str]], states: dict[str, set[int]]) -> dict[str, int]:
+    """Bytes of ``allocs`` (``(storage ref, bytes, phase)`` alive at a peak) per category: a model
+    state by storage identity, else activations (made in the forward) or temporaries."""
+    owner = {k: name for name, ks in states.items() for k in ks}
+    out = {"parameters": 0, "gradients": 0, "optimizer state": 0, "activations": 0, "temporaries": 0}
+    for ref, nbytes, phase in allocs:
+        s = ref()
+        cat = owner.get(s._cdata) if s is not None else None
+        if cat is None:
+            cat = "activations" if phase == "forward" else "temporaries"
+        out[cat] += nbytes
+    return out
+
+
+def rehearse_step(
+    build: Callable[[], tuple[nn.Module, Any]],
+    make_engine: Callable[[nn.Module, Any], Any],
+    batch: dict[str, Any],
+    *,
+    gpus: int,
+    rank: int,
+    device: RehearsalDevice,
+    zero_stage: int,
+    micro_step: Callable[[Any, dict[str, Any]], None],
+) -> StepResult:
+    """One rehearsed step on ``rank`` of ``gpus`` fake ranks (see the module docstring).
+
+    Args:
+        build: ``() -> (model on meta, mesh)``, called on the fake world before the fake tensors
+            exist (the meshes' own tensors must be real).
+        make_engine: ``(model, mesh) -> engine``: the techniques, registration and ``initialize``.
+        batch: this rank's micro-batch, real CPU tensors (``[B, S_l]`` entries).
+        zero_stage: at 0-1 the parameters are made on the device before ``make_engine`` (no meta path).
+        micro_step: ``(engine, batch) -> None``: the run's forward + backward.
+    """
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+    t0 = time.perf_counter()
+    phases: dict[str, float] = {}
+    with fake_world(gpus, rank):
+        model, mesh = build()
+        for partition in ("all", "data_parallel"):  # FSDP's meshes: built from real groups, outside the fake mode
+            mesh.fsdp_mesh(partition)
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        mods = ModuleStack()
+        tracker = StepTracker(device.tensor_device, mods)
+        reads = HostReads()
+        with real_submeshes(), mode, reads, mods, tracker, following_resize(tracker):
+            _fake_buffers(model, mode)
+            if zero_stage <= 1:  # made where the engine would move them; its move (a swap of fake tensors
+                _fake_parameters(model, device.tensor_device)  # that tied weights refuse) is skipped
+                model.to = lambda *args, **kwargs: model
+            engine = make_engine(model, mesh)
+            model.__dict__.pop("to", None)
+            mods.name_modules(engine.module)
+            phases["build"] = time.perf_counter() - t0
+            fake_batch = {k: mode.from_tensor(v) if torch.is_tensor(v) else v for k, v in batch.items()}
+            fake_batch = {k: v.to(engine.device) if torch.is_tensor(v) else v for k, v in fake_batch.items()}
+            tracker.phase = "forward"
+            _backward_phase(tracker, engine)
+            try:
+                micro_step(engine, fake_batch)
+                states = _state_storages(engine)  # the gradients: gone after the step's zero_grad
+            except DataDependentOutputException as e:
+                raise HostReadError(
+                    f"host read of a tensor value inside the step ({e}): the rehearsal cannot answer it, and on a "
+                    "GPU it is a device sync; the layers must take layout values from the data adapter"
+                ) from e
+            phases["forward+backward"] = time.perf_counter() - t0 - phases["build"]
+            tracker.phase = "optimizer"
+            with reads.answer():
+                engine.step()
+            phases["optimizer"] = time.perf_counter() - t0 - phases["build"] - phases["forward+backward"]
+            tracker.finish()
+            for name, keys in _state_storages(engine).items():
+                states[name] |= keys
+            result = _result(tracker, states, rank)
+        del engine, model
+    result.seconds = time.perf_counter() - t0
+    result.phases = phases
+    return result
+
+
+def _backward_phase(tracker: StepTracker, engine: Any) -> None:
+    """Switch the tracker's phase to ``backward`` when autograd starts on this step's loss."""
+    from torch.autograd.graph import register_multi_grad_hook  # noqa: F401 - presence check
+
+    original = engine.backward
+
+    def backward(loss: torch.Tensor) -> torch.Tensor:
+        tracker.phase = "backward"
+        return original(loss)
+
+    engine.backward = backward
+
+
+def _result(tracker: StepTracker, states: dict[str, set[int]], rank: int) -> StepResult:
+    dev, host = tracker.places["device"], tracker.places["host"]
+    breakdown = _split(dev.peak_all, states)
+    top = [
+        {"bytes": a.nbytes, "shape": list(a.shape), "dtype": str(a.dtype).replace("torch.", ""), "op": a.op,
+         "module": a.module, "phase": a.phase}
+        for a in dev.peak_at
+    ]  # fmt: skip
+    collectives = {k: {"count": n, "bytes": tracker.collective_bytes[k]} for k, n in tracker.collectives.items()}
+    return StepResult(rank=rank, device_peak=dev.peak, host_peak=host.peak, breakdown=breakdown,
+                      host_breakdown={"host staging": host.peak}, top=top, peak_phase=dev.peak_phase,
+                      peak_module=dev.peak_module, phase_peaks=dict(tracker.phase_peaks), collectives=collectives, flops=tracker.flops,
+                      seconds=0.0)  # fmt: skip
+
+
+@contextlib.contextmanager
+def quiet() -> Any:
+    """Silence transformers' and torch.distributed's info logs while a rehearsal runs."""
+    names = ("torch.distributed", "transformers", "torch._subclasses")
+    prev = {n: logging.getLogger(n).level for n in names}
+    for n in names:
+        logging.getLogger(n).setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for n, level in prev.items():
+            logging.getLogger(n).setLevel(level)

@@ -1,0 +1,272 @@
+"""What one rehearsed step allocates: live bytes per place, the peak, what is alive at it, collectives.
+
+``StepTracker`` is a ``TorchDispatchMode`` run under ``FakeTensorMode`` (no data, no memory: only
+shapes, dtypes and devices). Every aten op that returns a tensor whose storage is not one of its
+inputs' creates a storage; its ``nbytes`` are added to the live count of its *place* and a
+``weakref.finalize`` on the storage subtracts them when the program drops it (PyTorch keeps a
+storage's Python object alive exactly as long as the storage). Unlike ``memory.meter``'s CPU tracker
+it also follows ``UntypedStorage.resize_`` (FSDP2 allocates and frees its unsharded parameters that
+way), so ZeRO 2/3 are counted, and it records for each storage the op and module that made it and
+the phase (forward, backward, optimizer), so the report can list the largest tensors alive at the
+peak.
+
+Places: ``device`` (the accelerator the step runs on) and ``host``. On a fake accelerator the place is
+the tensor's device type. On fake CPU tensors (a CPU rehearsal, or an accelerator emulated on a
+machine whose PyTorch has none) host staging is told apart by the mark the library already sets
+around it (``memory.meter.host_allocations``: activation offload, Ulysses-Offload's K/V); model
+states that live on the host (FSDP2's CPU offload) are counted directly by the caller.
+
+Collectives are counted by kind with their tensor bytes (the c10d ops a fake process group still
+dispatches). Where it sits: around one step of ``rehearse.step``; it never changes what runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry as FLOP_FORMULAS
+
+from ulysses_sp.memory.meter import is_host_allocation
+
+TOP = 10
+"""How many of the largest storages alive at the peak are kept."""
+
+
+@dataclass
+class Alloc:
+    """One storage the step made."""
+
+    nbytes: int
+    place: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    op: str
+    module: str
+    phase: str
+    ref: weakref.ref = field(repr=False)
+
+
+@dataclass
+class PlaceStats:
+    """Live and peak bytes of one place (``device`` or ``host``)."""
+
+    current: int = 0
+    peak: int = 0
+    peak_at: list[Alloc] = field(default_factory=list)
+    """The ``TOP`` largest storages alive at the peak (the first time it was reached)."""
+    peak_all: list[tuple[weakref.ref, int, str]] = field(default_factory=list)
+    """Every storage alive at the peak: ``(storage ref, bytes then, phase made in)``."""
+    peak_phase: str = ""
+    peak_module: str = ""
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns the memory: a ``DTensor``'s local shard (the mode sees DTensor ops, whose
+    local ops run below it), else ``t``."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    try:
+        return _plain(t).untyped_storage()
+    except (RuntimeError, NotImplementedError):  # other wrapper subclasses
+        return None
+
+
+class StepTracker(TorchDispatchMode):
+    """Counts storages per place during a rehearsed step (see the module docstring).
+
+    Args:
+        device_type: the accelerator's device type, or ``"cpu"``; on ``"cpu"`` host staging is
+            known by its ``host_allocations`` mark.
+        modules: a ``ModTracker`` (or anything with ``parents``) naming the running module, or ``None``.
+    """
+
+    def __init__(self, device_type: str, modules: Any = None) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.modules = modules
+        self.phase = "setup"
+        self.places = {"device": PlaceStats(), "host": PlaceStats()}
+        self.live: dict[int, Alloc] = {}
+        self.collectives: Counter[str] = Counter()
+        self.collective_bytes: Counter[str] = Counter()
+        self.flops = 0
+        self.phase_peaks: Counter[str] = Counter()
+        """The device's live bytes at its high point within each phase."""
+        """Floating-point operations of the matrix products and attention kernels (torch's FLOP formulas)."""
+        self._dirty: set[str] = set()
+        self._finalizers: list[weakref.finalize] = []
+
+    # -- places and bookkeeping --
+    def _place(self, t: torch.Tensor) -> str | None:
+        kind = t.device.type
+        if kind == "meta":
+            return None
+        if self.device_type == "cpu":
+            return "host" if is_host_allocation() else "device"
+        return "device" if kind == self.device_type else "host"
+
+    def _module(self) -> str:
+        parents = getattr(self.modules, "parents", None)
+        return parents[-1] if parents else ""
+
+    def track(self, storage: torch.UntypedStorage, t: torch.Tensor, place: str, op: str) -> None:
+        key = storage._cdata
+        nbytes = storage.nbytes()
+        if key in self.live or nbytes == 0:
+            return
+        self._add(key, Alloc(nbytes, place, tuple(_plain(t).shape), t.dtype, op, self._module(), self.phase,
+                             weakref.ref(storage)))  # fmt: skip
+        self._finalizers.append(weakref.finalize(storage, self._free, key))
+
+    def _add(self, key: int, alloc: Alloc) -> None:
+        self.live[key] = alloc
+        stats = self.places[alloc.place]
+        if stats.current + alloc.nbytes > stats.peak:  # a new high: snapshot once it starts to fall
+            self._dirty.add(alloc.place)
+        stats.current += alloc.nbytes
+        self._raise(alloc.place, stats)
+
+    def _raise(self, place: str, stats: PlaceStats) -> None:
+        stats.peak = max(stats.peak, stats.current)
+        if place == "device":
+            self.phase_peaks[self.phase] = max(self.phase_peaks[self.phase], stats.current)
+
+    def _free(self, key: int) -> None:
+        alloc = self.live.get(key)
+        if alloc is None:
+            return
+        if alloc.place in self._dirty:
+            self._snapshot(alloc.place)
+        del self.live[key]
+        self.places[alloc.place].current -= alloc.nbytes
+
+    def _snapshot(self, place: str) -> None:
+        self._dirty.discard(place)
+        stats = self.places[place]
+        if stats.current < stats.peak:
+            return
+        mine = [a for a in self.live.values() if a.place == place]
+        stats.peak_at = [replace(a) for a in sorted(mine, key=lambda a: -a.nbytes)[:TOP]]
+        stats.peak_all = [(a.ref, a.nbytes, a.phase) for a in mine]
+        stats.peak_phase, stats.peak_module = self.phase, self._module()
+
+    def resized(self, storage: torch.UntypedStorage, new_nbytes: int) -> None:
+        """``storage.resize_(new_nbytes)`` happened (FSDP2's unsharded parameters)."""
+        key = storage._cdata
+        alloc = self.live.get(key)
+        if alloc is None:
+            return
+        delta = new_nbytes - alloc.nbytes
+        if delta > 0 and self.places[alloc.place].current + delta > self.places[alloc.place].peak:
+            self._dirty.add(alloc.place)
+        if delta < 0 and alloc.place in self._dirty:
+            self._snapshot(alloc.place)
+        alloc.nbytes = new_nbytes
+        stats = self.places[alloc.place]
+        stats.current += delta
+        self._raise(alloc.place, stats)
+
+    def finish(self) -> None:
+        """Take the pending peak snapshots and stop watching the storages."""
+        for place in list(self._dirty):
+            self._snapshot(place)
+        for f in self._finalizers:
+            f.detach()
+        self._finalizers.clear()
+
+    # -- the dispatch hook --
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        count = FLOP_FORMULAS.get(func.overloadpacket)
+        if count is not None:
+            self.flops += int(count(*args, **kwargs, out_val=out))
+        name = func._schema.name
+        if name.startswith(("c10d::", "_c10d_functional::")):
+            self._count_collective(name.split("::", 1)[1], args)
+        inputs = {
+            s._cdata for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor) and (s := _storage(t)) is not None
+        }  # fmt: skip
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and (place := self._place(t)) is not None:
+                s = _storage(t)
+                if s is not None and s._cdata not in inputs:
+                    self.track(s, t, place, name.split("::", 1)[-1])
+        return out
+
+    def _count_collective(self, kind: str, args: tuple) -> None:
+        kind = kind.rstrip("_")
+        if kind in ("wait_tensor", "barrier", "monitored_barrier"):
+            return
+        tensors = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
+        # the payload: what the op sends (first tensor argument or list), not the receive buffers
+        first = args[0] if args else None
+        sent = [t for t in tree_leaves(first) if isinstance(t, torch.Tensor)] or tensors[:1]
+        self.collectives[kind] += 1
+        self.collective_bytes[kind] += sum(t.numel() * t.element_size() for t in sent)
+
+
+@contextlib.contextmanager
+def following_resize(tracker: StepTracker) -> Iterator[None]:
+    """Route ``UntypedStorage.resize_`` through ``tracker.resized`` while the block runs."""
+    original = torch.UntypedStorage.resize_
+
+    def resize_(self, size):  # noqa: ANN001 - the storage method's own signature
+        out = original(self, size)
+        tracker.resized(self, int(size))
+        return out
+
+    torch.UntypedStorage.resize_ = resize_
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original
+
+
+class ModuleStack:
+    """The modules whose forward is running (global module hooks): ``parents`` names them by their
+    qualified name in ``root`` (``name_modules``), innermost last. Backward is not followed: a
+    storage made there is attributed to its op and phase only."""
+
+    def __init__(self) -> None:
+        self.names: dict[int, str] = {}
+        self.stack: list[str] = []
+        self._handles: list[Any] = []
+
+    def name_modules(self, root: torch.nn.Module) -> None:
+        self.names.update({id(m): n or type(m).__name__ for n, m in root.named_modules()})
+
+    @property
+    def parents(self) -> list[str]:
+        return self.stack[-1:] if self.stack else []
+
+    def __enter__(self) -> ModuleStack:
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        def pre(module, args):  # noqa: ANN001
+            self.stack.append(self.names.get(id(module), type(module).__name__))
+
+        def post(module, args, out):  # noqa: ANN001
+            if self.stack:
+                self.stack.pop()
+
+        self._handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post, always_call=True)]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.stack.clear()
