@@ -57,18 +57,6 @@ class StepResult:
     """Wall seconds of each phase of the rehearsal (build, forward+backward, optimizer)."""
 
 
-def _fake_parameters(model: nn.Module, device: str) -> None:
-    """Meta parameters -> fake ``device`` tensors of the same shapes (tied parameters stay tied)."""
-    made: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is None or not p.is_meta:
-                continue
-            if id(p) not in made:
-                made[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
-            module._parameters[name] = made[id(p)]
-
-
 def _fake_buffers(model: nn.Module, mode: Any) -> None:
     """Real (CPU) buffers -> fake tensors, so device moves stay inside the fake mode."""
     for module in model.modules():
@@ -132,7 +120,7 @@ def rehearse_step(
             exist (the meshes' own tensors must be real).
         make_engine: ``(model, mesh) -> engine``: the techniques, registration and ``initialize``.
         batch: this rank's micro-batch, real CPU tensors (``[B, S_l]`` entries).
-        zero_stage: at 0-1 the parameters are made on the device before ``make_engine`` (no meta path).
+        zero_stage: 2 or 3 (FSDP2 makes the parameter shards from the meta model; DDP cannot run on fake tensors).
         micro_step: ``(engine, batch) -> None``: the run's forward + backward.
     """
     from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
@@ -149,11 +137,7 @@ def rehearse_step(
         reads = HostReads()
         with real_submeshes(), mode, reads, mods, tracker, following_resize(tracker):
             _fake_buffers(model, mode)
-            if zero_stage <= 1:  # made where the engine would move them; its move (a swap of fake tensors
-                _fake_parameters(model, device.tensor_device)  # that tied weights refuse) is skipped
-                model.to = lambda *args, **kwargs: model
-            engine = make_engine(model, mesh)
-            model.__dict__.pop("to", None)
+            engine = make_engine(model, mesh)  # FSDP2 shards the meta parameters, then makes its shards
             mods.name_modules(engine.module)
             phases["build"] = time.perf_counter() - t0
             fake_batch = {k: mode.from_tensor(v) if torch.is_tensor(v) else v for k, v in batch.items()}
