@@ -153,8 +153,12 @@ def _rehearse_rank(cfg: RunConfig, config: Any, batch: dict[str, torch.Tensor], 
     from ulysses_sp.data.shard import prepare_batch, shard_batch
     from ulysses_sp.run.loop import micro_step
 
+    from ulysses_sp.parallel.doc_layout import host_layout
+
     sp_rank = rank % cfg.sp
-    local = shard_batch(prepare_batch(batch, cfg.sp), sp_rank, cfg.sp)
+    prepared = prepare_batch(batch, cfg.sp)
+    local = shard_batch(prepared, sp_rank, cfg.sp)
+    local["_layout"] = host_layout(prepared["position_ids"])  # as the adapter ships it (attached in the step)
 
     def build():
         from ulysses_sp.parallel.mesh import init_mesh

@@ -53,6 +53,8 @@ class StepResult:
     """Per kind: ``count`` and ``bytes`` sent by this rank in the step."""
     flops: int
     seconds: float
+    largest: dict[str, Any] = field(default_factory=dict)
+    """The largest tensor made anywhere in the step: ``numel``, ``shape``, ``op``."""
     phases: dict[str, float] = field(default_factory=dict)
     """Wall seconds of each phase of the rehearsal (build, forward+backward, optimizer)."""
 
@@ -140,8 +142,13 @@ def rehearse_step(
             engine = make_engine(model, mesh)  # FSDP2 shards the meta parameters, then makes its shards
             mods.name_modules(engine.module)
             phases["build"] = time.perf_counter() - t0
+            layout = batch.pop("_layout", None)
             fake_batch = {k: mode.from_tensor(v) if torch.is_tensor(v) else v for k, v in batch.items()}
             fake_batch = {k: v.to(engine.device) if torch.is_tensor(v) else v for k, v in fake_batch.items()}
+            if layout is not None:  # the data adapter's host layout, on the shard's position ids as it yields them
+                from ulysses_sp.parallel.doc_layout import attach_layout
+
+                attach_layout(fake_batch["position_ids"], layout)
             tracker.phase = "forward"
             _backward_phase(tracker, engine)
             try:
@@ -191,7 +198,8 @@ def _result(tracker: StepTracker, states: dict[str, set[int]], rank: int) -> Ste
     collectives = {k: {"count": n, "bytes": tracker.collective_bytes[k]} for k, n in tracker.collectives.items()}
     return StepResult(rank=rank, device_peak=dev.peak, host_peak=host.peak, breakdown=breakdown,
                       host_breakdown={"host staging": host.peak}, top=top, peak_phase=dev.peak_phase,
-                      peak_module=dev.peak_module, phase_peaks=dict(tracker.phase_peaks), collectives=collectives, flops=tracker.flops,
+                      peak_module=dev.peak_module, phase_peaks=dict(tracker.phase_peaks),
+                      largest=dict(zip(("numel", "shape", "op"), tracker.largest)), collectives=collectives, flops=tracker.flops,
                       seconds=0.0)  # fmt: skip
 
 

@@ -101,6 +101,8 @@ class StepTracker(TorchDispatchMode):
         self.collectives: Counter[str] = Counter()
         self.collective_bytes: Counter[str] = Counter()
         self.flops = 0
+        self.largest: tuple[int, tuple[int, ...], str] = (0, (), "")
+        """``(elements, shape, op)`` of the largest tensor any op made in the step (an ``S x S`` check)."""
         self.phase_peaks: Counter[str] = Counter()
         """The device's live bytes at its high point within each phase."""
         """Floating-point operations of the matrix products and attention kernels (torch's FLOP formulas)."""
@@ -204,6 +206,8 @@ class StepTracker(TorchDispatchMode):
                 s = _storage(t)
                 if s is not None and s._cdata not in inputs:
                     self.track(s, t, place, name.split("::", 1)[-1])
+                    if _plain(t).numel() > self.largest[0]:
+                        self.largest = (_plain(t).numel(), tuple(_plain(t).shape), name.split("::", 1)[-1])
         return out
 
     def _count_collective(self, kind: str, args: tuple) -> None:
