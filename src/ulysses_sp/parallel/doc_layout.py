@@ -61,22 +61,20 @@ class HostLayout:
         return [[e - s for s, e in zip(st, [*st[1:], self.seq_len])] for st in self.doc_starts()]
 
     def positions(self, device: torch.device | str) -> torch.Tensor:
-        """``[B, S]`` position ids, built on the host from the runs and copied to ``device``."""
+        """``[B, S]`` position ids, built from the runs (sizes known on the host: nothing data-dependent)
+        and copied to ``device``."""
         rows = []
         for row in self.runs:
-            starts = [t for t, _ in row]
-            lengths = torch.tensor([e - s for s, e in zip(starts, [*starts[1:], self.seq_len])])
-            # [S]: per token, its run's first id minus its first token, plus the token index
-            offset = torch.tensor([p - t for t, p in row]).repeat_interleave(lengths)
-            rows.append(torch.arange(self.seq_len) + offset)
+            ends = [t for t, _ in row[1:]] + [self.seq_len]
+            rows.append(torch.cat([torch.arange(p, p + e - t) for (t, p), e in zip(row, ends)]))  # [S]
         return torch.stack(rows).to(self.dtype).to(device)
 
     def doc_ids(self, device: torch.device | str) -> torch.Tensor | None:
         """``[B, S]`` int64 document index per token (``SeqLayout.doc_ids``), or ``None`` unpacked."""
         if not self.packed:
             return None
-        ids = [torch.arange(len(n)).repeat_interleave(torch.tensor(n)) for n in self.doc_lengths()]
-        return torch.stack(ids).to(device)
+        rows = [torch.cat([torch.full((n,), i) for i, n in enumerate(row)]) for row in self.doc_lengths()]
+        return torch.stack(rows).to(device)
 
     def split_at_chunks(self, chunk: int) -> HostLayout:
         """The layout of ``positions.split_at_chunks(positions, chunk)``: every token whose id is a
