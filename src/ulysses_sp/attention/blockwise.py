@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ulysses_sp.attention.kv_offload import KVOffload
+from ulysses_sp.parallel.doc_layout import doc_boundaries_between
 
 AUTO_CHUNK = 1024
 """The largest block ``chunk=None`` picks (``resolve_chunk``): a ``[B, H, 1024, 1024]`` fp32 score
@@ -49,26 +50,26 @@ class AttnStructure:
     """``[B|1, S]`` non-decreasing document index per token (packed documents), or ``None``."""
     window: int | None = None
     """Sliding window: query ``q`` sees keys ``q - window < k <= q``; ``None`` = unbounded."""
-    doc_ids_host: torch.Tensor | None = field(default=None, repr=False)
-    """``doc_ids`` on the CPU (block skipping decides on the host, no device sync per block)."""
+    doc_starts: tuple[tuple[int, ...], ...] | None = field(default=None, repr=False)
+    """Per row of ``doc_ids``: its documents' first tokens as host ints (block skipping: no sync)."""
 
     @classmethod
-    def build(cls, doc_ids: torch.Tensor | None, window: int | None) -> AttnStructure:
-        """The structure with its host copy of ``doc_ids`` (one transfer per forward)."""
-        host = None if doc_ids is None else doc_ids.detach().to("cpu")
-        return cls(doc_ids, window, host)
+    def build(cls, doc_ids: torch.Tensor | None, window: int | None, doc_starts: list | None = None) -> AttnStructure:
+        """The structure with ``doc_starts`` as given (the adapter's layout), else read from ``doc_ids``."""
+        if doc_ids is not None and doc_starts is None:  # [B|1, S]: a new document where the id changes
+            doc_starts = [[0, *((r[1:] != r[:-1]).nonzero().flatten() + 1).tolist()] for r in doc_ids.cpu()]
+        return cls(doc_ids, window, None if doc_ids is None else tuple(map(tuple, doc_starts)))
 
     def block_kind(self, q0: int, q1: int, k0: int, k1: int) -> str:
         """``"empty"`` (no query of ``[q0, q1)`` sees a key of ``[k0, k1)``), ``"full"`` (every
         query sees every key) or ``"partial"``."""
         if k0 > q1 - 1 or (self.window is not None and q0 - (k1 - 1) >= self.window):
             return "empty"
-        doc = self.doc_ids_host
-        if doc is not None and bool((doc[:, k1 - 1] < doc[:, q0]).all()):
-            return "empty"  # doc ids never decrease: the last key's document ends before the first query's
+        if (starts := self.doc_starts) is not None and all(doc_boundaries_between(r, k1 - 1, q0) for r in starts):
+            return "empty"  # in every row a document starts after the last key, by the first query
         full = k1 - 1 <= q0 and (self.window is None or (q1 - 1) - k0 < self.window)
-        if full and doc is not None:
-            full = bool((doc[:, k0] == doc[:, q1 - 1]).all())
+        if full and starts is not None:  # no document starts after the first key, by the last query
+            full = not any(doc_boundaries_between(row, k0, q1 - 1) for row in starts)
         return "full" if full else "partial"
 
     def block_mask(self, q0: int, q1: int, k0: int, k1: int, device: torch.device) -> torch.Tensor:

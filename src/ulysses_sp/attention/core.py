@@ -129,7 +129,9 @@ def _windowed(layout: SeqLayout, sliding_window: int | None) -> bool:
 
 def structure_for(layout: SeqLayout, sliding_window: int | None) -> AttnStructure:
     """The blockwise core's structure (documents, window) of one forward: ``O(S)`` memory."""
-    return AttnStructure.build(layout.doc_ids, sliding_window if _windowed(layout, sliding_window) else None)
+    window = sliding_window if _windowed(layout, sliding_window) else None
+    starts = None if layout.host is None or layout.doc_ids is None else layout.host.doc_starts()
+    return AttnStructure.build(layout.doc_ids, window, starts)
 
 
 def core_function(name: str, module: torch.nn.Module) -> Callable[..., Any]:

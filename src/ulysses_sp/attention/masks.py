@@ -1,8 +1,11 @@
 """Full-sequence attention masks for sequence-parallel attention, built from position ids.
 
 Transformers builds its mask for the *local* shard; under Ulysses the core attention runs over the
-*full* sequence, so its mask must come from the full sequence's ``position_ids`` (gathered over
-the SP group once per forward, ``gather_positions``). Position ids that restart at 0 mark packed documents: attention
+*full* sequence, so its mask must come from the full sequence's ``position_ids``. Through
+``UlyssesSPDataLoaderAdapter`` they arrive as host values with the batch (``parallel/doc_layout.py``,
+``SeqLayout.from_host``: no collective, no host read of a device value); a model called directly
+with only its local ``position_ids`` falls back to gathering them over the SP group once per forward
+(``gather_positions``: a collective and host reads, i.e. device syncs). Position ids that restart at 0 mark packed documents: attention
 stays within a document. A model's sliding window is applied on top. The form depends on the core
 attention: ``None`` where the kernel's own ``is_causal`` path suffices (sdpa/flash, plain causal),
 an additive float mask for eager, a ``BlockMask`` for flex attention. For sdpa with documents or a
@@ -21,8 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ulysses_sp.attention.positions import GIVEN, positions_problem
+from ulysses_sp.attention.positions import GIVEN, positions_problem, split_at_chunks
+from ulysses_sp.attention.segments import segment_lengths
 from ulysses_sp.parallel.comm import all_gather_seq
+from ulysses_sp.parallel.doc_layout import HostLayout, layout_of
 from ulysses_sp.parallel.mesh_shape import sp_token_order
 
 
@@ -36,10 +41,30 @@ class SeqLayout:
     """``[B or 1, S]`` full-sequence position ids."""
     doc_ids: torch.Tensor | None
     """``[B or 1, S]`` document index per token when documents are packed, else ``None``."""
+    host: HostLayout | None = None
+    """The same layout as host ints when it came from the data adapter (``None``: gathered)."""
+
+    @classmethod
+    def from_host(cls, host: HostLayout, device: torch.device) -> SeqLayout:
+        """The layout the adapter computed: ids built on the host and copied over, nothing read back."""
+        return cls(host.seq_len, host.positions(device), host.doc_ids(device), host)
+
+    def split_at_chunks(self, chunk: int) -> SeqLayout:
+        """The layout of chunked attention's segments (``positions.split_at_chunks``)."""
+        if self.host is not None:
+            return SeqLayout.from_host(self.host.split_at_chunks(chunk), self.positions.device)
+        return SeqLayout.from_positions(split_at_chunks(self.positions, chunk))
+
+    def doc_lengths(self) -> list[list[int]]:
+        """Per row of ``doc_ids``: its documents' lengths (host ints; read back only without ``host``)."""
+        if self.host is not None:
+            return self.host.doc_lengths()
+        return segment_lengths(self.doc_ids.cpu())
 
     @classmethod
     def from_positions(cls, positions: torch.Tensor) -> SeqLayout:
-        """Layout of ``[B|1, S]`` full-sequence position ids; a restart at 0 starts a document."""
+        """Layout of ``[B|1, S]`` full-sequence position ids; a restart at 0 starts a document
+        (one host read: whether any row restarts; the fallback path)."""
         restarts = positions[:, 1:] == 0
         doc_ids = None
         if bool(restarts.any()):
@@ -65,6 +90,23 @@ class ForwardState:
     masks: dict[tuple[Any, ...], Any] = field(default_factory=dict)
 
 
+def seq_layout(
+    position_ids: torch.Tensor, source: int, *, group: dist.ProcessGroup | None, batch: int, s_local: int,
+    expected_len: int | None, ring_size: int = 1,
+) -> SeqLayout:
+    """The forward's full-sequence layout for local ``position_ids [B|1, S_l]``: the data adapter's
+    host layout attached to them (``doc_layout.layout_of``; no collective, no host read of a device
+    value), else the fallback: ``full_positions`` (a gather over ``group`` and host reads)."""
+    host = layout_of(position_ids)
+    sp_size = 1 if group is None else dist.get_world_size(group)
+    if host is not None and (group is not None or host.seq_len == s_local):
+        check_host_layout(host, tuple(position_ids.shape), s_local * sp_size, batch, expected_len)
+        return SeqLayout.from_host(host, position_ids.device)
+    positions = full_positions(position_ids, source, group=group, batch=batch, s_local=s_local,
+                               expected_len=expected_len, ring_size=ring_size)  # fmt: skip
+    return SeqLayout.from_positions(positions)
+
+
 def full_positions(
     position_ids: torch.Tensor, source: int, *, group: dist.ProcessGroup | None, batch: int, s_local: int,
     expected_len: int | None, ring_size: int,
@@ -83,6 +125,24 @@ def full_positions(
     if order is not None:  # zigzag shards (ring): back to global order
         positions = positions.new_empty(positions.shape).index_copy_(-1, order.to(positions.device), positions)
     return positions
+
+
+def check_host_layout(
+    host: HostLayout, shape: tuple[int, ...], seq_len: int, batch: int, expected_len: int | None
+) -> None:
+    """Raise ``ValueError`` unless the adapter's layout ``host`` covers ``position_ids`` of ``shape``
+    (``[B, S_l]``), ``S = seq_len`` and q's batch ``batch``. Local: every SP rank holds the same
+    layout and ``S_l`` (the adapter agreed them per round), so every rank reaches the same verdict."""
+    if shape != (batch, shape[-1]) or host.batch != batch or host.seq_len != seq_len:
+        raise ValueError(
+            f"the data adapter's layout (batch {host.batch}, S {host.seq_len}) does not match position_ids "
+            f"{shape} of q's batch {batch} and S {seq_len}: pass the adapter's batches unchanged"
+        )
+    if expected_len is not None and seq_len != expected_len:
+        raise ValueError(
+            f"S ({seq_len}) != max_length ({expected_len}) with seq_length_is_variable=False; pad batches "
+            "to that length or pass seq_length_is_variable=True"
+        )
 
 
 def gather_positions(

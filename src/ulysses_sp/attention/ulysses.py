@@ -53,18 +53,16 @@ from ulysses_sp.attention.head_chunks import check_no_sinks, head_chunked_attent
 from ulysses_sp.attention.heads import HeadView, local_view
 from ulysses_sp.attention.kv_offload import KVOffload
 from ulysses_sp.attention.layer_kinds import check_layer_kinds
-from ulysses_sp.attention.masks import ForwardState, SeqLayout, full_positions, mask_for
+from ulysses_sp.attention.masks import ForwardState, SeqLayout, mask_for, seq_layout
 from ulysses_sp.attention.positions import (
     CallPositions,
     correct_query_temperature,
     global_token_index,
     layer_chunk,
     local_positions,
-    split_at_chunks,
 )
 from ulysses_sp.attention.registration import SPRegistration, model_and_config, resolve_layout
 from ulysses_sp.attention.ring import RingStats
-from ulysses_sp.attention.segments import segment_lengths
 from ulysses_sp.parallel.headwise import out_heads_to_seq, qkv_seq_to_heads
 from ulysses_sp.parallel.mesh import SPMesh, require_process_group
 from ulysses_sp.parallel.mesh_shape import check_heads, head_counts, resolve_ring_size_for_layers
@@ -148,17 +146,17 @@ class UlyssesSPAttentionHF:
 
     # ------------------------------------------------------------------ per-forward layout
     def _seq_layout(self, passed: torch.Tensor | None, s_local: int, batch: int, device, sp: bool):
-        """Gather the full position ids once per forward: every layer of one forward (and its
-        checkpoint recompute) receives the same ``position_ids`` object."""
+        """The forward's full-sequence layout, once per forward (every layer of one forward and its
+        checkpoint recompute receive the same ``position_ids`` object): the data adapter's host
+        layout attached to them (``parallel/doc_layout.py``), else their gather over the SP group."""
         position_ids, source = local_positions(passed, self.call, s_local, device)
         key = (position_ids._version, s_local, sp)
         state = self._forward
         if state is not None and state.source() is position_ids and state.key == key:
             return state.layout
         expected = None if self.seq_length_is_variable else self.max_length or self.seq_length
-        positions = full_positions(position_ids, source, group=self.sp_group if sp else None, batch=batch,
-                                   s_local=s_local, expected_len=expected, ring_size=self.ring_size)  # fmt: skip
-        layout = SeqLayout.from_positions(positions)
+        layout = seq_layout(position_ids, source, group=self.sp_group if sp else None, batch=batch, s_local=s_local,
+                            expected_len=expected, ring_size=self.ring_size)  # fmt: skip
         self._forward = ForwardState(weakref.ref(position_ids, self._release), key, layout)
         return layout
 
@@ -189,8 +187,7 @@ class UlyssesSPAttentionHF:
         kwargs.pop("is_causal", None)
         chunk = layer_chunk(module)
         if chunk is not None:  # chunked attention: segments end at documents and chunk boundaries
-            layout = self._per_forward(base, ("chunked", chunk), lambda: SeqLayout.from_positions(
-                split_at_chunks(base.positions, chunk)))  # fmt: skip
+            layout = self._per_forward(base, ("chunked", chunk), lambda: base.split_at_chunks(chunk))
         a2a = sp and self.ulysses_size > 1
         if sp:  # the model's token-index query scale used the shard's 0..S_l-1
             index = global_token_index(self.sp_group, s_local, layout.seq_len, self.ring_size)
@@ -241,7 +238,7 @@ class UlyssesSPAttentionHF:
         path = self.last_path = attention_path(self.core, layout, window, self.offload_attention,
                                                sinks=kwargs.get("s_aux") is not None, attn_chunk=self.attn_chunk)  # fmt: skip
         if path == "segments":  # documents' lengths: host ints, once per forward
-            lengths = self._per_forward(base, ("segments", chunk), lambda: segment_lengths(layout.doc_ids.cpu()))
+            lengths = self._per_forward(base, ("segments", chunk), layout.doc_lengths)
             return run_segments(view, q, k, v, lengths, kwargs)
         if path.startswith("blockwise"):
             structure = self._per_forward(base, ("blockwise", window, chunk), lambda: structure_for(layout, window))

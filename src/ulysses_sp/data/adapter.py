@@ -22,9 +22,13 @@ import torch.distributed as dist
 from ulysses_sp.checks import check_seq_len_divisible, positive_int
 from ulysses_sp.data.shard import _is_seq, prepare_batch, shard_batch
 from ulysses_sp.parallel.comm import all_gather_object, exchange_bytes, raise_if_any_rank_failed
+from ulysses_sp.parallel.doc_layout import attach_layout, host_layout
 from ulysses_sp.parallel.mesh import ring_size_of
 
 logger = logging.getLogger(__name__)
+
+_LAYOUT = "__ulysses_sp_layout__"
+"""The prepared batch's ``HostLayout`` (exchanged with the round's metadata; never yielded as a key)."""
 
 
 def _describe(batch: Mapping[str, Any]) -> dict[str, tuple]:
@@ -54,7 +58,10 @@ class UlyssesSPDataLoaderAdapter:
 
         {"input_ids": [B, S_l], "position_ids": [B, S_l], "shift_labels": [B, S_l], **passthrough}
 
-    ``S`` may differ between ranks and steps. Each yielded shard is moved to ``device`` when it is
+    ``S`` may differ between ranks and steps. The full sequence's document layout
+    (``parallel/doc_layout.py``) travels with the round's metadata and is attached to the yielded
+    ``position_ids``: the SP attention and the mixers take it from there, with no collective and no
+    host read of a device value inside the model. Each yielded shard is moved to ``device`` when it is
     yielded; the other shards of the round wait on CPU. ``len(adapter) == len(dl) * sp_world_size``.
 
     Exchange: each rank prepares its own batch locally (shift, pad, positions: the full sequence
@@ -146,7 +153,11 @@ class UlyssesSPDataLoaderAdapter:
             del shards
             while current:
                 shard = current.popleft()
-                yield {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in shard.items()}
+                layout = shard.pop(_LAYOUT, None)
+                out = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in shard.items()}
+                if layout is not None:  # on the tensor the model gets (after the move)
+                    attach_layout(out["position_ids"], layout)
+                yield out
 
     def _refill(self, it: Iterator[Any]) -> list[dict[str, Any]] | None:
         """Load one batch per rank and exchange: this rank's ``P`` shards of the next round, or
@@ -160,6 +171,7 @@ class UlyssesSPDataLoaderAdapter:
             try:
                 prepared = prepare_batch(batch, self.sp_world_size, pad_token_id=self.pad_token_id,
                                          strict=self.strict, ring_size=self.ring_size)  # fmt: skip
+                prepared[_LAYOUT] = host_layout(prepared["position_ids"])  # the group gets it with the metadata
             except ValueError as e:
                 error = str(e)
         if self.sp_group is None:  # no sequence parallelism: nothing to exchange

@@ -214,7 +214,8 @@ def tiled_causal_lm_loss(
     The logits ``[B, S_l, V]`` and their gradient only ever exist for one ``[B, T, V]`` tile:
     forward computes each tile's fp32 cross-entropy sum and drops the tile; backward recomputes
     each tile's logits and back-propagates into ``hidden_states`` and ``lm_head``'s parameters.
-    Tiles whose labels are all ``ignore_index`` are skipped (no work, zero gradient).
+    Every tile is computed, even one whose labels are all ``ignore_index`` (it adds exactly 0):
+    deciding to skip it would read device values on the host.
 
     Args:
         hidden_states: ``[B, S_l, h]`` the final (normed) hidden states of this rank's shard.
@@ -245,8 +246,8 @@ def tiled_causal_lm_loss(
     head = lm_head.forward  # the module's own forward: hooks (FSDP, ours) ran for the whole call
 
     def tile_loss(h_tile: torch.Tensor, label_tile: torch.Tensor) -> torch.Tensor:
-        if not bool((label_tile != ignore_index).any()):  # zero-token tile: nothing to compute
-            return torch.zeros((), dtype=torch.float32, device=h_tile.device)
+        # a tile without a valid token is computed too (its sum is 0): skipping it would read the
+        # labels on the host, a device sync inside the step (DESIGN.md, "Scale without a GPU")
         # [B, T, h] -> [B, T, V] (one tile of logits) -> fp32 sum of token losses
         return causal_lm_loss_parts(head(h_tile), label_tile, ignore_index=ignore_index)[0]
 

@@ -1,0 +1,122 @@
+"""The document layout of one batch as host values: what the attention needs of the positions, sync-free.
+
+The SP attention and the sequence mixers need the **full** sequence's structure (where packed
+documents start, what the position ids are) while each rank holds only ``S_l`` tokens. Gathered from
+the device per forward (``attention/masks.py``'s fallback) that costs a collective and host reads of
+device values (``.tolist()``, ``bool(tensor)``): GPU syncs in the hot path, and a step that cannot
+run under ``FakeTensorMode`` (DESIGN.md, "Scale without a GPU"). Instead the data adapter, which
+holds the whole batch on the host before sharding it, computes a ``HostLayout`` once per batch
+(``host_layout``), ships it to the SP group in the metadata exchange it already makes per round, and
+attaches it to the yielded shard's ``position_ids`` tensor (``attach_layout``). Whoever receives that
+tensor (the attention, the mixers' position tracker) reads it back with ``layout_of``: no extra
+keyword for the model, nothing for a model without SP attention to trip over, and the layout is
+dropped (the fallback runs) if the tensor is edited in place.
+
+A row's position ids are stored as *runs*: maximal spans where the id goes up by one, each as
+``(first token, its position id)``; a position id 0 after the first token starts a new document
+(the packed-document convention, ``masks.SeqLayout``) and always starts a run. Typical batches have
+one run per document, so the layout is ``O(documents)`` Python ints, not ``O(S)``.
+
+Shape legend: ``B`` batch, ``S`` full (padded) sequence.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_ATTR = "_ulysses_sp_layout"
+"""The attribute of a ``position_ids`` tensor holding ``(HostLayout, tensor version)``."""
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """The full sequence's position ids of one batch, as host ints (see the module doc)."""
+
+    seq_len: int
+    """``S``: tokens per row of the full (padded) sequence."""
+    runs: tuple[tuple[tuple[int, int], ...], ...]
+    """Per batch row: ``(first token, its position id)`` of every run of ids going up by one."""
+    dtype: torch.dtype = torch.int64
+    """The position ids' dtype."""
+
+    @property
+    def batch(self) -> int:
+        return len(self.runs)
+
+    def doc_starts(self) -> list[list[int]]:
+        """Per row: the first token of every document (``0`` first; a later id 0 starts one)."""
+        return [[0] + [t for t, p in row if t > 0 and p == 0] for row in self.runs]
+
+    @property
+    def packed(self) -> bool:
+        """Whether any row holds more than one document (``SeqLayout.doc_ids`` is not ``None``)."""
+        return any(t > 0 and p == 0 for row in self.runs for t, p in row)
+
+    def doc_lengths(self) -> list[list[int]]:
+        """Per row: its documents' lengths in order (``segments.segment_lengths`` of the doc ids)."""
+        return [[e - s for s, e in zip(st, [*st[1:], self.seq_len])] for st in self.doc_starts()]
+
+    def positions(self, device: torch.device | str) -> torch.Tensor:
+        """``[B, S]`` position ids, built from the runs (sizes known on the host: nothing data-dependent)
+        and copied to ``device``."""
+        rows = []
+        for row in self.runs:
+            ends = [t for t, _ in row[1:]] + [self.seq_len]
+            rows.append(torch.cat([torch.arange(p, p + e - t) for (t, p), e in zip(row, ends)]))  # [S]
+        return torch.stack(rows).to(self.dtype).to(device)
+
+    def doc_ids(self, device: torch.device | str) -> torch.Tensor | None:
+        """``[B, S]`` int64 document index per token (``SeqLayout.doc_ids``), or ``None`` unpacked."""
+        if not self.packed:
+            return None
+        rows = [torch.cat([torch.full((n,), i) for i, n in enumerate(row)]) for row in self.doc_lengths()]
+        return torch.stack(rows).to(device)
+
+    def split_at_chunks(self, chunk: int) -> HostLayout:
+        """The layout of ``positions.split_at_chunks(positions, chunk)``: every token whose id is a
+        multiple of ``chunk`` (document starts included) and the first token start a segment
+        numbered from 0 (chunked attention)."""
+        out = []
+        for row in self.runs:
+            ends = [t for t, _ in row[1:]] + [self.seq_len]
+            starts = {0}
+            for (t, p), e in zip(row, ends):
+                first = -(-p // chunk) * chunk  # the first multiple of chunk at or after p
+                starts.update(range(t + first - p, e, chunk))
+            out.append(tuple((s, 0) for s in sorted(starts)))
+        return HostLayout(self.seq_len, tuple(out))  # int64, as positions.split_at_chunks makes them
+
+
+def host_layout(position_ids: torch.Tensor) -> HostLayout:
+    """The ``HostLayout`` of ``[B, S]`` full-sequence position ids (read on the host: data path only)."""
+    pos = position_ids.detach().to("cpu", torch.int64)
+    brk = torch.ones_like(pos, dtype=torch.bool)  # [B, S]: a run starts here
+    brk[:, 1:] = (pos[:, 1:] != pos[:, :-1] + 1) | (pos[:, 1:] == 0)
+    runs = []
+    for row, starts in zip(pos, brk):
+        idx = starts.nonzero().flatten()
+        runs.append(tuple(zip(idx.tolist(), row[idx].tolist())))
+    return HostLayout(pos.shape[-1], tuple(runs), position_ids.dtype)
+
+
+def attach_layout(position_ids: torch.Tensor, layout: HostLayout) -> torch.Tensor:
+    """Attach ``layout`` to the shard's ``position_ids`` (returned); valid while the tensor is unedited."""
+    setattr(position_ids, _ATTR, (layout, position_ids._version))
+    return position_ids
+
+
+def layout_of(position_ids: Any) -> HostLayout | None:
+    """The ``HostLayout`` attached to ``position_ids``, or ``None`` (none attached, or edited since)."""
+    found = getattr(position_ids, _ATTR, None)
+    if found is None or found[1] != position_ids._version:
+        return None
+    return found[0]
+
+
+def doc_boundaries_between(starts: list[int], lo: int, hi: int) -> int:
+    """How many of the sorted document ``starts`` lie in ``(lo, hi]`` (0 when ``hi <= lo``)."""
+    return max(0, bisect_right(starts, hi) - bisect_right(starts, lo))
