@@ -76,5 +76,7 @@ def test_cli_rehearses_a_packed_sp2_run_and_reports_the_verdict(tmp_path):
     assert "verdict: fits" in out.stdout and "largest tensors alive at the peak" in out.stdout
     small = subprocess.run([*cmd, "--gpu-memory", "1MB"], capture_output=True, text=True, check=False, cwd=tmp_path)
     assert small.returncode == 1 and "DOES NOT FIT" in small.stdout
-    ddp = subprocess.run([*cmd[:-5], "--zero-stage", "0"], capture_output=True, text=True, check=False, cwd=tmp_path)
+    ddp_cmd = [*cmd]
+    ddp_cmd[ddp_cmd.index("--zero-stage") + 1] = "0"
+    ddp = subprocess.run(ddp_cmd, capture_output=True, text=True, check=False, cwd=tmp_path)
     assert ddp.returncode == 2 and "--rehearse needs --zero-stage 2 or 3" in ddp.stderr

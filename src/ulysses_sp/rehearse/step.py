@@ -141,6 +141,7 @@ def rehearse_step(
             _fake_buffers(model, mode)
             engine = make_engine(model, mesh)  # FSDP2 shards the meta parameters, then makes its shards
             mods.name_modules(engine.module)
+            _warm_optimizer(engine, reads)
             phases["build"] = time.perf_counter() - t0
             layout = batch.pop("_layout", None)
             fake_batch = {k: mode.from_tensor(v) if torch.is_tensor(v) else v for k, v in batch.items()}
@@ -172,6 +173,18 @@ def rehearse_step(
     result.seconds = time.perf_counter() - t0
     result.phases = phases
     return result
+
+
+def _warm_optimizer(engine: Any, reads: HostReads) -> None:
+    """Make the optimizer's state as a run holds it from its second step on (AdamW builds it lazily
+    at its first step): one step on zero gradients, then the gradients dropped. The rehearsed step is
+    then a steady-state step, as ``bench/plan_check.py``'s warm-up step makes the measured one."""
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    with reads.answer():
+        engine.optimizer.step()
+    engine.optimizer.zero_grad(set_to_none=True)
 
 
 def _backward_phase(tracker: StepTracker, engine: Any) -> None:
