@@ -151,9 +151,8 @@ def _host_states(cfg: RunConfig, config: Any, gpus: int) -> int:
 def _rehearse_rank(cfg: RunConfig, config: Any, batch: dict[str, torch.Tensor], *, gpus: int, rank: int,
                    where: RehearsalDevice) -> StepResult:  # fmt: skip
     from ulysses_sp.data.shard import prepare_batch, shard_batch
-    from ulysses_sp.run.loop import micro_step
-
     from ulysses_sp.parallel.doc_layout import host_layout
+    from ulysses_sp.run.loop import micro_step
 
     sp_rank = rank % cfg.sp
     prepared = prepare_batch(batch, cfg.sp)
