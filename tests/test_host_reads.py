@@ -115,6 +115,21 @@ def test_block_skipping_from_host_starts_equals_the_doc_id_decision(rows):
             assert s.block_kind(q0, q1, k0, k1) == _kind_from_ids(doc, q0, q1, k0, k1), (q0, q1, k0, k1)
 
 
+@pytest.mark.parametrize("rows", CASES)
+def test_mixer_document_spans_and_conv_windows_from_host_equal_the_fallback(rows):
+    from ulysses_sp.mixers.documents import segments
+    from ulysses_sp.mixers.linear_attn import _Sharded
+
+    pos = torch.tensor(rows)
+    dev, hl = SeqLayout.from_positions(pos), SeqLayout.from_host(host_layout(pos), torch.device("cpu"))
+    b, s = pos.shape
+    assert segments(hl, b, s) == segments(dev, b, s)
+    for sp_size, width in [(2, 1), (2, 3), (4, 2), (4, 5)]:
+        for rank in range(sp_size):
+            want = _Sharded(None, sp_size, rank, dev)._window_docs(s // sp_size, width)
+            assert _Sharded(None, sp_size, rank, hl)._window_docs(s // sp_size, width) == want
+
+
 def test_an_attached_layout_is_dropped_when_the_ids_are_edited_in_place():
     pos = torch.arange(8)[None]
     attach_layout(pos, host_layout(pos))

@@ -9,8 +9,10 @@ causally over the full sequence, and all-to-all the output back to ``[B, S_l, H,
 else in the model (embeddings, norms, MLPs, projections) is token-local and needs no change.
 
 Masks: transformers builds its causal mask for the *local* shard, which is wrong for the full
-sequence, so we never use it. We gather the full sequence's ``position_ids`` over the SP group (once
-per forward) and run the path ``attention/core.py`` picks: plain causal through the kernel's own
+sequence, so we never use it. The full sequence's layout comes with the batch from the data adapter as
+host values attached to ``position_ids`` (``parallel/doc_layout.py``: no collective, no device sync);
+without it (a direct call) we gather the ``position_ids`` over the SP group once per forward. Then the
+path ``attention/core.py`` picks runs: plain causal through the kernel's own
 causal mode; packed documents (position ids restart at 0) and sliding windows through the blockwise
 core for sdpa (no ``S x S`` tensor), varlen for flash, a ``BlockMask`` for flex, a dense mask for eager.
 q, k and v (and the output) cross the SP group head by head (``parallel/headwise.py``: no

@@ -5,8 +5,9 @@ A mixer's forward does not receive ``position_ids`` (decoder layers keep them fo
 ``PositionTracker`` captures them where the batch enters the model: a forward pre-hook on the
 model's root records its ``position_ids`` argument (a weak reference: nothing outlives the step's
 batch; a checkpoint recompute in backward finds the same tensor). The first mixer of a forward asks
-for the full-sequence layout (``gather_positions``, one small all-gather per forward, cached on the
-tensor's identity and version); later mixers and recomputes reuse it.
+for the full-sequence layout (``masks.seq_layout``: the data adapter's host layout attached to the
+ids, else a gather, one small all-gather per forward with host reads; cached on the tensor's identity
+and version); later mixers and recomputes reuse it.
 
 Packed documents (position ids restarting at 0): the models' torch kernels (``causal_conv1d_fn``,
 ``mamba2_chunk_scan``) cannot reset their state at a boundary — without SP they let one document
@@ -27,7 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ulysses_sp.attention.masks import SeqLayout, gather_positions
+from ulysses_sp.attention.masks import SeqLayout, seq_layout
+from ulysses_sp.attention.positions import GIVEN
 
 Segments = list[tuple[slice, list[tuple[int, int]]]]
 """``(rows, [(start, end), ...])``: a group of batch rows and the document spans they share."""
@@ -74,11 +76,9 @@ class PositionTracker:
         key = (pos._version, s_local, batch)
         if self._cache is not None and self._cache[0]() is pos and self._cache[1] == key:
             return self._cache[2]
-        if self.mesh.sp_size > 1:
-            full = gather_positions(pos, self.mesh.sp_group, batch=batch, expected_len=None)  # [B|1, S]
-        else:
-            full = pos
-        layout = SeqLayout.from_positions(full)
+        # the adapter's host layout attached to pos, else the fallback: gathered, [B|1, S_l] -> [B|1, S]
+        group = self.mesh.sp_group if self.mesh.sp_size > 1 else None
+        layout = seq_layout(pos, GIVEN, group=group, batch=batch, s_local=s_local, expected_len=None)
         self._cache = (weakref.ref(pos), key, layout)
         return layout
 
@@ -90,7 +90,10 @@ def segments(layout: SeqLayout | None, batch: int, seq_len: int) -> Segments:
     out: Segments = []
     rows = [slice(None)] if layout.doc_ids.shape[0] == 1 else [slice(b, b + 1) for b in range(batch)]
     for i, row in enumerate(rows):
-        starts = [0] + (torch.nonzero(layout.positions[i, 1:] == 0).flatten() + 1).tolist()
+        if layout.host is not None:  # the adapter's: host ints
+            starts = layout.host.doc_starts()[i]
+        else:  # the fallback reads the device ids
+            starts = [0] + (torch.nonzero(layout.positions[i, 1:] == 0).flatten() + 1).tolist()
         out.append((row, list(zip(starts, starts[1:] + [seq_len]))))
     return out
 

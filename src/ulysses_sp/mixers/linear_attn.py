@@ -156,25 +156,29 @@ class _Sharded:
         out = per_document(run, full, spans, seq_dim=1)  # [B, S, Hv_l, Dv], per packed document
         return heads_to_seq(out, self.group, head_dim=2, seq_dim=1), None  # -> [B, S_l, Hv, Dv]
 
-    def _window_docs(self, s_local: int, width: int) -> torch.Tensor | None:
-        """``[B|1, K-1+S_l]`` document ids of ``[halo | local]`` (-1 before the sequence), or None."""
+    def _window_docs(self, s_local: int, width: int) -> list[list[int]] | None:
+        """Per row of ``[halo | local]`` (``K-1+S_l`` tokens from global ``lo - width``; a halo before the
+        sequence is its own document): where a new document starts, as host ints; ``None`` unpacked."""
         if self.layout is None or self.layout.doc_ids is None:
             return None
-        docs, lo = self.layout.doc_ids, self.sp_rank * s_local
-        before = docs.new_full((docs.shape[0], max(0, width - lo)), -1)
-        return torch.cat([before, docs[:, max(0, lo - width) : lo + s_local]], dim=-1)
+        lo = self.sp_rank * s_local
+        first, end = lo - width, lo + s_local
+        if self.layout.host is not None:  # the adapter's layout: no read of the device ids
+            return [[s - first for s in row if first < s < end] for row in self.layout.host.doc_starts()]
+        docs = self.layout.doc_ids  # the fallback: [B|1, K-1+S_l] ids (-1 before the sequence), read back
+        docs = torch.cat([docs.new_full((docs.shape[0], max(0, -first)), -1), docs[:, max(0, first) : end]], dim=-1)
+        return [(torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist() for row in docs]
 
 
 def _per_window_document(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
-                         docs: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-    """``fn`` on every run of equal document ids (``docs [B|1, L]``) of ``x [B, C, L]``, concatenated
-    along ``L``; one call when unpacked. Rows with different boundaries run one by one."""
-    if docs is None or bool((docs == docs[:, :1]).all()):
+                         cuts: list[list[int]] | None) -> torch.Tensor:  # fmt: skip
+    """``fn`` on every document of ``x [B, C, L]`` (``cuts``: per row of ``B`` or one for all, where one
+    starts), concatenated along ``L``; one call when unpacked. Rows with different boundaries run one by one."""
+    if cuts is None or not any(cuts):
         return fn(x)
-    if docs.shape[0] > 1:
-        return torch.cat([_per_window_document(fn, x[b : b + 1], docs[b : b + 1]) for b in range(x.shape[0])])
-    cuts = (torch.nonzero(docs[0, 1:] != docs[0, :-1]).flatten() + 1).tolist()
-    edges = [0, *cuts, x.shape[-1]]
+    if len(cuts) > 1:
+        return torch.cat([_per_window_document(fn, x[b : b + 1], [cuts[b]]) for b in range(x.shape[0])])
+    edges = [0, *cuts[0], x.shape[-1]]
     return torch.cat([fn(x[..., a:e]) for a, e in zip(edges[:-1], edges[1:])], dim=-1)
 
 
