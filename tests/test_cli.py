@@ -59,6 +59,12 @@ def train(out, *args: str, **kw) -> subprocess.CompletedProcess:
     return cli("train", *TINY, "--output-dir", str(out), *args, **kw)
 
 
+def train_here(out, *args: str) -> None:
+    """``train`` with ``--nproc 1`` in this process, as the CLI runs it (no launcher): the sp 1 oracles
+    save an interpreter start."""
+    main(["train", *TINY, "--output-dir", str(out), "--nproc", "1", *args])
+
+
 STEPS8 = ("--steps", "8", "--zero-stage", "3")
 
 
@@ -66,7 +72,7 @@ STEPS8 = ("--steps", "8", "--zero-stage", "3")
 def runs(tmp_path_factory):
     """The sp=1 reference and the sp=2 run: dp=1, ZeRO 3, 8 steps, the sp=2 one saving every 2."""
     root = tmp_path_factory.mktemp("cli")
-    train(root / "sp1", "--sp", "1", "--nproc", "1", *STEPS8)
+    train_here(root / "sp1", "--sp", "1", *STEPS8)
     train(root / "sp2", "--sp", "2", "--nproc", "2", *STEPS8, "--save-every", "2")
     return root
 

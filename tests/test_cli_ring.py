@@ -4,7 +4,7 @@ with tiled MLP, tiled loss and activation checkpointing) equals its plain ``--sp
 from __future__ import annotations
 
 import pytest
-from test_cli import _fails, metrics, train
+from test_cli import _fails, metrics, train, train_here
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ulysses_sp import tasks
@@ -21,7 +21,7 @@ def two_heads(tmp_path_factory):
 
 def test_two_head_model_at_sp4_equals_sp1_step_by_step(two_heads, tmp_path):
     common = ("--model", str(two_heads), "--steps", "4", "--zero-stage", "3")
-    train(tmp_path / "sp1", *common, "--sp", "1", "--nproc", "1")
+    train_here(tmp_path / "sp1", *common, "--sp", "1")
     alst = ("--tiled-mlp", "--tiled-loss", "--activation-checkpointing")  # exact: the sp 1 run has none
     proc = train(tmp_path / "sp4", *common, "--sp", "4", "--nproc", "4", *alst)
     assert "sp 4 (ring 2 x ulysses 2: ring attention)" in proc.stderr
