@@ -57,22 +57,26 @@ def test_trainer_sp2_per_batch_mean_loss_equals_trainer_without_sp(pool):
     _assert_same_run(sp, ref)
 
 
+@pytest.fixture(scope="module")
+def packed_ref(pool):
+    """SFTTrainer without SP on packed batches: the oracle of both packed layouts (Ulysses, ring)."""
+    return pool.run(train_and_eval, 2, 0, kind="packed", accum=1)
+
+
 @pytest.mark.slow
-def test_sft_trainer_sp2_packed_batches_equal_sft_without_sp(pool):
+def test_sft_trainer_sp2_packed_batches_equal_sft_without_sp(pool, packed_ref):
     """TRL BFD packing = padding-free batches (documents restart position_ids): document-causal under
     SP; the eval's last, evened-out batch is counted like the run without SP counts it."""
-    ref = pool.run(train_and_eval, 2, 0, kind="packed", accum=1)
     sp = pool.run(train_and_eval, 2, 2, kind="packed", accum=2)
-    _assert_same_run(sp, ref)
+    _assert_same_run(sp, packed_ref)
     assert sp[0]["name"] == "SequenceParallelSFTTrainer"
 
 
 @pytest.mark.slow
-def test_sft_trainer_ring2_packed_batches_equal_sft_without_sp(pool):
+def test_sft_trainer_ring2_packed_batches_equal_sft_without_sp(pool, packed_ref):
     """The hybrid layout from the Trainer: sp 2 as a ring of 2 (zigzag shards, K/V around the ring)."""
-    ref = pool.run(train_and_eval, 2, 0, kind="packed", accum=1)
     sp = pool.run(train_and_eval, 2, 2, kind="packed", accum=2, ring_size=2)
-    _assert_same_run(sp, ref)
+    _assert_same_run(sp, packed_ref)
 
 
 @pytest.mark.slow

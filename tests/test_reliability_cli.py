@@ -18,7 +18,7 @@ import time
 
 import pytest
 import torch
-from test_cli import TINY, _last_spawned_worker, cli, metrics, train
+from test_cli import TINY, _fails, _last_spawned_worker, metrics, train
 
 from ulysses_sp.cli.main import main
 
@@ -80,19 +80,15 @@ def test_diverging_run_skips_steps_stops_loud_and_never_saves_nan(tmp_path, caps
     assert "the weights hold NaN or inf" in capsys.readouterr().err
 
 
-def test_concurrent_run_refused_then_sigterm_saves_and_ctrl_c_stops_in_one_line(tmp_path):
+def test_concurrent_run_refused_then_sigterm_saves_and_ctrl_c_stops_in_one_line(tmp_path, capsys):
     out = tmp_path / "live"
     first = _popen(out, "--steps", "400", "--save-on-signal", "600", start_new_session=True)
     try:
         _wait_for(lambda: _last_step(out) >= 2, first, "two steps")
         lock = json.loads((out / ".ulysses-sp.lock").read_text())
-        for extra in ((), ("--overwrite",)):
-            second = cli("train", *TINY, "--output-dir", str(out), "--steps", "4", *extra, check=False)
-            assert second.returncode == 2
-            assert (
-                f"is in use by another ulysses-sp run: PID {lock['pid']} on host {lock['host']}"
-                in second.stderr
-            )
+        for extra in ((), ("--overwrite",)):  # refused before any process starts: checked in this one
+            err = _fails(capsys, "train", *TINY, "--output-dir", str(out), "--steps", "4", *extra)
+            assert f"is in use by another ulysses-sp run: PID {lock['pid']} on host {lock['host']}" in err
         # SIGTERM (preemption) to the launcher: the ranks finish the step, save it, and stop — the
         # run ends once saved, not when the 600 s the save was given are over
         first.send_signal(signal.SIGTERM)
