@@ -183,5 +183,5 @@ def _rehearse_rank(cfg: RunConfig, config: Any, batch: dict[str, torch.Tensor], 
         engine, _, _, _ = initialize(model, cfg.training_config(), mpu=mpu or mesh.mpu, loss_fn=loss_fn)
         return engine
 
-    return rehearse_step(build, make_engine, local, gpus=gpus, rank=rank, device=where, zero_stage=cfg.zero_stage,
+    return rehearse_step(build, make_engine, local, gpus=gpus, rank=rank, device=where,
                          micro_step=micro_step)  # fmt: skip

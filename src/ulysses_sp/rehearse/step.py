@@ -42,7 +42,6 @@ class StepResult:
     host_peak: int
     breakdown: dict[str, int]
     """The device peak split: parameters, gradients, optimizer state, activations, temporaries."""
-    host_breakdown: dict[str, int]
     top: list[dict[str, Any]]
     """The largest device tensors alive at the peak: bytes, shape, dtype, op, module, phase."""
     peak_phase: str
@@ -112,7 +111,6 @@ def rehearse_step(
     gpus: int,
     rank: int,
     device: RehearsalDevice,
-    zero_stage: int,
     micro_step: Callable[[Any, dict[str, Any]], None],
 ) -> StepResult:
     """One rehearsed step on ``rank`` of ``gpus`` fake ranks (see the module docstring).
@@ -122,7 +120,6 @@ def rehearse_step(
             exist (the meshes' own tensors must be real).
         make_engine: ``(model, mesh) -> engine``: the techniques, registration and ``initialize``.
         batch: this rank's micro-batch, real CPU tensors (``[B, S_l]`` entries).
-        zero_stage: 2 or 3 (FSDP2 makes the parameter shards from the meta model; DDP cannot run on fake tensors).
         micro_step: ``(engine, batch) -> None``: the run's forward + backward.
     """
     from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
@@ -189,8 +186,6 @@ def _warm_optimizer(engine: Any, reads: HostReads) -> None:
 
 def _backward_phase(tracker: StepTracker, engine: Any) -> None:
     """Switch the tracker's phase to ``backward`` when autograd starts on this step's loss."""
-    from torch.autograd.graph import register_multi_grad_hook  # noqa: F401 - presence check
-
     original = engine.backward
 
     def backward(loss: torch.Tensor) -> torch.Tensor:
@@ -210,7 +205,7 @@ def _result(tracker: StepTracker, states: dict[str, set[int]], rank: int) -> Ste
     ]  # fmt: skip
     collectives = {k: {"count": n, "bytes": tracker.collective_bytes[k]} for k, n in tracker.collectives.items()}
     return StepResult(rank=rank, device_peak=dev.peak, host_peak=host.peak, breakdown=breakdown,
-                      host_breakdown={"host staging": host.peak}, top=top, peak_phase=dev.peak_phase,
+                      top=top, peak_phase=dev.peak_phase,
                       peak_module=dev.peak_module, phase_peaks=dict(tracker.phase_peaks),
                       largest=dict(zip(("numel", "shape", "op"), tracker.largest)), collectives=collectives, flops=tracker.flops,
                       seconds=0.0)  # fmt: skip
