@@ -37,6 +37,13 @@ REASONS = {
 """Attention layer kinds that mix tokens before the attention function, and why SP cannot shard them."""
 
 
+def plain_attention_layers(config: Any) -> bool:
+    """Whether every attention layer of ``config`` is one the SP attention runs exactly (no sparse or
+    compressed kind): then ``train`` routes sp 1 through it too (no ``[S, S]`` mask, documents kept
+    apart by their positions, the same path as sp > 1)."""
+    return not any(kind in REASONS for kind in getattr(config, "layer_types", None) or ())
+
+
 def check_layer_kinds(config: Any, sp_size: int) -> None:
     """Raise ``ValueError`` naming the first layer whose attention kind sequence parallelism cannot
     make exact (``REASONS``), when ``sp_size > 1``."""

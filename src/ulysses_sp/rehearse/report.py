@@ -36,8 +36,6 @@ def format_rehearsal(r: Rehearsal) -> str:
         coll = ", ".join(f"{k} x{v['count']} ({_g(v['bytes'])})" for k, v in sorted(res.collectives.items()))
         lines.append(f"  collectives sent: {coll or 'none'}")
     host_line = f"host per node {_g(r.host_per_node)} of {_g(r.host_memory)}"
-    if r.host_states:
-        host_line += f" (model states on the host: {_g(r.host_states)} per rank)"
     verdict = "fits" if r.fits else "DOES NOT FIT"
     lines.append(f"verdict: {verdict}: device {_g(r.device_peak)} + reserve {_g(r.reserve)} of {_g(r.gpu_memory)}; "
                  f"{host_line}")  # fmt: skip

@@ -47,8 +47,6 @@ class Rehearsal:
     reserve: int
     host_memory: int
     gpus_per_node: int
-    host_states: int = 0
-    """Model states held in host memory per rank (FSDP2 CPU offload), counted directly."""
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -57,9 +55,9 @@ class Rehearsal:
 
     @property
     def host_per_node(self) -> int:
-        """Host bytes of one node: each of its ranks' host peak and host-held states."""
-        per_rank = max(r.host_peak for r in self.ranks) + self.host_states
-        return per_rank * min(self.gpus, self.gpus_per_node)
+        """Host bytes of one node: each of its ranks' host peak (offloaded activations and K/V, model
+        states under CPU offload, pinned copies)."""
+        return max(r.host_peak for r in self.ranks) * min(self.gpus, self.gpus_per_node)
 
     @property
     def fits(self) -> bool:
@@ -134,18 +132,7 @@ def rehearse_run(
              f"fragmentation, pinned staging; the planner keeps {hw.reserve_bytes / GB:.0f} GB for them"]  # fmt: skip
     return Rehearsal(device=where.describe(), gpus=gpus, seq_len=cfg.seq_len, ranks=results, predicted=pred.as_dict(),
                      gpu_memory=budget, reserve=hw.reserve_bytes, host_memory=host, gpus_per_node=hw.gpus_per_node,
-                     host_states=_host_states(cfg, config, gpus), notes=notes)  # fmt: skip
-
-
-def _host_states(cfg: RunConfig, config: Any, gpus: int) -> int:
-    """Bytes of model states one rank keeps on the host under FSDP2 CPU offload (fp32 parameters,
-    gradients and two AdamW moments, sharded over the partition)."""
-    if not cfg.cpu_offload:
-        return 0
-    from ulysses_sp.plan.inputs import ModelShape
-
-    shard = gpus if cfg.zero_partition == "all" else gpus // cfg.sp
-    return 16 * ModelShape.from_hf_config(config.get_text_config()).param_count // shard
+                     notes=notes)  # fmt: skip
 
 
 def _rehearse_rank(cfg: RunConfig, config: Any, batch: dict[str, torch.Tensor], *, gpus: int, rank: int,
@@ -171,11 +158,11 @@ def _rehearse_rank(cfg: RunConfig, config: Any, batch: dict[str, torch.Tensor], 
     def make_engine(model, mesh):
         from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
         from ulysses_sp.engine import initialize
-        from ulysses_sp.run.loop import apply_techniques
+        from ulysses_sp.run.loop import apply_techniques, sp_attention_wanted
 
         _, loss_fn = apply_techniques(cfg, model)
         mpu = None
-        if cfg.sp > 1 or cfg.offload_attention or cfg.attn_chunk is not None:
+        if sp_attention_wanted(cfg, config):
             mpu = UlyssesSPAttentionHF.register_with_transformers(
                 model, cfg.attn, cfg.sp, cfg.micro_batch_size, seq_length=cfg.seq_len, mesh=mesh,
                 attn_chunk=cfg.attn_chunk, offload_attention=cfg.offload_attention, head_chunks=cfg.head_chunks,
@@ -184,4 +171,4 @@ def _rehearse_rank(cfg: RunConfig, config: Any, batch: dict[str, torch.Tensor], 
         return engine
 
     return rehearse_step(build, make_engine, local, gpus=gpus, rank=rank, device=where,
-                         micro_step=micro_step)  # fmt: skip
+                         micro_step=micro_step, host_states=cfg.cpu_offload)  # fmt: skip

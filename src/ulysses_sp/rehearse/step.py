@@ -112,6 +112,7 @@ def rehearse_step(
     rank: int,
     device: RehearsalDevice,
     micro_step: Callable[[Any, dict[str, Any]], None],
+    host_states: bool = False,
 ) -> StepResult:
     """One rehearsed step on ``rank`` of ``gpus`` fake ranks (see the module docstring).
 
@@ -121,6 +122,8 @@ def rehearse_step(
         make_engine: ``(model, mesh) -> engine``: the techniques, registration and ``initialize``.
         batch: this rank's micro-batch, real CPU tensors (``[B, S_l]`` entries).
         micro_step: ``(engine, batch) -> None``: the run's forward + backward.
+        host_states: the model states live on the host (FSDP2 CPU offload); on an emulated
+            accelerator they are counted there (``StepTracker.rehome``), elsewhere their device says so.
     """
     from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
@@ -134,11 +137,16 @@ def rehearse_step(
         mods = ModuleStack()
         tracker = StepTracker(device.tensor_device, mods)
         reads = HostReads()
-        with real_submeshes(), mode, reads, mods, tracker, following_resize(tracker):
+        homed = _grads_homed(tracker) if host_states and device.emulated else contextlib.nullcontext()
+        with real_submeshes(), mode, reads, mods, tracker, following_resize(tracker), homed:
             _fake_buffers(model, mode)
             engine = make_engine(model, mesh)  # FSDP2 shards the meta parameters, then makes its shards
             mods.name_modules(engine.module)
             _warm_optimizer(engine, reads)
+            if host_states and device.emulated:  # the optimizer updates host-resident states on the host
+                tracker.rehome(set().union(*_state_storages(engine).values()), "host")
+                tracker.host_phases.add("optimizer")
+            tracker.reset_peaks()  # the step's own peaks (steady state), not the warm-up's
             phases["build"] = time.perf_counter() - t0
             layout = batch.pop("_layout", None)
             fake_batch = {k: mode.from_tensor(v) if torch.is_tensor(v) else v for k, v in batch.items()}
@@ -182,6 +190,32 @@ def _warm_optimizer(engine: Any, reads: HostReads) -> None:
     with reads.answer():
         engine.optimizer.step()
     engine.optimizer.zero_grad(set_to_none=True)
+
+
+@contextlib.contextmanager
+def _grads_homed(tracker: StepTracker) -> Any:
+    """FSDP2 CPU offload on an emulated accelerator: each parameter group's reduced gradient shards
+    counted on the host as soon as FSDP2 hands them over (its device-to-host copy is a no-op there).
+    Wraps ``FSDPParamGroup.post_backward`` (PyTorch-internal; without it the gradients count on the
+    device: a rehearsal that errs high)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    except ImportError:
+        yield
+        return
+    original = FSDPParamGroup.post_backward
+
+    def post_backward(group, *args):  # noqa: ANN001 - FSDP2's own signature
+        out = original(group, *args)
+        grads = (getattr(p.sharded_param, "grad", None) for p in group.fsdp_params)
+        tracker.rehome({_local(g).untyped_storage()._cdata for g in grads if g is not None}, "host")
+        return out
+
+    FSDPParamGroup.post_backward = post_backward
+    try:
+        yield
+    finally:
+        FSDPParamGroup.post_backward = original
 
 
 def _backward_phase(tracker: StepTracker, engine: Any) -> None:

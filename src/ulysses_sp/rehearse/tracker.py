@@ -14,7 +14,7 @@ Places: ``device`` (the accelerator the step runs on) and ``host``. On a fake ac
 the tensor's device type. On fake CPU tensors (a CPU rehearsal, or an accelerator emulated on a
 machine whose PyTorch has none) host staging is told apart by the mark the library already sets
 around it (``memory.meter.host_allocations``: activation offload, Ulysses-Offload's K/V); model
-states that live on the host (FSDP2's CPU offload) are counted directly by the caller.
+states that live on the host (FSDP2's CPU offload) are moved to ``host`` by the caller (``rehome``).
 
 Collectives are counted by kind with their tensor bytes (the c10d ops a fake process group still
 dispatches). Where it sits: around one step of ``rehearse.step``; it never changes what runs.
@@ -106,6 +106,8 @@ class StepTracker(TorchDispatchMode):
         self.phase_peaks: Counter[str] = Counter()
         """The device's live bytes at its high point within each phase."""
         """Floating-point operations of the matrix products and attention kernels (torch's FLOP formulas)."""
+        self.host_phases: set[str] = set()
+        """Phases whose allocations are host memory on fake CPU tensors (the optimizer of host-resident states)."""
         self._dirty: set[str] = set()
         self._finalizers: list[weakref.finalize] = []
 
@@ -115,7 +117,7 @@ class StepTracker(TorchDispatchMode):
         if kind == "meta":
             return None
         if self.device_type == "cpu":
-            return "host" if is_host_allocation() else "device"
+            return "host" if is_host_allocation() or self.phase in self.host_phases else "device"
         return "device" if kind == self.device_type else "host"
 
     def _module(self) -> str:
@@ -178,6 +180,30 @@ class StepTracker(TorchDispatchMode):
         stats = self.places[alloc.place]
         stats.current += delta
         self._raise(alloc.place, stats)
+
+    def rehome(self, keys: set[int], place: str) -> None:
+        """Count the live storages ``keys`` at ``place`` from now on (an emulated accelerator's
+        host-resident model states: FSDP2's CPU offload, whose device moves are no-ops there)."""
+        for key in keys:
+            alloc = self.live.get(key)
+            if alloc is None or alloc.place == place:
+                continue
+            self.places[alloc.place].current -= alloc.nbytes
+            alloc.place = place
+            stats = self.places[place]
+            if stats.current + alloc.nbytes > stats.peak:
+                self._dirty.add(place)
+            stats.current += alloc.nbytes
+            self._raise(place, stats)
+
+    def reset_peaks(self) -> None:
+        """Start the peaks afresh from what is live now (the rehearsed step after the warm-up)."""
+        self._dirty.clear()
+        for stats in self.places.values():
+            stats.peak, stats.peak_at, stats.peak_all = stats.current, [], []
+        self.phase_peaks.clear()
+        for place in self.places:
+            self._dirty.add(place)
 
     def finish(self) -> None:
         """Take the pending peak snapshots and stop watching the storages."""

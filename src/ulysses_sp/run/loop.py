@@ -197,7 +197,7 @@ def _run(resolved: ResolvedRun, stop: Any, held: ExitStack) -> dict[str, Any]:
                                   config=resolved.model_config)  # fmt: skip
     handles, loss_fn = apply_techniques(cfg, model)
     mpu = None
-    if cfg.sp > 1 or cfg.offload_attention or cfg.attn_chunk is not None:  # sp 1: for the blockwise core
+    if sp_attention_wanted(cfg, resolved.model_config):
         mpu = UlyssesSPAttentionHF.register_with_transformers(
             model, cfg.attn, cfg.sp, cfg.micro_batch_size, seq_length=cfg.seq_len, mesh=mesh,
             attn_chunk=cfg.attn_chunk, offload_attention=cfg.offload_attention, head_chunks=cfg.head_chunks,
@@ -223,6 +223,18 @@ def _run(resolved: ResolvedRun, stop: Any, held: ExitStack) -> dict[str, Any]:
             h.remove()
         if mpu is not None:
             mpu.remove()
+
+
+def sp_attention_wanted(cfg: RunConfig, model_config: Any) -> bool:
+    """Whether the run's attention goes through ``UlyssesSPAttentionHF``: at sp > 1, for the blockwise
+    core's options, and at sp 1 for every text model whose layers it runs exactly. At sp 1 that keeps
+    packed documents apart on every family (some families' own forward lets them attend across
+    documents) and never builds transformers' ``[1, 1, S, S]`` mask (16 GiB at 128K tokens)."""
+    from ulysses_sp.attention.layer_kinds import plain_attention_layers
+
+    if cfg.sp > 1 or cfg.offload_attention or cfg.attn_chunk is not None:
+        return True
+    return not is_vlm_config(model_config) and plain_attention_layers(model_config.get_text_config())
 
 
 def _preflight(cfg: RunConfig, world: int, model_config: Any, mesh) -> str:
