@@ -52,6 +52,32 @@ def test_sp1_same_logits_and_gradients(ckpt, mlp):
     _assert_exact(_sp1_step("llama", True, ckpt, mlp), _sp1_step("llama", False, ckpt, mlp))
 
 
+def _norm_output_saved(recompute: bool) -> bool:
+    """Whether layer 0's post-attention norm output is kept for backward (tiled MLP on)."""
+    model = tiny_model("llama", vocab=VOCAB).train()
+    apply_tiled_mlp(model, 3)
+    if recompute:
+        apply_norm_recompute(model, 4)
+    outs, saved = [], set()
+    model.model.layers[0].post_attention_layernorm.register_forward_hook(lambda m, a, o: outs.append(o))
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=global_batch(3, B, S, VOCAB))
+    return outs[0].untyped_storage().data_ptr() in saved
+
+
+def test_a_tiled_mlp_absorbs_the_recomputed_norm_before_it():
+    """With norm recompute the tiled MLP tiles ``mlp(norm(h))`` over the norm's input: the norm's
+    ``[B, S, h]`` output is not kept for backward (it is without recompute); the values and every
+    gradient stay exact (``test_sp1_same_logits_and_gradients``)."""
+    assert _norm_output_saved(recompute=False)
+    assert not _norm_output_saved(recompute=True)
+
+
 def test_one_tile_matches_too():
     _assert_exact(_sp1_step("llama", True, True, False, 1), _sp1_step("llama", False, True, False))
 

@@ -112,6 +112,10 @@ def _check_not_freed(params: Sequence[torch.Tensor]) -> None:
         )
 
 
+NORM_OF = "_ulysses_sp_norm_of"
+"""Attribute a recomputed norm's output carries: ``(norm forward, its input, its parameters)``."""
+
+
 @dataclass(frozen=True)
 class TileSpec:
     """How ``TiledCompute`` cuts and combines (validated by ``tiling.sequence_tiled_compute``)."""
@@ -150,6 +154,10 @@ class TiledCompute(torch.autograd.Function):
         ctx.rng = _rng_state(x.device) if spec.preserve_rng else None
         ctx.autocast = _autocast_state(x.device.type)
         aux = rest[: spec.n_aux]
+        # Saved first: under activation checkpointing the layer's recompute stops at its last saved
+        # tensor (torch's early stop), so the tiles below are not recomputed in backward (their
+        # output is not needed there) and no [B, S_l, ...] output is made for nothing.
+        ctx.save_for_backward(x, *aux)
         d, out = spec.seq_dim, None
         with torch.no_grad():
             for start, size in _tiles(x.shape[d], spec.num_shards):
@@ -161,7 +169,6 @@ class TiledCompute(torch.autograd.Function):
                     out = y.new_empty(y.shape[:d] + x.shape[d : d + 1] + y.shape[d + 1 :])
                 out.narrow(d, start, size).copy_(y)
                 del y  # the tile's activations die here, before the next tile
-        ctx.save_for_backward(x, *aux)
         return out
 
     @staticmethod

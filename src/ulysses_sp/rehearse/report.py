@@ -35,6 +35,17 @@ def format_rehearsal(r: Rehearsal) -> str:
             lines.append(f"    {_g(t['bytes']):>12}  {t['shape']} {t['dtype']}  {t['op']}{where} ({t['phase']})")
         coll = ", ".join(f"{k} x{v['count']} ({_g(v['bytes'])})" for k, v in sorted(res.collectives.items()))
         lines.append(f"  collectives sent: {coll or 'none'}")
+        if res.host_traffic:
+            lines.append("  host copies: " + ", ".join(f"{k} {_g(v)}" for k, v in sorted(res.host_traffic.items())))
+    if r.time:
+        t = r.time
+        lines.append(
+            f"time, projected (not measured) on one {t['device']} at {t['mfu']:.0%} of peak FLOP/s: step {t['step_s']:,.1f} s "
+            f"= compute {t['compute_s']:,.1f} s + all-to-all {t['all_to_all_s']:,.2f} s (exposed) + FSDP "
+            f"{t['fsdp_s']:,.2f} s and host copies {t['host_copy_s']:,.2f} s ({t['hidden_fraction']:.0%} hidden behind "
+            f"compute) + host optimizer {t['host_optimizer_s']:,.1f} s; {t['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU "
+            f"(planner: {pred['tokens_per_s']:,.0f})"
+        )  # fmt: skip
     host_line = f"host per node {_g(r.host_per_node)} of {_g(r.host_memory)}"
     verdict = "fits" if r.fits else "DOES NOT FIT"
     lines.append(f"verdict: {verdict}: device {_g(r.device_peak)} + reserve {_g(r.reserve)} of {_g(r.gpu_memory)}; "

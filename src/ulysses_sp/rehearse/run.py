@@ -48,6 +48,8 @@ class Rehearsal:
     host_memory: int
     gpus_per_node: int
     notes: list[str] = field(default_factory=list)
+    time: dict[str, Any] = field(default_factory=dict)
+    """The slowest rank's step time projected on the device table's entry (``rehearse.timing``)."""
 
     @property
     def device_peak(self) -> int:
@@ -132,7 +134,19 @@ def rehearse_run(
              f"fragmentation, pinned staging; the planner keeps {hw.reserve_bytes / GB:.0f} GB for them"]  # fmt: skip
     return Rehearsal(device=where.describe(), gpus=gpus, seq_len=cfg.seq_len, ranks=results, predicted=pred.as_dict(),
                      gpu_memory=budget, reserve=hw.reserve_bytes, host_memory=host, gpus_per_node=hw.gpus_per_node,
-                     notes=notes)  # fmt: skip
+                     notes=notes, time=_projected(cfg, config, results, hw, gpus))  # fmt: skip
+
+
+def _projected(cfg: RunConfig, config: Any, results: list[StepResult], hw: Any, gpus: int) -> dict[str, Any]:
+    """The slowest rehearsed rank's step time on ``hw`` (``rehearse.timing.project``)."""
+    from ulysses_sp.plan.inputs import ModelShape
+    from ulysses_sp.rehearse.timing import project
+
+    shard = gpus if cfg.zero_partition == "all" else gpus // cfg.sp
+    host_opt = 16 * ModelShape.from_hf_config(config.get_text_config()).params // shard if cfg.cpu_offload else 0
+    times = [project(r, hw, dtype=cfg.dtype, sp=cfg.sp, shard_group=shard, host_optimizer_bytes=host_opt,
+                     tokens=cfg.micro_batch_size * cfg.seq_len // cfg.sp) for r in results]  # fmt: skip
+    return max(times, key=lambda t: t.step_s).as_dict() | {"device": hw.name, "mfu": hw.mfu}
 
 
 def _rehearse_rank(cfg: RunConfig, config: Any, batch: dict[str, torch.Tensor], *, gpus: int, rank: int,

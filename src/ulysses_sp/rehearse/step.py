@@ -52,6 +52,8 @@ class StepResult:
     """Per kind: ``count`` and ``bytes`` sent by this rank in the step."""
     flops: int
     seconds: float
+    host_traffic: dict[str, int] = field(default_factory=dict)
+    """Bytes copied ``h2d`` and ``d2h`` between host and device in the step."""
     largest: dict[str, Any] = field(default_factory=dict)
     """The largest tensor made anywhere in the step: ``numel``, ``shape``, ``op``."""
     phases: dict[str, float] = field(default_factory=dict)
@@ -146,7 +148,7 @@ def rehearse_step(
             if host_states and device.emulated:  # the optimizer updates host-resident states on the host
                 tracker.rehome(set().union(*_state_storages(engine).values()), "host")
                 tracker.host_phases.add("optimizer")
-            tracker.reset_peaks()  # the step's own peaks (steady state), not the warm-up's
+            tracker.start_step()  # the step's own peaks and counts (steady state), not the warm-up's
             phases["build"] = time.perf_counter() - t0
             layout = batch.pop("_layout", None)
             fake_batch = {k: mode.from_tensor(v) if torch.is_tensor(v) else v for k, v in batch.items()}
@@ -242,6 +244,7 @@ def _result(tracker: StepTracker, states: dict[str, set[int]], rank: int) -> Ste
                       top=top, peak_phase=dev.peak_phase,
                       peak_module=dev.peak_module, phase_peaks=dict(tracker.phase_peaks),
                       largest=dict(zip(("numel", "shape", "op"), tracker.largest)), collectives=collectives, flops=tracker.flops,
+                      host_traffic=dict(tracker.host_traffic),
                       seconds=0.0)  # fmt: skip
 
 

@@ -33,8 +33,31 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry as FLOP_FORMULAS
+from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
 from ulysses_sp.memory.meter import is_host_allocation
+
+_SDPA_FORWARD = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")  # fmt: skip
+_SDPA_BACKWARD = tuple(f"{name}_backward" for name in _SDPA_FORWARD)
+
+
+def attention_flops(name: str, args: tuple, kwargs: dict) -> int | None:
+    """FLOPs of one fused attention kernel (forward or backward), halved for a causal one (the
+    masked half of the scores is skipped); ``None`` for another op. torch's own formulas count the
+    full ``S x S`` and have none for the CPU kernel an emulated rehearsal runs."""
+    if name in _SDPA_FORWARD:
+        q, k, v = args[:3]
+        flops = sdpa_flop_count(q.shape, k.shape, v.shape)
+        causal = kwargs.get("is_causal", args[4] if len(args) > 4 and isinstance(args[4], bool) else False)
+    elif name in _SDPA_BACKWARD:
+        grad, q, k, v = args[:4]
+        flops = sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape)
+        causal = kwargs.get("is_causal", next((a for a in args[6:9] if isinstance(a, bool)), False))
+    else:
+        return None
+    return flops // 2 if causal else flops
+
 
 TOP = 10
 """How many of the largest storages alive at the peak are kept."""
@@ -105,7 +128,8 @@ class StepTracker(TorchDispatchMode):
         """``(elements, shape, op)`` of the largest tensor any op made in the step (an ``S x S`` check)."""
         self.phase_peaks: Counter[str] = Counter()
         """The device's live bytes at its high point within each phase."""
-        """Floating-point operations of the matrix products and attention kernels (torch's FLOP formulas)."""
+        self.host_traffic: Counter[str] = Counter()
+        """Bytes copied ``h2d`` (host to device) and ``d2h`` by the step's ops (offload, CPU-offloaded states)."""
         self.host_phases: set[str] = set()
         """Phases whose allocations are host memory on fake CPU tensors (the optimizer of host-resident states)."""
         self._dirty: set[str] = set()
@@ -196,9 +220,14 @@ class StepTracker(TorchDispatchMode):
             stats.current += alloc.nbytes
             self._raise(place, stats)
 
-    def reset_peaks(self) -> None:
-        """Start the peaks afresh from what is live now (the rehearsed step after the warm-up)."""
+    def start_step(self) -> None:
+        """Start the peaks afresh from what is live now, and the counts from zero (the rehearsed step
+        after the warm-up)."""
         self._dirty.clear()
+        self.collectives.clear()
+        self.collective_bytes.clear()
+        self.host_traffic.clear()
+        self.flops = 0
         for stats in self.places.values():
             stats.peak, stats.peak_at, stats.peak_all = stats.current, [], []
         self.phase_peaks.clear()
@@ -217,16 +246,20 @@ class StepTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        count = FLOP_FORMULAS.get(func.overloadpacket)
-        if count is not None:
-            self.flops += int(count(*args, **kwargs, out_val=out))
         name = func._schema.name
+        attn = attention_flops(name.split("::", 1)[-1], args, kwargs)
+        count = FLOP_FORMULAS.get(func.overloadpacket)
+        if attn is not None:
+            self.flops += attn
+        elif count is not None:
+            self.flops += int(count(*args, **kwargs, out_val=out))
         if name.startswith(("c10d::", "_c10d_functional::")):
             self._count_collective(name.split("::", 1)[1], args)
         inputs = {
             s._cdata for t in tree_leaves((args, kwargs))
             if isinstance(t, torch.Tensor) and (s := _storage(t)) is not None
         }  # fmt: skip
+        self._count_traffic(func, args, out)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and (place := self._place(t)) is not None:
                 s = _storage(t)
@@ -235,6 +268,26 @@ class StepTracker(TorchDispatchMode):
                     if _plain(t).numel() > self.largest[0]:
                         self.largest = (_plain(t).numel(), tuple(_plain(t).shape), name.split("::", 1)[-1])
         return out
+
+    def _where(self, t: torch.Tensor) -> str | None:
+        s = _storage(t)
+        alloc = self.live.get(s._cdata) if s is not None else None
+        return alloc.place if alloc is not None else self._place(t)
+
+    def _count_traffic(self, func: Any, args: tuple, out: Any) -> None:
+        """Bytes an op moves between places: each tensor input on the other place than its output
+        (an in-place op's output is its first argument)."""
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if not outs or func._schema.name.startswith(("c10d::", "_c10d_functional::")):
+            return
+        dst = self._where(outs[0])
+        if dst is None:
+            return
+        first = args[0] if args else None
+        skip = {id(first)} if func._schema.is_mutable and isinstance(first, torch.Tensor) else set()
+        for t in tree_leaves(args):
+            if isinstance(t, torch.Tensor) and id(t) not in skip and (src := self._where(t)) not in (None, dst):
+                self.host_traffic["h2d" if dst == "device" else "d2h"] += _plain(t).numel() * t.element_size()
 
     def _count_collective(self, kind: str, args: tuple) -> None:
         kind = kind.rstrip("_")
