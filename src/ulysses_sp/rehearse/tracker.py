@@ -286,7 +286,7 @@ class StepTracker(TorchDispatchMode):
         first = args[0] if args else None
         skip = {id(first)} if func._schema.is_mutable and isinstance(first, torch.Tensor) else set()
         for t in tree_leaves(args):
-            if isinstance(t, torch.Tensor) and id(t) not in skip and (src := self._where(t)) not in (None, dst):
+            if isinstance(t, torch.Tensor) and id(t) not in skip and self._where(t) not in (None, dst):
                 self.host_traffic["h2d" if dst == "device" else "d2h"] += _plain(t).numel() * t.element_size()
 
     def _count_collective(self, kind: str, args: tuple) -> None:
