@@ -33,7 +33,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry as FLOP_FORMULAS
-from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
 from ulysses_sp.memory.meter import is_host_allocation
 
@@ -48,14 +47,16 @@ def attention_flops(name: str, args: tuple, kwargs: dict) -> int | None:
     full ``S x S`` and have none for the CPU kernel an emulated rehearsal runs."""
     if name in _SDPA_FORWARD:
         q, k, v = args[:3]
-        flops = sdpa_flop_count(q.shape, k.shape, v.shape)
+        matmuls = 2  # q k^T, p v
         causal = kwargs.get("is_causal", args[4] if len(args) > 4 and isinstance(args[4], bool) else False)
     elif name in _SDPA_BACKWARD:
-        grad, q, k, v = args[:4]
-        flops = sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape)
+        _, q, k, v = args[:4]
+        matmuls = 4  # dv, dp, dq, dk
         causal = kwargs.get("is_causal", next((a for a in args[6:9] if isinstance(a, bool)), False))
     else:
         return None
+    b, h, s_q, d = q.shape  # [B, H, S_q, D]; K/V may have fewer (GQA) heads, each query head attends all keys
+    flops = matmuls * 2 * b * h * s_q * k.shape[-2] * max(d, v.shape[-1])
     return flops // 2 if causal else flops
 
 
