@@ -52,14 +52,15 @@ def test_sp1_same_logits_and_gradients(ckpt, mlp):
     _assert_exact(_sp1_step("llama", True, ckpt, mlp), _sp1_step("llama", False, ckpt, mlp))
 
 
-def _norm_output_saved(recompute: bool) -> bool:
-    """Whether layer 0's post-attention norm output is kept for backward (tiled MLP on)."""
+def _norm_output_saved(recompute: bool, norm: str = "post_attention_layernorm", mlp: bool = True) -> bool:
+    """Whether layer 0's ``norm`` output is kept for backward."""
     model = tiny_model("llama", vocab=VOCAB).train()
-    apply_tiled_mlp(model, 3)
+    if mlp:
+        apply_tiled_mlp(model, 3)
     if recompute:
         apply_norm_recompute(model, 4)
     outs, saved = [], set()
-    model.model.layers[0].post_attention_layernorm.register_forward_hook(lambda m, a, o: outs.append(o))
+    getattr(model.model.layers[0], norm).register_forward_hook(lambda m, a, o: outs.append(o))
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         saved.add(t.untyped_storage().data_ptr())
@@ -76,6 +77,14 @@ def test_a_tiled_mlp_absorbs_the_recomputed_norm_before_it():
     gradient stay exact (``test_sp1_same_logits_and_gradients``)."""
     assert _norm_output_saved(recompute=False)
     assert not _norm_output_saved(recompute=True)
+
+
+@pytest.mark.parametrize("norm", ["input_layernorm", "post_attention_layernorm"])
+def test_projections_absorb_the_recomputed_norm_before_them(norm):
+    """Untiled MLP too: the q/k/v (and gate/up) projections tile ``proj(norm(h))`` over the norm's
+    input, so neither norm's output is kept; exact (``test_sp1_same_logits_and_gradients``)."""
+    assert _norm_output_saved(recompute=False, norm=norm, mlp=False)
+    assert not _norm_output_saved(recompute=True, norm=norm, mlp=False)
 
 
 def test_one_tile_matches_too():
@@ -198,11 +207,14 @@ def test_meter_shows_the_saving(dtype, ckpt):
     the final norm) saved: fp32 the normalised input (4 bytes per element of ``[S, h]``); bf16 the fp32 input copy
     and the bf16 normalised input (6), less the bf16 input the recomputed norm now keeps (2).
     With checkpointing the peak is one layer's backward: its two norms, fp32 4, bf16 6 (the layer
-    input is kept by the checkpoint anyway)."""
+    input is kept by the checkpoint anyway). On top: the norm outputs the projections absorb."""
     seq, hidden = 512, 64
     per = {(torch.float32, False): 4, (torch.bfloat16, False): 4, (torch.float32, True): 4,
            (torch.bfloat16, True): 6}[(dtype, ckpt)]  # fmt: skip
-    predicted = (2 if ckpt else 5) * seq * hidden * per
+    # and the layers' norm outputs the projections no longer keep (they absorb the norm): the
+    # input norm's (q/k/v) and the post-attention norm's (gate/up), in the model's dtype
+    absorbed = (2 if ckpt else 4) * seq * hidden * dtype.itemsize
+    predicted = (2 if ckpt else 5) * seq * hidden * per + absorbed
     saved = _peak(dtype, ckpt, False, seq, hidden) - _peak(dtype, ckpt, True, seq, hidden)
     assert 0.8 * predicted <= saved <= 1.2 * predicted, (saved, predicted)
 

@@ -65,6 +65,12 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="inter-node GB/s per direction (default: the device table's)")  # fmt: skip
     p.add_argument("--reserve", default=None,
                    help="memory per device kept back for the runtime, e.g. 4GB (default: the device table's)")  # fmt: skip
+    p.add_argument("--host-memory", default=None,
+                   help="host memory of one node, e.g. 2TiB (default: 2 TiB, a DGX H100-class node, which one GPU "
+                        "may use whole); a setting whose host bytes per node exceed it does not fit")  # fmt: skip
+    p.add_argument("--rehearse", action="store_true",
+                   help="rehearse the recommended train command (one step on fake tensors); with --max "
+                        "(no --seq-len) confirm the longest length by rehearsal, bisecting to 2 %%")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON document (schema in the README)")
 
 
@@ -192,6 +198,17 @@ def _layouts(sps: list[int], world: int, offload: str):
                 yield sp, stage, part, True
 
 
+def host_fits(host_bytes_per_rank: int, world: int, hw: Any, ns: argparse.Namespace) -> bool:
+    """Whether one node's ranks' host bytes fit ``--host-memory`` (a CPU "device" is the host)."""
+    from ulysses_sp.plan.hardware import parse_bytes
+    from ulysses_sp.rehearse.run import DEFAULT_HOST_MEMORY
+
+    if hw.name == "cpu":
+        return True
+    limit = DEFAULT_HOST_MEMORY if ns.host_memory is None else parse_bytes(ns.host_memory, what="--host-memory")
+    return host_bytes_per_rank * min(world, hw.gpus_per_node) <= limit
+
+
 def _evaluate(ns: argparse.Namespace, shape: Any, hw: Any, offload: str) -> list[dict[str, Any]]:
     """One candidate per layout x technique: its prediction at ``--seq-len`` or, without it, at
     its longest sequence capped at the model's positions limit."""
@@ -225,7 +242,8 @@ def _evaluate(ns: argparse.Namespace, shape: Any, hw: Any, offload: str) -> list
             out.append({
                 "settings": settings, "train_args": args, "peak_bytes_per_rank": pred.peak_bytes,
                 "breakdown": pred.breakdown, "host_bytes_per_rank": pred.host_bytes,
-                "fits": pred.peak_bytes <= hw.memory_bytes, "max_seq_len": longest,
+                "fits": pred.peak_bytes <= hw.memory_bytes and host_fits(pred.host_bytes, world, hw, ns),
+                "max_seq_len": longest,
                 "tokens_per_s": pred.tokens_per_s, "comm_share": pred.comm_share,
             })  # fmt: skip
     return out
@@ -311,4 +329,11 @@ def render(doc: dict[str, Any]) -> str:
 def run_plan(ns: argparse.Namespace) -> str:
     """The command's output (JSON or table)."""
     doc = candidates(ns)
-    return json.dumps(doc, indent=1) if ns.json else render(doc)
+    if not ns.rehearse:
+        return json.dumps(doc, indent=1) if ns.json else render(doc)
+    from ulysses_sp.cli.plan_rehearse import rehearse_plan, render_rehearsal
+
+    out = rehearse_plan(ns, doc, load_shape(ns.model), hardware(ns))
+    if ns.json:
+        return json.dumps({**doc, "rehearsal": {k: v for k, v in out.items() if k != "report"}}, indent=1, default=str)
+    return render(doc) + "\n" + render_rehearsal(out)

@@ -65,7 +65,17 @@ def is_rms_norm(module: nn.Module) -> bool:
 
 
 class NormRecomputeHandle(ForwardPatchHandle):
-    """Undo handle of ``apply_norm_recompute`` (``num_shards``: tiles per norm call in backward)."""
+    """Undo handle of ``apply_norm_recompute`` (``num_shards``: tiles per norm call in backward);
+    ``absorbing``: the linear layers that absorb a recomputed norm before them."""
+
+    def __init__(self, patched: list[tuple[str, nn.Module, Any]], num_shards: int | None,
+                 absorbing: list[tuple[str, nn.Module, Any]] = ()) -> None:  # fmt: skip
+        super().__init__(patched, num_shards)
+        self.absorbing = ForwardPatchHandle(list(absorbing), num_shards)
+
+    def remove(self) -> None:
+        super().remove()
+        self.absorbing.remove()
 
 
 def apply_norm_recompute(model: nn.Module, num_shards: int | None = None) -> NormRecomputeHandle:
@@ -112,7 +122,37 @@ def apply_norm_recompute(model: nn.Module, num_shards: int | None = None) -> Nor
         previous = norm.__dict__.get("forward")
         norm.forward = _recompute_forward(name, norm, norm.forward, num_shards)
         patched.append((name, norm, previous))
-    return NormRecomputeHandle(patched, num_shards)
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    absorbing = []
+    for name, m in model.named_modules():  # a projection fed by a norm tiles proj(norm(x)) over x
+        if isinstance(m, nn.Linear) and m is not out and not getattr(m.forward, "_ulysses_sp_absorbs", False):
+            absorbing.append((name, m, m.__dict__.get("forward")))
+            m.forward = _absorbing_forward(name, m, m.forward, num_shards)
+    return NormRecomputeHandle(patched, num_shards, absorbing)
+
+
+def _absorbing_forward(name: str, linear: nn.Module, forward: Callable, num_shards: int | None) -> Callable:
+    """``linear``'s forward; on a recomputed norm's output ``y = norm(x)`` it runs ``linear(norm(x))``
+    tiled over ``x`` instead (``sequence_tiled_compute``): ``y`` is then kept by no one for backward
+    (the q/k/v projections of a layer held it: ``[B, S_l, h]``, 8 GiB at 1M tokens and h 4096 in
+    bf16). Exact: the same ops per token; the projection is recomputed per tile in backward."""
+
+    def absorbing_forward(x: torch.Tensor) -> torch.Tensor:
+        norm = getattr(x, NORM_OF, None)
+        if norm is None or not torch.is_grad_enabled() or norm[1].shape[:-1] != x.shape[:-1]:
+            return forward(x)
+        norm_forward, x0, norm_params = norm
+        seq_dim = 1 if x0.dim() >= 3 else 0
+        b = x0.shape[0] if seq_dim == 1 else 1
+        n = auto_num_shards(x0.shape[seq_dim], x0.shape[-1], b) if num_shards is None else num_shards
+        check_num_shards(n, x0.shape[seq_dim], what=f"{name}: norm recompute num_shards")
+        return sequence_tiled_compute(lambda t: forward(norm_forward(t)), x0, n,
+                                      params=[*norm_params, *linear.parameters()], seq_dim=seq_dim,
+                                      preserve_rng_state=False)  # fmt: skip
+
+    absorbing_forward.__wrapped__ = forward  # type: ignore[attr-defined]
+    absorbing_forward._ulysses_sp_absorbs = True  # type: ignore[attr-defined]
+    return absorbing_forward
 
 
 def _recompute_forward(name: str, norm: nn.Module, forward: Callable, num_shards: int | None) -> Callable:

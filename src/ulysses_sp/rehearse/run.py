@@ -101,9 +101,11 @@ def rehearse_run(
     gpu_memory: str | int | None = None,
     host_memory: str | int | None = None,
     ranks: tuple[int, ...] | None = None,
+    reserve: int | None = None,
 ) -> Rehearsal:
-    """Rehearse ``cfg``'s step on ``gpus`` ranks (see the module docstring). Raises ``ValueError``
-    for a bad layout or option, ``rehearse.fake.HostReadError`` when the step reads a device value."""
+    """Rehearse ``cfg``'s step on ``gpus`` ranks (see the module docstring); ``reserve``: bytes kept
+    back from ``gpu_memory`` (default: the device table's). Raises ``ValueError`` for a bad layout or
+    option, ``rehearse.fake.HostReadError`` when the step reads a device value."""
     from ulysses_sp.checks import check_seq_len_divisible, positive_int
     from ulysses_sp.run.preflight import prediction
 
@@ -133,7 +135,7 @@ def rehearse_run(
              "not seen by a rehearsal: CUDA context, kernel workspaces (cuBLAS, flash/sdpa), NCCL buffers, allocator "
              f"fragmentation, pinned staging; the planner keeps {hw.reserve_bytes / GB:.0f} GB for them"]  # fmt: skip
     return Rehearsal(device=where.describe(), gpus=gpus, seq_len=cfg.seq_len, ranks=results, predicted=pred.as_dict(),
-                     gpu_memory=budget, reserve=hw.reserve_bytes, host_memory=host, gpus_per_node=hw.gpus_per_node,
+                     gpu_memory=budget, reserve=hw.reserve_bytes if reserve is None else reserve, host_memory=host, gpus_per_node=hw.gpus_per_node,
                      notes=notes, time=_projected(cfg, config, results, hw, gpus))  # fmt: skip
 
 
