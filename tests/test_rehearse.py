@@ -80,3 +80,39 @@ def test_cli_rehearses_a_packed_sp2_run_and_reports_the_verdict(tmp_path):
     ddp_cmd[ddp_cmd.index("--zero-stage") + 1] = "0"
     ddp = subprocess.run(ddp_cmd, capture_output=True, text=True, check=False, cwd=tmp_path)
     assert ddp.returncode == 2 and "--rehearse needs --zero-stage 2 or 3" in ddp.stderr
+
+
+def test_plan_rehearses_its_recommended_command(tmp_path):
+    """``plan --seq-len N --rehearse``: the planner's table, then its recommended command rehearsed."""
+    cmd = [sys.executable, "-m", "ulysses_sp.cli.main", "plan", "--model", "tiny-llama", "--device", "cpu",
+           "--memory", "64MB", "--gpus", "2", "--seq-len", "1024", "--rehearse"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "recommended:" in out.stdout and "rehearsal of the recommended command" in out.stdout
+    assert "1,024 tokens: fits" in out.stdout and "verdict: fits" in out.stdout
+    doc = subprocess.run([*cmd, "--json"], capture_output=True, text=True, check=False, cwd=tmp_path)
+    rehearsal = json.loads(doc.stdout)["rehearsal"]
+    assert rehearsal["rehearsal"]["fits"] and rehearsal["probes"][0][:2] == [1024, True]
+
+
+@pytest.mark.parametrize("limit, planned, top", [(1_000_000, 858_504, None), (1_000_000, 1_300_000, None),
+                                                 (10**9, 100_000, 131_072), (1_000, 50_000, None)])  # fmt: skip
+def test_plan_max_search_finds_the_longest_length_the_rehearsal_accepts(limit, planned, top):
+    """``plan --max --rehearse`` walks from the planner's length and bisects to 2 %: the answer fits,
+    is within 2 % (or one granularity step) of the true limit or the positions cap, and takes few probes."""
+    from ulysses_sp.cli.plan_rehearse import search_longest
+
+    asked: list[int] = []
+
+    def fits(n: int) -> bool:
+        asked.append(n)
+        return n <= limit
+
+    got = search_longest(fits, planned, 2048, top)
+    best = min(limit, top or limit) // 2048 * 2048
+    if best < 2048:
+        assert got is None
+        return
+    assert got is not None and got <= best and got % 2048 == 0
+    assert best - got <= max(2048, 0.02 * got), (got, best)
+    assert len(asked) <= 12, asked

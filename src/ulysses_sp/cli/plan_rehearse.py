@@ -5,9 +5,9 @@ the longest length confirmed by rehearsal.
 recommended command into the ``RunConfig`` ``train`` would make, and rehearses one step
 (``rehearse.run.rehearse_run``: the real step on fake tensors) on the plan's GPUs and memory. With
 ``--max`` (what ``plan`` does without ``--seq-len``) the recommended length is the planner's longest;
-the rehearsal checks it and walks to the longest length that fits by its own measure: up in steps of
-1/8 while it fits (to the model's positions limit), down while it does not, then bisects to 2 %
-(multiples of the run's sequence granularity). Each probe prints a progress line; the last fitting
+the rehearsal checks it and walks to the longest length that fits by its own measure: up while it
+fits (to the model's positions limit), down while it does not, in steps of 1/8 that double each
+time, then bisects to 2 % (multiples of the run's sequence granularity; ``search_longest``). Each probe prints a progress line; the last fitting
 length is rehearsed on every rank the report shows.
 
 A named shape (``llama-8b``) has no ``config.json``: a Llama config of that shape is written to a
@@ -63,6 +63,16 @@ def rehearse_plan(ns: argparse.Namespace, doc: dict[str, Any], shape: Any, hw: A
     best = doc["recommended"]
     if best is None:
         raise ValueError("--rehearse: the planner recommends nothing to rehearse (nothing fits); see the table")
+    if best["settings"]["zero_stage"] < 2:  # DDP: its C++ reducer reads memory fake tensors do not have
+        fsdp = [c for c in doc["candidates"] if c["fits"] and c["settings"]["zero_stage"] >= 2]
+        if not fsdp:
+            raise ValueError("--rehearse: the recommended command runs ZeRO 0/1 (DDP), which cannot be rehearsed, "
+                             "and no ZeRO 2/3 setting fits")  # fmt: skip
+        key = (lambda c: c["tokens_per_s"]) if ns.seq_len is not None else (
+            lambda c: (c["settings"]["seq_len"], c["tokens_per_s"]))  # fmt: skip
+        best = max(fsdp, key=key)
+        doc["notes"].append("--rehearse: the recommended ZeRO 0/1 (DDP) command cannot be rehearsed; rehearsing the "
+                            "best ZeRO 2/3 setting: " + " ".join(best["train_args"]))  # fmt: skip
     settings = dict(best["settings"])
     gpus = ns.gpus * ns.nodes
     cfg = _run_config(settings, _config_dir(ns.model, shape))
@@ -86,32 +96,45 @@ def rehearse_plan(ns: argparse.Namespace, doc: dict[str, Any], shape: Any, hw: A
         return {"rehearsal": r.as_dict(), "report": format_rehearsal(r), "probes": probes,
                 "longest": None, "planned": planned}  # fmt: skip
     top = None if shape.max_positions is None else _round(shape.max_positions, multiple)
-    lo: int | None = None
-    hi: int | None = None
-    if probe(planned).fits:  # walk up by 1/8 until it does not fit or train's positions limit
-        lo = planned
-        while hi is None and (top is None or lo < top):
-            nxt = _round(lo * (1 + STEP), multiple)
-            nxt = nxt if top is None else min(nxt, top)
-            lo, hi = (nxt, None) if probe(nxt).fits else (lo, nxt)
-    else:  # walk down by 1/8 until it fits
-        hi = planned
-        while lo is None and hi > multiple:
-            nxt = _round(hi * (1 - STEP), multiple)
-            if nxt >= hi:
-                break
-            lo, hi = (nxt, hi) if probe(nxt).fits else (None, nxt)
-    while lo is not None and hi is not None and hi - lo > max(multiple, TOLERANCE * lo):
-        mid = _round((lo + hi) // 2, multiple)
-        if mid in (lo, hi):
-            break
-        lo, hi = (mid, hi) if probe(mid).fits else (lo, mid)
+    lo = search_longest(lambda n: probe(n).fits, planned, multiple, top)
     if lo is None:
         return {"rehearsal": None, "report": "rehearsal: no length fits (down to the run's granularity)",
                 "probes": probes, "longest": None, "planned": planned}  # fmt: skip
     final = rehearse_run(replace(cfg, seq_len=lo), gpus=gpus, **memory)
     return {"rehearsal": final.as_dict(), "report": format_rehearsal(final), "probes": probes, "longest": lo,
             "planned": planned}  # fmt: skip
+
+
+def search_longest(fits: Any, planned: int, multiple: int, top: int | None = None) -> int | None:
+    """The longest multiple of ``multiple`` (at most ``top``) for which ``fits(n)`` holds, found
+    from the planner's ``planned``: steps of 1/8 that double while the verdict holds (up while it
+    fits, down while it does not), then a bisection of the bracket to ``TOLERANCE``. ``None`` when
+    not even ``multiple`` fits. ``fits`` must be monotone (memory grows with the length)."""
+    planned = _round(planned, multiple)
+    if top is not None:
+        planned = min(planned, top)
+    lo: int | None = None
+    hi: int | None = None
+    step = STEP
+    if fits(planned):
+        lo = planned
+        while hi is None and (top is None or lo < top):
+            nxt = _round(lo * (1 + step), multiple)
+            nxt = max(nxt, lo + multiple) if top is None else min(max(nxt, lo + multiple), top)
+            lo, hi = (nxt, None) if fits(nxt) else (lo, nxt)
+            step *= 2
+    else:
+        hi = planned
+        while lo is None and hi > multiple:
+            nxt = min(_round(hi / (1 + step), multiple), hi - multiple)
+            lo, hi = (nxt, hi) if fits(nxt) else (None, nxt)
+            step *= 2
+    while lo is not None and hi is not None and hi - lo > max(multiple, TOLERANCE * lo):
+        mid = _round((lo + hi) // 2, multiple)
+        if mid <= lo:
+            break
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def _round(value: float, multiple: int) -> int:

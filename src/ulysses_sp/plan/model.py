@@ -15,7 +15,8 @@ walked as the allocator sees it, in units of one element per *local* token (``T 
   the attention output ``q`` and the o-projection input ``q``; the residual sum and the post-norm's
   two tensors ``3h``; the MLP's gate, act, up and product ``4I`` (none with tiled MLP, which keeps
   only its input). Checkpointing keeps only the layer input (on the host when offloaded). With
-  ``recompute_norms`` each norm keeps only its output ``h``; its backward holds its input gradient
+  ``recompute_norms`` a layer's norm keeps nothing (the projections after it absorb it and keep its
+  input, held anyway; the final norm keeps its output ``h``); its backward holds its input gradient
   and, for one tile, its full set again (at the post-attention norm: the attention's terms alive).
 * hybrid models (``ModelShape.layer_kinds``): a layer keeps only what it holds — the attention's
   terms, the MLP's, a sequence mixer's (``plan.mixers``: measured bytes per local token, its input
@@ -143,7 +144,7 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
     # h tokens, its saved set again (fp32: the normalised input; 16-bit: the fp32 input copy and the cast)
     # next to two fp32 gradient temporaries (and the cast's 16-bit gradient): 12 bytes per h in fp32,
     # 16 in 16-bit (bench.plan_check)
-    norm = h if s.recompute_norms else norm_full
+    norm = 0 if s.recompute_norms else norm_full  # recomputed: the projections after it absorb it (memory.norms)
     norm_ws = (h * tok + (12 if e == 4 else 16) * h // e * _tile_tokens(tok, h, None)) if s.recompute_norms else 0
     attn_saved = norm + (q + 2 * kv) + 2 * q
     exchange_in = q + 2 * kv if s.sp > 1 else 0  # see the module docstring
@@ -153,7 +154,7 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
     ckpt = s.activation_checkpointing
     kept = 0 if s.offload_activations else h
     rope = 2 * d
-    head_saved = h + norm  # the final norm recomputes too (its backward's tile: below the loss workspace)
+    head_saved = h + (h if s.recompute_norms else norm_full)  # the final norm recomputes too (its backward's tile: below the loss workspace)
     if s.tiled_loss:
         t = _tile_tokens(tok, h, s.tiled_loss_shards)
         loss_ws = 4 * v * t * 4 // e + h * tok  # one tile's fp32 logits/lsm/grads + the hidden's grad

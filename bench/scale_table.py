@@ -1,0 +1,125 @@
+"""The mission's scale, rehearsed: the planner's longest length per row against ``train --rehearse``.
+
+Each row is a model shape (a ``config.json`` written here, positions extended as a long-context
+fine-tune's config does: no weights), a GPU count and the settings ``plan`` recommends at that scale
+(bf16, ZeRO 3 over all ranks, tiled MLP and loss, checkpointing with the layer inputs on the host,
+norm recompute, model states on the host). The length is the planner's longest for those settings
+on 80 GB H100s (``plan.model.max_seq_len``, rounded down to 64K), or the record being judged. Each
+rehearsal runs in its own process (the fake process group), rank 0 only. The table: predicted and
+rehearsed device peak (without the reserve), their ratio, host bytes per node (predicted and
+rehearsed, 2 TiB per node available), the verdict, and the projected step time.
+
+``python -m bench.scale_table [--rows NAME ...] [--out bench/results/scale_table.md]``
+(CPU minutes per row: Llama-3-8B at 1M tokens on one GPU ~4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+
+from bench import md
+
+SHAPES = {  # transformers config fields
+    "Llama-3-8B": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
+    "Qwen3-32B": dict(model_type="qwen3", hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                      num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=151936),
+}  # fmt: skip
+ROWS = {  # name: (shape, gpus, tokens or None for the planner's longest)
+    "8b-1gpu-1m": ("Llama-3-8B", 1, 1_048_576),
+    "8b-1gpu": ("Llama-3-8B", 1, None),
+    "8b-8gpu": ("Llama-3-8B", 8, None),
+    "8b-32gpu": ("Llama-3-8B", 32, None),
+    "32b-8gpu": ("Qwen3-32B", 8, None),
+    "32b-32gpu": ("Qwen3-32B", 32, None),
+}
+SETTINGS = dict(zero_stage=3, zero_partition="all", dtype="bf16", tiled_mlp=True, tiled_loss=True,
+                activation_checkpointing=True, offload_activations=True, recompute_norms=True, cpu_offload=True)  # fmt: skip
+GIB = float(1 << 30)
+
+
+def _model_dir(shape: str) -> str:
+    from transformers import AutoConfig
+
+    fields = dict(SHAPES[shape])
+    config = AutoConfig.for_model(fields.pop("model_type"), max_position_embeddings=1 << 25,
+                                  tie_word_embeddings=False, **fields)  # fmt: skip
+    d = tempfile.mkdtemp(prefix="scale-")
+    config.save_pretrained(d)
+    return d
+
+
+def _cfg(model_dir: str, gpus: int, seq_len: int):
+    from ulysses_sp.run.config import config_from_dict
+
+    return config_from_dict(dict(model=model_dir, sp=gpus, seq_len=seq_len, micro_batch_size=1, progress=False,
+                                 **SETTINGS))  # fmt: skip
+
+
+def planner_longest(model_dir: str, gpus: int) -> int:
+    """The planner's longest sequence for the row's settings on 80 GB H100s (rounded down to 64K)."""
+    from ulysses_sp.plan.hardware import DEVICES
+    from ulysses_sp.plan.model import max_seq_len
+    from ulysses_sp.run.preflight import model_shape, settings_for
+    from ulysses_sp.state.model_dir import load_config
+
+    s = settings_for(_cfg(model_dir, gpus, gpus), gpus, "cuda")
+    longest = max_seq_len(model_shape(load_config(model_dir)), s, DEVICES["h100"])
+    return max(longest // 65536 * 65536, 65536)
+
+
+def rehearse_row(model_dir: str, gpus: int, seq_len: int) -> dict:
+    """One rehearsal (run in a child process): its JSON document."""
+    from ulysses_sp.rehearse.run import rehearse_run
+
+    r = rehearse_run(_cfg(model_dir, gpus, seq_len), gpus=gpus, device="cuda", ranks=(0,))
+    return r.as_dict()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
+    p.add_argument("--out", default="bench/results/scale_table.md")
+    p.add_argument("--child", nargs=3, metavar=("MODEL_DIR", "GPUS", "SEQ_LEN"), help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        print("JSON" + json.dumps(rehearse_row(a.child[0], int(a.child[1]), int(a.child[2])), default=str))
+        return
+    rows = []
+    for name in a.rows:
+        shape, gpus, tokens = ROWS[name]
+        model_dir = _model_dir(shape)
+        seq_len = tokens or planner_longest(model_dir, gpus)
+        print(f"{name}: {shape} on {gpus} GPU(s) at {seq_len:,} tokens ...", file=sys.stderr, flush=True)
+        cmd = [sys.executable, "-m", "bench.scale_table", "--child", model_dir, str(gpus), str(seq_len)]
+        res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        line = next((ln for ln in res.stdout.splitlines() if ln.startswith("JSON")), None)
+        if line is None:
+            rows.append([shape, gpus, f"{seq_len:,}", "failed: " + res.stderr.strip().splitlines()[-1][:200]])
+            continue
+        r = json.loads(line[4:])
+        planned = r["predicted"]["peak_bytes"] - r["reserve"]
+        host_planned = r["predicted"]["host_bytes"] * min(gpus, r["gpus_per_node"])
+        t = r["time"]
+        rows.append([shape, gpus, f"{seq_len:,}", "" if tokens is None else "record", f"{planned / GIB:.2f}",
+                     f"{r['device_peak'] / GIB:.2f}", f"{planned / r['device_peak']:.3f}",
+                     f"{host_planned / GIB:,.0f}", f"{r['host_per_node'] / GIB:,.0f}",
+                     "fits" if r["fits"] else "does not fit", f"{t['step_s']:,.0f}",
+                     f"{t['tokens_per_s_per_gpu']:,.0f}", f"{r['ranks'][0]['seconds']:.0f}"])  # fmt: skip
+        print(f"  {rows[-1]}", file=sys.stderr, flush=True)
+    header = ["model", "GPUs", "tokens", "length", "planner peak GiB", "rehearsed peak GiB", "planner / rehearsal",
+              "planner host GiB/node", "rehearsed host GiB/node", "verdict (80 GB, 6 GB reserve, 2 TiB host)",
+              "projected step s", "projected tokens/s/GPU", "rehearsal CPU s"]  # fmt: skip
+    note = ("Settings: " + ", ".join(f"{k} {v}" for k, v in SETTINGS.items()) + "; sp = GPUs. Peaks are rank 0's "
+            "device bytes without the planner's 6 GB reserve; the projected time is the rehearsal's FLOPs and bytes "
+            "on an H100 table at 40 % of peak FLOP/s (rehearse/timing.py), not a measurement.")  # fmt: skip
+    md.page(a.out, "The mission's scale: planner vs rehearsal", md.provenance(md.command("bench.scale_table", argv)),
+            [md.table(header, rows), note])  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
