@@ -6,8 +6,8 @@ AdamW state then exists, as in every later step), and measures the second step w
 ``ulysses_sp.memory.meter.track_peak_memory`` (parameters and optimizer state counted in the baseline) and
 ``comm_timing.record_comm_times``. The prediction is ``plan.predict`` for the same settings, less what the CPU
 tracker cannot see: DDP's gradient buckets (allocated at construction, outside any aten op) and the reserve.
-FSDP2 (ZeRO 2-3) is left out on CPU: its unsharded parameters are allocated with ``UntypedStorage.resize_``,
-invisible to the tracker (``memory.py``'s blind spots).
+FSDP2 (ZeRO 2-3) is measured on CPU (the tracker follows the ``UntypedStorage.resize_`` that allocates its
+unsharded parameters) against the rehearsal in ``bench/rehearse_check.py``, which reuses ``measure``.
 
 bf16 compute (``bf16_grid``: FSDP2's bf16 residual stream, which ZeRO 0-1 autocast does not have) is
 checked in one process, the activation phases only (``measure_bf16``), with and without norm recompute.
@@ -32,16 +32,19 @@ from bench.launch import max_over_ranks, parser, run_worker, serve, under_torchr
 from ulysses_sp import tasks
 from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
 from ulysses_sp.cli.plan import load_shape  # what `ulysses-sp plan` reads: layer kinds and mixers too
+from ulysses_sp.data.shard import prepare_batch, shard_batch
 from ulysses_sp.engine import initialize
 from ulysses_sp.memory.meter import track_peak_memory
 from ulysses_sp.parallel.comm_timing import record_comm_times
+from ulysses_sp.parallel.doc_layout import attach_layout, host_layout
 from ulysses_sp.parallel.loss import sp_causal_lm_loss
 from ulysses_sp.parallel.mesh import init_mesh
 from ulysses_sp.plan.hardware import DEVICES
 from ulysses_sp.plan.inputs import Settings
 from ulysses_sp.plan.model import memory, predict
+from ulysses_sp.rehearse.run import synthetic_batch
 from ulysses_sp.run.config import RunConfig
-from ulysses_sp.run.loop import apply_techniques, micro_step
+from ulysses_sp.run.loop import apply_techniques, micro_step, sp_attention_wanted
 
 CASES_TECH: list[dict[str, bool]] = [
     {}, {"activation_checkpointing": True}, {"activation_checkpointing": True, "offload_activations": True},
@@ -97,8 +100,8 @@ def hybrid_grid(*, create: bool = False) -> list[dict[str, Any]]:
 
 
 def bf16_grid() -> list[dict[str, Any]]:
-    """16-bit compute as FSDP2's ``param_dtype`` runs it (a bf16 residual stream; the CPU tracker cannot
-    see FSDP2, ZeRO 0-1 autocast keeps an fp32 stream): checkpointing, and every technique, each with and
+    """16-bit compute as FSDP2's ``param_dtype`` runs it (a bf16 residual stream; ZeRO 0-1 autocast keeps
+    an fp32 stream): checkpointing, and every technique, each with and
     without norm recompute, one rank, the activation phases only (``measure_bf16``)."""
     three = {"tiled_mlp": True, "tiled_loss": True, "activation_checkpointing": True}
     return [{"model": model, "seq_len": 2048, "sp": 1, "zero_stage": 0, "dtype": "bf16", **tech, "recompute_norms": r}
@@ -150,13 +153,15 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
     mesh = init_mesh(sp_size=sp)
     model = tasks.build_model(cfg.model, vocab_size=len(tasks.load_tokenizer(None, cfg.model)), seed=0)
     handles, loss_fn = apply_techniques(cfg, model)
-    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1, seq_length=s, mesh=mesh) if sp > 1 else None
+    mpu = None
+    if sp_attention_wanted(cfg, model.config):  # as `train` decides: at sp 1 too, for plain text models
+        mpu = UlyssesSPAttentionHF.register_with_transformers(model, cfg.attn, sp, 1, seq_length=s, mesh=mesh)
     engine, *_ = initialize(model, cfg.training_config(), mpu=mpu or mesh.mpu, loss_fn=loss_fn)
     engine.train()  # as the training loop does (a model directory loads in eval mode: no checkpointing)
-    ids = torch.randint(0, 250, (1, s), generator=torch.Generator().manual_seed(mesh.dp_rank))
-    labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], 1)
-    cols = slice(mesh.sp_rank * s // sp, (mesh.sp_rank + 1) * s // sp)
-    batch = {"input_ids": ids[:, cols], "position_ids": torch.arange(s)[cols][None], "shift_labels": labels[:, cols]}
+    # what the data adapter yields, as the rehearsal draws it (packed documents with `packing`)
+    prepared = prepare_batch(synthetic_batch(cfg, model.config.vocab_size, seed=mesh.dp_rank), sp)
+    batch = shard_batch(prepared, mesh.sp_rank, sp)
+    attach_layout(batch["position_ids"], host_layout(prepared["position_ids"]))
 
     def step() -> None:  # the training loop's micro-step: the output (logits) freed before backward
         micro_step(engine, batch)

@@ -124,3 +124,31 @@ def test_cuda_allocator_peak():
         b = torch.empty(1 << 19, dtype=torch.uint8, device=dev)
     assert m.extra_bytes == 1 << 20
     del b
+
+
+def _fsdp2_step_peak() -> tuple[int, int, int, int]:
+    """One rank: two 256x256 FSDP2 layers, a warm-up step (FSDP2's all-gather buffers exist, resized
+    to 0), then the measured step. Returns (parameter bytes, baseline, peak, current at exit)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(256, 256, bias=False) for _ in range(2)))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    x = torch.randn(4, 256)
+    model(x).sum().backward()
+    for p in model.parameters():
+        p.grad = None
+    with track_peak_memory("cpu", include=model.parameters()) as m:
+        model(x).sum().backward()
+    return sum(p.numel() * 4 for p in model.parameters()), m.baseline_bytes, m.peak_bytes, m.current_bytes
+
+
+def test_fsdp2_unsharded_parameters_are_followed_through_resize(pool):
+    """FSDP2 allocates and frees its unsharded parameters with ``UntypedStorage.resize_`` on buffers made
+    in an earlier step: the meter counts them while they are allocated (the peak holds the parameters,
+    their gradients and two unsharded layers of backward) and not after (exit: parameters + gradients)."""
+    ((params, baseline, peak, current),) = pool.run(_fsdp2_step_peak, 1)
+    assert baseline == params and current == 2 * params  # the unsharded copies freed again by resize_(0)
+    assert peak >= 3 * params  # without following resize_ the peak was 2.5x the parameters

@@ -25,10 +25,15 @@ Blind spots of the CPU mechanism (documented, tested where they matter):
 * tensors alive at entry are not counted unless passed in ``include=`` (``model.parameters()``),
   and the freeing of uncounted ones is not seen;
 * memory that is not a tensor storage: kernel scratch buffers, the Python heap, allocator slack;
-* storages created without an aten op (``torch.from_numpy``, ``UntypedStorage.resize_`` as used
-  by FSDP2 to free/re-allocate unsharded parameters), ops run on other threads, and the local ops
-  inside tensor subclasses such as ``DTensor`` (the mode sees the subclass op, not its local ops);
+* storages created without an aten op (``torch.from_numpy``), ops run on other threads, and the
+  local ops inside tensor subclasses such as ``DTensor`` (the mode sees the subclass op, not its
+  local ops; a ``DTensor`` it sees made, or one in ``include``, is counted by its local shard);
 * storages marked as host-side (below) are counted separately in ``host_*``.
+
+``UntypedStorage.resize_`` is followed (``following_resize``; FSDP2 allocates and frees its
+unsharded parameters that way, so ZeRO 2/3 steps are measured): a counted storage's bytes change
+with it, and an uncounted one that grows (FSDP2's all-gather buffers, made in an earlier step and
+resized to 0) is counted from then on. ``rehearse.tracker`` uses the same hook.
 
 On a CPU-only machine the "accelerator" and the host are the same memory. Code that stages data
 on the host (activation offload) marks those allocations with ``host_allocations()``, so the CPU
@@ -41,7 +46,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -155,12 +160,45 @@ class PeakMemory:
         else:
             self._current -= nbytes
 
+    def _resize(self, key: int, nbytes: int) -> None:
+        host = self._live[key][1]
+        self._free(key)
+        self._add(key, nbytes, host)
 
-def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns the memory: a ``DTensor``'s local shard (a dispatch mode sees DTensor
+    ops, whose local ops run below it), else ``t``."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
+def storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
+    """The storage holding ``t``'s memory (its local shard's for a ``DTensor``), ``None`` where
+    there is none to count (other wrapper subclasses, sparse, nested tensors)."""
     try:
-        return t.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # wrapper subclasses, sparse, nested tensors
+        return local_tensor(t).untyped_storage()
+    except (RuntimeError, NotImplementedError):
         return None
+
+
+@contextlib.contextmanager
+def following_resize(on_resize: Callable[[torch.UntypedStorage, int], None]) -> Iterator[None]:
+    """Call ``on_resize(storage, new_nbytes)`` after every ``UntypedStorage.resize_`` in the block
+    (FSDP2's ``alloc_storage`` / ``free_storage`` of its unsharded parameters). Patches the method
+    for the block and restores the previous one (nested blocks restore in order)."""
+    previous = torch.UntypedStorage.resize_
+
+    def resize_(self, size):  # noqa: ANN001 - the storage method's own signature
+        out = previous(self, size)
+        on_resize(self, int(size))
+        return out
+
+    torch.UntypedStorage.resize_ = resize_
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = previous
 
 
 class _StorageTracker(TorchDispatchMode):
@@ -181,8 +219,18 @@ class _StorageTracker(TorchDispatchMode):
 
     def track_existing(self, tensors: Iterable[torch.Tensor]) -> None:
         for t in tensors:
-            if t.device.type == self.stats.device.type and (s := _storage(t)) is not None:
+            if t.device.type == self.stats.device.type and (s := storage_of(t)) is not None:
                 self.track(s, host=False)
+
+    def resized(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """``storage.resize_(nbytes)`` happened: a counted storage changes size; an uncounted one
+        that grows is counted from now on (its earlier bytes, if any, were never seen)."""
+        if storage.device.type != self.stats.device.type:
+            return
+        if storage._cdata in self.stats._live:
+            self.stats._resize(storage._cdata, nbytes)
+        elif nbytes > 0:
+            self.track(storage, host=_HOST_SIDE.get())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -190,12 +238,12 @@ class _StorageTracker(TorchDispatchMode):
         inputs = {
             s._cdata
             for t in tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor) and (s := _storage(t)) is not None
+            if isinstance(t, torch.Tensor) and (s := storage_of(t)) is not None
         }
         host = _HOST_SIDE.get()
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == self.stats.device.type:
-                s = _storage(t)
+                s = storage_of(t)
                 if s is not None and s._cdata not in inputs:
                     self.track(s, host=host)
         return out
@@ -236,7 +284,7 @@ def track_peak_memory(
         include = ()  # this generator frame must not keep the included tensors alive
         stats.baseline_bytes = stats._peak = stats._current
         try:
-            with tracker:
+            with tracker, following_resize(tracker.resized):
                 yield stats
         finally:
             tracker.close()

@@ -27,8 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ulysses_sp.memory.meter import following_resize
 from ulysses_sp.rehearse.fake import HostReadError, HostReads, RehearsalDevice, fake_world, real_submeshes
-from ulysses_sp.rehearse.tracker import ModuleStack, StepTracker, following_resize
+from ulysses_sp.rehearse.tracker import ModuleStack, StepTracker
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ def rehearse_step(
         tracker = StepTracker(device.tensor_device, mods)
         reads = HostReads()
         homed = _grads_homed(tracker) if host_states and device.emulated else contextlib.nullcontext()
-        with real_submeshes(), mode, reads, mods, tracker, following_resize(tracker), homed:
+        with real_submeshes(), mode, reads, mods, tracker, following_resize(tracker.resized), homed:
             _fake_buffers(model, mode)
             engine = make_engine(model, mesh)  # FSDP2 shards the meta parameters, then makes its shards
             mods.name_modules(engine.module)

@@ -4,9 +4,9 @@
 shapes, dtypes and devices). Every aten op that returns a tensor whose storage is not one of its
 inputs' creates a storage; its ``nbytes`` are added to the live count of its *place* and a
 ``weakref.finalize`` on the storage subtracts them when the program drops it (PyTorch keeps a
-storage's Python object alive exactly as long as the storage). Unlike ``memory.meter``'s CPU tracker
-it also follows ``UntypedStorage.resize_`` (FSDP2 allocates and frees its unsharded parameters that
-way), so ZeRO 2/3 are counted, and it records for each storage the op and module that made it and
+storage's Python object alive exactly as long as the storage). Like ``memory.meter``'s CPU tracker
+it follows ``UntypedStorage.resize_`` (``memory.meter.following_resize``: FSDP2 allocates and frees
+its unsharded parameters that way), so ZeRO 2/3 are counted; beyond it, it records for each storage the op and module that made it and
 the phase (forward, backward, optimizer), so the report can list the largest tensors alive at the
 peak.
 
@@ -22,10 +22,8 @@ dispatches). Where it sits: around one step of ``rehearse.step``; it never chang
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -34,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry as FLOP_FORMULAS
 
-from ulysses_sp.memory.meter import is_host_allocation
+from ulysses_sp.memory.meter import is_host_allocation, local_tensor, storage_of
 
 _SDPA_FORWARD = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")  # fmt: skip
@@ -92,20 +90,6 @@ class PlaceStats:
     peak_module: str = ""
 
 
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """The tensor that owns the memory: a ``DTensor``'s local shard (the mode sees DTensor ops, whose
-    local ops run below it), else ``t``."""
-    local = getattr(t, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) else t
-
-
-def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
-    try:
-        return _plain(t).untyped_storage()
-    except (RuntimeError, NotImplementedError):  # other wrapper subclasses
-        return None
-
-
 class StepTracker(TorchDispatchMode):
     """Counts storages per place during a rehearsed step (see the module docstring).
 
@@ -154,7 +138,7 @@ class StepTracker(TorchDispatchMode):
         nbytes = storage.nbytes()
         if key in self.live or nbytes == 0:
             return
-        self._add(key, Alloc(nbytes, place, tuple(_plain(t).shape), t.dtype, op, self._module(), self.phase,
+        self._add(key, Alloc(nbytes, place, tuple(local_tensor(t).shape), t.dtype, op, self._module(), self.phase,
                              weakref.ref(storage)))  # fmt: skip
         self._finalizers.append(weakref.finalize(storage, self._free, key))
 
@@ -258,20 +242,21 @@ class StepTracker(TorchDispatchMode):
             self._count_collective(name.split("::", 1)[1], args)
         inputs = {
             s._cdata for t in tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor) and (s := _storage(t)) is not None
+            if isinstance(t, torch.Tensor) and (s := storage_of(t)) is not None
         }  # fmt: skip
         self._count_traffic(func, args, out)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and (place := self._place(t)) is not None:
-                s = _storage(t)
+                s = storage_of(t)
                 if s is not None and s._cdata not in inputs:
                     self.track(s, t, place, name.split("::", 1)[-1])
-                    if _plain(t).numel() > self.largest[0]:
-                        self.largest = (_plain(t).numel(), tuple(_plain(t).shape), name.split("::", 1)[-1])
+                    local = local_tensor(t)
+                    if local.numel() > self.largest[0]:
+                        self.largest = (local.numel(), tuple(local.shape), name.split("::", 1)[-1])
         return out
 
     def _where(self, t: torch.Tensor) -> str | None:
-        s = _storage(t)
+        s = storage_of(t)
         alloc = self.live.get(s._cdata) if s is not None else None
         return alloc.place if alloc is not None else self._place(t)
 
@@ -288,7 +273,8 @@ class StepTracker(TorchDispatchMode):
         skip = {id(first)} if func._schema.is_mutable and isinstance(first, torch.Tensor) else set()
         for t in tree_leaves(args):
             if isinstance(t, torch.Tensor) and id(t) not in skip and self._where(t) not in (None, dst):
-                self.host_traffic["h2d" if dst == "device" else "d2h"] += _plain(t).numel() * t.element_size()
+                nbytes = local_tensor(t).numel() * t.element_size()
+                self.host_traffic["h2d" if dst == "device" else "d2h"] += nbytes
 
     def _count_collective(self, kind: str, args: tuple) -> None:
         kind = kind.rstrip("_")
@@ -300,23 +286,6 @@ class StepTracker(TorchDispatchMode):
         sent = [t for t in tree_leaves(first) if isinstance(t, torch.Tensor)] or tensors[:1]
         self.collectives[kind] += 1
         self.collective_bytes[kind] += sum(t.numel() * t.element_size() for t in sent)
-
-
-@contextlib.contextmanager
-def following_resize(tracker: StepTracker) -> Iterator[None]:
-    """Route ``UntypedStorage.resize_`` through ``tracker.resized`` while the block runs."""
-    original = torch.UntypedStorage.resize_
-
-    def resize_(self, size):  # noqa: ANN001 - the storage method's own signature
-        out = original(self, size)
-        tracker.resized(self, int(size))
-        return out
-
-    torch.UntypedStorage.resize_ = resize_
-    try:
-        yield
-    finally:
-        torch.UntypedStorage.resize_ = original
 
 
 class ModuleStack:
@@ -346,7 +315,10 @@ class ModuleStack:
             if self.stack:
                 self.stack.pop()
 
-        self._handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post, always_call=True)]
+        self._handles = [
+            register_module_forward_pre_hook(pre),
+            register_module_forward_hook(post, always_call=True),
+        ]
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -1,0 +1,119 @@
+"""Rehearsed vs measured: ``train --rehearse``'s peak per rank against the same step run for real on CPU.
+
+Each row is a ``bench/plan_check.py`` setting at ZeRO 2 or 3 (FSDP2; stages 0-1 wrap the model in DDP, whose C++
+reducer reads real memory, so they cannot be rehearsed): its techniques on both tiny text models, the hybrids,
+packed documents and bf16 compute. The real side is ``plan_check.measure`` on 2 gloo ranks (the second optimizer
+step under ``track_peak_memory``, which follows FSDP2's ``UntypedStorage.resize_``; the busiest rank); the
+rehearsal is ``rehearse_run(cfg, gpus=2, device="cpu", ranks=(0, 1))`` on fake CPU tensors, in a process of its
+own (its fake process group must not meet the real one). Run: ``python -m bench.rehearse_check [--cases N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench import md
+from bench.launch import ROOT, parser, run_worker, serve, under_torchrun
+from bench.plan_check import HYBRIDS, SHORT, grid, hybrid_dir, measure_all
+
+TOLERANCE = 0.05
+
+
+def cases(*, create: bool = False) -> list[dict[str, Any]]:
+    """plan_check's 12 technique settings on tiny-llama at ZeRO 3 and tiny-qwen2 at ZeRO 2; each hybrid at sp 1
+    and sp 2 (checkpointing + tiled loss); packed documents and bf16 compute at sp 1 and 2."""
+    rows = [{**c, "zero_stage": 3 if c["model"] == "tiny-llama" else 2} for c in grid()]
+    for i, name in enumerate(HYBRIDS):
+        path = hybrid_dir(name, create=create)
+        rows += [{"model": path, "seq_len": 2048, "sp": 1, "zero_stage": 2 + i},
+                 {"model": path, "seq_len": 2048, "sp": 2, "zero_stage": 3 - i, "tiled_loss": True,
+                  "activation_checkpointing": True}]  # fmt: skip
+    three = {"tiled_mlp": True, "tiled_loss": True, "activation_checkpointing": True}
+    return rows + [{"model": "tiny-llama", "seq_len": 2048, "sp": sp, "zero_stage": z, **extra}
+                   for z, sp in ((3, 2), (2, 1)) for extra in ({"packing": "best-fit"}, {"dtype": "bf16", **three})]  # fmt: skip
+
+
+def rehearse_all(rows: list[dict[str, Any]]) -> list[int | str]:
+    """The rehearsed device peak (max over ranks 0 and 1) of each row, in this process; for a step that
+    reads a device value on the host (a fake tensor has none) the innermost library frame that read it."""
+    from ulysses_sp.rehearse.fake import HostReadError
+    from ulysses_sp.rehearse.run import rehearse_run
+    from ulysses_sp.run.config import RunConfig
+
+    out: list[int | str] = []
+    for c in rows:
+        cfg = RunConfig(micro_batch_size=1, **c)
+        try:
+            out.append(rehearse_run(cfg, gpus=2, device="cpu", ranks=(0, 1)).device_peak)
+        except HostReadError as e:  # 'File ".../ulysses_sp/attention/masks.py", line 70, in from_positions'
+            frames = re.findall(r'ulysses_sp/([\w/]+\.py)", line (\d+), in (\w+)', str(e))
+            where = [f"{fn} ({path}:{line})" for path, line, fn in frames[-1:]] or ["the step"]
+            out.append(f"host read in {where[0]}")
+    return out
+
+
+def _rehearsed(n: int) -> list[int]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rehearsed.json"
+        cmd = [sys.executable, "-m", "bench.rehearse_check", f"--cases={n}", "--rehearse-to", str(out)]
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, PYTHONWARNINGS="ignore")
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+        return json.loads(out.read_text())
+
+
+def _label(c: dict[str, Any]) -> list[Any]:
+    name = next((n for n in HYBRIDS if c["model"] == hybrid_dir(n)), c["model"])
+    extra = [v for k, v in SHORT.items() if c.get(k)] + [c[k] for k in ("packing", "dtype") if k in c]
+    return [name, c["seq_len"], c["sp"], c["zero_stage"], "+".join(extra) or "plain"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = parser(__doc__, "rehearse_check.md")
+    ap.add_argument("--cases", type=int, help="only the first N rows (a quick check)")
+    ap.add_argument("--rehearse-to", help=argparse.SUPPRESS)  # the rehearsing process writes its peaks here
+    args = ap.parse_args(argv)
+    rows = cases(create=not under_torchrun())[: args.cases]
+    if args.rehearse_to:
+        Path(args.rehearse_to).write_text(json.dumps(rehearse_all(rows)))
+        return
+    if serve(lambda: measure_all(rows), args.out):
+        return
+    run = md.provenance(md.command("bench.rehearse_check", argv))
+    measured, _, _ = run_worker("bench.rehearse_check", 2, [f"--cases={len(rows)}"], timeout=1800)
+    rehearsed = _rehearsed(len(rows))
+    table, off = [], []
+    for c, got, reh in zip(rows, measured, rehearsed):
+        real = f"{got['peak_bytes'] / 2**20:.2f}"
+        if isinstance(reh, str):  # not rehearsable: the reason
+            off.append(f"{'/'.join(map(str, _label(c)))} ({reh})")
+            table.append([*_label(c), real, f"not rehearsable: {reh}", "-"])
+            continue
+        ratio = reh / got["peak_bytes"]
+        off += [f"{'/'.join(map(str, _label(c)))} ({ratio:.3f})"] if abs(ratio - 1) > TOLERANCE else []
+        table.append([*_label(c), real, f"{reh / 2**20:.2f}", f"{ratio:.3f}"])
+    worst = max((abs(float(r[-1]) - 1) for r in table if r[-1] != "-"), default=0.0)
+    md.page(args.out, "rehearse_check: the rehearsal's peak vs the real CPU step's", run, [
+        "2 gloo ranks on CPU, micro-batch 1, the second optimizer step (AdamW state exists). real = "
+        "`track_peak_memory` around `plan_check.measure`'s step (busiest rank); rehearsed = `rehearse_run(cfg, "
+        "gpus=2, device=\"cpu\")`'s device peak (ranks 0 and 1). ZeRO 0-1 (DDP) cannot be rehearsed: DDP's C++ "
+        "reducer reads parameter memory that fake tensors do not have. tiny-qwen3.5 is not rehearsable: its model "
+        "hands the attention `position_ids[None].expand(4, ...)[0]`, a new tensor without the layout the data "
+        "adapter attaches, so the SP attention reads the positions on the host (a device sync on a GPU).",
+        md.table(["model", "S", "sp", "zero", "techniques", "real MiB", "rehearsed MiB", "rehearsed/real"], table),
+        f"Largest deviation: {worst:.1%} over {len(table)} settings; beyond {TOLERANCE:.0%} or not rehearsed: "
+        f"{', '.join(off) or 'none'}."])  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
