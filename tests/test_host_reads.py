@@ -138,6 +138,18 @@ def test_an_attached_layout_is_dropped_when_the_ids_are_edited_in_place():
     assert layout_of(pos) is None  # stale: the attention gathers the ids instead
 
 
+def test_a_layout_is_found_through_an_identical_view_of_the_ids():
+    """Qwen3.5 hands its attention ``position_ids[None].expand(4, ...)[0]`` (its mrope layout): the same
+    elements, so the same layout; a view of other elements, or the ids edited since, finds none."""
+    pos = torch.arange(16)[None]
+    layout = host_layout(pos)
+    attach_layout(pos, layout)
+    assert layout_of(pos[None].expand(4, *pos.shape)[0]) is layout
+    assert layout_of(pos[:, 1:]) is None and layout_of(pos[:, ::2]) is None
+    pos[0, 3] = 0
+    assert layout_of(pos[None].expand(4, *pos.shape)[0]) is None
+
+
 def test_the_counter_sees_every_kind_of_host_read():
     t = torch.tensor([0, 3, 0, 1])
     for read in (lambda: t.tolist(), lambda: bool(t[1]), lambda: t.sum().item(), lambda: int(t[1]),

@@ -22,6 +22,7 @@ Shape legend: ``B`` batch, ``S`` full (padded) sequence.
 
 from __future__ import annotations
 
+import weakref
 from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
@@ -103,15 +104,32 @@ def host_layout(position_ids: torch.Tensor) -> HostLayout:
     return HostLayout(pos.shape[-1], tuple(runs), position_ids.dtype)
 
 
+_ATTACHED: dict[int, weakref.ref] = {}
+"""Storage key -> the tensor a layout is attached to: a model that hands its attention a view of
+the same elements (Qwen3.5: ``position_ids[None].expand(4, ...)[0]``) finds the layout through it."""
+
+
 def attach_layout(position_ids: torch.Tensor, layout: HostLayout) -> torch.Tensor:
     """Attach ``layout`` to the shard's ``position_ids`` (returned); valid while the tensor is unedited."""
     setattr(position_ids, _ATTR, (layout, position_ids._version))
+    for key in [k for k, ref in _ATTACHED.items() if ref() is None]:
+        del _ATTACHED[key]
+    _ATTACHED[position_ids.untyped_storage()._cdata] = weakref.ref(position_ids)
     return position_ids
 
 
 def layout_of(position_ids: Any) -> HostLayout | None:
-    """The ``HostLayout`` attached to ``position_ids``, or ``None`` (none attached, or edited since)."""
+    """The ``HostLayout`` attached to ``position_ids`` — or to the tensor it is an identical view of
+    (same storage, shape, strides and offset) — or ``None`` (none attached, or edited since)."""
     found = getattr(position_ids, _ATTR, None)
+    if found is None and isinstance(position_ids, torch.Tensor):
+        ref = _ATTACHED.get(position_ids.untyped_storage()._cdata)
+        base = ref() if ref is not None else None
+        same = base is not None and (base.shape, base.stride(), base.storage_offset()) == (
+            position_ids.shape, position_ids.stride(), position_ids.storage_offset())  # fmt: skip
+        found = getattr(base, _ATTR, None) if same else None
+        if found is not None:
+            return found[0] if found[1] == base._version else None
     if found is None or found[1] != position_ids._version:
         return None
     return found[0]
