@@ -107,9 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         "2 gloo ranks on CPU, micro-batch 1, the second optimizer step (AdamW state exists). real = "
         "`track_peak_memory` around `plan_check.measure`'s step (busiest rank); rehearsed = `rehearse_run(cfg, "
         "gpus=2, device=\"cpu\")`'s device peak (ranks 0 and 1). ZeRO 0-1 (DDP) cannot be rehearsed: DDP's C++ "
-        "reducer reads parameter memory that fake tensors do not have. tiny-qwen3.5 is not rehearsable: its model "
-        "hands the attention `position_ids[None].expand(4, ...)[0]`, a new tensor without the layout the data "
-        "adapter attaches, so the SP attention reads the positions on the host (a device sync on a GPU).",
+        "reducer reads parameter memory that fake tensors do not have.",
         md.table(["model", "S", "sp", "zero", "techniques", "real MiB", "rehearsed MiB", "rehearsed/real"], table),
         f"Largest deviation: {worst:.1%} over {len(table)} settings; beyond {TOLERANCE:.0%} or not rehearsed: "
         f"{', '.join(off) or 'none'}."])  # fmt: skip

@@ -44,7 +44,7 @@ def format_rehearsal(r: Rehearsal) -> str:
             f"= compute {t['compute_s']:,.1f} s + all-to-all {t['all_to_all_s']:,.2f} s (exposed) + FSDP "
             f"{t['fsdp_s']:,.2f} s and host copies {t['host_copy_s']:,.2f} s ({t['hidden_fraction']:.0%} hidden behind "
             f"compute) + host optimizer {t['host_optimizer_s']:,.1f} s; {t['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU "
-            f"(planner: {pred['tokens_per_s']:,.0f})"
+            f"(planner: {pred['tokens_per_s'] / r.gpus:,.0f})"
         )  # fmt: skip
     host_line = f"host per node {_g(r.host_per_node)} of {_g(r.host_memory)}"
     verdict = "fits" if r.fits else "DOES NOT FIT"
