@@ -146,7 +146,10 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
     # 16 in 16-bit (bench.plan_check)
     norm = 0 if s.recompute_norms else norm_full  # recomputed: the projections after it absorb it (memory.norms)
     norm_ws = (h * tok + (12 if e == 4 else 16) * h // e * _tile_tokens(tok, h, None)) if s.recompute_norms else 0
-    attn_saved = norm + (q + 2 * kv) + 2 * q
+    # the core's output q: a flash/sdpa kernel writes it token-major, so the o-projection's input is a view of it
+    # the core's output and the o-projection's input: at sp 1 a flash/sdpa kernel writes the output
+    # token-major, so the projection's input is a view of it; with P > 1 the return exchange makes a copy
+    attn_saved = norm + (q + 2 * kv) + (2 * q if s.sp > 1 else q)
     exchange_in = q + 2 * kv if s.sp > 1 else 0  # see the module docstring
     if s.attention == "blockwise":
         attn_saved = norm + q  # q/k/v and the core's output go to the host with the blocks
@@ -193,8 +196,17 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
         mlp_grad = h if (s.tiled_mlp and kind.mlp) else 0
         # recomputed norms: the post-attention norm's backward (the MLP's tensors gone, its input kept)
         norm_here = (layer_full - mlp - mlp_grad + (h if kind.mlp else 0)) * tok + norm_ws if norm_ws else 0
-        here.append(max((layer_full - mlp_grad) * tok + (mlp_ws if kind.mlp else 0), (layer_full - mlp - mlp_grad) * tok + mix_ws,
-                        norm_here) + rope * tok + grad_flow)  # fmt: skip
+        # checkpointed: the recompute runs the layer's forward to its end (torch stops it at the last saved
+        # tensor, which a tiled MLP saves after its tiles), so the MLP's output and its input (a recomputed
+        # norm's output) are alive at once next to the layer's set and the gradient flowing in
+        recompute = (layer_full + (2 * h if kind.mlp else 0) + h) * tok if ckpt else 0
+        if ckpt and kind.attention and s.sp > 1:  # the attention's recompute: the layer input, the norm's
+            # output (the caller's local), the gradient in; q/k/v, their exchanged copies, the core's output,
+            # its token-major copy and what the return exchange gives back
+            recompute = max(recompute, (3 * h + (q + 2 * kv) + exchange_in + 3 * q) * tok)
+        here.append(max((layer_full - mlp_grad) * tok + (mlp_ws if kind.mlp else 0) + grad_flow,
+                        (layer_full - mlp - mlp_grad) * tok + mix_ws + grad_flow,
+                        norm_here + grad_flow, recompute) + rope * tok)  # fmt: skip
     # gradients made so far: whole layers (stages 0-1) or their shards after each reduce-scatter
     layer_grads = m.layer_params * e if s.zero_stage < 2 else m.layer_params * e // s.shard
     head_grads = (m.vocab * h + h) * e // (s.shard if s.zero_stage >= 2 else 1)
@@ -208,7 +220,9 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
     for done in range(m.layers):  # layers above l are done: their grads exist
         layer = m.layers - 1 - done
         below = prefix[layer] * tok
-        grads = (head_grads + done * layer_grads) if grads_end is None else m.layer_params * e
+        # host-resident states: this layer's gradients and the root's (the output embedding's, unsharded,
+        # made by the loss's backward and reduced when the root's backward ends)
+        grads = (head_grads + done * layer_grads) if grads_end is None else (m.layer_params + m.vocab * h) * e
         if s.zero_stage >= 2 and grads_end is None:
             grads += m.layer_params * e  # this layer's unsharded gradients before the reduce-scatter
         if (below + here[layer]) * e + grads > worst_layer:
