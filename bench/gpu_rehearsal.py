@@ -29,11 +29,11 @@ def _cfg(model: str, seq_len: int, alst: bool = False):
 def real_peak(model_dir: str, seq_len: int, device: str, alst: bool = False) -> int:
     import torch.distributed as dist
 
+    from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
     from ulysses_sp.data.shard import prepare_batch
     from ulysses_sp.engine import initialize
     from ulysses_sp.memory.meter import track_peak_memory
     from ulysses_sp.parallel.mesh import init_mesh, shutdown
-    from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
     from ulysses_sp.run.loop import apply_techniques, micro_step, sp_attention_wanted
     from ulysses_sp.state.loading import init_empty_model
 
