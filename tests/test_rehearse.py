@@ -107,6 +107,7 @@ def test_cli_rehearses_a_packed_sp2_run_and_reports_the_verdict(tmp_path):
     out = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "verdict: fits" in out.stdout and "largest tensors alive at the peak" in out.stdout
+    assert "rank 1: forward and backward" in out.stderr  # a progress line per phase
     small = subprocess.run([*cmd, "--gpu-memory", "1MB"], capture_output=True, text=True, check=False, cwd=tmp_path)
     assert small.returncode == 1 and "DOES NOT FIT" in small.stdout
     ddp_cmd = [*cmd]

@@ -234,7 +234,8 @@ def _rehearse(options: Any, launch: dict[str, Any]) -> int:
     gpus = launch.get("gpus", launch.get("nproc", default_nproc(options.sp)))
     print(f"rehearsing one step on {gpus} fake rank(s) ...", file=sys.stderr)
     result = rehearse_run(options, gpus=gpus, device=launch.get("device", "cuda"),
-                          gpu_memory=launch.get("gpu_memory"), host_memory=launch.get("host_memory"))  # fmt: skip
+                          gpu_memory=launch.get("gpu_memory"), host_memory=launch.get("host_memory"),
+                          progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True))  # fmt: skip
     print(json.dumps(result.as_dict(), indent=1, default=str) if launch.get("json") else format_rehearsal(result))
     return 0 if result.fits else 1
 

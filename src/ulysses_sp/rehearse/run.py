@@ -102,9 +102,11 @@ def rehearse_run(
     host_memory: str | int | None = None,
     ranks: tuple[int, ...] | None = None,
     reserve: int | None = None,
+    progress: Any = None,
 ) -> Rehearsal:
     """Rehearse ``cfg``'s step on ``gpus`` ranks (see the module docstring); ``reserve``: bytes kept
-    back from ``gpu_memory`` (default: the device table's). Raises ``ValueError`` for a bad layout or
+    back from ``gpu_memory`` (default: the device table's); ``progress``: called with a line per
+    rehearsed phase (``None``: quiet). Raises ``ValueError`` for a bad layout or
     option, ``rehearse.fake.HostReadError`` when the step reads a device value."""
     from ulysses_sp.checks import check_seq_len_divisible, positive_int
     from ulysses_sp.run.preflight import prediction
@@ -129,7 +131,7 @@ def rehearse_run(
     results = []
     with quiet():
         for rank in ranks:
-            results.append(_rehearse_rank(cfg, config, batch, gpus=gpus, rank=rank, where=where))
+            results.append(_rehearse_rank(cfg, config, batch, gpus=gpus, rank=rank, where=where, progress=progress))
     pred = prediction(cfg, gpus, config, torch.device("cpu" if device == "cpu" else "cuda"))
     notes = [f"device: {where.describe()}",
              "not seen by a rehearsal: CUDA context, kernel workspaces (cuBLAS, flash/sdpa), NCCL buffers, allocator "
@@ -152,7 +154,7 @@ def _projected(cfg: RunConfig, config: Any, results: list[StepResult], hw: Any, 
 
 
 def _rehearse_rank(cfg: RunConfig, config: Any, batch: dict[str, torch.Tensor], *, gpus: int, rank: int,
-                   where: RehearsalDevice) -> StepResult:  # fmt: skip
+                   where: RehearsalDevice, progress: Any = None) -> StepResult:  # fmt: skip
     from ulysses_sp.data.shard import prepare_batch, shard_batch
     from ulysses_sp.parallel.doc_layout import host_layout
     from ulysses_sp.run.loop import micro_step
@@ -187,4 +189,4 @@ def _rehearse_rank(cfg: RunConfig, config: Any, batch: dict[str, torch.Tensor], 
         return engine
 
     return rehearse_step(build, make_engine, local, gpus=gpus, rank=rank, device=where,
-                         micro_step=micro_step, host_states=cfg.cpu_offload)  # fmt: skip
+                         micro_step=micro_step, host_states=cfg.cpu_offload, progress=progress)  # fmt: skip

@@ -116,6 +116,7 @@ def rehearse_step(
     device: RehearsalDevice,
     micro_step: Callable[[Any, dict[str, Any]], None],
     host_states: bool = False,
+    progress: Callable[[str], None] | None = None,
 ) -> StepResult:
     """One rehearsed step on ``rank`` of ``gpus`` fake ranks (see the module docstring).
 
@@ -127,7 +128,10 @@ def rehearse_step(
         micro_step: ``(engine, batch) -> None``: the run's forward + backward.
         host_states: the model states live on the host (FSDP2 CPU offload); on an emulated
             accelerator they are counted there (``StepTracker.rehome``), elsewhere their device says so.
+        progress: called with a line as each phase ends (model and engine built, forward+backward,
+            optimizer step), or ``None``.
     """
+    say = progress or (lambda line: None)
     from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
     t0 = time.perf_counter()
@@ -151,6 +155,7 @@ def rehearse_step(
                 tracker.host_phases.add("optimizer")
             tracker.start_step()  # the step's own peaks and counts (steady state), not the warm-up's
             phases["build"] = time.perf_counter() - t0
+            say(f"rank {rank}: model and engine built ({phases['build']:.0f} s)")
             layout = batch.pop("_layout", None)
             fake_batch = {k: mode.from_tensor(v) if torch.is_tensor(v) else v for k, v in batch.items()}
             fake_batch = {k: v.to(engine.device) if torch.is_tensor(v) else v for k, v in fake_batch.items()}
@@ -169,10 +174,12 @@ def rehearse_step(
                     "GPU it is a device sync; the layers must take layout values from the data adapter"
                 ) from e
             phases["forward+backward"] = time.perf_counter() - t0 - phases["build"]
+            say(f"rank {rank}: forward and backward ({phases['forward+backward']:.0f} s)")
             tracker.phase = "optimizer"
             with reads.answer():
                 engine.step()
             phases["optimizer"] = time.perf_counter() - t0 - phases["build"] - phases["forward+backward"]
+            say(f"rank {rank}: optimizer step ({phases['optimizer']:.0f} s)")
             tracker.finish()
             for name, keys in _state_storages(engine).items():
                 states[name] |= keys
