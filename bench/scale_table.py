@@ -61,14 +61,17 @@ def _cfg(model_dir: str, gpus: int, seq_len: int):
 
 
 def planner_longest(model_dir: str, gpus: int) -> int:
-    """The planner's longest sequence for the row's settings on 80 GB H100s (rounded down to 64K)."""
+    """The planner's longest sequence for the row's settings on 80 GB H100s and 2 TiB of host memory
+    per node (rounded down to 64K)."""
     from ulysses_sp.plan.hardware import DEVICES
     from ulysses_sp.plan.model import max_seq_len
+    from ulysses_sp.rehearse.run import DEFAULT_HOST_MEMORY
     from ulysses_sp.run.preflight import model_shape, settings_for
     from ulysses_sp.state.model_dir import load_config
 
-    s = settings_for(_cfg(model_dir, gpus, gpus), gpus, "cuda")
-    longest = max_seq_len(model_shape(load_config(model_dir)), s, DEVICES["h100"])
+    hw, s = DEVICES["h100"], settings_for(_cfg(model_dir, gpus, gpus), gpus, "cuda")
+    longest = max_seq_len(model_shape(load_config(model_dir)), s, hw, host_budget=DEFAULT_HOST_MEMORY,
+                          ranks_per_node=min(gpus, hw.gpus_per_node))  # fmt: skip
     return max(longest // 65536 * 65536, 65536)
 
 
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.child:
         print("JSON" + json.dumps(rehearse_row(a.child[0], int(a.child[1]), int(a.child[2])), default=str))
         return
-    rows = []
+    rows, run = [], md.provenance(md.command("bench.scale_table", argv))
     for name in a.rows:
         shape, gpus, tokens = ROWS[name]
         model_dir = _model_dir(shape)
@@ -117,8 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     note = ("Settings: " + ", ".join(f"{k} {v}" for k, v in SETTINGS.items()) + "; sp = GPUs. Peaks are rank 0's "
             "device bytes without the planner's 6 GB reserve; the projected time is the rehearsal's FLOPs and bytes "
             "on an H100 table at 40 % of peak FLOP/s (rehearse/timing.py), not a measurement.")  # fmt: skip
-    md.page(a.out, "The mission's scale: planner vs rehearsal", md.provenance(md.command("bench.scale_table", argv)),
-            [md.table(header, rows), note])  # fmt: skip
+    md.page(a.out, "The mission's scale: planner vs rehearsal", md.finish(run), [md.table(header, rows), note])
 
 
 if __name__ == "__main__":

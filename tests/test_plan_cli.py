@@ -22,7 +22,7 @@ def _host_rows(doc: dict) -> list[dict]:
 
 
 def test_offload_states_on_one_gpu_considers_zero3_with_states_on_the_host(capsys):
-    """The README's "858K tokens on 1 GPU" (436K without norm recompute): this exact command, its
+    """The README's "1.06M tokens on 1 GPU" (435K without norm recompute): this exact command, its
     full-technique host-state rows."""
     argv = ("--model", "llama-8b", "--gpus", "1", "--dtype", "bf16", "--offload-states", "--max")
     doc = _plan(capsys, *argv)
@@ -118,3 +118,15 @@ def test_the_readme_alst_numbers_come_from_the_commands_next_to_them(capsys):
         doc = _plan(capsys, *shlex.split(argv))
         full = [c for c in _host_rows(doc) if c["settings"].get("offload_activations")]
         assert int(number.replace(",", "")) in {c["max_seq_len"] for c in full}, (argv, number)
+
+
+def test_the_longest_length_is_bounded_by_the_node_host_memory(capsys):
+    """``--host-memory``: the offloaded layer inputs of a node's 8 ranks must fit it too. Llama-8B's
+    bf16 layer inputs are 256 KiB per token on the host: 500 GB holds under 2M tokens per node."""
+    argv = ("--model", "llama-8b", "--gpus", "8", "--dtype", "bf16", "--offload-states")
+
+    def longest(doc: dict) -> int:
+        return max(c["max_seq_len"] for c in doc["candidates"] if c["settings"].get("offload_activations"))
+
+    roomy, small = longest(_plan(capsys, *argv)), longest(_plan(capsys, *argv, "--host-memory", "500GB"))
+    assert small < 500 * 10**9 // (256 * 1024) < roomy, (small, roomy)

@@ -198,15 +198,20 @@ def _layouts(sps: list[int], world: int, offload: str):
                 yield sp, stage, part, True
 
 
-def host_fits(host_bytes_per_rank: int, world: int, hw: Any, ns: argparse.Namespace) -> bool:
-    """Whether one node's ranks' host bytes fit ``--host-memory`` (a CPU "device" is the host)."""
+def host_limit(hw: Any, ns: argparse.Namespace) -> int | None:
+    """Host bytes of one node (``--host-memory``, default 2 TiB); ``None`` on a CPU "device" (the host)."""
     from ulysses_sp.plan.hardware import parse_bytes
     from ulysses_sp.rehearse.run import DEFAULT_HOST_MEMORY
 
     if hw.name == "cpu":
-        return True
-    limit = DEFAULT_HOST_MEMORY if ns.host_memory is None else parse_bytes(ns.host_memory, what="--host-memory")
-    return host_bytes_per_rank * min(world, hw.gpus_per_node) <= limit
+        return None
+    return DEFAULT_HOST_MEMORY if ns.host_memory is None else parse_bytes(ns.host_memory, what="--host-memory")
+
+
+def host_fits(host_bytes_per_rank: int, world: int, hw: Any, ns: argparse.Namespace) -> bool:
+    """Whether one node's ranks' host bytes fit ``--host-memory`` (a CPU "device" is the host)."""
+    limit = host_limit(hw, ns)
+    return limit is None or host_bytes_per_rank * min(world, hw.gpus_per_node) <= limit
 
 
 def _evaluate(ns: argparse.Namespace, shape: Any, hw: Any, offload: str) -> list[dict[str, Any]]:
@@ -231,7 +236,7 @@ def _evaluate(ns: argparse.Namespace, shape: Any, hw: Any, offload: str) -> list
             s = Settings(seq_len=ns.seq_len or multiple, micro_batch_size=ns.micro_batch_size, dp=world // sp,
                          sp=sp, ring_size=ring, zero_stage=stage, partition=part, dtype=ns.dtype,
                          offload_states=states_on_host, device_type="cpu" if hw.name == "cpu" else "cuda", **tech)  # fmt: skip
-            longest = max_seq_len(shape, s, hw)
+            longest = max_seq_len(shape, s, hw, host_budget=host_limit(hw, ns), ranks_per_node=min(world, hw.gpus_per_node))
             if ns.seq_len is None:
                 seq_len = max(longest - longest % multiple, multiple)
                 if shape.max_positions is not None:  # train refuses more: cap, "capped" says so

@@ -318,15 +318,19 @@ def predict(m: ModelShape, s: Settings, hw: Hardware) -> Prediction:
 
 
 def max_seq_len(
-    m: ModelShape, s: Settings, hw: Hardware, *, budget: int | None = None, cap: int = 1 << 27
+    m: ModelShape, s: Settings, hw: Hardware, *, budget: int | None = None, cap: int = 1 << 27,
+    host_budget: int | None = None, ranks_per_node: int = 1,
 ) -> int:
     """The longest ``S`` (a multiple of ``sp``) whose predicted peak fits ``budget`` (default: the
-    device's memory); 0 when not even ``S = sp`` fits. Memory grows with ``S``: a bisection."""
+    device's memory) and, with ``host_budget``, whose host bytes of ``ranks_per_node`` ranks fit it;
+    0 when not even ``S = sp`` fits. Memory grows with ``S``: a bisection."""
     budget = hw.memory_bytes if budget is None else budget
     step = s.sp
 
     def fits(n: int) -> bool:
-        return predict(m, replace(s, seq_len=n * step), hw).peak_bytes <= budget
+        pred = predict(m, replace(s, seq_len=n * step), hw)
+        host_ok = host_budget is None or pred.host_bytes * ranks_per_node <= host_budget
+        return pred.peak_bytes <= budget and host_ok
 
     if not fits(1):
         return 0
