@@ -220,3 +220,38 @@ def test_local_view_slices_sinks_to_the_rank_heads_and_refuses_per_query_inputs(
         local_view(
             module, {"sinks": torch.zeros(1, 8, 4, 1)}, num_heads=8, local_heads=2, local_kv_heads=1, rank=0
         )
+
+
+def _sp1_packed_gap(family: str) -> tuple[float, float]:
+    """Max logit gap between a packed row and its documents run alone: the model's own forward, and
+    the SP attention ``train`` registers at sp 1 (``run.loop.sp_attention_wanted``)."""
+    from ulysses_sp.parallel.doc_layout import attach_layout, host_layout
+    from ulysses_sp.run.config import config_from_dict
+    from ulysses_sp.run.loop import sp_attention_wanted
+
+    model = family_model(family, num_key_value_heads=2).eval()
+    assert sp_attention_wanted(config_from_dict({"model": "tiny-llama", "sp": 1}), model.config)
+    lens, starts = [10, 12, 10], [0, 10, 22]
+    ids = torch.randint(0, 64, (1, sum(lens)), generator=torch.Generator().manual_seed(1))
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+
+    def logits(i: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return model(input_ids=i, position_ids=p).logits
+
+    alone = torch.cat([logits(ids[:, a : a + n], pos[:, a : a + n]) for a, n in zip(starts, lens)], 1)
+    own = (logits(ids, pos) - alone).abs().max().item()
+    reg = UlyssesSPAttentionHF.register_with_transformers(model, "eager", 1, 1, mesh=init_mesh(sp_size=1))
+    try:
+        sp = (logits(ids, attach_layout(pos.clone(), host_layout(pos))) - alone).abs().max().item()
+    finally:
+        reg.remove()
+    return own, sp
+
+
+def test_packed_documents_stay_apart_at_sp1_where_the_model_s_own_forward_leaks(pool):
+    """Issue 32: gpt-oss's own forward lets packed documents attend across each other (a packed row's
+    logits differ from each document's alone); ``train`` at sp 1 runs the SP attention, which keeps
+    them apart as at sp > 1."""
+    own, sp = pool.run(_sp1_packed_gap, 1, "gpt_oss")[0]
+    assert own > 0.1 and sp < 1e-4, (own, sp)
