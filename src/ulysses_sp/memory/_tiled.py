@@ -116,6 +116,19 @@ NORM_OF = "_ulysses_sp_norm_of"
 """Attribute a recomputed norm's output carries: ``(norm forward, its input, its parameters)``."""
 
 
+def absorb_norm(
+    x: torch.Tensor, forward: Callable, params: list[torch.Tensor]
+) -> tuple[Callable, torch.Tensor, list[torch.Tensor]]:
+    """``(fn, input, params)`` to tile for ``forward(x)``: when ``x = norm(x0)`` is a recomputed
+    norm's output (``NORM_OF``), ``forward(norm(t))`` over ``x0`` with the norm's parameters added, so
+    that ``x`` is kept by no one for backward; else ``forward`` over ``x`` unchanged."""
+    norm = getattr(x, NORM_OF, None)
+    if norm is None or norm[1].shape != x.shape:
+        return forward, x, params
+    norm_forward, x0, norm_params = norm
+    return (lambda t: forward(norm_forward(t))), x0, [*norm_params, *params]
+
+
 @dataclass(frozen=True)
 class TileSpec:
     """How ``TiledCompute`` cuts and combines (validated by ``tiling.sequence_tiled_compute``)."""

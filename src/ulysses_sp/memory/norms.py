@@ -35,10 +35,11 @@ lists: the backward's recompute, which runs outside autocast, computes the same)
 offload (the norm saves only its input, the tensor the checkpoint offloads). Costs one more norm
 forward per norm in backward.
 
-A tiled MLP fed by a recomputed norm's output absorbs the norm (``memory.tiling``): it tiles
-``mlp(norm(x))`` over the norm's input ``x`` (held anyway), so the norm's ``[B, S_l, h]`` output is
-not kept for the MLP's backward (8 GiB per layer at 1M tokens and h 4096 in bf16); the output carries
-``(forward, x, params)`` under ``_tiled.NORM_OF`` for that.
+A tiled MLP (``memory.tiling``) or a linear layer (the q/k/v projections: every ``nn.Linear`` but
+the output embeddings) fed by a recomputed norm's output absorbs the norm: it tiles ``mlp(norm(x))``
+/ ``proj(norm(x))`` over the norm's input ``x`` (held anyway), so the norm's ``[B, S_l, h]`` output
+is kept by no one for backward (8 GiB per layer at 1M tokens and h 4096 in bf16); the output carries
+``(forward, x, params)`` under ``_tiled.NORM_OF`` for that (``_tiled.absorb_norm``).
 """
 
 from __future__ import annotations
@@ -49,7 +50,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ulysses_sp.memory._tiled import NORM_OF, ForwardPatchHandle, auto_num_shards, check_num_shards
+from ulysses_sp.memory._tiled import (
+    NORM_OF,
+    ForwardPatchHandle,
+    absorb_norm,
+    auto_num_shards,
+    check_num_shards,
+)
 from ulysses_sp.memory.tiling import sequence_tiled_compute
 
 __all__ = ["NormRecomputeHandle", "apply_norm_recompute", "is_rms_norm"]
@@ -138,17 +145,14 @@ def _absorbing_forward(name: str, linear: nn.Module, forward: Callable, num_shar
     bf16). Exact: the same ops per token; the projection is recomputed per tile in backward."""
 
     def absorbing_forward(x: torch.Tensor) -> torch.Tensor:
-        norm = getattr(x, NORM_OF, None)
-        if norm is None or not torch.is_grad_enabled() or norm[1].shape[:-1] != x.shape[:-1]:
+        fn, x0, params = absorb_norm(x, forward, list(linear.parameters()))
+        if x0 is x or not torch.is_grad_enabled():
             return forward(x)
-        norm_forward, x0, norm_params = norm
         seq_dim = 1 if x0.dim() >= 3 else 0
         b = x0.shape[0] if seq_dim == 1 else 1
         n = auto_num_shards(x0.shape[seq_dim], x0.shape[-1], b) if num_shards is None else num_shards
         check_num_shards(n, x0.shape[seq_dim], what=f"{name}: norm recompute num_shards")
-        return sequence_tiled_compute(lambda t: forward(norm_forward(t)), x0, n,
-                                      params=[*norm_params, *linear.parameters()], seq_dim=seq_dim,
-                                      preserve_rng_state=False)  # fmt: skip
+        return sequence_tiled_compute(fn, x0, n, params=params, seq_dim=seq_dim, preserve_rng_state=False)
 
     absorbing_forward.__wrapped__ = forward  # type: ignore[attr-defined]
     absorbing_forward._ulysses_sp_absorbs = True  # type: ignore[attr-defined]

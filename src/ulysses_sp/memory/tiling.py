@@ -45,10 +45,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from ulysses_sp.memory._tiled import (
-    NORM_OF,
     ForwardPatchHandle,
     TiledCompute,
     TileSpec,
+    absorb_norm,
     auto_num_shards,
     check_num_shards,
     check_token_local,
@@ -192,14 +192,7 @@ def _tiled_forward(name: str, mlp: nn.Module, forward: Callable, num_shards: int
         b = x.shape[0] if x.dim() == 3 else 1
         n = auto_num_shards(s_l, x.shape[-1], b) if num_shards is None else num_shards
         check_num_shards(n, s_l, what=f"{name}: tiled MLP num_shards")
-        fn, params, norm = forward, list(mlp.parameters()), getattr(x, NORM_OF, None)
-        if norm is not None and norm[1].shape == x.shape:  # x = norm(x0), recomputed: tile mlp(norm(x0)) over x0
-            norm_forward, x, norm_params = norm
-
-            def fn(t: torch.Tensor) -> torch.Tensor:
-                return forward(norm_forward(t))
-
-            params = [*norm_params, *params]
+        fn, x, params = absorb_norm(x, forward, list(mlp.parameters()))  # x = norm(x0): mlp(norm(.)) over x0
         return sequence_tiled_compute(fn, x, n, params=params, seq_dim=seq_dim, preserve_rng_state=preserve)
 
     tiled_forward.__wrapped__ = forward  # type: ignore[attr-defined]
