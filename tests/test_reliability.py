@@ -438,6 +438,25 @@ def test_a_signal_during_a_weakref_callback_still_stops_the_rank_without_a_trace
     assert "Exception ignored" not in capsys.readouterr().err
 
 
+def test_a_repeated_sigint_while_the_rank_stops_is_the_same_stop_not_a_second_traceback():
+    """Ctrl-C reaches every process of the group, then the launcher forwards it to the ranks: the
+    second SIGINT must not raise again inside the first one's report (CI saw three nested tracebacks)."""
+    import signal
+
+    from ulysses_sp.run.stops import Stopped, signal_handlers
+
+    with pytest.raises(Stopped, match="SIGINT") as raised:
+        with signal_handlers(0.0):
+            try:
+                signal.raise_signal(signal.SIGINT)
+            except Stopped:
+                signal.raise_signal(signal.SIGINT)  # the forward: ignored while the rank reports
+                signal.raise_signal(signal.SIGTERM)
+                raise
+    assert raised.value.__context__ is None
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers came back
+
+
 def test_save_on_signal_takes_a_repeated_sigterm_as_the_same_stop_until_its_deadline():
     """A process group's SIGTERM reaches a rank, then the launcher forwards it again: the save goes on;
     past ``--save-on-signal`` seconds the rank stops anyway."""

@@ -96,7 +96,7 @@ def _run_rank(
     _configure_logging(rank)
     output_dir = getattr(options, "output_dir", None)
     report = None if launched or rank != 0 else (lambda signum: stop_line(command, signum, output_dir))
-    with signal_handlers(getattr(options, "save_on_signal", 0.0)) as stop:
+    with signal_handlers(getattr(options, "save_on_signal", 0.0), ignore_after_stop=True) as stop:
         body = functools.partial(_run_command, command, options, timeout_s, single, stop, resolved)
         result = run_reporting(rank, body, report, failed_dir=launched)
     if report is not None and isinstance(result, dict) and result.get("stopped"):

@@ -46,14 +46,20 @@ class Stopped(BaseException):
 
 
 @contextlib.contextmanager
-def signal_handlers(save_on_signal: float) -> Iterator[threading.Event]:
+def signal_handlers(save_on_signal: float, *, ignore_after_stop: bool = False) -> Iterator[threading.Event]:
     """While inside: SIGINT / SIGTERM raise ``Stopped`` in this rank, except that with
     ``save_on_signal`` the first SIGTERM only sets the yielded event (the loop then saves and
     returns) and starts the save's deadline: further SIGTERMs before it are the same stop again (a
     process group's signal, then the launcher's forward of it) and are ignored; at the deadline the
-    rank stops anyway. The previous handlers come back on exit. Main thread only."""
+    rank stops anyway. Once a signal has raised ``Stopped``, later SIGINT / SIGTERMs are the same
+    stop again (Ctrl-C reaches the whole process group, then the launcher forwards it) and are
+    ignored, so the rank's one-line report is not cut by a second ``Stopped``. The previous handlers
+    come back on exit, unless ``ignore_after_stop`` (a rank's process, which is ending) and a signal
+    stopped it: the signals then stay ignored, so a late forward is no ``KeyboardInterrupt``
+    traceback. Main thread only."""
     event, expired = threading.Event(), threading.Event()
     deadline: list[threading.Timer] = []
+    stopping = {"raised": False, "redeliver": False}
 
     def expire() -> None:
         expired.set()
@@ -67,6 +73,9 @@ def signal_handlers(save_on_signal: float) -> Iterator[threading.Event]:
                 deadline[0].daemon = True
                 deadline[0].start()
             return
+        if stopping["raised"] and not stopping["redeliver"]:
+            return
+        stopping["raised"], stopping["redeliver"] = True, False
         raise Stopped(signum)
 
     def unraisable(info: Any) -> None:
@@ -76,6 +85,7 @@ def signal_handlers(save_on_signal: float) -> Iterator[threading.Event]:
         # Deliver the signal again, from another thread a moment later (raised here, the handler
         # would run inside this hook and be dropped again): it then lands outside the callback.
         if isinstance(info.exc_value, Stopped):
+            stopping["redeliver"] = True
             threading.Timer(0.01, os.kill, (os.getpid(), info.exc_value.signum)).start()
             return
         previous_hook(info)
@@ -89,7 +99,7 @@ def signal_handlers(save_on_signal: float) -> Iterator[threading.Event]:
             timer.cancel()
         sys.unraisablehook = previous_hook
         for sig, old in previous.items():
-            signal.signal(sig, old)
+            signal.signal(sig, signal.SIG_IGN if stopping["raised"] and ignore_after_stop else old)
 
 
 SIGNALS_WITHOUT_SIGTERM = "SIGINT,SIGHUP,SIGQUIT"
