@@ -42,7 +42,7 @@ from bench import md
 from bench.launch import max_over_ranks, parser
 from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
 from ulysses_sp.mixers.apply import apply_mixers, has_unsharded_mixers
-from ulysses_sp.mixers.guard import check_sequence_mixing
+from ulysses_sp.mixers.guard import check_document_mixing, check_sequence_mixing
 from ulysses_sp.parallel.loss import sp_causal_lm_loss
 
 SEQ = 32
@@ -152,6 +152,45 @@ def compare(model: Any, *, guard: bool = True, seed: int = 1) -> dict[str, Any]:
     return {"verdict": "exact", "detail": ""}
 
 
+DOCS = (5, 7, 9, 11)
+"""Packed documents of one ``SEQ`` row: the third spans the sp-2 shard boundary (16)."""
+
+
+@torch.no_grad()
+def compare_packed(model: Any, ref: Any, ids: Any, sp_verdict: str, route: bool = True) -> dict[str, str]:
+    """Packed documents (``DOCS``, positions restarting at 0) as ``train`` runs them, at sp 1 and at
+    sp = world size, against each document run alone through ``ref`` (the plain model): per-position
+    logits. ``{"sp1": ..., "sp2": ...}``: ``exact``, ``refused`` (``check_document_mixing`` at sp 1,
+    the sp-``world`` verdict's refusal), ``leaks ...`` (no refusal, a mismatch: documents attend
+    across each other) or ``-`` (not run: the sp verdict was neither exact nor refused).
+    ``route=False``: sp 1 runs the model's own forward (what ``train`` did before it routed sp 1)."""
+    sp, rank = dist.get_world_size(), dist.get_rank()
+    want = torch.cat([ref(input_ids=d, use_cache=False).logits for d in ids.split(DOCS, dim=1)], dim=1)
+    pos = torch.cat([torch.arange(n) for n in DOCS])[None]  # [1, S]
+    out = {"sp2": {"exact": "exact", "refused": "refused"}.get(sp_verdict, "-")}
+    try:
+        check_document_mixing(model)
+    except ValueError:
+        return {"sp1": "refused", **out}
+    for size in (1, sp) if sp_verdict == "exact" else (1,):
+        reg = UlyssesSPAttentionHF.register_with_transformers(model, "eager", size, 1) if route or size > 1 else None
+        mixers = apply_mixers(model, reg.mesh) if reg and has_unsharded_mixers(model) else None
+        try:
+            part = slice(rank * SEQ // size, (rank + 1) * SEQ // size) if size > 1 else slice(None)
+            got = model(input_ids=ids[:, part], position_ids=pos[:, part], use_cache=False).logits
+        finally:
+            if mixers is not None:
+                mixers.remove()
+            if reg is not None:
+                reg.remove()
+        err = (got - want[:, part]).abs().amax(dim=-1)[0]  # [S_l]
+        bad = not torch.allclose(got, want[:, part], rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+        verdict = f"leaks (logits differ by {float(err.max()):.3g} at position {int(err.argmax())})" if bad else "exact"
+        worst = max_over_ranks(int(bad))
+        out["sp1" if size == 1 else "sp2"] = verdict if bad or not worst else "leaks (on another rank)"
+    return out
+
+
 def _mismatches(got: Any, want: Any, name: str, floor: float) -> list[str]:
     scale = float(want.abs().max())
     if torch.allclose(got, want, rtol=1e-4, atol=max(1e-5 * scale, floor, 1e-12)):
@@ -174,7 +213,13 @@ def _rank_main(model_type: str, rank: int, store: str, mem_bytes: int, out: Any)
             return
         dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
                                 timeout=timedelta(seconds=120))  # fmt: skip
-        out.put((rank, compare(model)))
+        plain = copy.deepcopy(model)  # the packed column's reference: each document alone
+        row = compare(model)
+        if row["verdict"] in ("exact", "refused"):
+            vocab = plain.get_output_embeddings().weight.shape[0]
+            ids = torch.randint(0, vocab, (1, SEQ), generator=torch.Generator().manual_seed(2))
+            row["packed"] = compare_packed(model, plain, ids, row["verdict"])
+        out.put((rank, row))
     except BaseException as err:  # noqa: BLE001 - reported as a crash with its reason
         out.put((rank, {"verdict": "crash", "detail": f"{type(err).__name__}: {err}"[:300]}))
     finally:
@@ -219,8 +264,24 @@ def write_table(rows: list[dict[str, Any]], path: Path, run: dict, note: str = "
         f"transformers {transformers.__version__}: {len(rows)} decoder-only causal-LM families from its auto "
         "registry, each at sp=2 against the same model without SP (per-position logits and every "
         "gradient, fp32, rtol 1e-4). `python -m bench.model_sweep` regenerates this file.",
-        "**" + ", ".join(f"{n} {v}" for v, n in counts.items()) + "**", *([note] if note else []),
-        md.table(["family", "verdict", "reason"], [[r["family"], r["verdict"], r["detail"][:400]] for r in rows])])
+        "**" + ", ".join(f"{n} {v}" for v, n in counts.items()) + "**",
+        "Packed documents (one row of documents of 5, 7, 9 and 11 tokens, positions restarting at 0, as "
+        "`train --packing best-fit` feeds them) against each document run alone through the plain model, "
+        "per-position logits: at sp 1 as `train` runs it (the SP attention registered at sp 1, the mixer "
+        "handlers applied, `check_document_mixing` first) and at sp 2. **" + packed_counts(rows) + "**",
+        *([note] if note else []),
+        md.table(["family", "verdict", "packed sp 1", "packed sp 2", "reason"],
+                 [[r["family"], r["verdict"], *(r.get("packed", {}).get(k, "-") for k in ("sp1", "sp2")),
+                   r["detail"][:400]] for r in rows])])  # fmt: skip
+
+
+def packed_counts(rows: list[dict[str, Any]]) -> str:
+    """The packed column's counts: ``sp 1: 105 exact, 33 refused, 0 leak; sp 2: ...``."""
+    def one(k: str) -> str:
+        got = [r.get("packed", {}).get(k, "-") for r in rows]
+        return (f"sp {k[-1]}: {got.count('exact')} exact, {got.count('refused')} refused, "
+                f"{sum(g.startswith('leaks') for g in got)} leak")  # fmt: skip
+    return "; ".join(one(k) for k in ("sp1", "sp2"))
 
 
 def main(argv: list[str] | None = None) -> None:

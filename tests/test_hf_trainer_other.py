@@ -98,6 +98,29 @@ def test_prepare_refuses_liger_kernels_on_cpu(single_process, tmp_path):
         prepare(trainer, sp_size=2)
 
 
+def test_prepare_at_sp_1_refuses_packed_sequences_a_module_would_mix_across_documents(single_process, tmp_path):
+    """TRL's padding-free packing at sp 1: documents stay apart only through the SP attention and the
+    mixer handlers; Bloom's attention computes its own scores over the whole row, so it is refused."""
+    import sys
+    from pathlib import Path
+
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bench.model_sweep import build
+    from ulysses_sp.tasks.tokenizer import byte_tokenizer
+
+    args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no",
+                     packing=True, padding_free=True, max_length=16)  # fmt: skip
+    data = Dataset.from_list([{"input_ids": r["input_ids"]} for r in token_rows(4, (8,), seed=0)])
+    model = build("bloom").train()
+    trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=byte_tokenizer())
+    with pytest.raises(ValueError, match=r"(?s)packed sequences \(SFTConfig packing / padding_free\) cannot be "
+                       r"kept apart in BloomForCausalLM.*BloomAttention"):  # fmt: skip
+        prepare(trainer, sp_size=1)
+
+
 def test_readme_shows_the_fsdp2_config_file():
     """README's accelerate + FSDP2 config is examples/accelerate_fsdp2.yaml (the file the launch test
     runs), less its comment header."""

@@ -27,6 +27,46 @@ def _family(name: str, guard: bool = True) -> dict:
     return model_sweep.compare(model_sweep.build(name), guard=guard)
 
 
+def _packed(name: str, route: bool = True) -> dict:
+    import copy
+
+    import torch
+
+    model = model_sweep.build(name)
+    plain = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (1, model_sweep.SEQ), generator=torch.Generator().manual_seed(2))
+    try:
+        model_sweep.check_sequence_mixing(model, sp_size=2)
+        verdict = "exact"
+    except ValueError:
+        verdict = "refused"
+    return model_sweep.compare_packed(model, plain, ids, verdict, route)
+
+
+def test_packed_documents_stay_apart_at_sp_1_and_2_or_are_refused(pool):
+    """Every family ``train`` packs for: the packed row equals each document run alone, at sp 1 (the
+    SP attention registered there, the mixer handlers applied) and sp 2; Bloom (its own attention
+    scores) is refused at both; gpt-oss's own forward (sinks) leaks, which is why sp 1 is routed."""
+    for family in ("llama", "gpt_oss", "lfm2", "bamba"):
+        assert pool.run(_packed, 2, family) == [{"sp1": "exact", "sp2": "exact"}] * 2, family
+    assert pool.run(_packed, 2, "bloom") == [{"sp1": "refused", "sp2": "refused"}] * 2
+    own = pool.run(_packed, 2, "gpt_oss", False)
+    assert [r["sp1"].startswith("leaks (logits differ by") for r in own] == [True, True], own
+    assert [r["sp2"] for r in own] == ["exact", "exact"]
+
+
+def test_packed_rows_are_refused_at_sp_1_where_a_module_mixes_the_whole_row():
+    from ulysses_sp.mixers.guard import check_document_mixing
+
+    for family in ("llama", "lfm2", "qwen3_next"):
+        check_document_mixing(model_sweep.build(family))  # documents kept apart: no error
+    with pytest.raises(ValueError, match=r"(?s)packed documents cannot be kept apart in BloomForCausalLM.*"
+                       r"self_attention \(BloomAttention\).*--packing none"):  # fmt: skip
+        check_document_mixing(model_sweep.build("bloom"))
+    with pytest.raises(ValueError, match="layer 0: 'indexed_attention' attention picks its keys from the whole row"):
+        check_document_mixing(model_sweep.build("deepseek_v32"))
+
+
 def _hidden(kind: str, guard: bool = True, declare: bool = False) -> dict:
     from hidden_mixer import TokenScale, hidden_mixer_llama
 

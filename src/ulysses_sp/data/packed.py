@@ -68,6 +68,10 @@ class PackedDataset(Dataset):
         row = self.collate(docs)  # [1, S] each
         return {k: v[0] for k, v in row.items()}
 
+    def packs_documents(self) -> bool:
+        """Whether some row holds more than one document (segment) of the corpus."""
+        return len(self.plan) > 0 and int(np.diff(self.plan.offsets).max()) > 1
+
     def stats(self) -> dict[str, float | int]:
         """Blocks, real and scored tokens, packing efficiency, the long-sample counts."""
         p, c = self.plan, self.corpus

@@ -46,7 +46,7 @@ from ulysses_sp.integrations._trainer import SPTrainerDataLoader, SPTrainerMixin
 from ulysses_sp.integrations.alst import ALSTHandle, ALSTOptions
 from ulysses_sp.mixers.apply import apply_mixers, has_unsharded_mixers
 from ulysses_sp.mixers.base import MixerHandle
-from ulysses_sp.mixers.guard import check_sequence_mixing
+from ulysses_sp.mixers.guard import check_document_mixing, check_sequence_mixing
 from ulysses_sp.parallel.mesh import SPMesh, init_mesh, require_process_group
 from ulysses_sp.parallel.mesh_shape import head_counts, resolve_ring_size_for_layers
 from ulysses_sp.vlm import VLMShardHandle, shard_vlm, vlm_parts
@@ -171,6 +171,9 @@ def prepare(
                           offload_attention=offload_attention, recompute_norms=recompute_norms)  # fmt: skip
     options.check(trainer, core)
     check_sequence_mixing(model, sp_size=sp_size)  # the closed-world guard, before any collective
+    args = getattr(trainer, "args", None)
+    if sp_size == 1 and (getattr(args, "packing", False) or getattr(args, "padding_free", False)):
+        check_document_mixing(model, what="packed sequences (SFTConfig packing / padding_free)")
     require_process_group("ulysses_sp.integrations.transformers.prepare")
     config, ring = getattr(model, "config", None), ring_size
     if head_counts(config):  # else registration refuses the model, naming why

@@ -194,6 +194,34 @@ def check_sequence_mixing(
         )
 
 
+def check_document_mixing(model: Any, *, what: str = "packed documents") -> None:
+    """Raise ``ValueError`` when ``model`` cannot keep packed documents apart without sequence
+    parallelism (sp 1, rows of several documents whose ``position_ids`` restart at 0).
+
+    At sp 1 documents stay apart only where every module that mixes tokens takes its document
+    boundaries from ``position_ids``: the SP attention (``train`` routes sp 1 through it for every
+    plain-attention text model) and the mixers a handler claims (applied at sp 1 too). A module the
+    guard refuses at sp > 1 mixes the whole row at sp 1, across documents; so does a sparse or
+    compressed attention kind (its own forward picks keys from the whole row). Those are refused for
+    packed rows here — with sp > 1 ``check_sequence_mixing`` refuses them anyway.
+    """
+    from ulysses_sp.attention.layer_kinds import REASONS
+
+    if not isinstance(model, nn.Module) or not hasattr(getattr(model, "config", None), "to_dict"):
+        return
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    found = [f"layer {i}: {kind!r} attention picks its keys from the whole row"
+             for i, kind in enumerate(getattr(text, "layer_types", None) or ()) if kind in REASONS]  # fmt: skip
+    found += refusals(model)
+    if found:
+        raise ValueError(
+            f"{what} cannot be kept apart in {type(model).__name__}: these modules mix tokens across the "
+            "whole row, not within each document (the model would attend across documents):\n  "
+            + "\n  ".join(found) + "\nTrain it with one sample per row (--packing none), or, for a custom "
+            "module that does act on every token alone, call ulysses_sp.declare_position_wise(ItsClass) first."
+        )
+
+
 def _walk(
     root: nn.Module, prefix: str, layer: int | None, handlers: tuple[MixerHandler, ...]
 ) -> list[Finding]:
