@@ -121,6 +121,33 @@ def test_prepare_at_sp_1_refuses_packed_sequences_a_module_would_mix_across_docu
         prepare(trainer, sp_size=1)
 
 
+def test_the_moe_aux_loss_refusal_names_the_fix_that_works(single_process, tmp_path):
+    import sys
+    from pathlib import Path
+
+    """TRL 1.16 sets output_router_logits from router_aux_loss_coef (Mixtral's config: 0.001), so the
+    fix is the SFTConfig's coefficient; applied, prepare() goes on to its next step (the process group)."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from ulysses_sp.tasks.tokenizer import byte_tokenizer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bench.model_sweep import build
+
+    data = Dataset.from_list([{"input_ids": r["input_ids"]} for r in token_rows(4, (8,), seed=0)])
+
+    def trainer(**kw):
+        args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no", **kw)
+        model = build("mixtral")
+        return SFTTrainer(model=model, args=args, train_dataset=data, processing_class=byte_tokenizer())
+
+    with pytest.raises(ValueError, match=r"MoE auxiliary \(load-balancing\) loss .*set router_aux_loss_coef=0.0"):
+        prepare(trainer(), sp_size=2)
+    with pytest.raises(ValueError, match=r"needs an initialized torch.distributed process group"):
+        prepare(trainer(router_aux_loss_coef=0.0), sp_size=2)  # the loss check passes
+
+
 def test_readme_shows_the_fsdp2_config_file():
     """README's accelerate + FSDP2 config is examples/accelerate_fsdp2.yaml (the file the launch test
     runs), less its comment header."""

@@ -179,6 +179,21 @@ def test_refuses_when_heads_do_not_divide(arch, kw, sp, message):
     assert not any("forward" in vars(m) for m in model.modules())  # nothing wrapped
 
 
+def test_a_ring_layout_is_refused_naming_sp_sizes_that_work_and_the_named_size_does():
+    """LFM2 with 6 attention heads at sp 4 gets ring_size 2 (Ulysses 2 splits the heads): its short
+    convolution needs ring_size 1, which sp 4 cannot give. The message names the sp sizes that split the
+    6 heads and the 48 channels (2, 3 or 6), not 'ring_size=1' (impossible there); each of them passes."""
+    from ulysses_sp.mixers.apply import usable_sp_sizes
+
+    model = hybrid_model("lfm2", hidden_size=48, num_attention_heads=6, kv_heads=6)
+    with pytest.raises(ValueError, match=r"ring_size 2; use an sp size whose ranks split its attention heads and "
+                       r"its mixers' heads: 2, 3 or 6$"):  # fmt: skip
+        apply_mixers(model, SimpleNamespace(sp_size=4, sp_rank=0, ring_size=2))
+    for sp in (2, 3, 6):  # the fix: plain Ulysses at each named size shards the mixers
+        apply_mixers(model, SimpleNamespace(sp_size=sp, sp_rank=0, ring_size=1, sp_group=None)).remove()
+    assert usable_sp_sizes(hybrid_model("lfm2")) == "2 or 4"  # 4 heads, 32 channels
+
+
 def test_refuses_local_document_boundaries_and_unbound_handlers():
     with pytest.raises(ValueError, match="seq_idx describe the local shard's documents"):
         refuse_local_boundaries({"seq_idx": torch.zeros(1)}, "Lfm2ShortConv")

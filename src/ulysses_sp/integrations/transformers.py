@@ -270,11 +270,16 @@ def _check_trainer(trainer: Any, core: str) -> None:
             "parallelism; set label_smoothing_factor=0"
         )
     loss_type = getattr(args, "loss_type", None)  # TRL's SFTConfig
-    if loss_type not in (None, "nll") or getattr(trainer, "aux_loss_enabled", False):
-        what = f"loss_type={loss_type!r}" if loss_type not in (None, "nll") else "the MoE auxiliary loss"
+    if loss_type not in (None, "nll"):
         raise ValueError(
-            f"{what} is not reproduced under sequence parallelism (the SP loss is the causal-LM "
-            "negative log-likelihood); set loss_type='nll' (and output_router_logits=False in the model config)"
+            f"loss_type={loss_type!r} is not reproduced under sequence parallelism (the SP loss is the "
+            "causal-LM negative log-likelihood); set loss_type='nll'"
+        )
+    if getattr(trainer, "aux_loss_enabled", False):  # TRL: the config's coefficient unless the SFTConfig's
+        raise ValueError(
+            "the MoE auxiliary (load-balancing) loss is not reproduced under sequence parallelism (the SP loss "
+            "is the causal-LM negative log-likelihood); set router_aux_loss_coef=0.0 in the SFTConfig (TRL "
+            "then turns the model's output_router_logits off)"
         )
     if getattr(trainer, "compute_metrics", None) is not None:
         raise ValueError(

@@ -17,7 +17,7 @@ from ulysses_sp.mixers import gated_delta, kda, mamba2, short_conv
 from ulysses_sp.mixers._kernels import is_sharded
 from ulysses_sp.mixers.base import MixerHandle, MixerHandler, claimed_by, shard_mixers
 
-__all__ = ["HANDLERS", "apply_mixers", "has_unsharded_mixers", "is_sharded"]
+__all__ = ["HANDLERS", "apply_mixers", "has_unsharded_mixers", "is_sharded", "usable_sp_sizes"]
 from ulysses_sp.mixers.documents import PositionTracker
 
 HANDLERS: tuple[MixerHandler, ...] = (short_conv.HANDLER, mamba2.HANDLER, gated_delta.HANDLER, kda.HANDLER)
@@ -44,6 +44,12 @@ def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
     ``mesh.sp_size``). Call before FSDP/DDP wrapping or after: only the mixers' ``forward`` changes.
     Returns the handle whose ``remove()`` restores the model.
     """
+    if getattr(mesh, "ring_size", 1) > 1:
+        raise ValueError(
+            f"sequence mixers need the plain Ulysses layout (ring_size 1), but at sp_size {mesh.sp_size} this "
+            f"model's attention heads only split with ring_size {mesh.ring_size}; use an sp size whose ranks "
+            f"split its attention heads and its mixers' heads: {usable_sp_sizes(model)}"
+        )
     positions = PositionTracker(mesh)
     handlers = (
         short_conv.ShortConvHandler(positions),
@@ -54,3 +60,27 @@ def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
     handle = shard_mixers(model, mesh, handlers)
     handle._undo.insert(0, positions.install(model))  # removed last
     return handle
+
+
+def usable_sp_sizes(model: nn.Module, up_to: int = 64) -> str:
+    """The sp sizes (2..``up_to``) at which plain Ulysses splits ``model``'s attention heads and every
+    claimed mixer's heads, as a message fragment (``"2, 3 or 6"``; ``"none above 1"`` when none do)."""
+    from ulysses_sp.parallel.mesh_shape import head_counts, valid_ring_sizes
+
+    pairs = head_counts(getattr(model, "config", None)) if hasattr(model, "config") else []
+    mixers = [(m, h) for m in model.modules() if (h := claimed_by(m, HANDLERS)) is not None]
+
+    def fits(p: int) -> bool:
+        if not all(valid_ring_sizes(p, h, kv)[:1] == [1] for h, kv in pairs):
+            return False
+        try:
+            for module, handler in mixers:
+                handler.check(module, p)
+        except ValueError:
+            return False
+        return True
+
+    sizes = [str(p) for p in range(2, up_to + 1) if fits(p)]
+    if not sizes:
+        return "none above 1 (train it with sp 1)"
+    return ", ".join(sizes[:-1]) + " or " + sizes[-1] if len(sizes) > 1 else sizes[0]
