@@ -18,6 +18,7 @@ LAYERS = [
     {"checks"},  # the validation vocabulary: a leaf
     {"parallel"},  # mesh, mesh shape, every collective, the SP loss reduction
     {"attention", "memory", "data", "config", "plan"},  # what runs inside a step; the planner's arithmetic
+    {"objectives"},  # per-token log-probs for preference / RL losses (uses memory's tiling)
     {"vlm"},  # vision-language models: merge and mrope over the full sequence, then the shard (uses data)
     {"mixers"},  # SP for linear attention, state-space and convolution mixers (uses attention's layouts)
     {"state", "tasks"},  # precision, loading, checkpoints; the embedded defaults

@@ -37,6 +37,11 @@ _EXPORTS = {
     "TiledCausalLMLoss": "memory.tiling",
     "enable_activation_offload": "memory.offload",
     "track_peak_memory": "memory.meter",
+    "sequence_logps": "objectives.logps",
+    "model_logps": "objectives.logps",
+    "SequenceLogps": "objectives.logps",
+    "gather_sequence": "objectives.logps",
+    "sum_over_sequence": "objectives.logps",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])
