@@ -318,3 +318,17 @@ def test_eval_plot_none_or_empty_means_no_plot(value, want):
 
     ns = build_parser().parse_args(["eval", "--model", "tiny-llama", "--plot", value])
     assert eval_options(ns)[0].plot == want
+
+
+def test_env_prints_what_a_bug_report_needs(capsys):
+    import torch
+
+    main(["env"])
+    text = capsys.readouterr().out
+    assert text.startswith("Copy-and-paste the text below into your issue:")
+    for line in (f"- torch: {torch.__version__}", "- transformers: ", "- trl: ", "- distributed backends: gloo",
+                 "- host memory: "):  # fmt: skip
+        assert line in text, line
+    main(["env", "--json"])
+    info = json.loads(capsys.readouterr().out)
+    assert info["torch"] == torch.__version__ and info["CPU cores"] >= 1 and info["devices"]

@@ -216,6 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Predict each setting's peak memory per device and speed from the model's "
                         "config alone (nothing is built), and recommend a train command line that fits.")  # fmt: skip
     add_plan_args(pl)
+    env = sub.add_parser("env", help="print versions, devices and memory for a bug report",
+                         description="Print ulysses-sp, Python, torch (CUDA/NCCL/cuDNN), transformers, "
+                         "accelerate, TRL, PEFT and the kernels' versions, the devices and the host memory.")  # fmt: skip
+    env.add_argument("--json", action="store_true", help="print a JSON object instead of the text report")
     return parser
 
 

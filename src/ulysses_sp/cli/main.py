@@ -183,6 +183,11 @@ def _exit_now(code: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Console entry point ``ulysses-sp``."""
     args = build_parser().parse_args(argv)
+    if args.command == "env":
+        from ulysses_sp.cli.env import env_report
+
+        print(env_report(args.json))
+        return
     if args.command == "plan":
         from ulysses_sp.cli.plan import run_plan
 
