@@ -153,6 +153,14 @@ def check_model(
     ``sharded_load``: the weights load at ZeRO 2/3 (what that load cannot read is refused);
     ``require_weights``: a directory has a weight file (``model_config``)."""
     mcfg = model_config(model, len(tokenizer), sharded_load=sharded_load, require_weights=require_weights)
+    return mcfg, check_model_fits(mcfg, model, tokenizer, sp=sp, seq_len=seq_len, ring_size=ring_size)
+
+
+def check_model_fits(
+    mcfg: Any, model: str, tokenizer: Any, *, sp: int, seq_len: int, ring_size: int | str | None
+) -> int:
+    """``check_model``'s checks of a model config already read (``model``: its name, for messages);
+    return the ring size. The planner asks them of each candidate setting."""
     text = mcfg.get_text_config()  # a VLM's language model; a text model's own config
     if len(tokenizer) > text.vocab_size:
         raise ValueError(
@@ -162,7 +170,7 @@ def check_model(
     ring = ring_size_for(mcfg, sp, ring_size)
     check_seq_len_divisible(seq_len, sp, ring, name="--seq-len")
     check_seq_len_fits(seq_len, text, model)
-    return mcfg, ring
+    return ring
 
 
 def check_run(
