@@ -92,13 +92,13 @@ def model_config(model: str, vocab_size: int, *, sharded_load: bool = False, req
     tasks.check_model_dir(model)
     from ulysses_sp.state.model_dir import check_model_dir, load_config
 
+    check_text_model(model, load_config(model))
     if require_weights and not any(os.path.isfile(os.path.join(model, f)) for f in WEIGHT_FILES):
         raise ValueError(
             f"--model {model!r} has a config.json but no weight file ({', '.join(WEIGHT_FILES)}): train loads "
             "the model's weights from it; copy the weights into the directory, or start from a preset "
             "(--model tiny-llama) for random weights"
         )
-    check_text_model(model, load_config(model))
     # config, index, shards, their headers and shapes, naming the file
     return check_model_dir(model, sharded_load=sharded_load)
 
