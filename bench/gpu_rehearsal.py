@@ -34,7 +34,8 @@ def real_peak(model_dir: str, seq_len: int, device: str, alst: bool = False) -> 
     from ulysses_sp.engine import initialize
     from ulysses_sp.memory.meter import track_peak_memory
     from ulysses_sp.parallel.mesh import init_mesh, shutdown
-    from ulysses_sp.run.loop import apply_techniques, micro_step, sp_attention_wanted
+    from ulysses_sp.run.loop import micro_step
+    from ulysses_sp.run.model_checks import apply_techniques, sp_attention_wanted
     from ulysses_sp.state.loading import init_empty_model
 
     cfg = _cfg(model_dir, seq_len, alst)

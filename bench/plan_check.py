@@ -1,7 +1,7 @@
 """Predicted vs measured: the planner's peak per rank and comm share against real training steps.
 
 Each case builds the run's model with its techniques and engine exactly as ``ulysses-sp train`` does
-(``run.loop.apply_techniques``, ``register_with_transformers``, ``initialize``), takes one warm-up optimizer step (the
+(``run.model_checks.apply_techniques``, ``register_with_transformers``, ``initialize``), takes one warm-up optimizer step (the
 AdamW state then exists, as in every later step), and measures the second step with
 ``ulysses_sp.memory.meter.track_peak_memory`` (parameters and optimizer state counted in the baseline) and
 ``comm_timing.record_comm_times``. The prediction is ``plan.predict`` for the same settings, less what the CPU
@@ -44,7 +44,8 @@ from ulysses_sp.plan.inputs import Settings
 from ulysses_sp.plan.model import memory, predict
 from ulysses_sp.rehearse.run import synthetic_batch
 from ulysses_sp.run.config import RunConfig
-from ulysses_sp.run.loop import apply_techniques, micro_step, sp_attention_wanted
+from ulysses_sp.run.loop import micro_step
+from ulysses_sp.run.model_checks import apply_techniques, sp_attention_wanted
 
 CASES_TECH: list[dict[str, bool]] = [
     {}, {"activation_checkpointing": True}, {"activation_checkpointing": True, "offload_activations": True},

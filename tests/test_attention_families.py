@@ -224,10 +224,10 @@ def test_local_view_slices_sinks_to_the_rank_heads_and_refuses_per_query_inputs(
 
 def _sp1_packed_gap(family: str) -> tuple[float, float]:
     """Max logit gap between a packed row and its documents run alone: the model's own forward, and
-    the SP attention ``train`` registers at sp 1 (``run.loop.sp_attention_wanted``)."""
+    the SP attention ``train`` registers at sp 1 (``run.model_checks.sp_attention_wanted``)."""
     from ulysses_sp.parallel.doc_layout import attach_layout, host_layout
     from ulysses_sp.run.config import config_from_dict
-    from ulysses_sp.run.loop import sp_attention_wanted
+    from ulysses_sp.run.model_checks import sp_attention_wanted
 
     model = family_model(family, num_key_value_heads=2).eval()
     assert sp_attention_wanted(config_from_dict({"model": "tiny-llama", "sp": 1}), model.config)

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ulysses_sp.attention.blockwise import BlockCounts
+from ulysses_sp.attention.checks import check_sp_attention
 from ulysses_sp.attention.core import (
     attention_path,
     check_blockwise_options,
@@ -54,7 +55,6 @@ from ulysses_sp.attention.core import (
 from ulysses_sp.attention.head_chunks import check_no_sinks, head_chunked_attention, plan_head_chunks
 from ulysses_sp.attention.heads import HeadView, local_view
 from ulysses_sp.attention.kv_offload import KVOffload
-from ulysses_sp.attention.layer_kinds import check_layer_kinds
 from ulysses_sp.attention.masks import ForwardState, SeqLayout, mask_for, seq_layout
 from ulysses_sp.attention.positions import (
     CallPositions,
@@ -67,7 +67,7 @@ from ulysses_sp.attention.registration import SPRegistration, model_and_config, 
 from ulysses_sp.attention.ring import RingStats
 from ulysses_sp.parallel.headwise import out_heads_to_seq, qkv_seq_to_heads
 from ulysses_sp.parallel.mesh import SPMesh, require_process_group
-from ulysses_sp.parallel.mesh_shape import check_heads, head_counts, resolve_ring_size_for_layers
+from ulysses_sp.parallel.mesh_shape import check_heads, head_counts
 
 logger = logging.getLogger(__name__)
 
@@ -331,11 +331,10 @@ class UlyssesSPAttentionHF:
         require_process_group("register_with_transformers")
         check_core(core_attn_implementation)
         model, config = model_and_config(model_name_or_path)
-        check_layer_kinds(config, sequence_parallel_size)
-        heads = head_counts(config)  # every layer's (query, kv) heads: per-layer configs may differ
-        ring = resolve_ring_size_for_layers(sequence_parallel_size, heads, ring_size)
-        check_blockwise_options(core_attn_implementation, attn_chunk, offload_attention)
-        check_ring_options(core_attn_implementation, ring, offload_attention)
+        # what the launcher also checks before any worker starts (run.model_checks): kinds, heads, options
+        ring = check_sp_attention(config, core_attn_implementation, sequence_parallel_size, ring_size=ring_size,
+                                  attn_chunk=attn_chunk, offload_attention=offload_attention)  # fmt: skip
+        heads = head_counts(config)
         mesh = resolve_layout(mesh, sequence_parallel_size, heads, ring, ring_size)
         check_ring_options(core_attn_implementation, mesh.ring_size, offload_attention)
         for num_heads, num_kv in heads:  # every layer's heads split into the head groups

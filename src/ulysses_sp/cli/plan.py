@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -74,30 +74,18 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON document (schema in the README)")
 
 
-def load_shape(model: str):
+def load_shape(model: str, config: Any = None):
     """``ModelShape`` of a preset, named shape, model directory or ``config.json`` (``ValueError``),
-    with the positions limit ``train`` checks ``--seq-len`` against."""
+    with the positions limit ``train`` checks ``--seq-len`` against; ``config``: the model's config
+    when already read (``plan_judge.read_config``)."""
+    from ulysses_sp.cli.plan_judge import read_config
     from ulysses_sp.plan.inputs import SHAPES
     from ulysses_sp.run.preflight import model_shape
     from ulysses_sp.run.prelaunch import max_trained_length
 
     if model in SHAPES:
         return SHAPES[model]
-    if model.endswith(".json") and os.path.isfile(model):
-        from transformers import AutoConfig
-
-        try:
-            with open(model, encoding="utf-8") as f:
-                values = json.load(f)
-            config = AutoConfig.for_model(values.pop("model_type"), **values)
-        except (OSError, ValueError, KeyError) as e:
-            raise ValueError(f"--model {model!r}: not a transformers config.json ({e})") from e
-    else:
-        from ulysses_sp.run.checks import model_config
-        from ulysses_sp.tasks import load_tokenizer
-
-        config = model_config(model, len(load_tokenizer(None, model)))
-    config = config.get_text_config()  # a vision-language model: its language model (the tower is not planned)
+    config = (read_config(model) if config is None else config).get_text_config()  # a VLM: its language model
     return model_shape(config, max_positions=max_trained_length(config)[0])
 
 
@@ -138,8 +126,8 @@ def hardware(ns: argparse.Namespace):
     ):
         value = getattr(ns, flag)
         if value is not None:
-            if not value > 0:
-                raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {value}")
+            if not 0 < value < math.inf:  # NaN and inf too: JSON has no number for them
+                raise ValueError(f"--{flag.replace('_', '-')} must be a finite number > 0, got {value}")
             if flag == "mfu" and value > 1:
                 raise ValueError(
                     f"--mfu is the achieved fraction of the device's peak, in (0, 1]; got {value} "
@@ -157,10 +145,13 @@ def hardware(ns: argparse.Namespace):
     return replace(hw, gpus_per_node=ns.gpus if hw.name != "cpu" else hw.gpus_per_node)
 
 
-def train_args(model: str, s: Any, nodes: int) -> tuple[dict[str, Any], list[str]]:
-    """The ``ulysses-sp train`` flags of a setting, as a dict and as the command line."""
+def train_args(model: str, s: Any, nodes: int, attn: str = "sdpa") -> tuple[dict[str, Any], list[str]]:
+    """The ``ulysses-sp train`` flags of a setting, as a dict and as the command line (``attn``:
+    written when not train's default)."""
     flags: dict[str, Any] = {"model": model, "sp": s.sp, "seq_len": s.seq_len, "zero_stage": s.zero_stage,
                              "micro_batch_size": s.micro_batch_size}  # fmt: skip
+    if attn != "sdpa":
+        flags["attn"] = attn
     if getattr(s, "ring_size", 1) > 1:
         flags["ring_size"] = s.ring_size
     if s.partition != "data_parallel":
@@ -214,9 +205,19 @@ def host_fits(host_bytes_per_rank: int, world: int, hw: Any, ns: argparse.Namesp
     return limit is None or host_bytes_per_rank * min(world, hw.gpus_per_node) <= limit
 
 
-def _evaluate(ns: argparse.Namespace, shape: Any, hw: Any, offload: str) -> list[dict[str, Any]]:
+def _ladder(judge: Any, ns: argparse.Namespace) -> list[dict[str, bool]]:
+    """``TECHNIQUES`` without the techniques train refuses for this model (``PlanJudge.admitted``)."""
+    names = list(dict.fromkeys(k for rung in TECHNIQUES for k in rung))
+    base = {"model": ns.model, "sp": 1, "seq_len": 2, "zero_stage": 0, "micro_batch_size": ns.micro_batch_size}
+    kept = judge.admitted(names, base)
+    rungs = [{k: v for k, v in rung.items() if k in kept} for rung in TECHNIQUES]
+    return [dict(r) for r in dict.fromkeys(tuple(r.items()) for r in rungs)]
+
+
+def _evaluate(ns: argparse.Namespace, shape: Any, hw: Any, offload: str, judge: Any) -> list[dict[str, Any]]:
     """One candidate per layout x technique: its prediction at ``--seq-len`` or, without it, at
-    its longest sequence capped at the model's positions limit."""
+    its longest sequence capped at the model's positions limit. Settings ``train`` refuses before
+    launch (``judge``: ``plan_judge.PlanJudge``) are left out, the reason noted."""
     from ulysses_sp.parallel.mesh_shape import resolve_ring_size
     from ulysses_sp.plan.inputs import Settings
     from ulysses_sp.plan.model import max_seq_len, predict
@@ -229,7 +230,7 @@ def _evaluate(ns: argparse.Namespace, shape: Any, hw: Any, offload: str) -> list
         ring = resolve_ring_size(sp, shape.heads, shape.kv_heads) if attention else 1
         if not mixers_shard(shape, sp, ring):
             continue
-        for tech in TECHNIQUES:
+        for tech in _ladder(judge, ns):
             multiple = sp * (2 if ring > 1 else 1)
             if ns.seq_len is not None and ns.seq_len % multiple:
                 continue
@@ -242,8 +243,12 @@ def _evaluate(ns: argparse.Namespace, shape: Any, hw: Any, offload: str) -> list
                 if shape.max_positions is not None:  # train refuses more: cap, "capped" says so
                     seq_len = min(seq_len, max(shape.max_positions - shape.max_positions % multiple, multiple))
                 s = replace(s, seq_len=seq_len)
+            settings, args = train_args(ns.model, s, ns.nodes, judge.attn)
+            why = judge.refusal(settings)
+            if why is not None:
+                judge.withhold(_label({"settings": settings}), why)
+                continue
             pred = predict(shape, s, hw)
-            settings, args = train_args(ns.model, s, ns.nodes)
             out.append({
                 "settings": settings, "train_args": args, "peak_bytes_per_rank": pred.peak_bytes,
                 "breakdown": pred.breakdown, "host_bytes_per_rank": pred.host_bytes,
@@ -263,7 +268,11 @@ def candidates(ns: argparse.Namespace) -> dict[str, Any]:
         positive_int(f"--{flag.replace('_', '-')}", getattr(ns, flag))
     if ns.seq_len is not None:
         positive_int("--seq-len", ns.seq_len)
-    shape, hw = load_shape(ns.model), hardware(ns)
+    from ulysses_sp.cli.plan_judge import PlanJudge
+
+    hw = hardware(ns)
+    judge = PlanJudge(ns.model)
+    shape = load_shape(ns.model, judge.config)
     limit = shape.max_positions
     if ns.seq_len is not None and limit is not None and ns.seq_len > limit:
         raise ValueError(
@@ -272,9 +281,9 @@ def candidates(ns: argparse.Namespace) -> dict[str, Any]:
             "whose config.json extends its context (rope_scaling)"
         )
     offload = "also" if ns.offload_states else "no"
-    out, notes = _evaluate(ns, shape, hw, offload), layer_notes(shape)
-    if not ns.offload_states and not any(c["fits"] for c in out):
-        out += _evaluate(ns, shape, hw, "only")
+    out, notes = _evaluate(ns, shape, hw, offload, judge), layer_notes(shape)
+    if not ns.offload_states and out and not any(c["fits"] for c in out):
+        out += _evaluate(ns, shape, hw, "only", judge)
         offload = "auto"
         notes.append("nothing fits on the devices alone: model states on the host considered too "
                      "(--offload-states; train's --zero-stage 3 --cpu-offload)")  # fmt: skip
@@ -287,6 +296,7 @@ def candidates(ns: argparse.Namespace) -> dict[str, Any]:
         notes.append(f"S capped at {best['settings']['seq_len']:,}: the model's positions end at {limit:,} "
                      f"(max_position_embeddings, RoPE scaling included) and train refuses a longer --seq-len; "
                      f"memory allows {best['max_seq_len']:,}")  # fmt: skip
+    notes += judge.summary()
     if best is not None and ns.model in SHAPES:
         notes.append(f"--model {ns.model} is a named shape: give train your local model directory as --model")
     return {
@@ -319,7 +329,9 @@ def render(doc: dict[str, Any]) -> str:
                     f"{c['max_seq_len']:>11,} {c['tokens_per_s']:>10,.0f} {c['comm_share']:>5.0%}")  # fmt: skip
     best = doc["recommended"]
     rows += [""] + [f"note: {n}" for n in doc["notes"]]
-    if best is None:
+    if not doc["candidates"]:
+        rows.append("no setting to offer: train refuses every one for this model (notes above)")
+    elif best is None:
         host = "" if doc["offload_states"] == "no" else ", even with model states on the host"
         rows.append(f"nothing fits{host}: more devices, a shorter --seq-len, or a smaller --micro-batch-size")
     else:

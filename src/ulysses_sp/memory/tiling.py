@@ -285,6 +285,15 @@ class TiledCausalLMLoss:
         if self.num_shards is not None:
             check_num_shards(self.num_shards, what="tiled loss num_shards")
 
+    @staticmethod
+    def check_model(model: nn.Module) -> None:
+        """Raise ``ValueError`` unless ``model``'s logits are its plain ``lm_head`` output (no softcapping
+        or logit scale in its config); pure, so the launcher asks it of the model on the meta device."""
+        config = getattr(model, "config", None)
+        for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+            if getattr(config, attr, None) not in (None, 1, 1.0):
+                raise ValueError(f"tiled loss computes plain lm_head logits; {attr} is not supported")
+
     def __call__(
         self, model: nn.Module, batch: dict[str, Any], shift_labels: torch.Tensor, sp_group: Any
     ) -> Any:
@@ -293,10 +302,7 @@ class TiledCausalLMLoss:
             getattr(inner, "module", None), nn.Module
         ):
             inner = inner.module
-        config = getattr(inner, "config", None)
-        for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
-            if getattr(config, attr, None) not in (None, 1, 1.0):
-                raise ValueError(f"tiled loss computes plain lm_head logits; {attr} is not supported")
+        self.check_model(inner)
         lm_head = inner.get_output_embeddings()
         result: dict[str, torch.Tensor] = {}
 

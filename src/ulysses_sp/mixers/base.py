@@ -69,14 +69,15 @@ class MixerHandle:
         self.wrapped.clear()
 
 
-def shard_mixers(model: nn.Module, mesh: Any, handlers: Sequence[MixerHandler]) -> MixerHandle:
-    """Wrap every module of ``model`` that a handler claims; check all before wrapping any.
+def check_mixers(
+    model: nn.Module, sp_size: int, handlers: Sequence[MixerHandler]
+) -> list[tuple[str, nn.Module, MixerHandler]]:
+    """Every ``(path, module, handler)`` a handler claims, each checked at ``sp_size``.
 
-    Raises ``ValueError`` (every problem, one per line) before touching the model when some claimed
-    module cannot be sharded at ``mesh``'s SP size. If a ``wrap`` still fails part-way, the modules
-    already wrapped are restored before the error propagates.
+    Raises ``ValueError`` (every problem, one per line) when some claimed module cannot be sharded
+    at ``sp_size``. Pure: reads the modules' sizes (a model on the meta device will do), so the
+    launcher runs it before any worker starts and ``shard_mixers`` before it wraps anything.
     """
-    sp_size = mesh.sp_size
     claimed = [(n, m, h) for n, m in model.named_modules() if (h := claimed_by(m, handlers)) is not None]
     problems = []
     for name, module, handler in claimed:
@@ -86,6 +87,17 @@ def shard_mixers(model: nn.Module, mesh: Any, handlers: Sequence[MixerHandler]) 
             problems.append(f"{name}: {err}")
     if problems:
         raise ValueError("sequence parallelism cannot shard these mixers:\n" + "\n".join(problems))
+    return claimed
+
+
+def shard_mixers(model: nn.Module, mesh: Any, handlers: Sequence[MixerHandler]) -> MixerHandle:
+    """Wrap every module of ``model`` that a handler claims; check all before wrapping any.
+
+    Raises ``ValueError`` (every problem, one per line) before touching the model when some claimed
+    module cannot be sharded at ``mesh``'s SP size. If a ``wrap`` still fails part-way, the modules
+    already wrapped are restored before the error propagates.
+    """
+    claimed = check_mixers(model, mesh.sp_size, handlers)
     handle = MixerHandle()
     try:
         for name, module, handler in claimed:

@@ -176,7 +176,7 @@ def _rehearse_rank(cfg: RunConfig, config: Any, batch: dict[str, torch.Tensor], 
     def make_engine(model, mesh):
         from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
         from ulysses_sp.engine import initialize
-        from ulysses_sp.run.loop import apply_techniques, sp_attention_wanted
+        from ulysses_sp.run.model_checks import apply_techniques, sp_attention_wanted
 
         _, loss_fn = apply_techniques(cfg, model)
         mpu = None

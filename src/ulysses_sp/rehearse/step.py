@@ -2,7 +2,7 @@
 
 ``rehearse_step(cfg, model_config, batch, gpus=..., rank=..., device=...)`` builds what ``run.loop``
 builds — the model from its config alone (parameters on the meta device, no weight read), the ALST
-transforms (``run.loop.apply_techniques``), the SP registration, ``initialize`` (FSDP2 / DDP, the
+transforms (``run.model_checks.apply_techniques``), the SP registration, ``initialize`` (FSDP2 / DDP, the
 optimizer) — as ``rank`` of ``gpus`` ranks on a fake process group, and runs one micro-step
 (``run.loop.micro_step``: forward, backward) and ``engine.step()`` under ``StepTracker`` (bytes per
 place, the tensors alive at the peak, collectives) and ``FlopCounterMode``. Nothing is allocated:

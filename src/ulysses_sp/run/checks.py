@@ -10,6 +10,7 @@ with a data probe for ``eval``. ``run.resolve.resolve_run`` composes them all, o
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -77,15 +78,27 @@ def check_precision(cfg: RunConfig) -> None:
         )
 
 
-def model_config(model: str, vocab_size: int, *, sharded_load: bool = False):
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+"""The weight files a model directory loads from (transformers' ``from_pretrained`` names)."""
+
+
+def model_config(model: str, vocab_size: int, *, sharded_load: bool = False, require_weights: bool = False):
     """The transformers config of ``model`` (preset or directory), without building weights;
-    ``sharded_load``: the run loads the directory at ZeRO 2/3 (``state.model_dir.check_model_dir``)."""
+    ``sharded_load``: the run loads the directory at ZeRO 2/3 (``state.model_dir.check_model_dir``);
+    ``require_weights``: a directory without a weight file (``WEIGHT_FILES``) is refused (``train``
+    loads them; ``plan`` needs the config alone)."""
     if tasks.is_preset(model):
         return tasks.preset_config(model, vocab_size=vocab_size)
     tasks.check_model_dir(model)
     from ulysses_sp.state.model_dir import check_model_dir, load_config
 
     check_text_model(model, load_config(model))
+    if require_weights and not any(os.path.isfile(os.path.join(model, f)) for f in WEIGHT_FILES):
+        raise ValueError(
+            f"--model {model!r} has a config.json but no weight file ({', '.join(WEIGHT_FILES)}): train loads "
+            "the model's weights from it; copy the weights into the directory, or start from a preset "
+            "(--model tiny-llama) for random weights"
+        )
     # config, index, shards, their headers and shapes, naming the file
     return check_model_dir(model, sharded_load=sharded_load)
 
@@ -131,13 +144,23 @@ def check_layout(world_size: int, *, sp: int, seq_len: int, sizes: Mapping[str, 
 
 
 def check_model(
-    model: str, tokenizer: Any, *, sp: int, seq_len: int, ring_size: int | str | None, sharded_load: bool = False
-) -> tuple[Any, int]:
+    model: str, tokenizer: Any, *, sp: int, seq_len: int, ring_size: int | str | None, sharded_load: bool = False,
+    require_weights: bool = False,
+) -> tuple[Any, int]:  # fmt: skip
     """``(model config, ring size)`` of ``model`` (preset or directory) with ``tokenizer`` (loaded):
     the vocabulary fits, the heads split over ``sp`` (Ulysses, or Ulysses x Ring: ``ring_size``,
     ``None`` = auto), ``seq_len`` divides into the ring's chunks and is within the model's positions;
-    ``sharded_load``: the weights load at ZeRO 2/3 (what that load cannot read is refused)."""
-    mcfg = model_config(model, len(tokenizer), sharded_load=sharded_load)
+    ``sharded_load``: the weights load at ZeRO 2/3 (what that load cannot read is refused);
+    ``require_weights``: a directory has a weight file (``model_config``)."""
+    mcfg = model_config(model, len(tokenizer), sharded_load=sharded_load, require_weights=require_weights)
+    return mcfg, check_model_fits(mcfg, model, tokenizer, sp=sp, seq_len=seq_len, ring_size=ring_size)
+
+
+def check_model_fits(
+    mcfg: Any, model: str, tokenizer: Any, *, sp: int, seq_len: int, ring_size: int | str | None
+) -> int:
+    """``check_model``'s checks of a model config already read (``model``: its name, for messages);
+    return the ring size. The planner asks them of each candidate setting."""
     text = mcfg.get_text_config()  # a VLM's language model; a text model's own config
     if len(tokenizer) > text.vocab_size:
         raise ValueError(
@@ -147,7 +170,7 @@ def check_model(
     ring = ring_size_for(mcfg, sp, ring_size)
     check_seq_len_divisible(seq_len, sp, ring, name="--seq-len")
     check_seq_len_fits(seq_len, text, model)
-    return mcfg, ring
+    return ring
 
 
 def check_run(

@@ -48,6 +48,7 @@ from ulysses_sp.parallel import comm_timing
 from ulysses_sp.parallel.comm import all_reduce_max, barrier, raise_if_any_rank_failed
 from ulysses_sp.run.config import RunConfig, startup_summary
 from ulysses_sp.run.lock import RunLock, RunLockedError
+from ulysses_sp.run.model_checks import apply_techniques, sp_attention_wanted
 from ulysses_sp.run.resolve import ResolvedRun, resolve_run
 from ulysses_sp.run.rundir import checked_save, prepare_output_dir
 from ulysses_sp.run.vlm import is_vlm_config
@@ -104,34 +105,6 @@ class DataStream:
                 self.offset += 1
                 yield batch
             self.epoch, self.offset = self.epoch + 1, 0
-
-
-# ---------------------------------------------------------------- building
-def apply_techniques(cfg: RunConfig, model) -> tuple[list[Any], Any]:
-    """Apply the ALST transforms to the bare model; return (undo handles, loss_fn or None)."""
-    handles: list[Any] = []
-    loss_fn = None
-    if cfg.tiled_mlp:
-        from ulysses_sp.memory.tiling import apply_tiled_mlp
-
-        handles.append(apply_tiled_mlp(model, cfg.tiled_mlp_shards))
-    if cfg.recompute_norms:
-        from ulysses_sp.memory.norms import apply_norm_recompute
-
-        handles.append(apply_norm_recompute(model))
-    if cfg.activation_checkpointing:
-        from ulysses_sp.memory.offload import enable_activation_checkpointing
-
-        enable_activation_checkpointing(model)
-    if cfg.offload_activations:
-        from ulysses_sp.memory.offload import enable_activation_offload
-
-        handles.append(enable_activation_offload(model))
-    if cfg.tiled_loss:
-        from ulysses_sp.memory.tiling import TiledCausalLMLoss
-
-        loss_fn = TiledCausalLMLoss(num_shards=cfg.tiled_loss_shards)
-    return handles, loss_fn
 
 
 # ---------------------------------------------------------------- the loop
@@ -226,18 +199,6 @@ def _run(resolved: ResolvedRun, stop: Any, held: ExitStack) -> dict[str, Any]:
             h.remove()
         if mpu is not None:
             mpu.remove()
-
-
-def sp_attention_wanted(cfg: RunConfig, model_config: Any) -> bool:
-    """Whether the run's attention goes through ``UlyssesSPAttentionHF``: at sp > 1, for the blockwise
-    core's options, and at sp 1 for every text model whose layers it runs exactly. At sp 1 that keeps
-    packed documents apart on every family (some families' own forward lets them attend across
-    documents) and never builds transformers' ``[1, 1, S, S]`` mask (16 GiB at 128K tokens)."""
-    from ulysses_sp.attention.layer_kinds import plain_attention_layers
-
-    if cfg.sp > 1 or cfg.offload_attention or cfg.attn_chunk is not None:
-        return True
-    return not is_vlm_config(model_config) and plain_attention_layers(model_config.get_text_config())
 
 
 def _preflight(cfg: RunConfig, world: int, model_config: Any, mesh) -> str:

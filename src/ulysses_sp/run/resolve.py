@@ -2,7 +2,8 @@
 
 ``resolve_run(cfg, world_size)`` composes the components' own checks (``run.checks``: options,
 layout, model with tokenizer; the data layer's: formats, loss mask, template, scored tokens;
-``run.rundir``: output directory, resume, checkpoint files) and returns a ``ResolvedRun``: the
+``run.rundir``: output directory, resume, checkpoint files; ``run.model_checks``: what the ranks
+would refuse about the model, asked of it on the meta device) and returns a ``ResolvedRun``: the
 model config, the tokenizer, the ring size, the manifest and the training dataset, each built
 once. ``ulysses-sp train`` calls it in the launching process and hands the result to its ranks
 (pickled: a tokenized corpus travels as its cache path, opened memory-mapped on arrival), so a
@@ -25,6 +26,7 @@ from ulysses_sp import tasks
 from ulysses_sp.data.packed import check_scored
 from ulysses_sp.run.checks import check_layout, check_model, check_train_options
 from ulysses_sp.run.config import RunConfig
+from ulysses_sp.run.model_checks import check_model_run
 from ulysses_sp.run.rundir import check_output_dir, manifest_for
 from ulysses_sp.run.vlm import check_vlm_options, is_vlm_config, vlm_dataset
 
@@ -69,10 +71,11 @@ def resolve_run(cfg: RunConfig, world_size: int, *, progress: bool | None = None
     # read: state.model_dir.check_model_dir) run inside run.checks.model_config, called by check_model.
     tokenizer = tasks.load_tokenizer(cfg.tokenizer, cfg.model)
     mcfg, ring = check_model(cfg.model, tokenizer, sp=cfg.sp, seq_len=cfg.seq_len, ring_size=cfg.ring_size,
-                             sharded_load=cfg.zero_stage >= 2)  # fmt: skip
+                             sharded_load=cfg.zero_stage >= 2, require_weights=True)  # fmt: skip
     vlm = is_vlm_config(mcfg)
     if vlm:
         check_vlm_options(cfg)
+    check_model_run(cfg, mcfg, ring_size=ring)  # the model on the meta device: what the ranks would refuse
     manifest = manifest_for(cfg, world_size, mcfg)
     check_output_dir(cfg, manifest)  # before the data: a refused output dir should not wait for tokenizing
     if vlm:  # chat JSONL with images: image tokens count toward --seq-len; a bad sample is named
