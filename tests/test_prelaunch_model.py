@@ -125,3 +125,25 @@ def test_one_line_joins_a_guard_list():
     assert one_line("cannot train X exactly:\n  layer 0: a\n  layer 1: b\nTrain it with sp 1") == (
         "cannot train X exactly: layer 0: a; layer 1: b; Train it with sp 1"
     )
+
+
+def test_packed_documents_at_sp_1_are_refused_where_a_module_mixes_the_whole_row(models, tmp_path, capsys, monkeypatch):
+    """Jamba's Mamba-1 mixer scans the whole row: at sp 1 packed documents would leak into each other
+    (the guard refuses it at sp > 1). Refused before launch naming the module; --packing none passes."""
+    import json
+
+    reached = []
+    monkeypatch.setattr(cli, "_launch", lambda *a, **k: reached.append(a[2]))
+    monkeypatch.setattr(cli, "_run_rank", lambda *a, **k: reached.append(1))
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": f"doc {i} " * (1 + i % 3)}) + "\n" for i in range(40)))
+    argv = ["train", "--model", models["jamba"], "--data", str(data), "--seq-len", "64", "--steps", "1", "--sp", "1",
+            "--nproc", "1", "--no-progress"]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([*argv, "--packing", "best-fit", "--output-dir", str(tmp_path / "packed")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert ("--packing best-fit: packed documents cannot be kept apart in JambaForCausalLM: these modules mix tokens "
+            "across the whole row") in err and "layer 0: mamba (JambaMambaMixer)" in err and "--packing none" in err
+    cli.main([*argv, "--packing", "none", "--output-dir", str(tmp_path / "one")])
+    assert reached == [1]

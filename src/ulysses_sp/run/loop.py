@@ -134,7 +134,6 @@ def _run(resolved: ResolvedRun, stop: Any, held: ExitStack) -> dict[str, Any]:
     from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
     from ulysses_sp.engine import initialize
     from ulysses_sp.memory.meter import track_peak_memory
-    from ulysses_sp.mixers.guard import check_document_mixing
     from ulysses_sp.parallel.mesh import init_mesh
     from ulysses_sp.state.loading import init_empty_model, load_pretrained_weights
 
@@ -169,8 +168,6 @@ def _run(resolved: ResolvedRun, stop: Any, held: ExitStack) -> dict[str, Any]:
     else:
         model = tasks.build_model(cfg.model, vocab_size=len(tokenizer), seed=cfg.seed, attn_implementation=cfg.attn,
                                   config=resolved.model_config)  # fmt: skip
-    if cfg.sp == 1 and getattr(dataset, "packs_documents", bool)():  # sp > 1: the guard refuses the same
-        check_document_mixing(model, what=f"packed documents (--packing {cfg.packing or 'best-fit'})")
     handles, loss_fn = apply_techniques(cfg, model)
     mpu = None
     if sp_attention_wanted(cfg, resolved.model_config):

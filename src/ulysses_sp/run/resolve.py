@@ -24,9 +24,10 @@ from torch.utils.data import Dataset
 
 from ulysses_sp import tasks
 from ulysses_sp.data.packed import check_scored
+from ulysses_sp.mixers.guard import check_document_mixing
 from ulysses_sp.run.checks import check_layout, check_model, check_train_options
 from ulysses_sp.run.config import RunConfig
-from ulysses_sp.run.model_checks import check_model_run
+from ulysses_sp.run.model_checks import build_meta_model, check_model_run, one_line
 from ulysses_sp.run.rundir import check_output_dir, manifest_for
 from ulysses_sp.run.vlm import check_vlm_options, is_vlm_config, vlm_dataset
 
@@ -75,7 +76,8 @@ def resolve_run(cfg: RunConfig, world_size: int, *, progress: bool | None = None
     vlm = is_vlm_config(mcfg)
     if vlm:
         check_vlm_options(cfg)
-    check_model_run(cfg, mcfg, ring_size=ring)  # the model on the meta device: what the ranks would refuse
+    meta = build_meta_model(mcfg, cfg.attn, name=repr(cfg.model))
+    check_model_run(cfg, mcfg, ring_size=ring, model=meta)  # the model on the meta device: what the ranks would refuse
     manifest = manifest_for(cfg, world_size, mcfg)
     check_output_dir(cfg, manifest)  # before the data: a refused output dir should not wait for tokenizing
     if vlm:  # chat JSONL with images: image tokens count toward --seq-len; a bad sample is named
@@ -87,6 +89,11 @@ def resolve_run(cfg: RunConfig, world_size: int, *, progress: bool | None = None
             settings=cfg.data_settings(), progress=cfg.progress if progress is None else progress,
         )  # fmt: skip
         check_scored(dataset, seq_len=cfg.seq_len, data=cfg.data)
+        if cfg.sp == 1 and getattr(dataset, "packs_documents", bool)():  # sp > 1: the guard refused it above
+            try:
+                check_document_mixing(meta, what=f"--packing {cfg.packing or 'best-fit'}: packed documents")
+            except ValueError as e:
+                raise ValueError(one_line(str(e))) from None
     return ResolvedRun(cfg=cfg, world_size=world_size, model_config=mcfg, tokenizer=tokenizer, ring_size=ring,
                        manifest=manifest, dataset=dataset)  # fmt: skip
 
