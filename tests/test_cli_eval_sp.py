@@ -1,7 +1,8 @@
 """``ulysses-sp eval`` is ``train``'s forward: ``eval --sp 2`` equals ``eval --sp 1`` at every position,
-over the same sequences, on packed documents — for hybrids (Bamba: Mamba-2 mixers; LFM2: short
-convolutions, sharded by the mixer handlers ``train`` applies) and a plain model — and a family the
-closed-world guard refuses (Jamba) is refused with ``train``'s message.
+over the same sequences, on packed documents — for hybrids (Mamba-2 mixers: Bamba, Nemotron-H,
+Falcon-H1; short convolutions: LFM2; gated delta-net: Qwen3-Next; sharded by the mixer handlers
+``train`` applies) and a plain model (Llama) — and a family the closed-world guard refuses (Jamba) is
+refused with ``train``'s message.
 
 One launch per layout for every model (``--model`` takes several): sp 1 in this process, sp 2 in two
 processes with another micro-batch (each sample is still scored once: the held-out set is smaller than
@@ -11,6 +12,8 @@ one sp-2 round and is not refused).
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +22,22 @@ from test_cli import cli
 
 from ulysses_sp.cli.main import main
 
-MODELS = ("bamba", "lfm2", "tiny-llama")
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # bench/ is a top-level folder of the repository, not an installed package
+    sys.path.insert(0, str(ROOT))
+
+MODELS = ("bamba", "nemotron_h", "falcon_h1", "lfm2", "qwen3_next", "tiny-llama")
+
+
+def _config(family: str):
+    """A tiny config of ``family`` with the byte tokenizer's 259 ids."""
+    if family == "qwen3_next":
+        from bench.model_sweep import tiny_config
+
+        config = tiny_config(family)
+        config.vocab_size = 259
+        return config
+    return hybrid_config(family, vocab=259)
 
 
 def _docs(path, n: int = 24) -> str:
@@ -48,7 +66,7 @@ def _save(config, path) -> str:
 @pytest.fixture(scope="module")
 def evals(tmp_path_factory):
     root = tmp_path_factory.mktemp("eval-sp")
-    models = [_save(hybrid_config(a, vocab=259), root / a) for a in MODELS[:2]] + [MODELS[2]]  # byte tokenizer
+    models = [_save(_config(f), root / f) for f in MODELS[:-1]] + [MODELS[-1]]  # the last: a preset
     common = ["--data", _docs(root / "docs.jsonl"), "--packing", "best-fit", "--eval-split", "0.5",
               "--seq-len", "64", "--plot", "none", "--data-cache", str(root / "cache")]  # fmt: skip
     main(["eval", "--model", *models, "--sp", "1", "--nproc", "1", "--micro-batch-size", "1",
