@@ -1,5 +1,5 @@
 """``ulysses-sp eval`` of a run, as a new user types it: with no flags it evaluates what the run
-trained on (data, chat template, loss mode, eval split, sequence length, sp — from the checkpoint's
+trained on (data, chat template, loss mode, eval split, sequence length, micro-batch, sp — from the checkpoint's
 manifest), with the processes ``--sp`` needs; flags still override. One tiny chat run (2 processes,
 sp 2, 12 steps), three evals."""
 
@@ -52,3 +52,16 @@ def test_eval_of_a_run_defaults_to_its_own_data_settings_and_layout(chat_run, ca
           "--output-json", str(root / "override.json"), "--data-cache", str(root / "cache")])  # fmt: skip
     override = json.loads((root / "override.json").read_text())["results"][0]
     assert override["sp"] == 1 and override["seq_len"] == 32 and override["data"] == bare["data"]
+
+
+def test_eval_of_a_run_takes_its_micro_batch(chat_run):
+    """The run's micro-batch (2) unless given: what ``train`` ran, not ``eval``'s default of 8."""
+    from ulysses_sp.cli.args import build_parser
+    from ulysses_sp.cli.evaluate import EvalConfig, eval_options
+
+    def options(*flags: str) -> EvalConfig:
+        return eval_options(build_parser().parse_args(["eval", "--model", str(chat_run / "run"), *flags]))[0]
+
+    assert options().micro_batch_size == 2 != EvalConfig.micro_batch_size
+    assert options("--micro-batch-size", "5").micro_batch_size == 5
+    assert eval_options(build_parser().parse_args(["eval", "--model", "tiny-llama"]))[0].micro_batch_size == 8

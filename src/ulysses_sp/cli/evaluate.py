@@ -3,11 +3,15 @@
 Each ``--model`` (a checkpoint directory, any HF model directory, or a preset = its untrained
 initialisation from ``--seed``) is run over the same held-out samples — for ``recall`` samples the
 training run never saw (a disjoint seed), for local data its ``--eval-split`` part — with or
-without sequence parallelism (``--sp``): the model is called on each rank's shard, and every rank
+without sequence parallelism (``--sp``), through ``train``'s forward: the same layout (``dp = nproc /
+sp``; an SP group shares its samples, so every ``--sp`` scores the same ones), the same attention
+registration (``run.loop.register_attention``), the same closed-world guard and mixer handlers
+(``engine.build.shard_model``) and the same micro-batches (``run.stream.epoch_batches``). Every
+sample is scored once: the last round is filled with blank samples that score nothing. Every rank
 bins the loss of its own tokens by their *global* position (the shard's ``position_ids``), so one
 all-reduce gives the per-position curve over the whole context. Unset, the data and its settings,
-``--seq-len``, ``--seed`` and ``--sp`` are the training run's (``eval_options``: the manifest of the
-first ``--model`` that has one). Output: a JSON report (stdout and
+``--seq-len``, ``--seed``, ``--micro-batch-size`` and ``--sp`` are the training run's (``eval_options``:
+the manifest of the first ``--model`` that has one). Output: a JSON report (stdout and
 ``--output-json``) and a PNG plot (``--plot``; needs matplotlib, ``pip install 'ulysses-sp[plot]'``).
 """
 
@@ -43,9 +47,9 @@ class EvalConfig(DataSettings):
     sp: int = 1
     """Sequence-parallel size for evaluation (``dp = nproc / sp``)."""
     num_samples: int = 64
-    """Recall samples to evaluate (rounded up to fill every rank's batches)."""
+    """Recall samples to evaluate."""
     micro_batch_size: int = 8
-    """Samples per forward per dp replica."""
+    """Samples per forward per dp replica (an SP group shares them, as in ``train``)."""
     bins: int = 32
     """Position bins across the context."""
     seed: int = 0
@@ -57,8 +61,8 @@ class EvalConfig(DataSettings):
     """PNG path; ``None`` = no plot."""
 
 
-FROM_RUN = ("data", "seq_len", "seed", "data_format", "loss_on", "chat_template", "packing", "long_samples",
-            "eval_split")  # fmt: skip
+FROM_RUN = ("data", "seq_len", "seed", "micro_batch_size", "data_format", "loss_on", "chat_template", "packing",
+            "long_samples", "eval_split")  # fmt: skip
 """Settings an eval takes from the training run's manifest (its ``run`` section) unless given."""
 
 
@@ -76,10 +80,9 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=None, metavar="S", help=f"tokens per sample (default: {run} 256)")
     p.add_argument("--sp", type=int, default=None, metavar="P",
                    help=f"sequence-parallel size (default: {run} 1; the run's only if it divides --nproc)")  # fmt: skip
-    p.add_argument("--num-samples", type=int, default=d.num_samples, metavar="N",
-                   help="recall samples to evaluate (rounded up to fill every rank's batches)")  # fmt: skip
-    p.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size, metavar="B",
-                   help="samples per forward per dp replica")  # fmt: skip
+    p.add_argument("--num-samples", type=int, default=d.num_samples, metavar="N", help="recall samples to evaluate")
+    p.add_argument("--micro-batch-size", type=int, default=None, metavar="B",
+                   help=f"samples per forward per dp replica, shared by an SP group (default: {run} {d.micro_batch_size})")  # fmt: skip
     p.add_argument("--bins", type=int, default=d.bins, help="position bins across the context")
     p.add_argument("--seed", type=int, default=None,
                    help=f"the training run's seed: presets' init, the eval split (default: {run} 0)")  # fmt: skip
@@ -119,86 +122,111 @@ def _resolve_model(path: str) -> str:
     return path
 
 
-def validate_eval(cfg: EvalConfig, world_size: int) -> None:
+def validate_eval(cfg: EvalConfig, world_size: int) -> list[tuple[Any, int]]:
     """Check sizes, models and data before any process starts (``ValueError``); the checks shared
-    with ``train`` are ``train_checks.check_run``'s."""
+    with ``train`` are ``run.checks.check_run``'s, and at sp > 1 ``train``'s closed-world guard
+    (``mixers.guard``) on each model built on the meta device. Returns each model's ``(config, ring size)``."""
+    from ulysses_sp.mixers.guard import check_sequence_mixing
     from ulysses_sp.run.checks import check_run
+    from ulysses_sp.state.loading import empty_model_from_config
 
     sizes = {"num_samples": cfg.num_samples, "micro_batch_size": cfg.micro_batch_size, "bins": cfg.bins}
-    check_run(
+    found = check_run(
         world_size, sp=cfg.sp, seq_len=cfg.seq_len, sizes=sizes, attn=cfg.attn, models=cfg.models,
         tokenizer=cfg.tokenizer, data=cfg.data, seed=cfg.seed, held_out=True, data_settings=cfg.data_settings(),
     )  # fmt: skip
+    if cfg.sp > 1:  # the verdict depends on the modules only: no weights needed
+        for config, _ in found:
+            check_sequence_mixing(empty_model_from_config(config, attn_implementation=cfg.attn), sp_size=cfg.sp)
+    return found
 
 
-def _evaluate_model(cfg: EvalConfig, model_name: str) -> dict[str, Any]:
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
+class _EveryOnce:
+    """``dataset`` filled up to a multiple of ``multiple`` samples with blanks (sample 0 with every
+    label ``-100``: they score nothing), so that every layout's last round is full and every sample
+    is scored exactly once, whatever ``dp``, ``sp`` and the micro-batch."""
 
+    def __init__(self, dataset, multiple: int) -> None:
+        self.dataset, self.n = dataset, len(dataset)
+        self.total = math.ceil(self.n / multiple) * multiple
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        import torch
+
+        from ulysses_sp.parallel.loss import IGNORE_INDEX
+
+        sample = dict(self.dataset[i if i < self.n else 0])
+        labels = sample.get("labels", sample["input_ids"])  # the adapter's default, explicit: blanks collate alike
+        sample["labels"] = labels if i < self.n else torch.full_like(torch.as_tensor(labels), IGNORE_INDEX)
+        return sample
+
+
+def _evaluate_model(cfg: EvalConfig, model_name: str, model_config: Any, ring: int) -> dict[str, Any]:
+    """``model_name`` through ``train``'s forward (module docstring) over the held-out samples."""
     from ulysses_sp import tasks
-    from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
-    from ulysses_sp.data import UlyssesSPDataLoaderAdapter, sp_dataloader
-    from ulysses_sp.parallel.comm import all_reduce_sum
-    from ulysses_sp.parallel.loss import IGNORE_INDEX
-    from ulysses_sp.parallel.mesh import init_mesh
-
-    world = dist.get_world_size()
-    dp = world // cfg.sp
-    tokenizer = tasks.load_tokenizer(cfg.tokenizer, model_name)
-    per_round = world * cfg.micro_batch_size
-    n = math.ceil(cfg.num_samples / per_round) * per_round
-    dataset = tasks.build_dataset(cfg.data, tokenizer=tokenizer, seq_len=cfg.seq_len, seed=cfg.seed,
-                                  num_samples=n, held_out=True, settings=cfg.data_settings())  # fmt: skip
-    if len(dataset) < per_round:
-        raise ValueError(
-            f"--data {cfg.data!r}: {len(dataset)} sequences; need >= {per_round} (nproc x micro-batch)"
-        )
-    model = tasks.build_model(
-        model_name, vocab_size=len(tokenizer), seed=cfg.seed, attn_implementation=cfg.attn
-    )
+    from ulysses_sp.engine.build import shard_model
     from ulysses_sp.engine.divergence import check_finite_model
+    from ulysses_sp.mixers.guard import check_sequence_mixing
+    from ulysses_sp.parallel.comm import all_reduce_sum
+    from ulysses_sp.parallel.mesh import init_mesh
+    from ulysses_sp.run.config import RunConfig
+    from ulysses_sp.run.loop import register_attention
 
+    mesh = init_mesh(sp_size=cfg.sp, ring_size=ring)  # train's layout: dp = nproc / sp
+    tokenizer = tasks.load_tokenizer(cfg.tokenizer, model_name)
+    dataset = tasks.build_dataset(cfg.data, tokenizer=tokenizer, seq_len=cfg.seq_len, seed=cfg.seed,
+                                  num_samples=cfg.num_samples, held_out=True, settings=cfg.data_settings())  # fmt: skip
+    if len(dataset) == 0:
+        raise ValueError(f"--data {cfg.data!r}: no held-out sequences to evaluate (--eval-split)")
+    model = tasks.build_model(model_name, vocab_size=len(tokenizer), seed=cfg.seed, attn_implementation=cfg.attn,
+                              config=model_config)  # fmt: skip
     check_finite_model(model.state_dict(), model_name)  # the same full weights on every rank
-    mpu = None
-    if cfg.sp > 1:
-        mpu = UlyssesSPAttentionHF.register_with_transformers(model, cfg.attn, cfg.sp, cfg.micro_batch_size)
-        mesh = mpu.mesh
-    else:
-        mesh = init_mesh((dp, 1))  # the eval's layout: its ranks and the run-wide reduction group
-    group = mesh.sp_group if cfg.sp > 1 else None
-    device = mesh.device
-    model.to(device).eval()
-    loader = sp_dataloader(dataset, batch_size=cfg.micro_batch_size, dp_size=dp, sp_size=cfg.sp,
-                           dp_rank=mesh.dp_rank, sp_rank=mesh.sp_rank, shuffle=False, drop_last=True)  # fmt: skip
-    adapter = UlyssesSPDataLoaderAdapter(loader, mesh.sp_rank, group, cfg.sp, device,
-                                         pad_token_id=tokenizer.pad_token_id or 0)  # fmt: skip
-    # per bin: [loss sum, valid tokens, correct]; float64 so the sums are exact enough
-    stats = torch.zeros(cfg.bins, 3, dtype=torch.float64, device=device)
+    forward = RunConfig(model=model_name, sp=cfg.sp, attn=cfg.attn, seq_len=cfg.seq_len,
+                        micro_batch_size=cfg.micro_batch_size)  # the training run whose forward this is  # fmt: skip
+    handles = [register_attention(forward, model, model_config, mesh)]
     try:
-        with torch.no_grad():
-            for batch in adapter:
-                ids, pos = batch["input_ids"], batch["position_ids"]  # no cache: packed documents stay apart
-                logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
-                labels = batch["shift_labels"]  # [B, S_l]
-                valid = labels != IGNORE_INDEX
-                token_loss = F.cross_entropy(  # [B*S_l, V] -> [B, S_l]
-                    logits.float().flatten(0, 1),
-                    labels.flatten(),
-                    ignore_index=IGNORE_INDEX,
-                    reduction="none",
-                ).view_as(labels)
-                correct = (logits.argmax(-1) == labels) & valid
-                bins = (batch["position_ids"].clamp(0, cfg.seq_len - 1) * cfg.bins // cfg.seq_len).flatten()
-                parts = torch.stack([token_loss.double(), valid.double(), correct.double()], -1).view(-1, 3)
-                stats.index_add_(0, bins[valid.flatten()], parts[valid.flatten()])
-                del logits  # [B, S_l, V]: not alive through the next batch's forward
+        check_sequence_mixing(model, sp_size=cfg.sp)  # as initialize(): the closed-world guard, then the mixers
+        handles.extend(shard_model(model, mesh))
+        model.to(mesh.device).eval()
+        filled = _EveryOnce(dataset, mesh.dp_size * mesh.sp_size * cfg.micro_batch_size)
+        stats = _score(cfg, model, filled, mesh, pad_id=tokenizer.pad_token_id or 0)
     finally:
-        if mpu is not None:
-            mpu.remove()
+        for handle in reversed(handles):
+            if handle is not None:
+                handle.remove()
     # every rank binned its own tokens by global position: the sum is all tokens
     stats = all_reduce_sum(stats, mesh.reduce_group)
     return _report(cfg, model_name, stats.cpu())
+
+
+def _score(cfg: EvalConfig, model, dataset, mesh, *, pad_id: int):
+    """Per position bin ``[loss sum, valid tokens, correct]`` (float64) of this rank's shards."""
+    import torch
+    import torch.nn.functional as F
+
+    from ulysses_sp.parallel.loss import IGNORE_INDEX
+    from ulysses_sp.run.stream import epoch_batches
+
+    stats = torch.zeros(cfg.bins, 3, dtype=torch.float64, device=mesh.device)
+    batches = epoch_batches(dataset, mesh, micro_batch_size=cfg.micro_batch_size, pad_id=pad_id, shuffle=False)
+    with torch.no_grad():
+        for batch in batches:
+            ids, pos = batch["input_ids"], batch["position_ids"]  # no cache: packed documents stay apart
+            logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+            labels = batch["shift_labels"]  # [B, S_l]
+            valid = labels != IGNORE_INDEX
+            token_loss = F.cross_entropy(  # [B*S_l, V] -> [B, S_l]
+                logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+            ).view_as(labels)
+            correct = (logits.argmax(-1) == labels) & valid
+            bins = (pos.clamp(0, cfg.seq_len - 1) * cfg.bins // cfg.seq_len).flatten()
+            parts = torch.stack([token_loss.double(), valid.double(), correct.double()], -1).view(-1, 3)
+            stats.index_add_(0, bins[valid.flatten()], parts[valid.flatten()])
+            del logits  # [B, S_l, V]: not alive through the next batch's forward
+    return stats
 
 
 def _report(cfg: EvalConfig, model_name: str, stats) -> dict[str, Any]:
@@ -232,11 +260,11 @@ def run_eval(cfg: EvalConfig) -> list[dict[str, Any]]:
 
     from ulysses_sp import tasks
 
-    validate_eval(cfg, dist.get_world_size())
+    found = validate_eval(cfg, dist.get_world_size())
     if cfg.data != tasks.RECALL and not cfg.eval_split and dist.get_rank() == 0:
         logger.warning("--eval-split 0: no samples of %s are held out; evaluating on all of them (a run "
                        "trained on them scores its training data)", cfg.data)  # fmt: skip
-    reports = [_evaluate_model(cfg, m) for m in cfg.models]
+    reports = [_evaluate_model(cfg, m, config, ring) for m, (config, ring) in zip(cfg.models, found)]
     for r in reports:  # the same reduced numbers on every rank: every rank raises
         if r["loss"] is not None and not math.isfinite(r["loss"]):
             raise ValueError(

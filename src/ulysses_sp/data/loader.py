@@ -2,10 +2,10 @@
 
 Every ``DataLoader`` ulysses-sp builds comes from ``sp_dataloader``: the one ``initialize(
 training_data=...)`` returns (``engine.data``), the train command's endless stream
-(``train.DataStream``, resuming mid-epoch) and the eval command's single pass. Where it sits in the
-step (DESIGN.md, step 1): it yields this rank's full-length batches ``[b, S]``; wrap it in
-``UlyssesSPDataLoaderAdapter`` (the caller's choice: it needs the SP group and device) to get the
-shards.
+(``run.stream.DataStream``, resuming mid-epoch) and the eval command's single pass
+(``run.stream.epoch_batches``). Where it sits in the step (DESIGN.md, step 1): it yields this
+rank's full-length batches ``[b, S]``; wrap it in ``UlyssesSPDataLoaderAdapter`` (the caller's
+choice: it needs the SP group and device) to get the shards.
 
 Shape legend: ``D`` dp size, ``P`` sp size, ``b`` the loader's batch size.
 """

@@ -37,12 +37,13 @@ from ulysses_sp.engine.optim import (
 )
 from ulysses_sp.engine.sharding import apply_ddp, apply_fsdp, on_meta
 from ulysses_sp.mixers.apply import apply_mixers, has_unsharded_mixers
+from ulysses_sp.mixers.base import MixerHandle
 from ulysses_sp.mixers.guard import check_sequence_mixing
 from ulysses_sp.parallel.comm import raise_if_any_rank_failed
 from ulysses_sp.parallel.mesh import LAUNCH_HINT, SPMesh, init_mesh
 from ulysses_sp.parallel.mesh_shape import check_mesh_param, data_parallel_world_size, resolve_mesh_shape
 from ulysses_sp.state.precision import policy_for
-from ulysses_sp.vlm import shard_vlm, vlm_parts
+from ulysses_sp.vlm import VLMShardHandle, shard_vlm, vlm_parts
 from ulysses_sp.vlm.shard import installed
 
 logger = logging.getLogger(__name__)
@@ -137,13 +138,7 @@ def initialize(
 
     # ---- collectives from here on ----
     mesh = _build_mesh(dp_size, sp_size, mpu, model)
-    attach_registered(model)  # its SP attention sees the position_ids of every call
-    # sequence mixers (short convolutions, Mamba-2, gated delta-net, KDA): head-sharded, with document boundaries from the
-    # batch's position ids — also at sp 1, so packed documents never leak whatever the sp size
-    mixers = apply_mixers(model, mesh) if has_unsharded_mixers(model) else None
-    vlm = None  # a VLM: the language model's inputs cut after the full-sequence merge (ulysses_sp.vlm)
-    if vlm_parts(model) is not None and mesh.sp_size > 1:  # unless installed already (split_images_over=...)
-        vlm = installed(model) or shard_vlm(model, sp_rank=mesh.sp_rank, sp_size=mesh.sp_size, ring_size=mesh.ring_size)
+    mixers, vlm = shard_model(model, mesh)
     names = {id(p): n for n, p in model.named_parameters()}
     if stage <= 1:
         wrapper = apply_ddp(model, mesh)
@@ -185,6 +180,23 @@ def initialize(
     if dist.get_rank() == 0:
         logger.info("ulysses_sp.initialize: %r, %s", engine, batch_sizes)
     return engine, opt, loader, sched
+
+
+def shard_model(model: nn.Module, mesh: SPMesh) -> tuple[MixerHandle | None, VLMShardHandle | None]:
+    """The model side of sequence parallelism that ``initialize`` applies after the closed-world guard
+    (``mixers.guard.check_sequence_mixing``), for any forward over ``mesh`` (``ulysses-sp eval`` runs
+    ``train``'s forward through it): the registered SP attention attached to the positions of every
+    call, the sequence mixers sharded (also at sp 1, so packed documents never leak whatever the sp
+    size), and a VLM's language-model hook (sp > 1). Returns ``(mixers, vlm)``: the handles whose
+    ``remove()`` undoes each (``None``: nothing to undo, or installed by the caller before)."""
+    attach_registered(model)  # its SP attention sees the position_ids of every call
+    # sequence mixers (short convolutions, Mamba-2, gated delta-net, KDA): head-sharded, with document
+    # boundaries from the batch's position ids
+    mixers = apply_mixers(model, mesh) if has_unsharded_mixers(model) else None
+    vlm = None  # a VLM: the language model's inputs cut after the full-sequence merge (ulysses_sp.vlm)
+    if vlm_parts(model) is not None and mesh.sp_size > 1:  # unless installed already (split_images_over=...)
+        vlm = installed(model) or shard_vlm(model, sp_rank=mesh.sp_rank, sp_size=mesh.sp_size, ring_size=mesh.ring_size)
+    return mixers, vlm
 
 
 def plan_mesh_shape(

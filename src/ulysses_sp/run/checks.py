@@ -187,18 +187,18 @@ def check_run(
     held_out: bool = False,
     data_settings: tasks.DataSettings | None = None,
     ring_size: int | str | None = None,
-) -> list[Any]:
+) -> list[tuple[Any, int]]:
     """The checks ``eval`` runs before launch (``train``'s are ``run.resolve.resolve_run``'s): the
     layout, each model with its tokenizer, and the data (probed: its first sample tokenized).
-    Returns each model's transformers config."""
+    Returns each model's ``(transformers config, ring size)`` (``check_model``'s)."""
     check_layout(world_size, sp=sp, seq_len=seq_len, sizes=sizes, attn=attn)
     configs, first = [], None
     for model in models:
         tok = tasks.load_tokenizer(tokenizer, model)
         first = first or tok
-        configs.append(check_model(model, tok, sp=sp, seq_len=seq_len, ring_size=ring_size)[0])
-        if getattr(configs[-1], "model_type", None) in SUPPORTED_VLMS:
-            raise ValueError(f"{model!r} is a vision-language model ({configs[-1].model_type}): `ulysses-sp eval` "
+        configs.append(check_model(model, tok, sp=sp, seq_len=seq_len, ring_size=ring_size))
+        if getattr(configs[-1][0], "model_type", None) in SUPPORTED_VLMS:
+            raise ValueError(f"{model!r} is a vision-language model ({configs[-1][0].model_type}): `ulysses-sp eval` "
                              "scores text models only; evaluate it from Python (README, Vision-language models)")  # fmt: skip
     tasks.build_dataset(data, tokenizer=first, seq_len=seq_len, seed=seed, num_samples=1, held_out=held_out,
                         settings=data_settings, probe=True)  # fmt: skip

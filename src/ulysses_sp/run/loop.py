@@ -35,7 +35,6 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
 
@@ -51,6 +50,7 @@ from ulysses_sp.run.lock import RunLock, RunLockedError
 from ulysses_sp.run.model_checks import apply_techniques, sp_attention_wanted
 from ulysses_sp.run.resolve import ResolvedRun, resolve_run
 from ulysses_sp.run.rundir import checked_save, prepare_output_dir
+from ulysses_sp.run.stream import DataStream
 from ulysses_sp.run.vlm import is_vlm_config
 from ulysses_sp.state import checkpoint as ckpt
 from ulysses_sp.state.precision import DTYPES
@@ -58,53 +58,6 @@ from ulysses_sp.state.precision import DTYPES
 logger = logging.getLogger(__name__)
 
 
-# ---------------------------------------------------------------- data position
-class DataStream:
-    """Endless micro-batches for this rank, resumable from ``(epoch, offset)``.
-
-    ``offset`` counts the adapter micro-steps consumed in ``epoch``; a resumed stream skips whole
-    rounds in the sampler (no loading) and the remaining ``offset % sp`` micro-steps of the round.
-    """
-
-    def __init__(self, dataset, engine, *, micro_batch_size: int, seed: int, shuffle: bool, pad_id: int,
-                 epoch: int = 0, offset: int = 0, vlm: Any = None) -> None:  # fmt: skip
-        self.dataset, self.engine, self.vlm = dataset, engine, vlm  # vlm: the model, for a VLM's batches
-        self.micro_batch_size, self.seed, self.shuffle, self.pad_id = micro_batch_size, seed, shuffle, pad_id
-        self.epoch, self.offset = epoch, offset
-
-    def position(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "offset": self.offset}
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        from functools import partial
-
-        from ulysses_sp.data import UlyssesSPDataLoaderAdapter, sp_dataloader
-        from ulysses_sp.run.vlm import collate_vlm
-        from ulysses_sp.vlm import VLMDataLoaderAdapter
-
-        e, b = self.engine, self.micro_batch_size
-        collate = None if self.vlm is None else partial(collate_vlm, pad_id=self.pad_id)
-        while True:
-            rounds, rest = divmod(self.offset, e.sp_size)
-            loader = sp_dataloader(
-                self.dataset, batch_size=b, dp_size=e.dp_size, sp_size=e.sp_size, dp_rank=e.dp_rank,
-                sp_rank=e.sp_rank, shuffle=self.shuffle, seed=self.seed, epoch=self.epoch, start_batch=rounds,
-                collate_fn=collate,
-            )  # fmt: skip
-            group = e.sp_group if e.sp_size > 1 else None
-            if self.vlm is None:
-                adapter = UlyssesSPDataLoaderAdapter(
-                    loader, e.sp_rank, group, e.sp_size, e.device, pad_token_id=self.pad_id
-                )
-            else:  # whole batches to every rank of the group: the merge and mrope need the full sample
-                adapter = VLMDataLoaderAdapter(loader, e.sp_rank, group, e.sp_size, e.device, model=self.vlm,
-                                               pad_token_id=self.pad_id, ring_size=e.mesh.ring_size)  # fmt: skip
-            for i, batch in enumerate(adapter):
-                if i < rest:
-                    continue
-                self.offset += 1
-                yield batch
-            self.epoch, self.offset = self.epoch + 1, 0
 
 
 # ---------------------------------------------------------------- the loop
@@ -131,7 +84,6 @@ def run(cfg: RunConfig, *, stop: Any = None, resolved: ResolvedRun | None = None
 
 
 def _run(resolved: ResolvedRun, stop: Any, held: ExitStack) -> dict[str, Any]:
-    from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
     from ulysses_sp.engine import initialize
     from ulysses_sp.memory.meter import track_peak_memory
     from ulysses_sp.parallel.mesh import init_mesh
@@ -169,12 +121,7 @@ def _run(resolved: ResolvedRun, stop: Any, held: ExitStack) -> dict[str, Any]:
         model = tasks.build_model(cfg.model, vocab_size=len(tokenizer), seed=cfg.seed, attn_implementation=cfg.attn,
                                   config=resolved.model_config)  # fmt: skip
     handles, loss_fn = apply_techniques(cfg, model)
-    mpu = None
-    if sp_attention_wanted(cfg, resolved.model_config):
-        mpu = UlyssesSPAttentionHF.register_with_transformers(
-            model, cfg.attn, cfg.sp, cfg.micro_batch_size, seq_length=cfg.seq_len, mesh=mesh,
-            attn_chunk=cfg.attn_chunk, offload_attention=cfg.offload_attention, head_chunks=cfg.head_chunks,
-        )  # fmt: skip
+    mpu = register_attention(cfg, model, resolved.model_config, mesh)
     engine, _, _, _ = initialize(model, cfg.training_config(), mpu=mpu or mesh.mpu, loss_fn=loss_fn)
     state = {"step": 0, "tokens": 0, "data": {"epoch": 0, "offset": 0}}
     if resume_dir:  # model (fp32 master weights) + optimizer resharded to this layout
@@ -196,6 +143,20 @@ def _run(resolved: ResolvedRun, stop: Any, held: ExitStack) -> dict[str, Any]:
             h.remove()
         if mpu is not None:
             mpu.remove()
+
+
+def register_attention(cfg: RunConfig, model, model_config: Any, mesh) -> Any:
+    """The run's attention: ``UlyssesSPAttentionHF`` registered on ``mesh`` with ``cfg``'s options where
+    ``sp_attention_wanted``, returning its ``mpu``; else ``None`` (the model's own attention). ``eval``
+    registers through it too, so it runs ``train``'s forward."""
+    from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
+
+    if not sp_attention_wanted(cfg, model_config):
+        return None
+    return UlyssesSPAttentionHF.register_with_transformers(
+        model, cfg.attn, cfg.sp, cfg.micro_batch_size, seq_length=cfg.seq_len, mesh=mesh,
+        attn_chunk=cfg.attn_chunk, offload_attention=cfg.offload_attention, head_chunks=cfg.head_chunks,
+    )  # fmt: skip
 
 
 def _preflight(cfg: RunConfig, world: int, model_config: Any, mesh) -> str:
