@@ -72,7 +72,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
                    help=f"held-out data: 'recall', or local data as train's --data (its --eval-split part) "
                         f"(default: {run} recall)")  # fmt: skip
     p.add_argument("--tokenizer", default=d.tokenizer, metavar="DIR",
-                   help="tokenizer directory (default: each model's own, else byte-level)")  # fmt: skip
+                   help="tokenizer directory or 'byte' (default: each model's own; refused if it has none)")  # fmt: skip
     p.add_argument("--seq-len", type=int, default=None, metavar="S", help=f"tokens per sample (default: {run} 256)")
     p.add_argument("--sp", type=int, default=None, metavar="P",
                    help=f"sequence-parallel size (default: {run} 1; the run's only if it divides --nproc)")  # fmt: skip
@@ -145,7 +145,7 @@ def _evaluate_model(cfg: EvalConfig, model_name: str) -> dict[str, Any]:
 
     world = dist.get_world_size()
     dp = world // cfg.sp
-    tokenizer = tasks.load_tokenizer(cfg.tokenizer, model_name)
+    tokenizer = tasks.run_tokenizer(cfg.tokenizer, model_name)
     per_round = world * cfg.micro_batch_size
     n = math.ceil(cfg.num_samples / per_round) * per_round
     dataset = tasks.build_dataset(cfg.data, tokenizer=tokenizer, seq_len=cfg.seq_len, seed=cfg.seed,

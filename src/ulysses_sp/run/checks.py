@@ -171,7 +171,7 @@ def check_run(
     check_layout(world_size, sp=sp, seq_len=seq_len, sizes=sizes, attn=attn)
     configs, first = [], None
     for model in models:
-        tok = tasks.load_tokenizer(tokenizer, model)
+        tok = tasks.run_tokenizer(tokenizer, model)
         first = first or tok
         configs.append(check_model(model, tok, sp=sp, seq_len=seq_len, ring_size=ring_size)[0])
         if getattr(configs[-1], "model_type", None) in SUPPORTED_VLMS:

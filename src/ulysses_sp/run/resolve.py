@@ -67,7 +67,7 @@ def resolve_run(cfg: RunConfig, world_size: int, *, progress: bool | None = None
     cfg.training_config()  # the engine's own checks
     # The model directory's checks (config, safetensors index, shards, shapes, what a ZeRO 2/3 load can
     # read: state.model_dir.check_model_dir) run inside run.checks.model_config, called by check_model.
-    tokenizer = tasks.load_tokenizer(cfg.tokenizer, cfg.model)
+    tokenizer = tasks.run_tokenizer(cfg.tokenizer, cfg.model)
     mcfg, ring = check_model(cfg.model, tokenizer, sp=cfg.sp, seq_len=cfg.seq_len, ring_size=cfg.ring_size,
                              sharded_load=cfg.zero_stage >= 2)  # fmt: skip
     vlm = is_vlm_config(mcfg)
