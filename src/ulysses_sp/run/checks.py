@@ -85,7 +85,9 @@ def model_config(model: str, vocab_size: int, *, sharded_load: bool = False):
     tasks.check_model_dir(model)
     from ulysses_sp.state.model_dir import check_model_dir, load_config
 
-    check_text_model(model, load_config(model))
+    config = load_config(model)
+    check_text_model(model, config)
+    check_special_token_ids(config.get_text_config(), model)  # before check_model_dir builds the model
     # config, index, shards, their headers and shapes, naming the file
     return check_model_dir(model, sharded_load=sharded_load)
 
@@ -148,6 +150,25 @@ def check_model(
     check_seq_len_divisible(seq_len, sp, ring, name="--seq-len")
     check_seq_len_fits(seq_len, text, model)
     return mcfg, ring
+
+
+def check_special_token_ids(text_config: Any, model: str) -> None:
+    """The config's ``pad``/``bos``/``eos`` token ids are rows of its embedding (``< vocab_size``):
+    else transformers fails building it (``Padding_idx must be within num_embeddings``) or indexes
+    past it. ``ValueError`` naming the id, the vocabulary size and the two ways to fix the config."""
+    vocab = getattr(text_config, "vocab_size", None)
+    if not isinstance(vocab, int):
+        return
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(text_config, name, None)
+        ids = value if isinstance(value, (list, tuple)) else [value]
+        bad = [i for i in ids if isinstance(i, int) and not 0 <= i < vocab]
+        if bad:
+            raise ValueError(
+                f"--model {model!r}: config.json has {name} {bad[0]} but vocab_size {vocab} (ids 0..{vocab - 1}): "
+                f"the embedding has no row for it; set vocab_size to at least {max(bad) + 1} or {name} to an id "
+                f"below {vocab} in {model}/config.json"
+            )
 
 
 def check_run(
