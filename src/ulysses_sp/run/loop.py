@@ -37,6 +37,7 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -46,6 +47,7 @@ from ulysses_sp import tasks
 from ulysses_sp.engine.divergence import DivergenceError
 from ulysses_sp.parallel import comm_timing
 from ulysses_sp.parallel.comm import all_reduce_max, barrier, raise_if_any_rank_failed
+from ulysses_sp.parallel.mesh_shape import head_counts
 from ulysses_sp.run.config import RunConfig, startup_summary
 from ulysses_sp.run.lock import RunLock, RunLockedError
 from ulysses_sp.run.resolve import ResolvedRun, resolve_run
@@ -165,6 +167,8 @@ def _run(resolved: ResolvedRun, stop: Any, held: ExitStack) -> dict[str, Any]:
     from ulysses_sp.state.loading import init_empty_model, load_pretrained_weights
 
     cfg, manifest, tokenizer, dataset = resolved.cfg, resolved.manifest, resolved.tokenizer, resolved.dataset
+    if not head_counts(resolved.model_config):  # no attention layers (Mamba-2): no core runs; transformers
+        cfg = replace(cfg, attn="eager")  # builds such a model only as eager (the manifest keeps --attn)
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_mesh(
         sp_size=cfg.sp, ring_size=resolved.ring_size
@@ -232,6 +236,8 @@ def sp_attention_wanted(cfg: RunConfig, model_config: Any) -> bool:
     documents) and never builds transformers' ``[1, 1, S, S]`` mask (16 GiB at 128K tokens)."""
     from ulysses_sp.attention.layer_kinds import plain_attention_layers
 
+    if not head_counts(model_config):  # no attention layers (pure Mamba-2): its mixers alone are sharded
+        return False
     if cfg.sp > 1 or cfg.offload_attention or cfg.attn_chunk is not None:
         return True
     return not is_vlm_config(model_config) and plain_attention_layers(model_config.get_text_config())
