@@ -114,3 +114,19 @@ def test_a_checkpoint_missing_a_ranks_state_is_refused_as_damaged_naming_the_fil
     assert ckpt.rank_state_file(path, 1, saved) == rank1
     # saved on 2 ranks, resumed on 4: ranks 2 and 3 take rank 0's scheduler and RNG state
     assert ckpt.rank_state_file(path, 3, saved) == os.path.join(path, ckpt.STATE_DIR, "rank0.pt")
+
+
+def test_attention_options_on_a_model_without_attention_are_refused_not_ignored(tmp_path, capsys):
+    from hybrid_models import hybrid_config
+    from transformers import AutoModelForCausalLM
+
+    cfg = hybrid_config("mamba2")
+    cfg.vocab_size = tasks.VOCAB_SIZE
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "mamba2")
+    base = ["train", "--model", str(tmp_path / "mamba2"), "--tokenizer", "byte", "--seq-len", "32", "--sp", "1",
+            "--nproc", "1", "--output-dir", str(tmp_path / "run")]  # fmt: skip
+    for flag in (["--attn-chunk", "16"], ["--offload-attention"], ["--head-chunks", "2"]):
+        err = _fails(capsys, *base, *flag)
+        assert f"{flag[0]}: --model '{tmp_path / 'mamba2'}' has no attention layers" in err, err
+    assert "ring_size 2: the model has no attention layers" in _fails(capsys, *base, "--sp", "2", "--nproc", "2",
+                                                                       "--ring-size", "2")  # fmt: skip

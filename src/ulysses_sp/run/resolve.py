@@ -23,6 +23,7 @@ from torch.utils.data import Dataset
 
 from ulysses_sp import tasks
 from ulysses_sp.data.packed import check_scored
+from ulysses_sp.parallel.mesh_shape import head_counts
 from ulysses_sp.run.checks import check_layout, check_model, check_train_options
 from ulysses_sp.run.config import RunConfig
 from ulysses_sp.run.rundir import check_output_dir, manifest_for
@@ -70,6 +71,7 @@ def resolve_run(cfg: RunConfig, world_size: int, *, progress: bool | None = None
     tokenizer = tasks.run_tokenizer(cfg.tokenizer, cfg.model)
     mcfg, ring = check_model(cfg.model, tokenizer, sp=cfg.sp, seq_len=cfg.seq_len, ring_size=cfg.ring_size,
                              sharded_load=cfg.zero_stage >= 2)  # fmt: skip
+    check_attention_options(cfg, mcfg)
     vlm = is_vlm_config(mcfg)
     if vlm:
         check_vlm_options(cfg)
@@ -86,6 +88,18 @@ def resolve_run(cfg: RunConfig, world_size: int, *, progress: bool | None = None
         check_scored(dataset, seq_len=cfg.seq_len, data=cfg.data)
     return ResolvedRun(cfg=cfg, world_size=world_size, model_config=mcfg, tokenizer=tokenizer, ring_size=ring,
                        manifest=manifest, dataset=dataset)  # fmt: skip
+
+
+def check_attention_options(cfg: RunConfig, model_config: Any) -> None:
+    """A model without attention layers (pure Mamba-2) takes no attention option: refused by flag
+    rather than silently without effect (``ValueError``)."""
+    if head_counts(model_config):
+        return
+    for flag, value in (("--attn-chunk", cfg.attn_chunk), ("--offload-attention", cfg.offload_attention),
+                        ("--head-chunks", cfg.head_chunks if cfg.head_chunks != 1 else None)):  # fmt: skip
+        if value not in (None, False):
+            raise ValueError(f"{flag}: --model {cfg.model!r} has no attention layers (its config names no "
+                             "num_attention_heads), so the option would change nothing; drop it")  # fmt: skip
 
 
 def validate(cfg: RunConfig, world_size: int) -> dict[str, Any]:
