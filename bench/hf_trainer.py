@@ -80,7 +80,7 @@ def worker(seq: int, steps: int, rounds: int, mem_seq: int) -> dict:
     _ = dist.get_rank() == 0 and llama(**WIDE, max_position_embeddings=mem_seq).save_pretrained(f"{tmp[0]}/model")
     dist.barrier()
     for i, (name, (options, fields, cli)) in enumerate(TECHNIQUES.items()):
-        cfg = RunConfig(model=f"{tmp[0]}/model", seq_len=mem_seq, sp=2, steps=3, micro_batch_size=1, grad_accum=2, output_dir=f"{tmp[0]}/cli{i}", progress=False, **cli)  # fmt: skip
+        cfg = RunConfig(model=f"{tmp[0]}/model", seq_len=mem_seq, sp=2, steps=3, micro_batch_size=1, grad_accum=2, output_dir=f"{tmp[0]}/cli{i}", tokenizer="byte", progress=False, **cli)  # fmt: skip
         run_cli(cfg)
         # the last step: in the second, the CLI's DDP rebuilds its gradient buckets (reducer._rebuild_buckets),
         # which the CPU meter sees allocated but not the old ones (made at construction) freed

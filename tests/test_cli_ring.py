@@ -20,7 +20,7 @@ def two_heads(tmp_path_factory):
 
 
 def test_two_head_model_at_sp4_equals_sp1_step_by_step(two_heads, tmp_path):
-    common = ("--model", str(two_heads), "--steps", "4", "--zero-stage", "3")
+    common = ("--model", str(two_heads), "--tokenizer", "byte", "--steps", "4", "--zero-stage", "3")
     train_here(tmp_path / "sp1", *common, "--sp", "1")
     alst = ("--tiled-mlp", "--tiled-loss", "--activation-checkpointing")  # exact: the sp 1 run has none
     proc = train(tmp_path / "sp4", *common, "--sp", "4", "--nproc", "4", *alst)
@@ -34,10 +34,10 @@ def test_two_head_model_at_sp4_equals_sp1_step_by_step(two_heads, tmp_path):
 
 def test_ring_size_that_cannot_split_the_heads_is_refused_before_start(two_heads, tmp_path, capsys):
     # in this process: the checks run before the launcher would start any worker
-    err = _fails(capsys, "train", "--model", str(two_heads), "--seq-len", "32", "--sp", "4", "--nproc", "4",
+    err = _fails(capsys, "train", "--model", str(two_heads), "--tokenizer", "byte", "--seq-len", "32", "--sp", "4", "--nproc", "4",
                  "--ring-size", "1", "--output-dir", str(tmp_path / "x"))  # fmt: skip
     assert "valid ring sizes for sequence_parallel_size 4: [2, 4]" in err
-    err = _fails(capsys, "train", "--model", str(two_heads), "--seq-len", "36", "--sp", "4", "--nproc", "4",
+    err = _fails(capsys, "train", "--model", str(two_heads), "--tokenizer", "byte", "--seq-len", "36", "--sp", "4", "--nproc", "4",
                  "--output-dir", str(tmp_path / "y"))  # fmt: skip
     assert "--seq-len 36 is not divisible by 8 (sp 4 x 2 zigzag chunks per ring rank, ring size 2)" in err
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

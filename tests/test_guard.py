@@ -209,7 +209,7 @@ def test_the_cli_refuses_a_local_model_whose_attention_bypasses_the_registry(tmp
     config = build("doge").config
     config.vocab_size = 512  # room for the CLI's byte-level tokenizer
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "doge")
-    args = ["--model", str(tmp_path / "doge"), "--seq-len", "32", "--micro-batch-size", "2", "--steps", "1",
+    args = ["--model", str(tmp_path / "doge"), "--tokenizer", "byte", "--seq-len", "32", "--micro-batch-size", "2", "--steps", "1",
             "--sp", "2", "--nproc", "2", "--no-progress", "--timeout", "60", "--output-dir", str(tmp_path / "out")]  # fmt: skip
     proc = subprocess.run([sys.executable, "-m", "ulysses_sp.cli.main", "train", *args],
                           capture_output=True, text=True, timeout=400)  # fmt: skip

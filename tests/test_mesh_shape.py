@@ -119,5 +119,7 @@ def test_heads_of_a_per_layer_config_are_read_layer_by_layer_and_the_ring_splits
     assert resolve_ring_size_for_layers(4, [(8, 8), (6, 6)]) == 2
     with pytest.raises(ValueError, match="cannot split 6 attention heads"):
         resolve_ring_size_for_layers(4, [(8, 8), (6, 6)], 1)
-    with pytest.raises(ValueError, match="names no attention heads"):
-        resolve_ring_size_for_layers(2, [])
+    # no attention layers (pure Mamba-2): no ring, unless one is asked for
+    assert resolve_ring_size_for_layers(2, []) == resolve_ring_size_for_layers(2, [], "auto") == 1
+    with pytest.raises(ValueError, match="ring_size 2: the model has no attention layers"):
+        resolve_ring_size_for_layers(2, [], 2)

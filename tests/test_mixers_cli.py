@@ -1,5 +1,6 @@
-"""The CLI trains a local hybrid model directory (LFM2: short convolutions beside attention) on
-packed documents at sp 2 exactly as at sp 1: the same losses and gradient norms, step by step."""
+"""The CLI trains a local hybrid model directory (LFM2: short convolutions beside attention) and a
+pure Mamba-2 directory (no attention layers at all) on packed documents at sp 2 exactly as at sp 1:
+the same losses and gradient norms, step by step."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 from hybrid_models import hybrid_config
 
@@ -15,7 +17,7 @@ from ulysses_sp.cli.main import main
 
 def _train(tmp_path, model: str, data: str, sp: int) -> list[dict]:
     out = tmp_path / f"run_sp{sp}"
-    args = ["train", "--model", model, "--data", data, "--packing", "best-fit", "--seq-len", "96",
+    args = ["train", "--model", model, "--tokenizer", "byte", "--data", data, "--packing", "best-fit", "--seq-len", "96",
             "--sp", str(sp), "--nproc", str(sp), "--steps", "2", "--micro-batch-size", "1", "--no-progress",
             "--output-dir", str(out), "--data-cache", str(tmp_path / "cache"), "--timeout", "120"]  # fmt: skip
     if sp == 1:  # one process: the CLI runs it without a launcher, here in this process
@@ -28,13 +30,14 @@ def _train(tmp_path, model: str, data: str, sp: int) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_cli_trains_lfm2_dir_at_sp2_as_at_sp1(tmp_path):
+@pytest.mark.parametrize("arch", ["lfm2", "mamba2"])
+def test_cli_trains_hybrid_and_pure_mamba2_dirs_at_sp2_as_at_sp1(tmp_path, arch):
     from transformers import AutoModelForCausalLM
 
-    cfg = hybrid_config("lfm2")
+    cfg = hybrid_config(arch)
     cfg.vocab_size = 259  # the embedded byte tokenizer's
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "lfm2")
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / arch)
     data = tmp_path / "docs.jsonl"
     g = torch.Generator().manual_seed(0)
     data.write_text(
@@ -44,7 +47,7 @@ def test_cli_trains_lfm2_dir_at_sp2_as_at_sp1(tmp_path):
             for _ in range(40)
         )
     )
-    one, two = (_train(tmp_path, str(tmp_path / "lfm2"), str(data), sp) for sp in (1, 2))
+    one, two = (_train(tmp_path, str(tmp_path / arch), str(data), sp) for sp in (1, 2))
     assert len(one) == len(two) == 2
     for a, b in zip(one, two):
         assert (

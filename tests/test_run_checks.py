@@ -57,7 +57,7 @@ def counted(monkeypatch):
 
     counting(tasks_text, "tokenize_to_blocks", "tokenize_text")
     counting(data_cache, "_tokenize_all", "tokenize_cache")
-    counting(tasks, "load_tokenizer", "tokenizer")
+    counting(tasks, "run_tokenizer", "tokenizer")
     counting(run_checks, "model_config", "model_config")
     return counts
 

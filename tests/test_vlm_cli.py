@@ -100,8 +100,9 @@ def test_cli_trains_qwen3_vl_at_zero3_with_checkpointing_at_sp2_as_at_sp1(qwen3_
 
 
 def _resolve(path, **kw):
-    kw = {"model": str(path / "qwen3"), "data": str(path / "chat.jsonl"), "seq_len": 96, **kw}
-    cfg = RunConfig(sp=2, steps=1, output_dir=str(path / "unused"), **kw)
+    kw = {"model": str(path / "qwen3"), "data": str(path / "chat.jsonl"), "seq_len": 96,
+          "output_dir": str(path / "unused"), **kw}  # fmt: skip
+    cfg = RunConfig(sp=2, steps=1, **kw)
     return resolve_run(cfg, 2, progress=False)
 
 
@@ -142,3 +143,22 @@ def test_eval_refuses_a_vlm_dir(qwen3_dir):
     ):
         check_run(2, sp=2, seq_len=96, sizes={}, attn="sdpa", models=[str(qwen3_dir / "qwen3")], tokenizer=None,
                   data=str(qwen3_dir / "chat.jsonl"), seed=0)  # fmt: skip
+
+
+def test_a_vlm_resume_after_an_image_changed_is_refused_naming_the_image(qwen3_dir, tmp_path):
+    (tmp_path / "qwen3").symlink_to(qwen3_dir / "qwen3")
+    for name in ("chat.jsonl", "p0.png", "p1.png", "p2.png"):
+        (tmp_path / name).write_bytes((qwen3_dir / name).read_bytes())
+    run = _resolve(tmp_path, output_dir=str(tmp_path / "run"))
+    named = [f[0] for f in run.manifest["data_fingerprint"]["files"]]
+    assert named == ["chat.jsonl", "p0.png", "p1.png", "p2.png"]  # the JSONL, then every image it names
+    ckpt_dir = tmp_path / "run" / "checkpoint-1"  # a checkpoint's manifest is what a resume compares
+    ckpt_dir.mkdir(parents=True)
+    (ckpt_dir / "manifest.json").write_text(json.dumps({"format": 2, "step": 1, **run.manifest}))
+    with pytest.raises(ValueError, match="checkpoint-1/model.safetensors|is damaged"):  # same data: on to the files
+        _resolve(tmp_path, output_dir=str(tmp_path / "run"), resume="latest")
+    pixels = np.asarray(Image.open(tmp_path / "p2.png"))
+    Image.fromarray(255 - pixels).save(tmp_path / "p2.png")  # the same image size, other pixels
+    with pytest.raises(ValueError, match=r"the data changed since the checkpoint was saved \(files differing in "
+                                         r"size or content: \['p2.png'\]\)"):  # fmt: skip
+        _resolve(tmp_path, output_dir=str(tmp_path / "run"), resume="latest")

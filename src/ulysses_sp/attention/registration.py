@@ -40,7 +40,13 @@ def model_and_config(model_name_or_path: Any) -> tuple[Any | None, Any]:
 
         return None, AutoConfig.from_pretrained(path, local_files_only=True)
     config = getattr(model_name_or_path, "config", None)
-    if config is None or not head_counts(config):
+    if config is not None and not head_counts(config):
+        raise ValueError(
+            f"{type(model_name_or_path).__name__} has no attention layers (its config names no num_attention_heads): "
+            "there is no attention to register; initialize(model, config, mesh_param=(dp, sp)) shards its sequence "
+            "mixers (Mamba-2) by themselves"
+        )
+    if config is None:
         raise TypeError(
             f"expected a transformers model or a local model directory, got {type(model_name_or_path).__name__}"
         )

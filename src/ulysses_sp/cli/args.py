@@ -113,9 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--data", default=s,
                    help="'recall' (the embedded task) or local data: a .txt, .jsonl, .json, .parquet or .arrow "
                         "file, a directory of them, or a datasets save_to_disk directory")  # fmt: skip
-    t.add_argument(
-        "--tokenizer", default=s, metavar="DIR", help="tokenizer directory (default: the model's, else byte-level)"
-    )
+    t.add_argument("--tokenizer", default=s, metavar="DIR",
+                   help="tokenizer directory, or 'byte' (the built-in byte-level one); default: the model "
+                        "directory's own (refused if it has none), a preset's is byte-level")  # fmt: skip
     t.add_argument("--seq-len", type=int, default=s, metavar="S",
                    help="tokens per sample: a multiple of --sp, at most the model's max_position_embeddings")  # fmt: skip
     t.add_argument("--sp", type=int, default=s, metavar="P", help="sequence-parallel size: ranks sharing each sequence")

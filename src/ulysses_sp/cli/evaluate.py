@@ -76,7 +76,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
                    help=f"held-out data: 'recall', or local data as train's --data (its --eval-split part) "
                         f"(default: {run} recall)")  # fmt: skip
     p.add_argument("--tokenizer", default=d.tokenizer, metavar="DIR",
-                   help="tokenizer directory (default: each model's own, else byte-level)")  # fmt: skip
+                   help="tokenizer directory or 'byte' (default: each model's own; refused if it has none)")  # fmt: skip
     p.add_argument("--seq-len", type=int, default=None, metavar="S", help=f"tokens per sample (default: {run} 256)")
     p.add_argument("--sp", type=int, default=None, metavar="P",
                    help=f"sequence-parallel size (default: {run} 1; the run's only if it divides --nproc)")  # fmt: skip
@@ -128,6 +128,7 @@ def validate_eval(cfg: EvalConfig, world_size: int) -> list[tuple[Any, int]]:
     (``mixers.guard``) on each model built on the meta device. Returns each model's ``(config, ring size)``."""
     from ulysses_sp.mixers.guard import check_sequence_mixing
     from ulysses_sp.run.checks import check_run
+    from ulysses_sp.run.model_checks import built_attn
     from ulysses_sp.state.loading import empty_model_from_config
 
     sizes = {"num_samples": cfg.num_samples, "micro_batch_size": cfg.micro_batch_size, "bins": cfg.bins}
@@ -137,7 +138,8 @@ def validate_eval(cfg: EvalConfig, world_size: int) -> list[tuple[Any, int]]:
     )  # fmt: skip
     if cfg.sp > 1:  # the verdict depends on the modules only: no weights needed
         for config, _ in found:
-            check_sequence_mixing(empty_model_from_config(config, attn_implementation=cfg.attn), sp_size=cfg.sp)
+            attn = built_attn(cfg, config)  # eager for a model without attention layers (Mamba-2)
+            check_sequence_mixing(empty_model_from_config(config, attn_implementation=attn), sp_size=cfg.sp)
     return found
 
 
@@ -174,17 +176,19 @@ def _evaluate_model(cfg: EvalConfig, model_name: str, model_config: Any, ring: i
     from ulysses_sp.parallel.mesh import init_mesh
     from ulysses_sp.run.config import RunConfig
     from ulysses_sp.run.loop import register_attention
+    from ulysses_sp.run.model_checks import built_attn
 
     mesh = init_mesh(sp_size=cfg.sp, ring_size=ring)  # train's layout: dp = nproc / sp
-    tokenizer = tasks.load_tokenizer(cfg.tokenizer, model_name)
+    tokenizer = tasks.run_tokenizer(cfg.tokenizer, model_name)
     dataset = tasks.build_dataset(cfg.data, tokenizer=tokenizer, seq_len=cfg.seq_len, seed=cfg.seed,
                                   num_samples=cfg.num_samples, held_out=True, settings=cfg.data_settings())  # fmt: skip
     if len(dataset) == 0:
         raise ValueError(f"--data {cfg.data!r}: no held-out sequences to evaluate (--eval-split)")
-    model = tasks.build_model(model_name, vocab_size=len(tokenizer), seed=cfg.seed, attn_implementation=cfg.attn,
+    attn = built_attn(cfg, model_config)  # eager for a model without attention layers (Mamba-2)
+    model = tasks.build_model(model_name, vocab_size=len(tokenizer), seed=cfg.seed, attn_implementation=attn,
                               config=model_config)  # fmt: skip
     check_finite_model(model.state_dict(), model_name)  # the same full weights on every rank
-    forward = RunConfig(model=model_name, sp=cfg.sp, attn=cfg.attn, seq_len=cfg.seq_len,
+    forward = RunConfig(model=model_name, sp=cfg.sp, attn=attn, seq_len=cfg.seq_len,
                         micro_batch_size=cfg.micro_batch_size)  # the training run whose forward this is  # fmt: skip
     handles = [register_attention(forward, model, model_config, mesh)]
     try:

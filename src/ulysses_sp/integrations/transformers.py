@@ -63,14 +63,15 @@ class SPTrainerHandle:
     Attributes:
         trainer: the prepared trainer (the same object, now an instance of the SP subclass).
         mesh: the run's ``SPMesh`` (``mesh.sp_group``, ``mesh.dp_group``, ...).
-        registration: the ``mpu`` of ``register_with_transformers``.
+        registration: the ``mpu`` of ``register_with_transformers``; ``None`` for a model without
+            attention layers (pure Mamba-2: its mixers alone are sharded).
     """
 
     def __init__(
         self,
         trainer: Any,
         mesh: SPMesh,
-        registration: SPRegistration,
+        registration: SPRegistration | None,
         *,
         pad_token_id: int,
         strict: bool,
@@ -110,7 +111,8 @@ class SPTrainerHandle:
             self.alst.remove()
         if self.vlm is not None:
             self.vlm.remove()
-        self.registration.remove()
+        if self.registration is not None:
+            self.registration.remove()
 
     def __repr__(self) -> str:
         return f"SPTrainerHandle({self._trainer_class.__name__}, {self.mesh!r})"
@@ -175,19 +177,12 @@ def prepare(
     if sp_size == 1 and (getattr(args, "packing", False) or getattr(args, "padding_free", False)):
         check_document_mixing(model, what="packed sequences (SFTConfig packing / padding_free)")
     require_process_group("ulysses_sp.integrations.transformers.prepare")
-    config, ring = getattr(model, "config", None), ring_size
-    if head_counts(config):  # else registration refuses the model, naming why
-        ring = resolve_ring_size_for_layers(sp_size, head_counts(config), ring_size)
-    mesh = init_mesh(sp_size=sp_size, ring_size=ring)
-    registration = UlyssesSPAttentionHF.register_with_transformers(
-        model,
-        core,
-        sp_size,
-        trainer.args.per_device_train_batch_size,
-        mesh=mesh,
-        offload_attention=offload_attention,
-        head_chunks=head_chunks,
-    )
+    heads = head_counts(getattr(model, "config", None))  # none: no attention layers (pure Mamba-2)
+    mesh = init_mesh(sp_size=sp_size, ring_size=resolve_ring_size_for_layers(sp_size, heads, ring_size))
+    registration = None if not heads else UlyssesSPAttentionHF.register_with_transformers(
+        model, core, sp_size, trainer.args.per_device_train_batch_size, mesh=mesh,
+        offload_attention=offload_attention, head_chunks=head_chunks,
+    )  # fmt: skip
     mixers = apply_mixers(model, mesh) if has_unsharded_mixers(model) else None  # conv / Mamba-2 layers
     fsdp_dropped(trainer)  # accelerate on a CPU: an FSDP config runs as DDP
     vlm = None  # Qwen-VL: whole batches to every rank, the language model's inputs cut after the merge
@@ -212,12 +207,14 @@ def prepare(
 def _model_attention(model: Any) -> str:
     """The model's attention implementation, if the SP attention can run it over the full sequence."""
     config = getattr(model, "config", None)
-    if config is None or not head_counts(config):
+    if config is None:
         raise ValueError(
             f"trainer.model is a {type(model).__name__}, not a transformers model with a config: "
             "sequence parallelism needs a transformers causal LM (or a PEFT model of one)"
         )
     impl = getattr(config, "_attn_implementation", None) or "eager"
+    if not head_counts(config):  # no attention layers (pure Mamba-2): no core attention runs at all
+        return impl if impl in CORE_ATTENTIONS else "eager"
     if impl == ATTN_NAME:
         raise ValueError(
             f"the model already uses attn_implementation={ATTN_NAME!r}; load it with its core attention "

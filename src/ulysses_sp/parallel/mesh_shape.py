@@ -180,9 +180,16 @@ def resolve_ring_size_for_layers(
     sp_size: int, pairs: list[tuple[int, int]], ring_size: int | str | None = None
 ) -> int:
     """``resolve_ring_size`` for every layer shape of ``head_counts`` at once: one ring size that lets
-    the Ulysses ranks split the heads of every layer (``ValueError`` naming the layer shape that fails)."""
+    the Ulysses ranks split the heads of every layer (``ValueError`` naming the layer shape that fails).
+    No attention layers (``pairs`` empty: a pure state-space model such as Mamba-2): ring size 1, as
+    there are no keys and values to pass around a ring; a ring size > 1 asked for is refused."""
     if not pairs:
-        raise ValueError("the model's config names no attention heads (num_attention_heads)")
+        if ring_size in (None, "auto", 1):
+            return 1
+        raise ValueError(
+            f"ring_size {ring_size}: the model has no attention layers (its config names no num_attention_heads), "
+            "so there is nothing for a ring to pass; drop the ring size (its mixers shard by heads)"
+        )
     if ring_size is None or ring_size == "auto":
         common = [r for r in valid_ring_sizes(sp_size, *pairs[0]) if all(
             r in valid_ring_sizes(sp_size, *p) for p in pairs[1:])]  # fmt: skip

@@ -92,7 +92,9 @@ def model_config(model: str, vocab_size: int, *, sharded_load: bool = False, req
     tasks.check_model_dir(model)
     from ulysses_sp.state.model_dir import check_model_dir, load_config
 
-    check_text_model(model, load_config(model))
+    config = load_config(model)
+    check_text_model(model, config)
+    check_special_token_ids(config.get_text_config(), model)  # before check_model_dir builds the model
     if require_weights and not any(os.path.isfile(os.path.join(model, f)) for f in WEIGHT_FILES):
         raise ValueError(
             f"--model {model!r} has a config.json but no weight file ({', '.join(WEIGHT_FILES)}): train loads "
@@ -173,6 +175,25 @@ def check_model_fits(
     return ring
 
 
+def check_special_token_ids(text_config: Any, model: str) -> None:
+    """The config's ``pad``/``bos``/``eos`` token ids are rows of its embedding (``< vocab_size``):
+    else transformers fails building it (``Padding_idx must be within num_embeddings``) or indexes
+    past it. ``ValueError`` naming the id, the vocabulary size and the two ways to fix the config."""
+    vocab = getattr(text_config, "vocab_size", None)
+    if not isinstance(vocab, int):
+        return
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(text_config, name, None)
+        ids = value if isinstance(value, (list, tuple)) else [value]
+        bad = [i for i in ids if isinstance(i, int) and not 0 <= i < vocab]
+        if bad:
+            raise ValueError(
+                f"--model {model!r}: config.json has {name} {bad[0]} but vocab_size {vocab} (ids 0..{vocab - 1}): "
+                f"the embedding has no row for it; set vocab_size to at least {max(bad) + 1} or {name} to an id "
+                f"below {vocab} in {model}/config.json"
+            )
+
+
 def check_run(
     world_size: int,
     *,
@@ -194,7 +215,7 @@ def check_run(
     check_layout(world_size, sp=sp, seq_len=seq_len, sizes=sizes, attn=attn)
     configs, first = [], None
     for model in models:
-        tok = tasks.load_tokenizer(tokenizer, model)
+        tok = tasks.run_tokenizer(tokenizer, model)
         first = first or tok
         configs.append(check_model(model, tok, sp=sp, seq_len=seq_len, ring_size=ring_size))
         if getattr(configs[-1][0], "model_type", None) in SUPPORTED_VLMS:

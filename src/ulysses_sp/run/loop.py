@@ -36,6 +36,7 @@ import logging
 import os
 import time
 from contextlib import ExitStack
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -47,7 +48,7 @@ from ulysses_sp.parallel import comm_timing
 from ulysses_sp.parallel.comm import all_reduce_max, barrier, raise_if_any_rank_failed
 from ulysses_sp.run.config import RunConfig, startup_summary
 from ulysses_sp.run.lock import RunLock, RunLockedError
-from ulysses_sp.run.model_checks import apply_techniques, sp_attention_wanted
+from ulysses_sp.run.model_checks import apply_techniques, built_attn, sp_attention_wanted
 from ulysses_sp.run.resolve import ResolvedRun, resolve_run
 from ulysses_sp.run.rundir import checked_save, prepare_output_dir
 from ulysses_sp.run.stream import DataStream
@@ -90,6 +91,7 @@ def _run(resolved: ResolvedRun, stop: Any, held: ExitStack) -> dict[str, Any]:
     from ulysses_sp.state.loading import init_empty_model, load_pretrained_weights
 
     cfg, manifest, tokenizer, dataset = resolved.cfg, resolved.manifest, resolved.tokenizer, resolved.dataset
+    cfg = replace(cfg, attn=built_attn(cfg, resolved.model_config))  # eager without attention layers (Mamba-2)
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_mesh(
         sp_size=cfg.sp, ring_size=resolved.ring_size

@@ -70,10 +70,21 @@ def sp_attention_wanted(cfg: RunConfig, model_config: Any) -> bool:
     packed documents apart on every family (some families' own forward lets them attend across
     documents) and never builds transformers' ``[1, 1, S, S]`` mask (16 GiB at 128K tokens)."""
     from ulysses_sp.attention.layer_kinds import plain_attention_layers
+    from ulysses_sp.parallel.mesh_shape import head_counts
 
+    if not head_counts(model_config):  # no attention layers (pure Mamba-2): its mixers alone are sharded
+        return False
     if cfg.sp > 1 or cfg.offload_attention or cfg.attn_chunk is not None:
         return True
     return not is_vlm_config(model_config) and plain_attention_layers(model_config.get_text_config())
+
+
+def built_attn(cfg: RunConfig, model_config: Any) -> str:
+    """The attention implementation a rank builds the model with: ``--attn``, except ``eager`` for a model
+    without attention layers (pure Mamba-2: no core runs, and transformers builds it only as eager)."""
+    from ulysses_sp.parallel.mesh_shape import head_counts
+
+    return cfg.attn if head_counts(model_config) else "eager"
 
 
 def build_meta_model(model_config: Any, attn: str, *, name: str = "the model") -> nn.Module:
@@ -107,7 +118,7 @@ def check_model_run(cfg: RunConfig, model_config: Any, *, ring_size: int, model:
     modules are patched and restored; activation checkpointing, once enabled, stays enabled on it.
     """
     if model is None:
-        model = build_meta_model(model_config, cfg.attn, name=repr(cfg.model))
+        model = build_meta_model(model_config, built_attn(cfg, model_config), name=repr(cfg.model))
     try:
         for check in _checks(cfg, model_config, ring_size):
             check(model)

@@ -25,9 +25,10 @@ from torch.utils.data import Dataset
 from ulysses_sp import tasks
 from ulysses_sp.data.packed import check_scored
 from ulysses_sp.mixers.guard import check_document_mixing
+from ulysses_sp.parallel.mesh_shape import head_counts
 from ulysses_sp.run.checks import check_layout, check_model, check_train_options
 from ulysses_sp.run.config import RunConfig
-from ulysses_sp.run.model_checks import build_meta_model, check_model_run, one_line
+from ulysses_sp.run.model_checks import build_meta_model, built_attn, check_model_run, one_line
 from ulysses_sp.run.rundir import check_output_dir, manifest_for
 from ulysses_sp.run.vlm import check_vlm_options, is_vlm_config, vlm_dataset
 
@@ -70,13 +71,14 @@ def resolve_run(cfg: RunConfig, world_size: int, *, progress: bool | None = None
     cfg.training_config()  # the engine's own checks
     # The model directory's checks (config, safetensors index, shards, shapes, what a ZeRO 2/3 load can
     # read: state.model_dir.check_model_dir) run inside run.checks.model_config, called by check_model.
-    tokenizer = tasks.load_tokenizer(cfg.tokenizer, cfg.model)
+    tokenizer = tasks.run_tokenizer(cfg.tokenizer, cfg.model)
     mcfg, ring = check_model(cfg.model, tokenizer, sp=cfg.sp, seq_len=cfg.seq_len, ring_size=cfg.ring_size,
                              sharded_load=cfg.zero_stage >= 2, require_weights=True)  # fmt: skip
+    check_attention_options(cfg, mcfg)
     vlm = is_vlm_config(mcfg)
     if vlm:
         check_vlm_options(cfg)
-    meta = build_meta_model(mcfg, cfg.attn, name=repr(cfg.model))
+    meta = build_meta_model(mcfg, built_attn(cfg, mcfg), name=repr(cfg.model))
     check_model_run(cfg, mcfg, ring_size=ring, model=meta)  # the model on the meta device: what the ranks would refuse
     manifest = manifest_for(cfg, world_size, mcfg)
     check_output_dir(cfg, manifest)  # before the data: a refused output dir should not wait for tokenizing
@@ -96,6 +98,18 @@ def resolve_run(cfg: RunConfig, world_size: int, *, progress: bool | None = None
                 raise ValueError(one_line(str(e))) from None
     return ResolvedRun(cfg=cfg, world_size=world_size, model_config=mcfg, tokenizer=tokenizer, ring_size=ring,
                        manifest=manifest, dataset=dataset)  # fmt: skip
+
+
+def check_attention_options(cfg: RunConfig, model_config: Any) -> None:
+    """A model without attention layers (pure Mamba-2) takes no attention option: refused by flag
+    rather than silently without effect (``ValueError``)."""
+    if head_counts(model_config):
+        return
+    for flag, value in (("--attn-chunk", cfg.attn_chunk), ("--offload-attention", cfg.offload_attention),
+                        ("--head-chunks", cfg.head_chunks if cfg.head_chunks != 1 else None)):  # fmt: skip
+        if value not in (None, False):
+            raise ValueError(f"{flag}: --model {cfg.model!r} has no attention layers (its config names no "
+                             "num_attention_heads), so the option would change nothing; drop it")  # fmt: skip
 
 
 def validate(cfg: RunConfig, world_size: int) -> dict[str, Any]:

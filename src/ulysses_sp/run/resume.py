@@ -4,8 +4,10 @@
 version's format); ``check_checkpoint_files`` checks that every other file a resume reads is
 whole: the HF weights (``*.safetensors``, their
 index) have complete headers and data; the training state's ``torch.distributed.checkpoint``
-metadata loads and every ``.distcp`` file holds the bytes it lists; each ``rank<r>.pt`` is an
-intact archive. A damaged file (a disk that filled, a copy cut short, a run killed outside the
+metadata loads and every ``.distcp`` file holds the bytes it lists; every rank that saved it (the
+manifest's ``world.world_size``) left its ``rank<r>.pt`` and each is an intact archive (a resume on
+more ranks than saved gives the new ranks rank 0's scheduler and RNG state; a missing file of a
+saving rank is damage, never filled in from rank 0's). A damaged file (a disk that filled, a copy cut short, a run killed outside the
 atomic rename) raises ``ValueError`` naming the file and the previous checkpoint to resume from
 instead, rather than a traceback from every rank in the middle of loading.
 """
@@ -91,6 +93,10 @@ def check_checkpoint_files(path: str, output_dir: str) -> None:
                     json.load(f)
         current = os.path.join(state, ckpt.DCP_DIR, ".metadata")
         _check_dcp(os.path.join(state, ckpt.DCP_DIR))
+        manifest = ckpt.read_manifest(path)
+        for file in ckpt.missing_rank_states(path, manifest)[:1]:  # never rank 0's state in its place
+            raise _Bad(file, f"missing: the manifest says {ckpt.saved_world_size(manifest)} ranks saved "
+                             "this checkpoint, each writing its own rank<r>.pt")  # fmt: skip
         for name in sorted(os.listdir(state)):
             if name.endswith(".pt"):
                 current = os.path.join(state, name)

@@ -65,7 +65,7 @@ def manifest_for(cfg: RunConfig, world_size: int, model_cfg) -> dict[str, Any]:
         "model_config": json.loads(json.dumps(mc, default=str)),
         "steps": cfg.steps,
         "lr": cfg.lr,
-        "data_fingerprint": data_fingerprint(cfg.data),
+        "data_fingerprint": data_fingerprint(cfg.data, media=_is_vlm(model_cfg)),
     }
 
 
@@ -89,11 +89,21 @@ def _file_digest(path: str, size: int) -> str:
     return h.hexdigest()
 
 
-def data_fingerprint(data: str) -> dict[str, Any]:
+def _is_vlm(model_cfg: Any) -> bool:
+    from ulysses_sp.run.vlm import is_vlm_config
+
+    return is_vlm_config(model_cfg)
+
+
+def data_fingerprint(data: str, *, media: bool = False) -> dict[str, Any]:
     """What ``--data`` read: ``{"recall": ...}`` for the generated task (the seed fixes it), else
     every file the data layer reads (``data.formats.data_files``: ``.txt``/``.jsonl``/``.json``/
     ``.parquet``/``.arrow`` files, or all files of a ``save_to_disk`` directory) with its path
-    (relative to ``data``), size and content digest (``_file_digest``)."""
+    (relative to ``data``), size and content digest (``_file_digest``). ``media`` (a VLM run): also
+    every image or video file a chat JSONL names (``vlm.data.named_files``), digested the same way:
+    the launcher decodes each of them anyway, so hashing costs at most a second read of bytes just
+    read (and a sampled digest above 16 MiB); a size+mtime stamp would be cheaper but refuses a
+    copied dataset and misses a rewrite within the clock's resolution."""
     from ulysses_sp.data.formats import data_files
     from ulysses_sp.tasks import RECALL
 
@@ -108,9 +118,21 @@ def data_fingerprint(data: str) -> dict[str, Any]:
             else [item]
         )
         for path in inner:
-            size = os.path.getsize(path)
-            files.append([os.path.relpath(path, root), size, _file_digest(path, size)])
+            named = _named_media(path) if media else []
+            for file in [path, *named]:
+                size = os.path.getsize(file) if os.path.isfile(file) else -1  # -1: missing (named, refused later)
+                digest = _file_digest(file, size) if size >= 0 else ""
+                files.append([os.path.relpath(file, root), size, digest])
     return {"source": "files", "files": files}
+
+
+def _named_media(path: str) -> list[str]:
+    """The media files a chat JSONL names (``[]`` for other formats)."""
+    if not path.endswith(".jsonl"):
+        return []
+    from ulysses_sp.vlm.data import named_files
+
+    return named_files(path)
 
 
 def _check_writable(output_dir: str) -> None:

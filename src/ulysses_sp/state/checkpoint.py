@@ -221,6 +221,37 @@ def load_model_state(checkpoint_dir: str) -> dict[str, torch.Tensor]:
     return state
 
 
+def saved_world_size(manifest: dict[str, Any]) -> int | None:
+    """The number of ranks that saved the checkpoint (its manifest's ``world.world_size``), if recorded."""
+    size = (manifest.get("world") or {}).get("world_size")
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+
+
+def missing_rank_states(checkpoint_dir: str, manifest: dict[str, Any]) -> list[str]:
+    """The ``training_state/rank<r>.pt`` files a checkpoint saved on ``world.world_size`` ranks lacks
+    (every saving rank writes one: a missing one is a damaged checkpoint, not a smaller run)."""
+    size = saved_world_size(manifest) or 1
+    files = (os.path.join(checkpoint_dir, STATE_DIR, f"rank{r}.pt") for r in range(size))
+    return [f for f in files if not os.path.isfile(f)]
+
+
+def rank_state_file(checkpoint_dir: str, rank: int, manifest: dict[str, Any]) -> str:
+    """The per-rank state file ``rank`` resumes from: its own, or rank 0's for a rank the saving run
+    did not have (more ranks now: resharded). A saving rank's missing file raises ``ValueError``."""
+    missing = missing_rank_states(checkpoint_dir, manifest)
+    if missing:
+        raise ValueError(
+            f"checkpoint {checkpoint_dir!r} is damaged: {missing[0]} is missing (its manifest says "
+            f"{saved_world_size(manifest)} ranks saved it, each writing its rank<r>.pt)"
+        )
+    size = saved_world_size(manifest) or 1
+    if rank >= size:
+        logger.info("%s was saved on %d ranks: rank %d resumes rank 0's scheduler and RNG state",
+                    checkpoint_dir, size, rank)  # fmt: skip
+        rank = 0
+    return os.path.join(checkpoint_dir, STATE_DIR, f"rank{rank}.pt")
+
+
 def load_training_state(engine: Any, checkpoint_dir: str) -> dict[str, Any]:
     """Restore the model (fp32 master weights), optimizer, scheduler, loss scale and RNG; return the
     rest (data position, counters). Resharded to the engine's layout; call on every rank.
@@ -228,16 +259,12 @@ def load_training_state(engine: Any, checkpoint_dir: str) -> dict[str, Any]:
     The RNG streams are per rank: on a layout with more ranks than the checkpoint's, a rank without
     its own file takes rank 0's (the streams matter for dropout only).
     """
-    check_format(read_manifest(checkpoint_dir), checkpoint_dir)
+    manifest = read_manifest(checkpoint_dir)
+    check_format(manifest, checkpoint_dir)
+    rank = dist.get_rank()
+    path = rank_state_file(checkpoint_dir, rank, manifest)
     load_state(engine.module, engine.optimizer, os.path.join(checkpoint_dir, STATE_DIR, DCP_DIR),
                engine.mesh.reduce_group)  # fmt: skip
-    rank = dist.get_rank()
-    path = os.path.join(checkpoint_dir, STATE_DIR, f"rank{rank}.pt")
-    if not os.path.isfile(path):
-        logger.warning(
-            "%s has no state of rank %d (saved on fewer ranks): using rank 0's", checkpoint_dir, rank
-        )
-        path = os.path.join(checkpoint_dir, STATE_DIR, "rank0.pt")
     state = torch.load(path, map_location="cpu", weights_only=False)
     for group, saved in zip(engine.optimizer.param_groups, state.pop("param_groups")):
         group.update(saved)

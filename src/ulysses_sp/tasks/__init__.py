@@ -7,7 +7,7 @@
   ``datasets``' local formats — chat, prompt/completion, text — tokenized once and packed
   (:func:`build_local_dataset`, :class:`DataSettings`).
 
-:func:`build_dataset` and :func:`load_tokenizer` turn the CLI's ``--data`` / ``--tokenizer`` /
+:func:`build_dataset` and :func:`run_tokenizer` turn the CLI's ``--data`` / ``--tokenizer`` /
 ``--model`` strings into these objects.
 
 May import: ``checks``, ``parallel``, ``data``.
@@ -15,6 +15,7 @@ May import: ``checks``, ``parallel``, ``data``.
 
 from __future__ import annotations
 
+import json
 import os
 
 from torch.utils.data import Dataset
@@ -34,6 +35,7 @@ __all__ = [
     "PRESETS",
     "RECALL",
     "RecallDataset",
+    "BYTE_TOKENIZER",
     "TextBlockDataset",
     "VOCAB_SIZE",
     "build_dataset",
@@ -44,24 +46,76 @@ __all__ = [
     "data_summary",
     "is_preset",
     "load_tokenizer",
+    "run_tokenizer",
     "preset_config",
     "recall_sample",
     "recall_start",
 ]
 
 
-def load_tokenizer(tokenizer: str | None, model: str):
-    """``--tokenizer`` directory if given; else the model directory's own tokenizer if it has one;
-    else the byte-level tokenizer."""
+BYTE_TOKENIZER = "byte"
+"""``--tokenizer byte``: the built-in byte-level tokenizer, asked for by name (a directory named
+``byte`` is ``./byte``)."""
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
+"""Files that make a model directory's own tokenizer loadable (``AutoTokenizer``)."""
+
+
+def _has_tokenizer(directory: str) -> bool:
+    return any(os.path.isfile(os.path.join(directory, f)) for f in TOKENIZER_FILES)
+
+
+def _load_dir(directory: str, what: str):
     from transformers import AutoTokenizer
 
+    try:
+        return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError, TypeError) as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ValueError(f"{what} {directory!r}: its tokenizer files do not load ({type(e).__name__}: {first})") from None
+
+
+def _no_tokenizer(model: str) -> ValueError:
+    try:
+        with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
+            vlm = "vision_config" in json.load(f)
+    except (OSError, ValueError):
+        vlm = False
+    if vlm:  # a VLM run takes no --tokenizer: its directory's tokenizer renders the images
+        return ValueError(f"--model {model!r} has no tokenizer ({' or '.join(TOKENIZER_FILES)}): a vision-language "
+                          "model directory needs the tokenizer and processor files it was published with "
+                          "(processor.save_pretrained(dir))")  # fmt: skip
+    return ValueError(
+        f"--model {model!r} has no tokenizer ({' or '.join(TOKENIZER_FILES)}) and no --tokenizer was given: pass "
+        f"--tokenizer DIR (the tokenizer the model was trained with), or --tokenizer {BYTE_TOKENIZER} to train "
+        f"it with the built-in byte-level tokenizer ({VOCAB_SIZE} tokens)"
+    )
+
+
+def run_tokenizer(tokenizer: str | None, model: str):
+    """The tokenizer of a run (``train``, ``eval``), never a silent stand-in: ``--tokenizer byte``
+    (the built-in byte-level one) or a directory if given; else a preset's byte-level tokenizer or the
+    model directory's own. A directory without tokenizer files raises ``ValueError`` naming the fix."""
+    if tokenizer == BYTE_TOKENIZER:
+        return byte_tokenizer()
     if tokenizer:
         if not os.path.isdir(tokenizer):
-            raise ValueError(f"--tokenizer {tokenizer!r}: no such directory")
-        return AutoTokenizer.from_pretrained(tokenizer)
-    if not is_preset(model) and os.path.isfile(os.path.join(model, "tokenizer_config.json")):
-        return AutoTokenizer.from_pretrained(model)
-    return byte_tokenizer()
+            raise ValueError(f"--tokenizer {tokenizer!r}: no such directory (or '{BYTE_TOKENIZER}' for the "
+                             "built-in byte-level tokenizer)")  # fmt: skip
+        return _load_dir(tokenizer, "--tokenizer")
+    if is_preset(model):
+        return byte_tokenizer()
+    if _has_tokenizer(model):
+        return _load_dir(model, "--model")
+    raise _no_tokenizer(model)
+
+
+def load_tokenizer(tokenizer: str | None, model: str):
+    """A tokenizer to size a model with (``plan``: only a preset's vocabulary depends on it): as
+    ``run_tokenizer``, except that a model directory without one gets the byte-level tokenizer.
+    Runs use ``run_tokenizer``, which refuses that case instead."""
+    if tokenizer is None and not is_preset(model) and not _has_tokenizer(model):
+        return byte_tokenizer()
+    return run_tokenizer(tokenizer, model)
 
 
 def build_dataset(

@@ -57,6 +57,35 @@ def load_vlm_processor(model_dir: str) -> tuple[Any, Any]:
     return tokenizer, Qwen2VLImageProcessorPil.from_pretrained(model_dir, local_files_only=True)
 
 
+MEDIA_PARTS = ("image", "video")
+"""Content part types that name a file (the resume fingerprint covers them; images are loaded here)."""
+
+
+def _part_path(part: dict[str, Any], base_dir: str) -> str:
+    rel = part.get(part.get("type")) or part.get("path") or part.get("url")
+    return rel if os.path.isabs(str(rel)) else os.path.join(base_dir, str(rel))
+
+
+def named_files(path: str) -> list[str]:
+    """Every image or video file the chat JSONL ``path`` names (resolved against its directory, as
+    ``load_vlm_chat`` reads them), each once, in order of first mention. Lines that do not parse
+    are skipped (``load_vlm_chat`` names them)."""
+    base = os.path.dirname(os.path.abspath(path))
+    seen: dict[str, None] = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                record = json.loads(line) if line.strip() else {}
+            except json.JSONDecodeError:
+                continue
+            for message in record.get("messages", []) if isinstance(record, dict) else []:
+                content = message.get("content") if isinstance(message, dict) else None
+                for part in content if isinstance(content, list) else []:
+                    if isinstance(part, dict) and part.get("type") in MEDIA_PARTS:
+                        seen.setdefault(_part_path(part, base), None)
+    return list(seen)
+
+
 def _images(record: dict[str, Any], where: str, base_dir: str) -> list[Any]:
     from PIL import Image, UnidentifiedImageError
 
