@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from hf_runs import VOCAB, accelerate_env
+from hf_runs import VOCAB, accelerate_env, fsdp2_on_cpu
 from models import tiny_model
 
 
@@ -62,6 +62,7 @@ def dpo_train(
     loss_type: tuple[str, ...] = ("sigmoid",),
     reference: str = "model",
     evaluate: bool = False,
+    fsdp2: bool = False,
     **config: Any,
 ) -> dict[str, Any]:
     """Train ``steps`` optimizer steps of ``DPOTrainer`` (fp32, 2 pairs per device batch); ``sp_size=0``:
@@ -81,7 +82,8 @@ def dpo_train(
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    with accelerate_env(), tempfile.TemporaryDirectory() as out, shared_dir() as data:
+    fsdp = fsdp2_on_cpu() if fsdp2 else contextlib.nullcontext()
+    with accelerate_env(), fsdp, tempfile.TemporaryDirectory() as out, shared_dir() as data:
         args = DPOConfig(
             output_dir=out, use_cpu=True, report_to=[], save_strategy="no", max_steps=steps,
             per_device_train_batch_size=2, per_device_eval_batch_size=2, gradient_accumulation_steps=accum,
@@ -103,4 +105,5 @@ def dpo_train(
         if handle is not None:
             handle.remove()
         restored = type(trainer).__name__
-    return {"logs": logs, "eval": evals, "name": name, "restored": restored}
+        sharded = any(type(p).__name__ == "DTensor" for p in trainer.model.parameters())
+    return {"logs": logs, "eval": evals, "name": name, "restored": restored, "fsdp2": sharded}

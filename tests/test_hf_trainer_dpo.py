@@ -2,12 +2,12 @@
 tiny llama, fp32, against the same trainer without SP. Every logged value of every step (loss,
 grad_norm, rewards/chosen, rejected, margins, accuracies, logps/chosen, rejected, logits/chosen,
 rejected, entropy, mean_token_accuracy, num_tokens, ...) and of ``evaluate()`` agrees to float
-rounding (measured: at most 6e-7 absolute on rewards, 4e-7 relative on loss and grad_norm) at
-dp 1 x sp 2 against one process, for the sigmoid loss with a separate reference model, IPO with
+rounding (measured: loss and grad_norm within 5.2e-7 relative, log-probs within 6e-6 absolute = 1e-7
+relative, rewards within 1e-6 absolute) at dp 1 x sp 2 against one process, for the sigmoid loss with a separate reference model, IPO with
 precomputed reference log-probs, and sigmoid + SFT with LoRA (the reference is the adapter disabled).
 
-At dp 2 x sp 2 against dp 4 (gradient accumulation doubled, as for the SFT path) the loss, the gradient
-norm and every per-sequence metric agree; TRL's token-weighted metrics (entropy, logits/*,
+At dp 2 x sp 2 against dp 4 under FSDP2 (gradient accumulation doubled, as for the SFT path) the loss,
+the gradient norm and every per-sequence metric agree; TRL's token-weighted metrics (entropy, logits/*,
 mean_token_accuracy) are token means *per micro-step* across the ranks, and the SP round puts other
 batches side by side in a micro-step than dp 4 does, so they are not compared there."""
 
@@ -23,7 +23,7 @@ pytest.importorskip("peft", reason="the hf extra (pip install ulysses-sp[hf]) is
 
 from hf_dpo_runs import dpo_train  # noqa: E402
 
-REL, ABS = 2e-6, 2e-6
+REL, ABS = 2e-6, 3e-6
 """fp32 rounding; rewards are beta * (a difference of two log-probs near -60), hence the absolute part."""
 TIMING = ("train_runtime", "train_samples_per_second", "train_steps_per_second", "eval_runtime",
           "eval_samples_per_second", "eval_steps_per_second")  # fmt: skip
@@ -57,7 +57,7 @@ def _assert_exact(pool, dp: int, accum: int, *, skip: tuple[str, ...] = (), **kw
 @pytest.mark.slow
 def test_dpo_sigmoid_with_a_reference_model_sp2_equals_one_process(pool):
     """The default DPO: sigmoid loss, a separate reference model, accumulation 2, eval at the end."""
-    _assert_exact(pool, 1, 2, steps=3, evaluate=True)
+    _assert_exact(pool, 1, 2, evaluate=True)
 
 
 @pytest.mark.slow
@@ -71,6 +71,9 @@ def test_dpo_ipo_precomputed_and_lora_reference_sp2_equal_one_process(pool):
 
 
 @pytest.mark.slow
-def test_dpo_dp2_sp2_equals_dp4(pool):
-    """4 processes: dp 2 x sp 2 (accumulation 2) against dp 4 (accumulation 1)."""
-    _assert_exact(pool, 2, 1, skip=TOKEN_WEIGHTED, evaluate=True)
+def test_dpo_fsdp2_dp2_sp2_equals_fsdp2_dp4(pool):
+    """4 processes under accelerate's FSDP2 (``hf_runs.fsdp2_on_cpu``: the policy and the reference
+    model sharded, TRL's fused head gathering the DTensor lm_head): dp 2 x sp 2 (accumulation 2)
+    against dp 4 (accumulation 1)."""
+    got = _assert_exact(pool, 2, 1, skip=TOKEN_WEIGHTED, evaluate=True, fsdp2=True)
+    assert got["fsdp2"]
