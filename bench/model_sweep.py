@@ -165,13 +165,13 @@ def compare_packed(model: Any, ref: Any, ids: Any, sp_verdict: str, route: bool 
     across each other) or ``-`` (not run: the sp verdict was neither exact nor refused).
     ``route=False``: sp 1 runs the model's own forward (what ``train`` did before it routed sp 1)."""
     sp, rank = dist.get_world_size(), dist.get_rank()
-    want = torch.cat([ref(input_ids=d, use_cache=False).logits for d in ids.split(DOCS, dim=1)], dim=1)
-    pos = torch.cat([torch.arange(n) for n in DOCS])[None]  # [1, S]
     out = {"sp2": {"exact": "exact", "refused": "refused"}.get(sp_verdict, "-")}
     try:
         check_document_mixing(model)
     except ValueError:
         return {"sp1": "refused", **out}
+    want = torch.cat([ref(input_ids=d, use_cache=False).logits for d in ids.split(DOCS, dim=1)], dim=1)
+    pos = torch.cat([torch.arange(n) for n in DOCS])[None]  # [1, S]
     for size in (1, sp) if sp_verdict == "exact" else (1,):
         reg = UlyssesSPAttentionHF.register_with_transformers(model, "eager", size, 1) if route or size > 1 else None
         mixers = apply_mixers(model, reg.mesh) if reg and has_unsharded_mixers(model) else None

@@ -68,7 +68,7 @@ def evals(tmp_path_factory):
     root = tmp_path_factory.mktemp("eval-sp")
     models = [_save(_config(f), root / f) for f in MODELS[:-1]] + [MODELS[-1]]  # the last: a preset
     common = ["--data", _docs(root / "docs.jsonl"), "--packing", "best-fit", "--eval-split", "0.5",
-              "--seq-len", "64", "--plot", "none", "--data-cache", str(root / "cache")]  # fmt: skip
+              "--seq-len", "64", "--plot", "none", "--data-cache", str(root / "cache"), "--tokenizer", "byte"]  # fmt: skip
     main(["eval", "--model", *models, "--sp", "1", "--nproc", "1", "--micro-batch-size", "1",
           "--output-json", str(root / "sp1.json"), *common])  # fmt: skip
     cli("eval", "--model", *models, "--sp", "2", "--nproc", "2", "--micro-batch-size", "3", "--timeout", "120",

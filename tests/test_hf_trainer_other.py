@@ -1,7 +1,7 @@
 """Trainers and kernels the SP Trainer path does not reproduce are refused by ``prepare()`` with the
-reason (issue 25 item 5): TRL's ``DPOTrainer`` (a real one, built on a tiny model), any subclass
-with its own ``compute_loss``, Liger kernels on the CPU. No process group is needed: the checks run
-before any collective."""
+reason (issue 25 item 5): the ``DPOTrainer`` options its SP path does not cover (a real trainer, built
+on a tiny model), any subclass with its own ``compute_loss``, Liger kernels on the CPU. No process
+group is needed: the checks run before any collective."""
 
 from __future__ import annotations
 
@@ -23,31 +23,43 @@ def single_process():
         yield
 
 
-def test_prepare_refuses_dpo_trainer_naming_it_and_why(single_process, tmp_path):
+def test_prepare_refuses_dpo_options_it_does_not_reproduce_naming_them(single_process, tmp_path):
+    """DPOTrainer itself runs with SP (``test_hf_trainer_dpo``); what its SP path does not cover is
+    refused by name before any collective: tiled_loss (TRL's fused head is tiled already), a ring
+    layout (zigzag shards), a subclass with its own loss."""
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
     from ulysses_sp.tasks.tokenizer import byte_tokenizer
+
+    class MyDPOTrainer(DPOTrainer):
+        def _compute_loss(self, model, inputs, return_outputs):
+            return super()._compute_loss(model, inputs, return_outputs)
 
     rows = [
         {"prompt": "say a", "chosen": " a", "rejected": " b"},
         {"prompt": "say c", "chosen": " c", "rejected": " d"},
     ]
     args = DPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no")
-    trainer = DPOTrainer(
-        model=tiny_model("llama", vocab=VOCAB),
-        ref_model=tiny_model("llama", vocab=VOCAB),  # given: nothing is loaded from a hub
-        args=args,
-        processing_class=byte_tokenizer(),
-        train_dataset=Dataset.from_list(rows),
-    )
-    with pytest.raises(
-        ValueError,
-        match=r"DPOTrainer \(through trl\.trainer\.dpo_trainer\.DPOTrainer\) cannot run with sequence "
-        r"parallelism: its loss compares each pair's summed log-probabilities.*SFTTrainer",
-    ):
-        prepare(trainer, sp_size=2)
-    assert type(trainer) is DPOTrainer  # untouched
+    trainers = [
+        cls(
+            model=tiny_model("llama", vocab=VOCAB),
+            ref_model=tiny_model("llama", vocab=VOCAB),  # given: nothing is loaded from a hub
+            args=args,
+            processing_class=byte_tokenizer(),
+            train_dataset=Dataset.from_list(rows),
+        )
+        for cls in (DPOTrainer, MyDPOTrainer)
+    ]
+    with pytest.raises(ValueError, match=r"tiled_loss does not apply to DPOTrainer: TRL's fused LM head"):
+        prepare(trainers[0], sp_size=2, tiled_loss=True)
+    with pytest.raises(ValueError, match=r"DPOTrainer under a ring \(ring_size=2\) is not supported"):
+        prepare(trainers[0], sp_size=2, ring_size=2)
+    with pytest.raises(ValueError, match=r"MyDPOTrainer \(through .*MyDPOTrainer\) overrides \['_compute_loss'\]"):
+        prepare(trainers[1], sp_size=2)
+    assert type(trainers[0]) is DPOTrainer  # untouched
+    with pytest.raises(ValueError, match=r"needs an initialized torch.distributed process group"):
+        prepare(trainers[0], sp_size=2)  # the rest passes the checks
 
 
 def test_prepare_refuses_a_subclass_with_its_own_loss(single_process, tmp_path):

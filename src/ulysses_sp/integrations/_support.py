@@ -5,13 +5,13 @@ log-likelihood (``transformers.Trainer``'s and TRL ``SFTTrainer``'s ``loss_type=
 trainer whose own class computes another objective would be trained on the wrong loss without a
 word, so ``prepare`` refuses it, naming the class and the reason:
 
-- TRL's preference, reward and RL trainers (``DPOTrainer``, ``KTOTrainer``, ``RewardTrainer``,
-  ``GRPOTrainer``, ``RLOOTrainer``, ``DistillationTrainer``, ...): their losses are functions of
-  whole-sequence quantities (per-sequence summed log-probabilities of chosen and rejected
-  completions against a reference model, sequence-level rewards, a teacher's full distribution)
-  built from full-sequence logits on one rank, with collators that concatenate pairs. Under SP a
-  rank holds ``S/P`` tokens of each sequence; the per-sequence sums would have to be reduced over
-  the SP group before the pairwise loss, which none of them does.
+- TRL's reward, RL and distillation trainers and ``KTOTrainer`` (``RewardTrainer``, ``GRPOTrainer``,
+  ``RLOOTrainer``, ``DistillationTrainer``, ...): their losses are functions of whole-sequence
+  quantities (per-sequence summed log-probabilities against a reference model, sequence-level
+  rewards, a teacher's full distribution) built from full-sequence outputs on one rank. Under SP a
+  rank holds ``S/P`` tokens of each sequence; the per-token values would have to be gathered over
+  the SP group before the loss, which none of them does yet. ``DPOTrainer`` has that path
+  (``_preference``) and is not checked here.
 - any other subclass that defines its own ``compute_loss``: the same reason, for an objective we
   cannot know.
 
@@ -45,8 +45,6 @@ NLL_TRAINERS = ("Trainer", "SFTTrainer", "_BaseTrainer")
 TRL's common base, which defines none of its own)."""
 
 WHY = {
-    "DPOTrainer": "its loss compares each pair's summed log-probabilities of the chosen and rejected "
-    "completions (and a reference model's); under SP each rank holds only part of every sequence",
     "KTOTrainer": "its loss uses each completion's summed log-probability against a reference model; "
     "under SP each rank holds only part of every sequence",
     "RewardTrainer": "its loss compares the chosen and rejected sequences' rewards, read at the last "

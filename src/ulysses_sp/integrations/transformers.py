@@ -15,7 +15,9 @@ through the SP data adapter, the loss is the SP causal-LM loss normalised exactl
 normalises the model's own, and the Trainer's own DDP or FSDP (through accelerate) reduces the
 gradients (see ``_trainer``'s module docstring for why that is the sum over SP and the mean over DP).
 A Qwen-VL model (``ulysses_sp.vlm``) gets its language-model hook, and its loaders exchange whole
-batches in the SP round (the merge and the 3-D positions need the full sample).
+batches in the SP round (the merge and the 3-D positions need the full sample). TRL's ``DPOTrainer``
+gets ``SPPreferenceMixin`` instead (``_preference``): whole batches to every rank of the group, its
+fused LM head run on the shard and its per-token outputs gathered, TRL's own loss and metrics.
 
 What changes for the user: each rank runs ``sp_size`` times as many micro-steps per epoch (an SP
 group shares its ranks' batches), so ``gradient_accumulation_steps * sp_size`` keeps the global batch
@@ -25,8 +27,8 @@ Refused, with the fix in the message (``ValueError`` on every rank, before any c
 Trainer with DeepSpeed or with accelerate's own sequence/context/tensor parallelism, single-process
 multi-GPU ``DataParallel``, an attention implementation the SP attention cannot wrap, a model with a
 module that mixes tokens outside the SP attention (``mixers.guard``: a convolution, scan or linear attention),
-a trainer with another objective (TRL's ``DPOTrainer`` and its other non-SFT trainers, any subclass with
-its own ``compute_loss``: ``_support``), Liger kernels on the CPU, a custom
+a trainer with another objective (TRL's non-SFT trainers but ``DPOTrainer``, any subclass with
+its own ``compute_loss``: ``_support``; DPO options ``_preference.check_preference`` names), Liger kernels on the CPU, a custom
 ``compute_loss_func``, label smoothing, TRL's ``loss_type="dft"`` or MoE auxiliary loss, ``compute_metrics`` (it needs full-sequence logits, which SP
 never gathers). Collator outputs the adapter cannot shard (left padding, a ``[B, S]`` tensor whose
 batch size differs, ...) raise at the first batch on every rank of the group.
@@ -41,6 +43,13 @@ from ulysses_sp.attention.core import CORE_ATTENTIONS
 from ulysses_sp.attention.registration import ATTN_NAME, SPRegistration
 from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
 from ulysses_sp.checks import positive_int
+from ulysses_sp.integrations._preference import (
+    FusedHeadPatch,
+    SPPreferenceMixin,
+    check_preference,
+    fused_head_models,
+    is_preference_trainer,
+)
 from ulysses_sp.integrations._support import check_liger, check_trainer_loss, fsdp_dropped
 from ulysses_sp.integrations._trainer import SPTrainerDataLoader, SPTrainerMixin
 from ulysses_sp.integrations.alst import ALSTHandle, ALSTOptions
@@ -78,6 +87,7 @@ class SPTrainerHandle:
         mixers: MixerHandle | None = None,
         alst: ALSTHandle | None = None,
         vlm: VLMShardHandle | None = None,
+        preference: FusedHeadPatch | None = None,
     ) -> None:
         self.trainer = trainer
         self.mesh = mesh
@@ -88,6 +98,8 @@ class SPTrainerHandle:
         """The ALST techniques applied to the model (``integrations.alst``), or ``None``."""
         self.vlm = vlm
         """A vision-language model's language-model pre-hook (``vlm.shard_vlm``), or ``None``."""
+        self.preference = preference
+        """TRL ``DPOTrainer``: its fused LM heads under SP (``_preference``), or ``None``."""
         self.pad_token_id = pad_token_id
         self.strict = strict
         self.own_eval_loss: Any = None
@@ -97,7 +109,8 @@ class SPTrainerHandle:
         # A subclass built per trainer (no module-level cache): the trainer's own overrides stay in
         # force below the mixin's five, and ``remove`` restores the class.
         cls = self._trainer_class
-        trainer.__class__ = type(f"SequenceParallel{cls.__name__}", (SPTrainerMixin, cls), {})
+        mixin = SPTrainerMixin if preference is None else SPPreferenceMixin
+        trainer.__class__ = type(f"SequenceParallel{cls.__name__}", (mixin, cls), {})
 
     def remove(self) -> None:
         """Undo ``prepare``: the trainer's class and the model's attention are restored."""
@@ -111,6 +124,8 @@ class SPTrainerHandle:
             self.alst.remove()
         if self.vlm is not None:
             self.vlm.remove()
+        if self.preference is not None:
+            self.preference.remove()
         if self.registration is not None:
             self.registration.remove()
 
@@ -176,9 +191,15 @@ def prepare(
     args = getattr(trainer, "args", None)
     if sp_size == 1 and (getattr(args, "packing", False) or getattr(args, "padding_free", False)):
         check_document_mixing(model, what="packed sequences (SFTConfig packing / padding_free)")
-    require_process_group("ulysses_sp.integrations.transformers.prepare")
     heads = head_counts(getattr(model, "config", None))  # none: no attention layers (pure Mamba-2)
-    mesh = init_mesh(sp_size=sp_size, ring_size=resolve_ring_size_for_layers(sp_size, heads, ring_size))
+    ring = resolve_ring_size_for_layers(sp_size, heads, ring_size)
+    preference = is_preference_trainer(trainer)  # TRL's DPOTrainer: its own loss on gathered log-probs
+    if preference:
+        check_preference(trainer, ring_size=ring, tiled_loss=tiled_loss)
+        for ref in fused_head_models(trainer)[1:]:
+            check_sequence_mixing(ref, sp_size=sp_size)
+    require_process_group("ulysses_sp.integrations.transformers.prepare")
+    mesh = init_mesh(sp_size=sp_size, ring_size=ring)
     registration = None if not heads else UlyssesSPAttentionHF.register_with_transformers(
         model, core, sp_size, trainer.args.per_device_train_batch_size, mesh=mesh,
         offload_attention=offload_attention, head_chunks=head_chunks,
@@ -192,6 +213,12 @@ def prepare(
         )
     logger.info("sequence parallelism in %s: %r, core attention %r", type(trainer).__name__, mesh, core)
     alst = options.apply(model) if options != ALSTOptions() else None
+    patch = None
+    if preference:
+        models = fused_head_models(trainer)
+        for ref in models[1:]:  # a separate reference model runs the SP attention too
+            registration.attach(ref)
+        patch = FusedHeadPatch(models, mesh, pad_token_id=_pad_token_id(trainer), strict=strict)
     return SPTrainerHandle(
         trainer,
         mesh,
@@ -201,6 +228,7 @@ def prepare(
         mixers=mixers,
         alst=alst,
         vlm=vlm,
+        preference=patch,
     )
 
 
@@ -233,7 +261,9 @@ def _check_trainer(trainer: Any, core: str) -> None:
     """Refuse what cannot run with SP; every rank sees the same configuration, so every rank raises."""
     if core not in CORE_ATTENTIONS:
         raise ValueError(f"core_attn_implementation={core!r}; choose one of {list(CORE_ATTENTIONS)}")
-    check_trainer_loss(trainer)  # DPO and other objectives the SP loss does not compute
+    preference = is_preference_trainer(trainer)
+    if not preference:
+        check_trainer_loss(trainer)  # objectives the SP loss does not compute
     check_liger(trainer)
     args = trainer.args
     if getattr(trainer, "is_deepspeed_enabled", False) or getattr(args, "deepspeed", None):
@@ -266,6 +296,13 @@ def _check_trainer(trainer: Any, core: str) -> None:
             f"label_smoothing_factor={args.label_smoothing_factor} is not supported with sequence "
             "parallelism; set label_smoothing_factor=0"
         )
+    if getattr(trainer, "compute_metrics", None) is not None:
+        raise ValueError(
+            "compute_metrics needs full-sequence logits, which sequence parallelism never gathers on one "
+            "rank; remove compute_metrics (the eval loss is computed with SP)"
+        )
+    if preference:  # its own loss (every loss_type), refusals in _preference.check_preference
+        return
     loss_type = getattr(args, "loss_type", None)  # TRL's SFTConfig
     if loss_type not in (None, "nll"):
         raise ValueError(
@@ -277,11 +314,6 @@ def _check_trainer(trainer: Any, core: str) -> None:
             "the MoE auxiliary (load-balancing) loss is not reproduced under sequence parallelism (the SP loss "
             "is the causal-LM negative log-likelihood); set router_aux_loss_coef=0.0 in the SFTConfig (TRL "
             "then turns the model's output_router_logits off)"
-        )
-    if getattr(trainer, "compute_metrics", None) is not None:
-        raise ValueError(
-            "compute_metrics needs full-sequence logits, which sequence parallelism never gathers on one "
-            "rank; remove compute_metrics (the eval loss is computed with SP)"
         )
 
 
