@@ -104,6 +104,7 @@ def run_tokenizer(tokenizer: str | None, model: str):
         return _load_dir(tokenizer, "--tokenizer")
     if is_preset(model):
         return byte_tokenizer()
+    check_model_dir(model)  # no such directory, no config.json: that, not the tokenizer, is the problem
     if _has_tokenizer(model):
         return _load_dir(model, "--model")
     raise _no_tokenizer(model)
