@@ -184,7 +184,9 @@ def compare_packed(model: Any, ref: Any, ids: Any, sp_verdict: str, route: bool 
             if reg is not None:
                 reg.remove()
         err = (got - want[:, part]).abs().amax(dim=-1)[0]  # [S_l]
-        bad = not torch.allclose(got, want[:, part], rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+        # a leak moves logits by a sizeable share of their scale; the row vs each document alone differ in
+        # matmul shapes, which in a wide config (GPT-J keeps its 4096) rounds to ~2e-5 of the scale
+        bad = not torch.allclose(got, want[:, part], rtol=1e-4, atol=1e-4 * float(want.abs().max()))
         verdict = f"leaks (logits differ by {float(err.max()):.3g} at position {int(err.argmax())})" if bad else "exact"
         worst = max_over_ranks(int(bad))
         out["sp1" if size == 1 else "sp2"] = verdict if bad or not worst else "leaks (on another rank)"
