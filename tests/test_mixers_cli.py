@@ -1,7 +1,6 @@
-"""The CLI trains a local hybrid model directory (LFM2: short convolutions beside attention) and a
-pure Mamba-2 and a pure Mamba-1 directory (no attention layers at all) on packed documents at sp 2
-exactly as at sp 1:
-the same losses and gradient norms, step by step."""
+"""The CLI trains a local hybrid model directory (LFM2: short convolutions beside attention), a pure
+Mamba-2 and a pure Mamba-1 directory (no attention layers at all) on packed documents at sp 2
+exactly as at sp 1: the same losses and gradient norms, step by step."""
 
 from __future__ import annotations
 
