@@ -3,10 +3,12 @@
 ``python -m bench.mixer_bench [--smoke] [--sp 1 2 4]``: gloo ranks on CPU, one world per sp size, one thread each.
 
 * **Bytes**: one forward + backward of a single mixer module (LFM2's short conv; a Nemotron-H Mamba-2 mixer
-  with ``G < P`` and ``G >= P``), sharded by ``mixers.apply.apply_mixers``; every ``all_to_all_single``
-  counted (``bench.counters``: bytes this rank sends to others) against the analytic minimum of the
-  head-sharded design, forward + backward: short conv ``4 B S_l Hd (P-1)/P b``; Mamba-2 ``2 B S_l (P-1) b [I/P
-  + H/P + 2 G_l N] + 2 B S_l I (P-1)/P b`` (in: x, dt and the B/C groups each destination needs; out: y).
+  with ``G < P`` and ``G >= P``; Mamba's Mamba-1 mixer), sharded by ``mixers.apply.apply_mixers``; every
+  ``all_to_all_single`` counted (``bench.counters``: bytes this rank sends to others) against the analytic
+  minimum of the head-sharded design, forward + backward: short conv ``4 B S_l Hd (P-1)/P b``; Mamba-2 ``2 B
+  S_l (P-1) b [I/P + H/P + 2 G_l N] + 2 B S_l I (P-1)/P b`` (in: x, dt and the B/C groups each destination
+  needs; out: y); Mamba-1 ``2 B S_l (P-1) b [3 I/P + 2 N] + 2 B S_l I (P-1)/P b`` (in: x, dt, z by channel,
+  B and C to every rank; out: y) plus its conv halo, ``B (K-1) I b`` to the next rank forward and back.
 * **Step time**: forward + backward of a whole model on one sequence of ``S`` tokens (the same global batch at
   every sp): a Nemotron-H hybrid (mamba, attention, mamba, mlp), a Qwen3-Next hybrid (two gated delta-net
   layers, one attention) and a dense Llama of the same width; fastest of 5 steps after a warm-up; max over
@@ -35,8 +37,9 @@ WIDTH = {"hidden": 64, "heads": 4, "mamba_heads": 8, "head_dim": 8, "state": 16,
 
 
 def hybrid(kind: str, groups: int = WIDTH["groups"]):
-    """A small fp32 seeded model of ``kind``: ``lfm2``, ``nemotron_h``, ``llama``, ``gated_deltanet`` (a
-    Qwen3-Next of two gated delta-net layers) or ``qwen3_next`` (the same plus one attention layer)."""
+    """A small fp32 seeded model of ``kind``: ``lfm2``, ``nemotron_h``, ``mamba`` (Mamba-1), ``llama``,
+    ``gated_deltanet`` (a Qwen3-Next of two gated delta-net layers) or ``qwen3_next`` (the same plus one
+    attention layer)."""
     torch.manual_seed(0)
     h = WIDTH["hidden"]
     common = dict(vocab_size=256, hidden_size=h, intermediate_size=2 * h, num_attention_heads=WIDTH["heads"],
@@ -53,6 +56,10 @@ def hybrid(kind: str, groups: int = WIDTH["groups"]):
                                  layer_types=types, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                                  linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
                                  num_experts=0, tie_word_embeddings=False)  # fmt: skip
+    elif kind == "mamba":
+        cfg = tf.MambaConfig(vocab_size=256, hidden_size=h, expand=2, state_size=WIDTH["state"], conv_kernel=4,
+                             num_hidden_layers=1)  # fmt: skip
+        return tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float()
     else:
         cfg = tf.LlamaConfig(num_hidden_layers=4, **common)
     return tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float()
@@ -62,6 +69,10 @@ def analytic_bytes(kind: str, mixer, b: int, s_local: int, p: int, itemsize: int
     """The head-sharded minimum, forward + backward, bytes this rank sends (module docstring)."""
     if kind == "short_conv":
         return 4 * b * s_local * mixer.conv.in_channels * (p - 1) // p * itemsize
+    if kind == "mamba1":  # on a middle rank the halo goes out twice: forward to r+1, its gradient back to r-1
+        i, n, k, r = mixer.intermediate_size, mixer.ssm_state_size, mixer.conv_kernel_size, dist.get_rank()
+        halo = ((r < p - 1) + (r > 0)) * b * (k - 1) * i * itemsize
+        return 2 * b * s_local * (p - 1) * itemsize * (3 * i // p + 2 * n + i // p) + halo
     i, h, g, n = mixer.intermediate_size, mixer.num_heads, mixer.n_groups, mixer.ssm_state_size
     return 2 * b * s_local * (p - 1) * itemsize * (i // p + h // p + 2 * max(g // p, 1) * n + i // p)
 
@@ -73,6 +84,7 @@ def mixer_bytes(mesh, s: int) -> list[dict]:
         ("short_conv", hybrid("lfm2"), "model.layers.0.conv"),
         ("mamba2 G=2", hybrid("nemotron_h", groups=2), "model.layers.0.mixer"),
         ("mamba2 G=8", hybrid("nemotron_h", groups=8), "model.layers.0.mixer"),
+        ("mamba1", hybrid("mamba"), "backbone.layers.0.mixer"),
     ):
         mixer = model.get_submodule(path)
         handle = apply_mixers(mixer, mesh)  # the mixer alone: no position ids, one document

@@ -44,6 +44,8 @@ from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
 from ulysses_sp.mixers.apply import apply_mixers, has_unsharded_mixers
 from ulysses_sp.mixers.guard import check_document_mixing, check_sequence_mixing
 from ulysses_sp.parallel.loss import sp_causal_lm_loss
+from ulysses_sp.parallel.mesh import init_mesh
+from ulysses_sp.parallel.mesh_shape import head_counts
 
 SEQ = 32
 """Tokens per sequence (rank holds 16): longer than the tiny sliding window and attention chunk (8)."""
@@ -100,6 +102,15 @@ def build(model_type: str, seed: int = 0) -> Any:
     return model.eval()  # no dropout; the SP attention still runs (disable_in_eval=False)
 
 
+def _attach(model: Any, size: int) -> tuple[Any, Any]:
+    """``(registration, mesh)``: the SP attention registered at sp ``size``; for a model without attention
+    layers (Mamba-1 or Mamba-2 alone) no registration, only the mesh its mixers shard over."""
+    if not head_counts(model.config):
+        return None, init_mesh((dist.get_world_size() // size, size))
+    reg = UlyssesSPAttentionHF.register_with_transformers(model, "eager", size, 1)
+    return reg, reg.mesh
+
+
 def compare(model: Any, *, guard: bool = True, seed: int = 1) -> dict[str, Any]:
     """One step at sp = world size against the same model without SP; call on every rank of a gloo group.
 
@@ -123,21 +134,22 @@ def compare(model: Any, *, guard: bool = True, seed: int = 1) -> dict[str, Any]:
     except Exception as err:  # noqa: BLE001 - the tiny config does not run even without SP
         return {"verdict": "skipped", "detail": f"runs without SP neither: {type(err).__name__}: {err}"[:300]}
     try:  # the registration refuses what the SP attention cannot run (sparse/compressed attention)
-        reg = UlyssesSPAttentionHF.register_with_transformers(model, "eager", sp, 1)
+        reg, mesh = _attach(model, sp)
     except ValueError as err:
         return {"verdict": "refused", "detail": str(err).replace("\n", " ")[:400]}
-    # the mixers SP shards (short conv, Mamba-2, gated delta-net, KDA), as initialize() applies them
-    mixers = apply_mixers(model, reg.mesh) if guard and has_unsharded_mixers(model) else None
+    # the mixers SP shards (short conv, Mamba-2, Mamba-1, gated delta-net, KDA), as initialize() applies them
+    mixers = apply_mixers(model, mesh) if guard and has_unsharded_mixers(model) else None
     try:
         s_l = SEQ // sp
         part = slice(rank * s_l, (rank + 1) * s_l)  # this rank's shard: [B, S] -> [B, S_l]
         pos = torch.arange(SEQ)[None, part]
         logits = model(input_ids=ids[:, part], position_ids=pos, use_cache=False).logits  # [B, S_l, V]
-        sp_causal_lm_loss(logits, labels[:, part], reg.get_sequence_parallel_group()).backward()
+        sp_causal_lm_loss(logits, labels[:, part], mesh.sp_group).backward()
     finally:
         if mixers is not None:
             mixers.remove()
-        reg.remove()
+        if reg is not None:
+            reg.remove()
     problems = _mismatches(logits.detach(), ref_logits.detach()[:, part], "logits", 0.0)
     # a gradient that is zero in exact arithmetic (a key bias under softmax) is rounding noise in
     # both runs: its floor is 1e-6 of the largest gradient of the model
@@ -173,8 +185,8 @@ def compare_packed(model: Any, ref: Any, ids: Any, sp_verdict: str, route: bool 
     want = torch.cat([ref(input_ids=d, use_cache=False).logits for d in ids.split(DOCS, dim=1)], dim=1)
     pos = torch.cat([torch.arange(n) for n in DOCS])[None]  # [1, S]
     for size in (1, sp) if sp_verdict == "exact" else (1,):
-        reg = UlyssesSPAttentionHF.register_with_transformers(model, "eager", size, 1) if route or size > 1 else None
-        mixers = apply_mixers(model, reg.mesh) if reg and has_unsharded_mixers(model) else None
+        reg, mesh = _attach(model, size) if route or size > 1 else (None, None)
+        mixers = apply_mixers(model, mesh) if mesh is not None and has_unsharded_mixers(model) else None
         try:
             part = slice(rank * SEQ // size, (rank + 1) * SEQ // size) if size > 1 else slice(None)
             got = model(input_ids=ids[:, part], position_ids=pos[:, part], use_cache=False).logits

@@ -1,19 +1,21 @@
 """Tiny hybrid models for the mixer tests: transformers' own LFM2, Nemotron-H, Falcon-H1,
-GraniteMoeHybrid, Bamba and Mamba-2 code from local configs, random fp32 weights large enough that a wrong
-position shows (std 0.2, as ``models.tiny_model``)."""
+GraniteMoeHybrid, Bamba, Mamba-2, Mamba, Falcon-Mamba and Jamba code from local configs, random fp32
+weights large enough that a wrong position shows (std 0.2, as ``models.tiny_model``)."""
 
 from __future__ import annotations
 
 import torch
 
 V = 64
+PURE = ("mamba2", "mamba", "falcon_mamba")
+"""The architectures without attention layers (no SP attention to register)."""
 
 
 def hybrid_config(
     arch: str, *, mamba_heads: int = 4, groups: int = 2, kv_heads: int = 2, vocab: int = V, **overrides
 ):
     """A tiny config of ``arch`` (``lfm2``, ``nemotron_h``, ``falcon_h1``, ``granitemoehybrid``, ``bamba``,
-    ``mamba2``); ``overrides`` go to the config's constructor."""
+    ``mamba2``, ``mamba``, ``falcon_mamba``, ``jamba``); ``overrides`` go to the config's constructor."""
     import transformers as tf
 
     common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_attention_heads=4,
@@ -45,6 +47,14 @@ def hybrid_config(
     if arch == "mamba2":  # Mamba-2 alone (no attention layers)
         return tf.Mamba2Config(vocab_size=vocab, hidden_size=32, expand=2, num_heads=mamba_heads, head_dim=64 // mamba_heads,
                                n_groups=groups, state_size=8, chunk_size=8, num_hidden_layers=2, tie_word_embeddings=False)  # fmt: skip
+    if arch in ("mamba", "falcon_mamba"):  # Mamba-1 alone (no attention layers): I = 64 channels
+        cls = tf.MambaConfig if arch == "mamba" else tf.FalconMambaConfig
+        return cls(vocab_size=vocab, hidden_size=32, expand=2, state_size=8, conv_kernel=4, time_step_rank=4,
+                   num_hidden_layers=2, tie_word_embeddings=False)  # fmt: skip
+    if arch == "jamba":  # Mamba-1 (layer 0) beside attention (layer 1), experts in layer 1
+        return tf.JambaConfig(num_hidden_layers=2, attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=1,
+                              expert_layer_period=2, num_experts=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+                              mamba_dt_rank=4, **common)  # fmt: skip
     raise ValueError(arch)
 
 
@@ -52,7 +62,7 @@ def hybrid_model(arch: str, seed: int = 0, **kw):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    attn = "eager" if arch == "mamba2" else "sdpa"  # no attention layers: transformers refuses sdpa
+    attn = "eager" if arch in PURE else "sdpa"  # no attention layers: transformers refuses sdpa
     model = AutoModelForCausalLM.from_config(hybrid_config(arch, **kw), attn_implementation=attn)
     with torch.no_grad():
         for p in model.parameters():

@@ -99,18 +99,18 @@ def test_eval_at_sp2_refuses_a_family_the_guard_refuses_with_trains_message(eval
     from ulysses_sp.mixers.guard import check_sequence_mixing
 
     root, common, _, _ = evals
-    config = tf.JambaConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                            num_key_value_heads=2, num_hidden_layers=2, attn_layer_offset=1, attn_layer_period=2,
-                            expert_layer_offset=1, expert_layer_period=2, num_experts=2, mamba_d_state=8,
-                            mamba_d_conv=4, mamba_expand=1, mamba_dt_rank=4, tie_word_embeddings=False)  # fmt: skip
-    jamba = _save(config, root / "jamba")
+    config = tf.MiniMaxConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=8, num_hidden_layers=2, num_local_experts=2,
+                              num_experts_per_tok=1, layer_types=["linear_attention", "full_attention"],
+                              tie_word_embeddings=False)  # fmt: skip
+    minimax = _save(config, root / "minimax")
     with pytest.raises(ValueError) as refused:  # what train's initialize() raises on its ranks
         check_sequence_mixing(tf.AutoModelForCausalLM.from_config(config), sp_size=2)
     message = str(refused.value)
-    assert "layer 0: mamba (JambaMambaMixer)" in message
+    assert "layer 0: MiniMaxDecoderLayer is a 'linear_attention' layer" in message
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_code:  # refused in the launching process: no worker starts
-        main(["eval", "--model", jamba, "--sp", "2", "--output-json", str(root / "jamba.json"), *common])
+        main(["eval", "--model", minimax, "--sp", "2", "--output-json", str(root / "minimax.json"), *common])
     assert exit_code.value.code == 2
     assert capsys.readouterr().err.count(message) == 1
-    assert not (root / "jamba.json").exists()
+    assert not (root / "minimax.json").exists()

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from hybrid_models import V, hybrid_model
+from hybrid_models import PURE, V, hybrid_model
 from models import global_batch, tiny_model
 from oracle import assert_grads_close
 
@@ -37,17 +37,17 @@ B, S = 2, 32
 DOCS = (5, 12, 9, 6)  # boundaries at 5, 17, 26: inside shards and across them at sp 2 and 4
 
 
-def _positions(packed: bool) -> torch.Tensor:
+def _positions(packed: bool, docs: tuple[int, ...] = DOCS) -> torch.Tensor:
     if not packed:
         return torch.arange(S).expand(B, -1)
-    return torch.cat([torch.arange(n) for n in DOCS]).expand(B, -1)
+    return torch.cat([torch.arange(n) for n in docs]).expand(B, -1)
 
 
-def _reference(ref, ids: torch.Tensor, packed: bool) -> torch.Tensor:
+def _reference(ref, ids: torch.Tensor, packed: bool, docs: tuple[int, ...] = DOCS) -> torch.Tensor:
     """Plain model logits ``[B, S, V]``: each document alone when packed."""
     if not packed:
         return ref(input_ids=ids, use_cache=False).logits
-    starts = torch.tensor((0,) + DOCS).cumsum(0).tolist()
+    starts = torch.tensor((0,) + docs).cumsum(0).tolist()
     return torch.cat(
         [ref(input_ids=ids[:, s:e], use_cache=False).logits for s, e in zip(starts, starts[1:])], dim=1
     )
@@ -62,6 +62,7 @@ def _exact(sp: int, cases: list[tuple[str, bool, dict]]) -> list[str]:
         kw = dict(kw)
         checkpointing = kw.pop("checkpointing", False)  # the mixers re-run in backward: same exchanges
         pad = kw.pop("right_pad", 0)  # row 1's last tokens padding: only the last rank's mask is not all ones
+        docs = kw.pop("docs", DOCS)
         ref = hybrid_model(arch, **kw)
         if checkpointing:
             ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -75,23 +76,22 @@ def _exact(sp: int, cases: list[tuple[str, bool, dict]]) -> list[str]:
         if pad:
             ref_logits = ref(input_ids=ids, attention_mask=mask, use_cache=False).logits
         else:
-            ref_logits = _reference(ref, ids, packed)
+            ref_logits = _reference(ref, ids, packed, docs)
         (ref_logits * proj).sum().backward()
         reg = (
             None
-            if arch == "mamba2"
+            if arch in PURE
             else UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, B, mesh=mesh)
         )
         handle = apply_mixers(model, mesh)
         assert handle.wrapped and all(is_sharded(model.get_submodule(n)) for n, _ in handle.wrapped), arch
         wrapped = [model.get_submodule(n) for n, _ in handle.wrapped]
+        pos = _positions(packed, docs)[:, cols]  # alive until backward, as a batch is: checkpoint recomputes read it
         if arch == "granitemoehybrid":  # position ids passed by position: the tracker finds them there too
-            logits = model(ids[:, cols], None, _positions(packed)[:, cols], use_cache=False).logits
+            logits = model(ids[:, cols], None, pos, use_cache=False).logits
         else:
             extra = {"attention_mask": mask[:, cols]} if pad else {}
-            logits = model(
-                input_ids=ids[:, cols], position_ids=_positions(packed)[:, cols], use_cache=False, **extra
-            ).logits
+            logits = model(input_ids=ids[:, cols], position_ids=pos, use_cache=False, **extra).logits
         real = mask[:, cols].bool()  # [B, S_l]: compared at the real tokens
         torch.testing.assert_close(logits[real], ref_logits[:, cols][real].detach(), rtol=1e-4, atol=1e-5)
         (logits * proj[:, cols]).sum().backward()
@@ -131,9 +131,36 @@ def test_mixers_equal_no_sp(pool, sp, cases):
     assert pool.run(_exact, sp, sp, cases)[0] == [f"{a}{' packed' if p else ''}" for a, p, _ in cases]
 
 
+EDGES = (8, 7, 9, 8)  # starts at 8, 15, 24: at a shard boundary (sp 4: 8, 24), inside the next rank's halo (15)
+CASES_MAMBA1 = {
+    2: [
+        ("mamba", True, {"docs": EDGES}),  # Mamba-1 alone; doc [15, 24) spans the sp-2 boundary at 16
+        ("falcon_mamba", True, {}),  # its B, C, dt norms; DOCS: starts inside shards, documents across them
+        ("jamba", True, {}),  # Mamba-1 beside attention and experts
+        ("mamba", False, {"right_pad": 5}),
+    ],
+    4: [
+        ("mamba", True, {"docs": EDGES, "checkpointing": True}),
+        ("jamba", False, {"kv_heads": 4}),
+    ],
+}
+
+
+def _mamba1(sp: int) -> list[str]:
+    return _exact(sp, CASES_MAMBA1[sp])
+
+
+def test_mamba1_mixers_equal_no_sp(pool):
+    """Mamba-1 (channel-sharded selective scan, halo conv) at sp 2 and 4, both in one test: logits and
+    every gradient against the plain model, packed documents against each document alone."""
+    for sp, cases in CASES_MAMBA1.items():
+        assert pool.run(_mamba1, sp, sp)[0] == [f"{a}{' packed' if p else ''}" for a, p, _ in cases]
+
+
 def test_every_mixer_is_claimed_and_nothing_else():
     claimed = {}
-    for arch in ("lfm2", "nemotron_h", "falcon_h1", "granitemoehybrid", "bamba", "mamba2"):
+    for arch in ("lfm2", "nemotron_h", "falcon_h1", "granitemoehybrid", "bamba", "mamba2", "mamba", "falcon_mamba",
+                 "jamba"):  # fmt: skip
         model = hybrid_model(arch)
         claimed[arch] = sorted(
             {(type(m).__name__, h.name) for m in model.modules() if (h := claimed_by(m, HANDLERS))}
@@ -146,6 +173,9 @@ def test_every_mixer_is_claimed_and_nothing_else():
         "granitemoehybrid": [("GraniteMoeHybridMambaLayer", "mamba2")],
         "bamba": [("BambaMixer", "mamba2")],
         "mamba2": [("Mamba2Mixer", "mamba2")],
+        "mamba": [("MambaMixer", "mamba1")],
+        "falcon_mamba": [("FalconMambaMixer", "mamba1")],
+        "jamba": [("JambaMambaMixer", "mamba1")],
     }
     assert not has_unsharded_mixers(tiny_model("llama"))
 
@@ -166,6 +196,8 @@ def test_every_mixer_is_claimed_and_nothing_else():
             r"FalconH1Mixer \(6 heads, 2 B/C groups\): sp_size 3 neither divides the groups",
         ),
         ("lfm2", {}, 3, r"Lfm2ShortConv: 32 convolution channels are not divisible by sp_size 3"),
+        ("jamba", {}, 5, r"JambaMambaMixer \(Mamba-1, 64 channels\): the channels are not divisible by sp_size 5 "
+         r"\(its selective scan is sharded by channel\); sp sizes that divide them: 2, 4, 8, 16, 32, 64"),
     ],
 )
 def test_refuses_when_heads_do_not_divide(arch, kw, sp, message):
@@ -209,11 +241,12 @@ def _bytes(sp: int) -> list[dict]:
 
 
 def test_mixer_exchanges_are_the_analytic_minimum(pool):
-    """Two all-to-alls forward, two backward, per mixer layer; bytes = the head-sharded minimum."""
+    """Two all-to-alls forward, two backward, per mixer layer (Mamba-1: and its conv halo, one each way);
+    bytes = the head-sharded minimum."""
     rows = pool.run(_bytes, 2, 2)[0]
-    assert [r["mixer"] for r in rows] == ["short_conv", "mamba2 G=2", "mamba2 G=8"]
+    assert [r["mixer"] for r in rows] == ["short_conv", "mamba2 G=2", "mamba2 G=8", "mamba1"]
     for r in rows:
-        assert r["a2a_calls"] == 4 and r["bytes"] == r["analytic"] > 0, r
+        assert r["a2a_calls"] == (6 if r["mixer"] == "mamba1" else 4) and r["bytes"] == r["analytic"] > 0, r
 
 
 def test_a_wrap_failing_part_way_restores_the_modules_already_wrapped():
@@ -256,12 +289,12 @@ def _linear_hybrid(kind: str):
     return T.KimiLinearForCausalLM(cfg)
 
 
-@pytest.mark.parametrize("kind", ["short_conv", "mamba2", "gated_delta_net", "kimi_delta_attention"])
+@pytest.mark.parametrize("kind", ["short_conv", "mamba2", "mamba1", "gated_delta_net", "kimi_delta_attention"])
 def test_every_mixer_refuses_a_cache_under_sp(kind):
     """One cache rule for all four: at sp > 1 a cache is refused before any exchange (the mixer
     could neither read it nor fill it), naming the module and the fix."""
-    if kind in ("short_conv", "mamba2"):
-        model = hybrid_model("lfm2" if kind == "short_conv" else "bamba")
+    if kind in ("short_conv", "mamba2", "mamba1"):
+        model = hybrid_model({"short_conv": "lfm2", "mamba2": "bamba", "mamba1": "jamba"}[kind])
     else:
         model = _linear_hybrid(kind)
     mesh = SimpleNamespace(sp_size=2, sp_rank=0, ring_size=1, sp_group=None)

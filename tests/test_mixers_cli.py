@@ -1,6 +1,6 @@
-"""The CLI trains a local hybrid model directory (LFM2: short convolutions beside attention) and a
-pure Mamba-2 directory (no attention layers at all) on packed documents at sp 2 exactly as at sp 1:
-the same losses and gradient norms, step by step."""
+"""The CLI trains a local hybrid model directory (LFM2: short convolutions beside attention), a pure
+Mamba-2 and a pure Mamba-1 directory (no attention layers at all) on packed documents at sp 2
+exactly as at sp 1: the same losses and gradient norms, step by step."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def _train(tmp_path, model: str, data: str, sp: int) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("arch", ["lfm2", "mamba2"])
+@pytest.mark.parametrize("arch", ["lfm2", "mamba2", "mamba"])
 def test_cli_trains_hybrid_and_pure_mamba2_dirs_at_sp2_as_at_sp1(tmp_path, arch):
     from transformers import AutoModelForCausalLM
 

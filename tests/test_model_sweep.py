@@ -91,6 +91,16 @@ def test_lfm2_is_exact_with_its_short_convolution_sharded_and_silently_wrong_wit
     assert [r["verdict"] for r in unguarded] == ["wrong", "wrong"], unguarded
 
 
+def test_mamba1_is_exact_with_its_scan_sharded_and_silently_wrong_without(pool):
+    """Mamba-1 alone (no attention layers: the mesh without a registration) and beside attention
+    (Jamba): exact with the channel-sharded selective scan, packed documents too; wrong without it."""
+    for family in ("mamba", "jamba"):
+        assert pool.run(_family, 2, family) == [{"verdict": "exact", "detail": ""}] * 2, family
+    assert pool.run(_packed, 2, "mamba") == [{"sp1": "exact", "sp2": "exact"}] * 2
+    unguarded = pool.run(_family, 2, "mamba", False)  # no guard, no mixer handler: each rank scans its shard
+    assert [r["verdict"] for r in unguarded] == ["wrong", "wrong"], unguarded
+
+
 def test_minimax_lightning_attention_is_refused_naming_it(pool):
     for r in pool.run(_family, 2, "minimax"):
         assert r["verdict"] == "refused"

@@ -31,6 +31,8 @@ UNSEEN = {
                                                   linear_num_key_heads=3, linear_num_value_heads=6,
                                                   linear_key_head_dim=24, linear_value_head_dim=8)),
     "short_conv": ("Lfm2Config", dict(hidden_size=48, num_hidden_layers=2, layer_types=["conv", "full_attention"])),
+    "mamba1": ("MambaConfig", dict(hidden_size=40, intermediate_size=160, state_size=12, time_step_rank=5,
+                                   num_hidden_layers=1)),
 }  # fmt: skip
 
 

@@ -58,7 +58,6 @@ def _configs():
         "gpt_neox": tiny_config("gpt_neox"),
         "deepseek_v32": tiny_config("deepseek_v32"),
         "minimax": tiny_config("minimax"),
-        "jamba": tiny_config("jamba"),
         "llama": AutoConfig.for_model("llama", **COMMON),
     }
 
@@ -80,7 +79,6 @@ CASES = [  # (model, extra flags, what the one line says)
     ("gpt_neox", ["--recompute-norms"], r"--recompute-norms: GPTNeoXForCausalLM has no RMSNorm-like module"),
     ("deepseek_v32", [], r"--sp 2: layer 0: 'indexed_attention' .* is sparse/compressed attention"),
     ("minimax", [], r"sequence parallelism \(sp_size 2\) cannot train MiniMaxForCausalLM exactly: .* layer 1: MiniMaxDecoderLayer"),
-    ("jamba", [], r"sequence parallelism \(sp_size 2\) cannot train JambaForCausalLM exactly: .* layer 0: mamba"),
     ("no_weights", [], r"has a config.json but no weight file"),
     ("gpt_oss", ["--attn", "eager", "--tiled-mlp"], r"--tiled-mlp: cannot tile .*GptOssTopKRouter"),
     ("nemotron_h", ["--sp", "1", "--nproc", "2", "--tiled-mlp"], r"--tiled-mlp: NemotronHForCausalLM has no submodule"),
@@ -128,8 +126,8 @@ def test_one_line_joins_a_guard_list():
 
 
 def test_packed_documents_at_sp_1_are_refused_where_a_module_mixes_the_whole_row(models, tmp_path, capsys, monkeypatch):
-    """Jamba's Mamba-1 mixer scans the whole row: at sp 1 packed documents would leak into each other
-    (the guard refuses it at sp > 1). Refused before launch naming the module; --packing none passes."""
+    """MiniMax's lightning attention runs over the whole row: at sp 1 packed documents would leak into each
+    other (the guard refuses it at sp > 1). Refused before launch naming the module; --packing none passes."""
     import json
 
     reached = []
@@ -137,13 +135,13 @@ def test_packed_documents_at_sp_1_are_refused_where_a_module_mixes_the_whole_row
     monkeypatch.setattr(cli, "_run_rank", lambda *a, **k: reached.append(1))
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps({"text": f"doc {i} " * (1 + i % 3)}) + "\n" for i in range(40)))
-    argv = ["train", "--model", models["jamba"], "--data", str(data), "--seq-len", "64", "--steps", "1", "--sp", "1",
+    argv = ["train", "--model", models["minimax"], "--data", str(data), "--seq-len", "64", "--steps", "1", "--sp", "1",
             "--nproc", "1", "--no-progress"]  # fmt: skip
     with pytest.raises(SystemExit) as exit_:
         cli.main([*argv, "--packing", "best-fit", "--output-dir", str(tmp_path / "packed")])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert ("--packing best-fit: packed documents cannot be kept apart in JambaForCausalLM: these modules mix tokens "
-            "across the whole row") in err and "layer 0: mamba (JambaMambaMixer)" in err and "--packing none" in err
+    assert ("--packing best-fit: packed documents cannot be kept apart in MiniMaxForCausalLM: these modules mix tokens "
+            "across the whole row") in err and "self_attn (MiniMaxLightningAttention)" in err and "--packing none" in err
     cli.main([*argv, "--packing", "none", "--output-dir", str(tmp_path / "one")])
     assert reached == [1]

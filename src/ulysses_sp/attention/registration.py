@@ -44,7 +44,7 @@ def model_and_config(model_name_or_path: Any) -> tuple[Any | None, Any]:
         raise ValueError(
             f"{type(model_name_or_path).__name__} has no attention layers (its config names no num_attention_heads): "
             "there is no attention to register; initialize(model, config, mesh_param=(dp, sp)) shards its sequence "
-            "mixers (Mamba-2) by themselves"
+            "mixers (Mamba-2, Mamba-1) by themselves"
         )
     if config is None:
         raise TypeError(

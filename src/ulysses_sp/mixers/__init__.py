@@ -1,5 +1,5 @@
 """Sequence parallelism for token mixers that are not softmax attention: linear attention (gated
-delta-net, KDA), state-space scans (Mamba-2) and short causal convolutions, each head-sharded by an
+delta-net, KDA), state-space scans (Mamba-2, Mamba-1) and short causal convolutions, each head-sharded by an
 all-to-all around the model's own kernel (``base`` holds the handler contract and ``shard_mixers``).
 
 May import: ``checks``, ``parallel``, ``attention`` (positions and document layout), ``vlm`` (which

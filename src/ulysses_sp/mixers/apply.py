@@ -13,14 +13,16 @@ from typing import Any
 
 from torch import nn
 
-from ulysses_sp.mixers import gated_delta, kda, mamba2, short_conv
+from ulysses_sp.mixers import gated_delta, kda, mamba1, mamba2, short_conv
 from ulysses_sp.mixers._kernels import is_sharded
 from ulysses_sp.mixers.base import MixerHandle, MixerHandler, claimed_by, shard_mixers
 
 __all__ = ["HANDLERS", "apply_mixers", "has_unsharded_mixers", "is_sharded", "usable_sp_sizes"]
 from ulysses_sp.mixers.documents import PositionTracker
 
-HANDLERS: tuple[MixerHandler, ...] = (short_conv.HANDLER, mamba2.HANDLER, gated_delta.HANDLER, kda.HANDLER)
+HANDLERS: tuple[MixerHandler, ...] = (
+    short_conv.HANDLER, mamba2.HANDLER, mamba1.HANDLER, gated_delta.HANDLER, kda.HANDLER
+)
 """The mixers this package shards (for ``claimed_by``; ``apply_mixers`` binds fresh ones)."""
 
 
@@ -37,8 +39,8 @@ def has_unsharded_mixers(model: nn.Module) -> bool:
 
 
 def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
-    """Shard every short-convolution, Mamba-2, gated delta-net and KDA mixer of ``model`` over
-    ``mesh``'s SP group.
+    """Shard every short-convolution, Mamba-2, Mamba-1, gated delta-net and KDA mixer of ``model``
+    over ``mesh``'s SP group.
 
     Checks every mixer before changing any (``ValueError`` listing each that cannot be sharded at
     ``mesh.sp_size``). Call before FSDP/DDP wrapping or after: only the mixers' ``forward`` changes.
@@ -54,6 +56,7 @@ def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
     handlers = (
         short_conv.ShortConvHandler(positions),
         mamba2.Mamba2Handler(positions),
+        mamba1.Mamba1Handler(positions),
         gated_delta.GatedDeltaNetHandler(positions),
         kda.KimiDeltaAttentionHandler(positions),
     )

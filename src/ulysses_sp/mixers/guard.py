@@ -55,7 +55,7 @@ from ulysses_sp.mixers.classify import (
 from ulysses_sp.vlm.families import multimodal_refusal, vlm_parts
 
 SUPPORTED_MIXERS: tuple[MixerHandler, ...] = HANDLERS
-"""The mixers SP shards (``mixers.apply``: short convolution, Mamba-2, gated delta-net, KDA), which
+"""The mixers SP shards (``mixers.apply``: short convolution, Mamba-2, Mamba-1, gated delta-net, KDA), which
 ``initialize`` and ``prepare`` wrap right after this check."""
 
 

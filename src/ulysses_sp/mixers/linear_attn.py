@@ -1,5 +1,6 @@
 """Ulysses for linear-attention mixers whose model code calls a short causal convolution and a
-chunked scan as module-level functions: gated delta-net (Qwen3-Next, Qwen3.5) and KDA (Kimi-Linear).
+chunked scan as module-level functions: gated delta-net (Qwen3-Next, Qwen3.5) and KDA (Kimi-Linear);
+Mamba-1's selective scan reuses the mechanism with its own scan exchange (``mixers.mamba1``).
 
 The model's own ``forward`` runs unchanged on the local tokens. While a sharded mixer runs, two of
 the functions it calls (looked up in its modeling module at call time, with their kernel-or-torch
@@ -224,11 +225,14 @@ def _install(modeling: Any, name: str, kind: str) -> Callable[[], None]:
 
 def wrap_linear_attention(module: nn.Module, mesh: Any, positions: PositionTracker | None, *, conv_fn: str,
                           scan_fns: Sequence[str], what: str,
-                          local_decay: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Callable[[], None]:  # fmt: skip
+                          local_decay: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                          state: type[_Sharded] = _Sharded, fused_fns: Sequence[str] = ()) -> Callable[[], None]:  # fmt: skip
     """Shard ``module`` (a mixer whose forward calls ``conv_fn`` and one of ``scan_fns`` from its
     modeling module) over ``mesh``'s SP group; returns the undo. ``positions`` gives the forward's
     global document boundaries (``None``: every row one document). ``what`` names it in errors.
-    ``local_decay``: see ``_Sharded.local_decay`` (the caller makes the model pass the feature)."""
+    ``local_decay``: see ``_Sharded.local_decay`` (the caller makes the model pass the feature).
+    ``state``: a ``_Sharded`` subclass whose ``scan`` takes another scan's arguments (Mamba-1's
+    selective scan, ``mixers.mamba1``); ``fused_fns``: functions dispatched to ``state.fused``."""
     check_layout(mesh, what)
     modeling = sys.modules[type(module).__module__]
 
@@ -237,7 +241,7 @@ def wrap_linear_attention(module: nn.Module, mesh: Any, positions: PositionTrack
         # at sp 1 too: packed documents stay apart as they do at sp > 1, so sp 1 and sp P train alike
         b, s_local, _ = hidden_states.shape  # [B, S_l, hidden]
         layout = None if positions is None else positions.layout(s_local, b)  # a collective, once per forward
-        token = _ACTIVE.set(_Sharded(mesh.sp_group, mesh.sp_size, mesh.sp_rank, layout, local_decay))
+        token = _ACTIVE.set(state(mesh.sp_group, mesh.sp_size, mesh.sp_rank, layout, local_decay))
         try:
             return original(hidden_states, cache=None, attention_mask=attention_mask, **kwargs)
         finally:
@@ -245,7 +249,8 @@ def wrap_linear_attention(module: nn.Module, mesh: Any, positions: PositionTrack
 
     # first: refuses a module sharded twice, before any patch
     undos = [wrap_sharded_forward(module, mesh, what, sharded)]
-    undos += [_install(modeling, conv_fn, "conv"), *(_install(modeling, n, "scan") for n in scan_fns)]
+    undos += [_install(modeling, conv_fn, "conv"), *(_install(modeling, n, "scan") for n in scan_fns),
+              *(_install(modeling, n, "fused") for n in fused_fns)]
 
     def undo() -> None:
         for u in reversed(undos):

@@ -19,7 +19,8 @@ class MixerShape:
     and exchange depend on; fields a kind does not have stay 0."""
 
     kind: str
-    """``mamba2``, ``gated_delta_net``, ``short_conv`` or ``kimi_delta_attention`` (the handler names)."""
+    """``mamba2``, ``mamba1``, ``gated_delta_net``, ``short_conv`` or ``kimi_delta_attention`` (the
+    handler names)."""
     heads: int = 0
     """``H``: Mamba-2's and KDA's heads, gated delta-net's value heads."""
     head_dim: int = 0
@@ -31,11 +32,11 @@ class MixerShape:
     groups: int = 0
     """Mamba-2's B/C groups ``G``."""
     state: int = 0
-    """Mamba-2's state size ``N``."""
+    """Mamba-2's and Mamba-1's state size ``N``."""
     chunk: int = 64
     """The scan's chunk length ``c``."""
     channels: int = 0
-    """The short convolution's channels ``C``."""
+    """The short convolution's channels ``C``; Mamba-1's ``I``."""
 
 
 @dataclass(frozen=True, kw_only=True)

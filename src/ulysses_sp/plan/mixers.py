@@ -1,5 +1,5 @@
-"""The planner's terms for one sequence-mixer layer (Mamba-2, gated delta-net, short convolution,
-KDA) at sp ``P``: bytes kept for backward, the backward's workspace, and the exchanged elements.
+"""The planner's terms for one sequence-mixer layer (Mamba-2, Mamba-1, gated delta-net, short
+convolution, KDA) at sp ``P``: bytes kept for backward, the backward's workspace, and the exchanged elements.
 
 Per rank, a mixer runs its projections on the ``T = B * S/P`` local tokens and its scan over the
 full sequence ``S`` for ``H/P`` heads (``mixers``' head-sharded exchange). Every term of the scan is
@@ -10,18 +10,19 @@ model: a mixer layer's memory per rank falls as ``1/P`` with nothing left over, 
 **Where the coefficients come from.** They are measured, not guessed: the library's meter
 (``memory.meter.track_peak_memory``, CPU) around one sharded mixer module of transformers 5.24's
 own code (Bamba's Mamba-2 mixer, Qwen3.5's gated delta-net, LFM2's short convolution, Kimi-Linear's
-KDA; the torch fallbacks the CPU runs) in fp32, forward then backward, at 8-11 size combinations
-per kind; a least-squares fit of the bytes per token on the monomials below (Mamba-2's chunked scan
-keeps three ``[c, c]`` blocks per chunk and head: ``G``, ``L``, ``M`` — the ``H c`` term; a state
-``[Dh, N]`` per chunk and head — ``H Dh N / c``; ...). The largest fit residual is < 0.3 % of the
-saved bytes (Mamba-2's backward workspace: 5 %). At ``P = 2`` the exchange added < 1 % (the
-all-to-all's receive buffers *are* the scan's inputs). The scans compute in fp32 whatever the model
-dtype, so the terms are counted at 4 bytes for 16-bit models too (an upper bound there, not checked
-on CPU). With the fused CUDA kernels (``mamba-ssm``, ``flash-linear-attention``), which keep far
-less, the terms are an upper bound.
+KDA, Mamba's Mamba-1 mixer — its scan keeps ``exp(dt A)``, ``dt B`` and the state per token and
+channel: the ``3 I N`` term; the torch fallbacks the CPU runs) in fp32, forward then backward, at
+8-11 size combinations per kind; a least-squares fit of the bytes per token on the monomials below
+(Mamba-2's chunked scan keeps three ``[c, c]`` blocks per chunk and head: ``G``, ``L``, ``M`` — the
+``H c`` term; a state ``[Dh, N]`` per chunk and head — ``H Dh N / c``; ...). The largest fit
+residual is < 0.3 % of the saved bytes (Mamba-2's backward workspace: 5 %). At ``P = 2`` the
+exchange added < 1 % (the all-to-all's receive buffers *are* the scan's inputs). The scans compute
+in fp32 whatever the model dtype, so the terms are counted at 4 bytes for 16-bit models too (an
+upper bound there, not checked on CPU). With the fused CUDA kernels (``mamba-ssm``,
+``flash-linear-attention``), which keep far less, the terms are an upper bound.
 
 Shape legend: ``H`` heads (value heads), ``Dh`` head dim, ``N`` state, ``G`` groups, ``c`` chunk,
-``Hk``/``Dk`` key heads and dim, ``C`` conv channels, ``P`` sp size.
+``Hk``/``Dk`` key heads and dim, ``C`` conv channels (Mamba-1's ``I``), ``P`` sp size.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ def memory_per_token(mx: MixerShape, sp: int) -> tuple[float, float]:
         ws = 2.985 * h * c + 3.0 * h * dk - 2.94 * h * d
     elif mx.kind == "short_conv":
         saved, ws = 6.0 * mx.channels, 2.1 * mx.channels
+    elif mx.kind == "mamba1":  # fit at 11 sizes (I 64-256, N 8-32), residual < 0.1 % (backward 1.3 %)
+        i, n = mx.channels, mx.state  # the whole B, C on every rank: the N terms grow with P
+        saved, ws = 3.01 * i * n + 10.09 * i + 2.2 * n * sp, 3.97 * i * n - 0.81 * i + 1.26 * n * sp
     elif mx.kind == "kimi_delta_attention":
         saved = 3.455 * h * d * c + 1494.3 * h + 1.78 * h * d * d / 64
         ws = 2.952 * h * d * c - 7.3 * h
@@ -56,7 +60,8 @@ def memory_per_token(mx: MixerShape, sp: int) -> tuple[float, float]:
 def exchange_per_token(mx: MixerShape, sp: int) -> tuple[int, int]:
     """``(in, out)`` elements per local token that one ``mx`` layer hands to its two all-to-alls
     (``(P-1)/P`` of them leave the rank); Mamba-2's ``x, dt, B, C``, gated delta-net's ``q, k, v, g,
-    beta``, KDA's ``q, k, v, beta`` and the gate feature (to every rank), the conv's channels."""
+    beta``, KDA's ``q, k, v, beta`` and the gate feature (to every rank), the conv's channels, Mamba-1's
+    ``x, dt, z`` and ``B, C`` (to every rank)."""
     h, d = mx.heads, mx.head_dim
     if mx.kind == "mamba2":
         g = max(mx.groups, sp) if sp > 1 and mx.groups % sp else mx.groups
@@ -66,6 +71,8 @@ def exchange_per_token(mx: MixerShape, sp: int) -> tuple[int, int]:
         return 2 * hk * mx.key_dim + h * d + 2 * h, h * d
     if mx.kind == "short_conv":
         return mx.channels, mx.channels
+    if mx.kind == "mamba1":
+        return 3 * mx.channels + 2 * mx.state * sp, mx.channels
     if mx.kind == "kimi_delta_attention":
         return 3 * h * d + h + sp * d, h * d
     raise ValueError(f"unknown mixer kind {mx.kind!r}")
@@ -81,7 +88,7 @@ def shardable(mx: MixerShape, sp: int) -> bool:
         return mx.heads % sp == 0 and splits(mx.groups)
     if mx.kind == "gated_delta_net":
         return mx.heads % sp == 0 and splits(mx.key_heads)
-    if mx.kind == "short_conv":
+    if mx.kind in ("short_conv", "mamba1"):
         return mx.channels % sp == 0
     return mx.heads % sp == 0
 
@@ -94,4 +101,6 @@ def describe(mx: MixerShape) -> str:
         return f"gated_delta_net ({mx.key_heads} key / {mx.heads} value heads, {mx.key_dim}/{mx.head_dim})"
     if mx.kind == "short_conv":
         return f"short_conv ({mx.channels} channels)"
+    if mx.kind == "mamba1":
+        return f"mamba1 ({mx.channels} channels, state {mx.state})"
     return f"{mx.kind} ({mx.heads} heads x {mx.head_dim})"
