@@ -134,10 +134,11 @@ def check_layout(world_size: int, *, sp: int, seq_len: int, sizes: Mapping[str, 
     for name, value in {"seq_len": seq_len, "sp": sp, **sizes}.items():
         positive_int(_flag(name), value)
     if world_size % sp:
+        fits = [p for p in range(1, world_size + 1) if world_size % p == 0 and seq_len % p == 0]
         raise ValueError(
             f"--nproc / world size ({world_size}) is not divisible by --sp ({sp}): "
-            f"dp = world_size / sp must be an integer; use --sp in "
-            f"{[p for p in range(1, world_size + 1) if world_size % p == 0]}"
+            f"dp = world_size / sp must be an integer; use --sp in {fits} (the sizes that also divide "
+            f"--seq-len {seq_len}), or --nproc a multiple of {sp}"
         )
     if attn not in CORE_ATTENTIONS:
         raise ValueError(f"--attn must be one of {CORE_ATTENTIONS}, got {attn!r}")
