@@ -103,8 +103,7 @@ def build(model_type: str, seed: int = 0) -> Any:
 
 
 def _attach(model: Any, size: int) -> tuple[Any, Any]:
-    """``(registration, mesh)``: the SP attention registered at sp ``size``; for a model without attention
-    layers (Mamba-1 or Mamba-2 alone) no registration, only the mesh its mixers shard over."""
+    """``(registration, mesh)`` at sp ``size``; without attention layers (Mamba alone) only the mesh."""
     if not head_counts(model.config):
         return None, init_mesh((dist.get_world_size() // size, size))
     reg = UlyssesSPAttentionHF.register_with_transformers(model, "eager", size, 1)
@@ -164,37 +163,32 @@ def compare(model: Any, *, guard: bool = True, seed: int = 1) -> dict[str, Any]:
     return {"verdict": "exact", "detail": ""}
 
 
-DOCS = (5, 7, 9, 11)
-"""Packed documents of one ``SEQ`` row: the third spans the sp-2 shard boundary (16)."""
+DOCS = (5, 7, 9, 11)  # packed documents of one SEQ row: the third spans the sp-2 shard boundary (16)
 
 
 @torch.no_grad()
-def compare_packed(model: Any, ref: Any, ids: Any, sp_verdict: str, route: bool = True) -> dict[str, str]:
-    """Packed documents (``DOCS``, positions restarting at 0) as ``train`` runs them, at sp 1 and at
-    sp = world size, against each document run alone through ``ref`` (the plain model): per-position
-    logits. ``{"sp1": ..., "sp2": ...}``: ``exact``, ``refused`` (``check_document_mixing`` at sp 1,
-    the sp-``world`` verdict's refusal), ``leaks ...`` (no refusal, a mismatch: documents attend
-    across each other) or ``-`` (not run: the sp verdict was neither exact nor refused).
-    ``route=False``: sp 1 runs the model's own forward (what ``train`` did before it routed sp 1)."""
+def compare_packed(model: Any, ref: Any, sp_verdict: str, route: bool = True) -> dict[str, str]:
+    """Packed ``DOCS`` (positions restarting at 0) as ``train`` runs them at sp 1 and sp = world, against each
+    document alone through ``ref``: per-position logits. ``{"sp1", "sp2"}``: ``exact``, ``refused``
+    (``check_document_mixing`` / the sp verdict), ``leaks ...`` or ``-`` (not run). ``route=False``: sp 1
+    runs the model's own forward (what ``train`` did before it routed sp 1)."""
     sp, rank = dist.get_world_size(), dist.get_rank()
     out = {"sp2": {"exact": "exact", "refused": "refused"}.get(sp_verdict, "-")}
     try:
         check_document_mixing(model)
     except ValueError:
         return {"sp1": "refused", **out}
+    vocab = ref.get_output_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (1, SEQ), generator=torch.Generator().manual_seed(2))
     want = torch.cat([ref(input_ids=d, use_cache=False).logits for d in ids.split(DOCS, dim=1)], dim=1)
     pos = torch.cat([torch.arange(n) for n in DOCS])[None]  # [1, S]
     for size in (1, sp) if sp_verdict == "exact" else (1,):
         reg, mesh = _attach(model, size) if route or size > 1 else (None, None)
-        mixers = apply_mixers(model, mesh) if mesh is not None and has_unsharded_mixers(model) else None
-        try:
-            part = slice(rank * SEQ // size, (rank + 1) * SEQ // size) if size > 1 else slice(None)
-            got = model(input_ids=ids[:, part], position_ids=pos[:, part], use_cache=False).logits
-        finally:
-            if mixers is not None:
-                mixers.remove()
-            if reg is not None:
-                reg.remove()
+        handles = [h for h in (apply_mixers(model, mesh) if mesh and has_unsharded_mixers(model) else None, reg) if h]
+        part = slice(rank * SEQ // size, (rank + 1) * SEQ // size) if size > 1 else slice(None)
+        got = model(input_ids=ids[:, part], position_ids=pos[:, part], use_cache=False).logits
+        for h in handles:  # mixers first, then the registration
+            h.remove()
         err = (got - want[:, part]).abs().amax(dim=-1)[0]  # [S_l]
         # a leak moves logits by a sizeable share of their scale; the row vs each document alone differ in
         # matmul shapes, which in a wide config (GPT-J keeps its 4096) rounds to ~2e-5 of the scale
@@ -230,9 +224,7 @@ def _rank_main(model_type: str, rank: int, store: str, mem_bytes: int, out: Any)
         plain = copy.deepcopy(model)  # the packed column's reference: each document alone
         row = compare(model)
         if row["verdict"] in ("exact", "refused"):
-            vocab = plain.get_output_embeddings().weight.shape[0]
-            ids = torch.randint(0, vocab, (1, SEQ), generator=torch.Generator().manual_seed(2))
-            row["packed"] = compare_packed(model, plain, ids, row["verdict"])
+            row["packed"] = compare_packed(model, plain, row["verdict"])
         out.put((rank, row))
     except BaseException as err:  # noqa: BLE001 - reported as a crash with its reason
         out.put((rank, {"verdict": "crash", "detail": f"{type(err).__name__}: {err}"[:300]}))
@@ -274,28 +266,20 @@ def run_family(model_type: str, *, timeout: float, mem_gb: float, tries: int = 2
 def write_table(rows: list[dict[str, Any]], path: Path, run: dict, note: str = "") -> str:
     """The results page (the run's header, the counts, ``note``, one row per family); returns the text."""
     counts = {v: sum(r["verdict"] == v for r in rows) for v in ("exact", "refused", "skipped", "crash", "wrong")}
+    packed = {k: [r.get("packed", {}).get(k, "-") for r in rows] for k in ("sp1", "sp2")}
+    leaks = "; ".join(f"sp {k[-1]}: {g.count('exact')} exact, {g.count('refused')} refused, "
+                      f"{sum(x.startswith('leaks') for x in g)} leak" for k, g in packed.items())  # fmt: skip
     return md.page(path, "Model coverage sweep", run, [
         f"transformers {transformers.__version__}: {len(rows)} decoder-only causal-LM families from its auto "
         "registry, each at sp=2 against the same model without SP (per-position logits and every "
         "gradient, fp32, rtol 1e-4). `python -m bench.model_sweep` regenerates this file.",
         "**" + ", ".join(f"{n} {v}" for v, n in counts.items()) + "**",
-        "Packed documents (one row of documents of 5, 7, 9 and 11 tokens, positions restarting at 0, as "
-        "`train --packing best-fit` feeds them) against each document run alone through the plain model, "
-        "per-position logits: at sp 1 as `train` runs it (the SP attention registered at sp 1, the mixer "
-        "handlers applied, `check_document_mixing` first) and at sp 2. **" + packed_counts(rows) + "**",
+        "Packed documents (documents of 5, 7, 9 and 11 tokens in one row, positions restarting at 0) against each "
+        "document alone, per-position logits: at sp 1 as `train` runs it (the SP attention registered at sp 1, "
+        f"the mixer handlers, `check_document_mixing` first) and at sp 2. **{leaks}**",
         *([note] if note else []),
         md.table(["family", "verdict", "packed sp 1", "packed sp 2", "reason"],
-                 [[r["family"], r["verdict"], *(r.get("packed", {}).get(k, "-") for k in ("sp1", "sp2")),
-                   r["detail"][:400]] for r in rows])])  # fmt: skip
-
-
-def packed_counts(rows: list[dict[str, Any]]) -> str:
-    """The packed column's counts: ``sp 1: 105 exact, 33 refused, 0 leak; sp 2: ...``."""
-    def one(k: str) -> str:
-        got = [r.get("packed", {}).get(k, "-") for r in rows]
-        return (f"sp {k[-1]}: {got.count('exact')} exact, {got.count('refused')} refused, "
-                f"{sum(g.startswith('leaks') for g in got)} leak")  # fmt: skip
-    return "; ".join(one(k) for k in ("sp1", "sp2"))
+                 [[r["family"], r["verdict"], p1, p2, r["detail"][:400]] for r, p1, p2 in zip(rows, *packed.values())])])  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -30,17 +30,14 @@ def _family(name: str, guard: bool = True) -> dict:
 def _packed(name: str, route: bool = True) -> dict:
     import copy
 
-    import torch
-
     model = model_sweep.build(name)
     plain = copy.deepcopy(model)
-    ids = torch.randint(0, 128, (1, model_sweep.SEQ), generator=torch.Generator().manual_seed(2))
     try:
         model_sweep.check_sequence_mixing(model, sp_size=2)
         verdict = "exact"
     except ValueError:
         verdict = "refused"
-    return model_sweep.compare_packed(model, plain, ids, verdict, route)
+    return model_sweep.compare_packed(model, plain, verdict, route)
 
 
 def test_packed_documents_stay_apart_at_sp_1_and_2_or_are_refused(pool):
