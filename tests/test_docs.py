@@ -142,3 +142,15 @@ def test_every_page_is_in_the_site_nav():
         if p.name != "README.template.md" and f": {p.relative_to(docs).as_posix()}" not in nav
     ]
     assert not missing, f"add to mkdocs.yml's nav: {missing}"
+
+
+def test_the_trainer_diff_is_the_same_on_every_page():
+    """The one-line `prepare` diff on an SFTTrainer is shown on the README, Get started and the
+    Trainer guide: one text."""
+    diffs = {
+        body: _rel(page)
+        for page in pages()
+        for lang, body, _, _ in code_blocks(page)
+        if lang == "diff" and "prepare(trainer" in body and "SFTTrainer(" in body
+    }
+    assert len(diffs) == 1, f"the prepare() diffs differ: {sorted(diffs.values())}"
