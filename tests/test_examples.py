@@ -1,4 +1,7 @@
-"""The README's library example runs as documented (torchrun, 2 processes, sp=2)."""
+"""The documentation's examples run as documented: the library example (torchrun, 2 processes,
+sp=2), and every whole script in README.md and the site's pages (docs/**/*.md: a block whose first
+line is ``# NAME.py — run with: COMMAND``), run with that command. The README is generated
+(``scripts/build_readme.py --check``)."""
 
 from __future__ import annotations
 
@@ -47,21 +50,23 @@ def test_readme_is_assembled_from_its_sections():
 
 
 def _readme_scripts():
-    """README code blocks that are whole scripts: first line `# NAME.py — run with: COMMAND`."""
-    import re
+    """Code blocks of the README and the site's pages that are whole scripts: first line
+    `# NAME.py — run with: COMMAND`."""
+    from docs_pages import code_blocks, pages
 
-    text = open(os.path.join(ROOT, "README.md")).read()
-    for body in re.findall(r"```python\n(.*?)```", text, re.S):
-        m = re.match(r"# (\S+\.py) — run with: (.*)", body.splitlines()[0])
-        if m:
-            yield m.group(1), m.group(2), body
+    for page in pages():
+        for lang, body, _, _ in code_blocks(page):
+            m = re.match(r"# (\S+\.py) — run with: (.*)", body.splitlines()[0]) if lang == "python" else None
+            if m:
+                yield m.group(1), m.group(2), body
 
 
 README_SCRIPTS = list(_readme_scripts())
 
 
 def test_readme_has_runnable_scripts():
-    assert len(README_SCRIPTS) >= 4, [name for name, _, _ in README_SCRIPTS]
+    names = [name for name, _, _ in README_SCRIPTS]
+    assert len(names) >= 12 and len(set(names)) == len(names), names
 
 
 @pytest.mark.parametrize("name, command, body", README_SCRIPTS, ids=[n for n, _, _ in README_SCRIPTS])

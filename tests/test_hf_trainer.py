@@ -182,13 +182,13 @@ def test_prepare_refuses_a_model_hiding_a_sequence_mixer(make_trainer):
 
 
 def test_readme_trainer_script_is_the_example_file():
-    """README's "From the HF Trainer / TRL" script is examples/hf_trainer_sp.py verbatim (the README
-    test runs it as documented)."""
+    """The Trainer guide's script (docs/readme/hf.md) is examples/hf_trainer_sp.py verbatim (the
+    docs' script test runs it as documented)."""
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parent.parent
     example = (root / "examples" / "hf_trainer_sp.py").read_text()
-    assert f"```python\n{example}```" in (root / "README.md").read_text()
+    assert f"```python\n{example}```" in (root / "docs" / "readme" / "hf.md").read_text()
 
 
 def test_prepare_without_a_process_group_says_how_to_launch(make_trainer):

@@ -161,11 +161,11 @@ def test_the_moe_aux_loss_refusal_names_the_fix_that_works(single_process, tmp_p
 
 
 def test_readme_shows_the_fsdp2_config_file():
-    """README's accelerate + FSDP2 config is examples/accelerate_fsdp2.yaml (the file the launch test
+    """The Trainer guide's (docs/readme/hf.md) accelerate + FSDP2 config is examples/accelerate_fsdp2.yaml (the file the launch test
     runs), less its comment header."""
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parent.parent
     lines = (root / "examples" / "accelerate_fsdp2.yaml").read_text().splitlines(keepends=True)
     body = "".join(line for line in lines if not line.startswith("#"))
-    assert f"```yaml\n{body}```" in (root / "README.md").read_text()
+    assert f"```yaml\n{body}```" in (root / "docs" / "readme" / "hf.md").read_text()

@@ -105,14 +105,15 @@ def test_the_recommended_command_passes_train_validation_seq_len_capped(capsys, 
 
 
 def test_the_readme_alst_numbers_come_from_the_commands_next_to_them(capsys):
-    """Each ``ulysses-sp plan ... # N: ...`` line of the README: N is the longest S of a row of that
-    command with every technique and the model states on the host."""
-    import os
+    """Each ``ulysses-sp plan ... # N: ...`` line of the docs (the CLI guide, docs/readme/cli.md): N
+    is the longest S of a row of that command with every technique and the model states on the host."""
     import re
     import shlex
 
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8").read()
-    lines = re.findall(r"^ulysses-sp plan (--model llama-8b [^#\n]+?)\s+# ([\d,]+): ", readme, flags=re.M)
+    from docs_pages import all_text
+
+    found = re.findall(r"^ulysses-sp plan (--model llama-8b [^#\n]+?)\s+# ([\d,]+): ", all_text(), flags=re.M)
+    lines = sorted(set(found))
     assert len(lines) == 3, lines
     for argv, number in lines:
         doc = _plan(capsys, *shlex.split(argv))

@@ -1,22 +1,20 @@
-"""The public API is where the README says it is: every documented import path resolves.
+"""The public API is where the docs say it is: every documented import path resolves.
 
-The README is parsed, not copied: every ``from ulysses_sp... import a, b`` statement, every
+The README and the site's pages (docs/**/*.md) are parsed, not copied: every ``from ulysses_sp... import a, b`` statement, every
 ``import ulysses_sp...`` and every dotted mention ``ulysses_sp.x.y`` must import (a module) or
 resolve (an attribute of one), so moving or renaming a documented name fails here, naming the
-README line. The package's lazy ``__all__`` must resolve as well.
+page and line. The package's lazy ``__all__`` must resolve as well.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 import re
 
 import pytest
+from docs_pages import ROOT, pages
 
 import ulysses_sp
-
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 
 _FROM_IMPORT = re.compile(r"^\s*from\s+(ulysses_sp(?:\.\w+)*)\s+import\s+(\([^)]*\)|[^\n#]+)", re.M)
 _IMPORT = re.compile(r"^\s*import\s+(ulysses_sp(?:\.\w+)*)", re.M)
@@ -27,19 +25,21 @@ def _line(text: str, pos: int) -> int:
     return text.count("\n", 0, pos) + 1
 
 
-def _documented() -> list[tuple[str, str | None, int]]:
-    """``(module, name or None, README line)`` for every import and dotted mention in the README."""
-    text = open(README, encoding="utf-8").read()
-    found: dict[tuple[str, str | None], int] = {}
-    for m in _FROM_IMPORT.finditer(text):
-        for name in m.group(2).strip("()").replace("\n", " ").split(","):
-            name = name.split(" as ")[0].strip()
-            if name:
-                found.setdefault((m.group(1), name), _line(text, m.start()))
-    for m in _IMPORT.finditer(text):
-        found.setdefault((m.group(1), None), _line(text, m.start()))
-    for m in _DOTTED.finditer(text):
-        found.setdefault((m.group(0), None), _line(text, m.start()))
+def _documented() -> list[tuple[str, str | None, str]]:
+    """``(module, name or None, "page:line")`` for every import and dotted mention in the docs."""
+    found: dict[tuple[str, str | None], str] = {}
+    for page in pages():
+        text = page.read_text(encoding="utf-8")
+        where = str(page.relative_to(ROOT)) + ":{}"
+        for m in _FROM_IMPORT.finditer(text):
+            for name in m.group(2).strip("()").replace("\n", " ").split(","):
+                name = name.split(" as ")[0].strip()
+                if name:
+                    found.setdefault((m.group(1), name), where.format(_line(text, m.start())))
+        for m in _IMPORT.finditer(text):
+            found.setdefault((m.group(1), None), where.format(_line(text, m.start())))
+        for m in _DOTTED.finditer(text):
+            found.setdefault((m.group(0), None), where.format(_line(text, m.start())))
     return [(module, name, line) for (module, name), line in found.items()]
 
 
@@ -86,7 +86,7 @@ def test_documented_import_path_resolves(module, name, line):
             obj = getattr(obj, name)
     except (ImportError, AttributeError) as e:
         what = f"from {module} import {name}" if name else module
-        pytest.fail(f"README.md line {line}: {what} does not resolve: {e!r}")
+        pytest.fail(f"{line}: {what} does not resolve: {e!r}")
     assert obj is not None
 
 

@@ -27,8 +27,9 @@ CLI = [sys.executable, "-m", "ulysses_sp.cli.main"]
 
 
 def _readme_vlm_example() -> tuple[str, list[str]]:
-    """The README's tiny-VLM script and its `ulysses-sp train` command (argv after the program)."""
-    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    """The VLM guide's (docs/readme/vlm.md) tiny-VLM script and its `ulysses-sp train` command
+    (argv after the program)."""
+    text = open(os.path.join(ROOT, "docs", "readme", "vlm.md"), encoding="utf-8").read()
     script = re.search(r"```python\n(# make_tiny_vlm\.py — .*?)```", text, re.S).group(1)
     command = re.search(r"```bash\n(ulysses-sp train --model tiny-vlm [^\n]*)\n```", text).group(1)
     return script, command.split()[1:]
