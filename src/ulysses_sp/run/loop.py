@@ -10,13 +10,15 @@ group initialised) then builds and trains:
    directory is built on the meta device and filled shard by shard after sharding, ``state/loading.py``;
    on resume the checkpoint's training state fills model and optimizer), ALST transforms (tiled MLP, activation checkpointing / offload);
 2. sequence parallelism (``sp > 1``): ``UlyssesSPAttentionHF.register_with_transformers`` ->
-   ``mpu``; the engine: ``initialize(model, cfg.training_config(), mpu=...)`` (ZeRO stage, AdamW,
+   ``mpu``; the engine: ``initialize(model, cfg.training_config(), mpu=...)`` (ZeRO stage and partition,
+   ``auto`` resolved for the world size: ``RunConfig.partition_for``; AdamW,
    warmup + cosine: the recipe is ``RunConfig``'s fields);
 3. data: ``sp_dataloader`` per rank -> ``UlyssesSPDataLoaderAdapter``, so a run with ``sp = P``
    processes the same global batches as ``sp = 1`` with the same ``dp``;
 4. per optimizer step: ``grad_accum`` micro-steps of ``engine.backward(engine(**batch).loss)`` (the
    output and its logits freed before the backward: ``micro_step``) / ``step``,
-   a metrics line, and every ``save_every`` steps an atomic checkpoint (``state/checkpoint.py``, through
+   a metrics line (``run.report``: ``metrics.jsonl``, and TensorBoard / W&B with ``--report-to``;
+   ``loss.png`` when the run ends), and every ``save_every`` steps an atomic checkpoint (``state/checkpoint.py``, through
    ``rundir.checked_save``: finite weights, free space).
 
 Reliability: rank 0 holds the output directory's ``RunLock`` for the whole run; a non-finite step
