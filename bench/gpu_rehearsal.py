@@ -46,7 +46,7 @@ def real_peak(model_dir: str, seq_len: int, device: str, alst: bool = False) -> 
     mpu = mesh.mpu
     if sp_attention_wanted(cfg, model.config):  # as train does: the SP attention at sp 1 too
         mpu = UlyssesSPAttentionHF.register_with_transformers(model, cfg.attn, 1, 1, seq_length=seq_len, mesh=mesh)
-    engine, *_ = initialize(model, cfg.training_config(), mpu=mpu, loss_fn=loss_fn)
+    engine, *_ = initialize(model, cfg.training_config(1), mpu=mpu, loss_fn=loss_fn)
     for p in engine.module.parameters():
         torch.nn.init.normal_(p.to_local(), std=0.02)
     batch = prepare_batch({"input_ids": torch.randint(0, 32000, (1, seq_len))}, 1)

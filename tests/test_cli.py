@@ -29,6 +29,7 @@ TINY = [
     "--micro-batch-size",
     "2",
     "--no-progress",
+    "--no-plot",  # loss.png costs a matplotlib import per run: drawn only where a test reads it
     "--timeout",
     "60",
 ]
@@ -70,9 +71,10 @@ STEPS8 = ("--steps", "8", "--zero-stage", "3")
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The sp=1 reference and the sp=2 run: dp=1, ZeRO 3, 8 steps, the sp=2 one saving every 2."""
+    """The sp=1 reference (reporting to TensorBoard, with loss.png) and the sp=2 run: dp=1, ZeRO 3 (the
+    partition auto: all ranks), 8 steps, the sp=2 one saving every 2."""
     root = tmp_path_factory.mktemp("cli")
-    train_here(root / "sp1", "--sp", "1", *STEPS8)
+    train_here(root / "sp1", "--sp", "1", *STEPS8, "--report-to", "tensorboard", "--plot")
     train(root / "sp2", "--sp", "2", "--nproc", "2", *STEPS8, "--save-every", "2")
     return root
 
@@ -90,6 +92,27 @@ def test_sp2_matches_sp1_at_dp1_and_metrics_schema(runs):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
         assert b["lr"] == a["lr"]
+
+
+def test_report_to_tensorboard_writes_the_hf_trainer_names_and_loss_png(runs):
+    """``--report-to tensorboard``: event files in ``<output_dir>/runs`` that TensorBoard's own reader
+    reads back as the metrics file's numbers under the HF Trainer's names; ``loss.png`` beside
+    ``metrics.jsonl``. A run without the flags writes neither (the sp=2 run: ``--no-plot``)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(runs / "sp1" / "runs"))
+    acc.Reload()
+    ref = metrics(runs / "sp1")
+    names = {"loss": "train/loss", "grad_norm": "train/grad_norm", "lr": "train/learning_rate",
+             "tokens": "train/num_input_tokens_seen", "tokens_per_s": "train/tokens_per_second",
+             "peak_mem_bytes": "train/peak_mem_bytes"}  # fmt: skip
+    assert set(acc.Tags()["scalars"]) == set(names.values())
+    for key, tag in names.items():
+        events = acc.Scalars(tag)
+        assert [e.step for e in events] == [m["step"] for m in ref] == list(range(1, 9))
+        assert [e.value for e in events] == pytest.approx([m[key] for m in ref], rel=1e-6), tag
+    assert (runs / "sp1" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (runs / "sp2" / "runs").exists() and not (runs / "sp2" / "loss.png").exists()
 
 
 def test_checkpoint_is_plain_transformers_and_matches_training(runs):

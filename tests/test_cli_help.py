@@ -45,8 +45,8 @@ def test_each_default_is_stated_once(capsys, monkeypatch, command):
 def test_train_help_states_train_config_defaults_and_the_data_formats(capsys, monkeypatch):
     flags = _help(capsys, monkeypatch, "train")
     cfg = RunConfig()
-    for flag, field in (("--seq-len", "seq_len"), ("--sp", "sp"), ("--steps", "steps"), ("--lr", "lr"),
-                        ("--micro-batch-size", "micro_batch_size"), ("--dtype", "dtype"), ("--model", "model"),
+    for flag, field in (("--seq-len", "seq_len"), ("--sp", "sp"), ("--steps", "steps"), ("--dtype", "dtype"),
+                        ("--model", "model"), ("--zero-partition", "zero_partition"), ("--report-to", "report_to"),
                         ("--max-nonfinite-steps", "max_nonfinite_steps")):  # fmt: skip
         value = getattr(cfg, field)
         assert (
@@ -54,6 +54,9 @@ def test_train_help_states_train_config_defaults_and_the_data_formats(capsys, mo
             if isinstance(value, float)
             else f"(default {value})" in flags[flag]
         )
+    # the model's defaults: a random-init preset's recipe, or fine-tuning a model directory
+    assert "default 0.01 for a preset (random init), 1e-05 for a model directory" in flags["--lr"]
+    assert "default 8 for a preset, 1 for a model directory" in flags["--micro-batch-size"]
     for fmt in (".txt", ".jsonl", ".json", ".parquet", ".arrow", "save_to_disk"):
         assert fmt in flags["--data"]
     assert "default: --sp" in flags["--nproc"]

@@ -110,7 +110,7 @@ def _plan(capsys, *argv: str) -> dict:
 
 def test_plan_json_schema_and_the_recommendation_is_the_fastest_fitting_train_command(capsys):
     doc = _plan(capsys, "--model", "tiny-llama", "--device", "cpu", "--memory", "24MB", "--gpus", "2",
-                "--seq-len", "4096")  # fmt: skip
+                "--seq-len", "4096", "--micro-batch-size", "1")  # fmt: skip
     assert {"recommended", "candidates"} <= set(doc)
     cands = doc["candidates"]
     assert all(set(c) == CANDIDATE_KEYS for c in cands)
@@ -188,10 +188,22 @@ def test_force_turns_the_refusal_into_a_warning(caplog):
     cfg = RunConfig(memory="1MB", force=True, seq_len=64)
     pred = prediction(cfg, 2, model_config("tiny-llama", 259), torch.device("cpu"))
     with caplog.at_level(logging.WARNING):
-        line = check_fits(cfg, pred, torch.device("cpu"))
+        line = check_fits(cfg, pred, torch.device("cpu"), 2)
     assert "predicted peak per rank" in line and "--force" in caplog.text
-    with pytest.raises(ValueError, match=r"predicted peak per rank \d[\d,]* bytes > 1,000,000 bytes"):
-        check_fits(replace(cfg, force=False), pred, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"predicted peak per rank \d[\d,]* bytes > 1,000,000 bytes") as e:
+        check_fits(replace(cfg, force=False), pred, torch.device("cpu"), 2)
+    # every lever this run does not pull yet, by its flag
+    for lever in ("--micro-batch-size 1 (now 8;", "--dtype bf16", "--zero-stage 3 --zero-partition all",
+                  "ALST --tiled-mlp --tiled-loss --activation-checkpointing --offload-activations --recompute-norms",
+                  "--cpu-offload", "more --sp (now 2", "a shorter --seq-len", "ulysses-sp plan --model tiny-llama"):  # fmt: skip
+        assert lever in str(e.value), lever
+    pulled = replace(cfg, force=False, memory="1KB", micro_batch_size=1, dtype="bf16", zero_stage=3, zero_partition="all",
+                     tiled_mlp=True, tiled_loss=True, activation_checkpointing=True, offload_activations=True,
+                     recompute_norms=True, cpu_offload=True)  # fmt: skip
+    with pytest.raises(ValueError, match="what would lower it: more --sp") as e:
+        check_fits(pulled, prediction(pulled, 2, model_config("tiny-llama", 259), torch.device("cpu")),
+                   torch.device("cpu"), 2)  # fmt: skip
+    assert "--dtype" not in str(e.value) and "--zero-partition" not in str(e.value)
 
 
 def test_plan_goes_beyond_the_head_count_with_a_ring(capsys, tmp_path):

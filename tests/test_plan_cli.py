@@ -57,7 +57,8 @@ def test_when_nothing_fits_on_the_devices_plan_considers_host_states_and_says_so
     assert "nothing fits, even with model states on the host" in out and "or --offload-states" not in out
     # fits on the devices: no host rows unless asked for
     doc = _plan(capsys, "--model", "tiny-llama", "--device", "cpu", "--memory", "1GB", "--seq-len", "64")
-    assert doc["offload_states"] == "no" and not _host_rows(doc) and doc["notes"] == []
+    assert doc["offload_states"] == "no" and not _host_rows(doc)
+    assert [n for n in doc["notes"] if not n.startswith("the command sets --lr")] == []
 
 
 @pytest.mark.parametrize("mfu", ["1.5", "40", "0", "-0.2"])
@@ -102,6 +103,34 @@ def test_the_recommended_command_passes_train_validation_seq_len_capped(capsys, 
     assert exc.value.code == 2 and "--seq-len 262144 is longer than model 'tiny-llama' covers" in (
         capsys.readouterr().err
     )
+
+
+def test_plan_shares_train_defaults_sorts_best_first_and_completes_the_command(capsys):
+    """Unset, ``--dtype`` is bf16 on a GPU (fp32 with ``--device cpu``) and ``--micro-batch-size`` is
+    train's for the model (1 for a model directory or named shape, 8 for a preset); rows come best first
+    (the first is the recommendation), the table prints the best 10 and says how many more; the
+    recommended command carries ``--data <your data>`` and train's default ``--lr``, a note says so."""
+    argv = ("--model", "llama-8b", "--gpus", "4", "--seq-len", "65536")
+    doc = _plan(capsys, *argv)
+    assert doc["dtype"] == "bf16" and {c["settings"]["micro_batch_size"] for c in doc["candidates"]} == {1}
+    rows = doc["candidates"]
+    assert rows[0] is not None and rows[0] == doc["recommended"]
+    fits = [c["fits"] for c in rows]
+    assert fits == sorted(fits, reverse=True) and fits[0]  # every fitting row before the others
+    speeds = [c["tokens_per_s"] for c in rows if c["fits"]]
+    assert speeds == sorted(speeds, reverse=True)  # fastest first
+    assert doc["command"] == [*doc["recommended"]["train_args"], "--data", "<your data>", "--lr", "1e-05"]
+    assert any(n.startswith("the command sets --lr 1e-05") and "<your data>" in n for n in doc["notes"])
+    main(["plan", *argv])
+    table = capsys.readouterr().out.splitlines()
+    listed = table[1:table.index("")]
+    assert len(listed) == 11 and listed[-1] == f"... {len(rows) - 10} more setting(s): --all prints every row, --json every candidate"
+    assert "  " + " ".join(doc["command"]) in table
+    main(["plan", *argv, "--all"])
+    assert capsys.readouterr().out.splitlines().index("") == len(rows) + 1
+    cpu = _plan(capsys, "--model", "tiny-llama", "--device", "cpu", "--memory", "1GB", "--seq-len", "64")
+    assert cpu["dtype"] == "fp32" and cpu["recommended"]["settings"]["micro_batch_size"] == 8
+    assert cpu["command"][-2:] == ["--lr", "0.01"] and "--data" not in cpu["command"]
 
 
 def test_the_readme_alst_numbers_come_from_the_commands_next_to_them(capsys):

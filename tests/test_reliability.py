@@ -356,7 +356,7 @@ def test_a_nonfinite_model_is_never_saved(pool, tmp_path):
 
 # ---------------------------------------------------------------- checked before launch
 def test_wrong_config_types_name_the_key_and_the_type():
-    with pytest.raises(ValueError, match=r"'lr' must be a number, got '0.1' \(str\)"):
+    with pytest.raises(ValueError, match=r"'lr' must be a number or null, got '0.1' \(str\)"):  # null: the model's default
         config_from_dict({"lr": "0.1"})
     with pytest.raises(
         ValueError, match=r"'steps' must be an integer, got 2.5 \(float\).*'progress' must be true/false"

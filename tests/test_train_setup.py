@@ -49,11 +49,35 @@ def test_default_recipe_is_the_previous_hard_coded_one(steps, warmup):
 def test_recipe_fields_reach_the_engine_config():
     cfg = RunConfig(steps=100, lr=3e-4, betas=(0.8, 0.99), weight_decay=0.1, warmup_ratio=0.05,
                       warmup_min_ratio=0.0, cos_min_ratio=0.2, warmup_type="log", zero_stage=3, grad_accum=2)  # fmt: skip
-    tc = cfg.training_config()
+    tc = cfg.training_config(4)
     assert tc.optimizer.params == {"lr": 3e-4, "betas": (0.8, 0.99), "weight_decay": 0.1}
     assert tc.scheduler.kwargs == {"total_num_steps": 100, "warmup_num_steps": 5, "warmup_min_ratio": 0.0,
                                    "cos_min_ratio": 0.2, "warmup_type": "log"}  # fmt: skip
     assert (tc.zero_optimization.stage, tc.gradient_accumulation_steps) == (3, 2)
+
+
+def test_safe_defaults_partition_over_every_rank_at_dp1_and_a_fine_tuning_recipe_for_a_model_dir():
+    """At ZeRO >= 1 with dp 1 the default partition (auto) is every rank, not a DP axis of one rank that
+    shards nothing (said loudly when asked for); a model directory defaults to lr 1e-5 and micro-batch 1
+    (fine-tuning on long sequences), a preset keeps the recall task's 1e-2 and 8."""
+    from ulysses_sp.run.config import unpartitioned_warning, zero_note
+
+    cfg = RunConfig(sp=4, zero_stage=3)
+    assert cfg.zero_partition == "auto" and cfg.partition_for(4) == "all" and cfg.partition_for(8) == "data_parallel"
+    assert cfg.training_config(4).zero_optimization.partition == "all"
+    assert cfg.training_config(8).zero_optimization.partition == "data_parallel"
+    with pytest.raises(ValueError, match="depends on the world size: training_config"):
+        cfg.training_config()
+    assert zero_note(cfg, 4) == "ZeRO stage 3, partitioned over 4 rank(s) (all dp x sp ranks, --zero-partition all)"
+    assert unpartitioned_warning(cfg, 4) is None
+    asked = RunConfig(sp=4, zero_stage=1, zero_partition="data_parallel")
+    assert asked.partition_for(4) == "data_parallel" and "NOTHING IS PARTITIONED" in zero_note(asked, 4)
+    assert "each of the 4 ranks holds the whole model's" in unpartitioned_warning(asked, 4)
+    assert unpartitioned_warning(asked, 8) is None and RunConfig(sp=4).partition_for(4) == "data_parallel"
+    assert (RunConfig().lr, RunConfig().micro_batch_size) == (1e-2, 8)
+    own = RunConfig(model="/models/my-llama")
+    assert (own.lr, own.micro_batch_size) == (1e-5, 1)
+    assert (RunConfig(model="/m", lr=3e-4, micro_batch_size=2).lr, config_from_dict({"model": "/m"}).lr) == (3e-4, 1e-5)
 
 
 @pytest.mark.parametrize(

@@ -89,6 +89,8 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ulysses_sp.run.config import MODEL_DIR_DEFAULTS as own
+    from ulysses_sp.run.config import PRESET_DEFAULTS as pre
     from ulysses_sp.run.config import RunConfig
 
     s = argparse.SUPPRESS  # only flags actually given override --config and the defaults
@@ -123,10 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=s,
                    help="0 DDP, 1 + sharded optimizer state, 2 FSDP2 + sharded gradients, 3 + sharded parameters")  # fmt: skip
     t.add_argument("--micro-batch-size", type=int, default=s, metavar="B",
-                   help="samples per micro-step per dp replica")  # fmt: skip
+                   help=f"samples per micro-step per dp replica; default {pre['micro_batch_size']} for a preset, "
+                        f"{own['micro_batch_size']} for a model directory")  # fmt: skip
     t.add_argument("--grad-accum", type=int, default=s, metavar="N", help="micro-steps per optimizer step")
     t.add_argument("--steps", type=int, default=s, help="optimizer steps (in total, across resumes)")
-    t.add_argument("--lr", type=float, default=s, help="peak learning rate (AdamW, warmup then cosine)")
+    t.add_argument("--lr", type=float, default=s,
+                   help=f"peak learning rate (AdamW, warmup then cosine); default {pre['lr']:g} for a preset "
+                        f"(random init), {own['lr']:g} for a model directory (fine-tuning)")  # fmt: skip
     t.add_argument("--warmup-steps", type=int, default=s, metavar="N",
                    help="warmup steps (default: --warmup-ratio's, else min(20, steps/10))")  # fmt: skip
     t.add_argument("--warmup-ratio", type=float, default=s, metavar="R",
@@ -178,8 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--profile-comm", action="store_true", default=s,
                    help="time collectives (device syncs): comm_s, dp_comm_s, compute_s per metrics line")  # fmt: skip
-    t.add_argument("--zero-partition", choices=("data_parallel", "all"), default=s,
-                   help="ZeRO partitions over the DP axis or all dp*sp ranks")  # fmt: skip
+    t.add_argument("--zero-partition", choices=("auto", "data_parallel", "all"), default=s,
+                   help="ZeRO partitions over the DP axis (data_parallel) or all dp*sp ranks (all); auto: all "
+                        "where dp is 1 (a DP axis of one rank partitions nothing), else data_parallel")  # fmt: skip
+    t.add_argument("--report-to", default=s, metavar="none|tensorboard|wandb",
+                   help="also log the metrics, under the HF Trainer's names, to tensorboard (<output-dir>/runs) "
+                        "or wandb (offline unless WANDB_MODE is set), or both comma-separated")  # fmt: skip
+    t.add_argument("--plot", action=argparse.BooleanOptionalAction, default=s,
+                   help="draw loss.png beside the metrics file at the end of the run (needs matplotlib)")  # fmt: skip
     add_data_args(t, s)
     r = t.add_argument_group("rehearsal (--rehearse: one step on fake tensors at the real shapes; nothing runs)")
     r.add_argument("--rehearse", action="store_true", default=s,

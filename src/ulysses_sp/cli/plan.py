@@ -22,6 +22,8 @@ import math
 from dataclasses import replace
 from typing import Any
 
+from ulysses_sp.cli.plan_render import TOP_ROWS, complete_command, label, render
+
 TECHNIQUES: list[dict[str, bool]] = [
     {},
     {"tiled_loss": True},
@@ -48,10 +50,14 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     length.add_argument("--max", action="store_true",
                         help="find each setting's longest sequence, recommend the longest (what plan does "
                              "without --seq-len); capped at the model's max_position_embeddings")  # fmt: skip
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
-                   help="compute dtype, as train's --dtype: fp32, or bf16/fp16 mixed precision "
-                        "(fp32 master weights and optimizer state)")  # fmt: skip
-    p.add_argument("--micro-batch-size", type=int, default=1, help="samples per micro-step per dp replica")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                   help="compute dtype, as train's --dtype: fp32, or bf16/fp16 mixed precision (fp32 master "
+                        "weights and optimizer state); default bf16 on an accelerator, fp32 with --device cpu")  # fmt: skip
+    p.add_argument("--micro-batch-size", type=int, default=None,
+                   help="samples per micro-step per dp replica; default train's: 1 for a model directory or "
+                        "a named shape, 8 for a preset")  # fmt: skip
+    p.add_argument("--all", action="store_true",
+                   help=f"print every candidate row (without it: the best {TOP_ROWS}, then how many more)")  # fmt: skip
     p.add_argument("--offload-states", action="store_true",
                    help="also consider model states on the host (train's --cpu-offload, ZeRO 3); without "
                         "this flag only when nothing fits on the devices alone")  # fmt: skip
@@ -110,10 +116,25 @@ def layer_notes(shape) -> list[str]:
     return [f"layers {', '.join(map(str, ids))}: {label}" for label, ids in groups.items()]
 
 
+def _device_name(ns: argparse.Namespace) -> str:
+    return ns.device or ("cpu" if ns.memory and not ns.gpu_memory else "h100")
+
+
+def with_defaults(ns: argparse.Namespace) -> argparse.Namespace:
+    """``ns`` with train's defaults where a flag was left out: ``--dtype`` bf16 on an accelerator (the
+    planner's devices all have it; fp32 with ``--device cpu``), ``--micro-batch-size`` the model's
+    (``run.config.model_defaults``: 1 for a directory or named shape, 8 for a preset)."""
+    from ulysses_sp.run.config import model_defaults
+
+    dtype = ns.dtype or ("fp32" if _device_name(ns) == "cpu" else "bf16")
+    micro = ns.micro_batch_size or model_defaults(ns.model)["micro_batch_size"]
+    return argparse.Namespace(**{**vars(ns), "dtype": dtype, "micro_batch_size": micro})
+
+
 def hardware(ns: argparse.Namespace):
     from ulysses_sp.plan.hardware import device, parse_bytes
 
-    hw = device(ns.device or ("cpu" if ns.memory and not ns.gpu_memory else "h100"))
+    hw = device(_device_name(ns))
     if ns.memory and ns.gpu_memory:
         raise ValueError("pass --gpu-memory (accelerators) or --memory (--device cpu), not both")
     if ns.gpu_memory or ns.memory:
@@ -246,7 +267,7 @@ def _evaluate(ns: argparse.Namespace, shape: Any, hw: Any, offload: str, judge: 
             settings, args = train_args(ns.model, s, ns.nodes, judge.attn)
             why = judge.refusal(settings)
             if why is not None:
-                judge.withhold(_label({"settings": settings}), why)
+                judge.withhold(label({"settings": settings}), why)
                 continue
             pred = predict(shape, s, hw)
             out.append({
@@ -264,6 +285,7 @@ def candidates(ns: argparse.Namespace) -> dict[str, Any]:
     from ulysses_sp.checks import positive_int
     from ulysses_sp.plan.inputs import SHAPES
 
+    ns = with_defaults(ns)
     for flag in ("gpus", "nodes", "micro_batch_size"):
         positive_int(f"--{flag.replace('_', '-')}", getattr(ns, flag))
     if ns.seq_len is not None:
@@ -287,11 +309,12 @@ def candidates(ns: argparse.Namespace) -> dict[str, Any]:
         offload = "auto"
         notes.append("nothing fits on the devices alone: model states on the host considered too "
                      "(--offload-states; train's --zero-stage 3 --cpu-offload)")  # fmt: skip
-    fitting = [c for c in out if c["fits"]]
-    # --max: the longest sequence train accepts (capped), then the fastest at it
-    key = (lambda c: (c["settings"]["seq_len"], c["tokens_per_s"])) if ns.seq_len is None else (
-        lambda c: c["tokens_per_s"])  # fmt: skip
-    best = max(fitting, key=key) if fitting else None
+    # best first: the settings that fit, the fastest (--max: the longest sequence train accepts, capped,
+    # then the fastest at it); the recommendation is the first row
+    key = (lambda c: (c["fits"], c["settings"]["seq_len"], c["tokens_per_s"])) if ns.seq_len is None else (
+        lambda c: (c["fits"], c["tokens_per_s"]))  # fmt: skip
+    out.sort(key=key, reverse=True)
+    best = out[0] if out and out[0]["fits"] else None
     if best is not None and ns.seq_len is None and limit is not None and best["max_seq_len"] > limit:
         notes.append(f"S capped at {best['settings']['seq_len']:,}: the model's positions end at {limit:,} "
                      f"(max_position_embeddings, RoPE scaling included) and train refuses a longer --seq-len; "
@@ -299,10 +322,11 @@ def candidates(ns: argparse.Namespace) -> dict[str, Any]:
     notes += judge.summary()
     if best is not None and ns.model in SHAPES:
         notes.append(f"--model {ns.model} is a named shape: give train your local model directory as --model")
+    command = complete_command(best, ns.model, notes)
     return {
         "model": ns.model, "gpus": ns.gpus, "nodes": ns.nodes, "device": hw.name,
         "memory_bytes_per_rank": hw.memory_bytes, "dtype": ns.dtype, "seq_len": ns.seq_len,
-        "max_positions": limit, "offload_states": offload, "recommended": best, "candidates": out,
+        "max_positions": limit, "offload_states": offload, "recommended": best, "command": command, "candidates": out,
         "notes": notes, "layers": [
             {"attention": k.attention, "mlp": k.mlp, "mixer": k.mixer.kind if k.mixer else None}
             for k in shape.layer_kinds
@@ -310,47 +334,15 @@ def candidates(ns: argparse.Namespace) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _label(c: dict[str, Any]) -> str:
-    s = c["settings"]
-    tech = [n for n, k in (("loss", "tiled_loss"), ("mlp", "tiled_mlp"), ("ckpt", "activation_checkpointing"),
-                           ("offload", "offload_activations"), ("norms", "recompute_norms"),
-                           ("states->host", "cpu_offload")) if s.get(k)]  # fmt: skip
-    part = "/all" if s.get("zero_partition") == "all" else ""
-    ring = f" (ring {s['ring_size']})" if s.get("ring_size", 1) > 1 else ""
-    return f"sp {s['sp']}{ring} zero {s['zero_stage']}{part} " + ("+".join(tech) or "plain")
-
-
-def render(doc: dict[str, Any]) -> str:
-    """The human table: one row per candidate, then the recommendation and its breakdown."""
-    gib = 2**30
-    rows = [f"{'setting':<58} {'peak GiB':>9} {'fits':>5} {'max S':>11} {'tokens/s':>10} {'comm':>5}"]
-    for c in doc["candidates"]:
-        rows.append(f"{_label(c):<58} {c['peak_bytes_per_rank'] / gib:>9.2f} {'yes' if c['fits'] else 'no':>5} "
-                    f"{c['max_seq_len']:>11,} {c['tokens_per_s']:>10,.0f} {c['comm_share']:>5.0%}")  # fmt: skip
-    best = doc["recommended"]
-    rows += [""] + [f"note: {n}" for n in doc["notes"]]
-    if not doc["candidates"]:
-        rows.append("no setting to offer: train refuses every one for this model (notes above)")
-    elif best is None:
-        host = "" if doc["offload_states"] == "no" else ", even with model states on the host"
-        rows.append(f"nothing fits{host}: more devices, a shorter --seq-len, or a smaller --micro-batch-size")
-    else:
-        rows.append(f"recommended: {_label(best)} at S = {best['settings']['seq_len']:,}")
-        rows.append("  " + " ".join(best["train_args"]))
-        rows.append(
-            "  breakdown: " + ", ".join(f"{k} {v / gib:.2f} GiB" for k, v in best["breakdown"].items() if v)
-        )
-    return "\n".join(rows)
-
-
 def run_plan(ns: argparse.Namespace) -> str:
     """The command's output (JSON or table)."""
+    ns = with_defaults(ns)
     doc = candidates(ns)
     if not ns.rehearse:
-        return json.dumps(doc, indent=1) if ns.json else render(doc)
+        return json.dumps(doc, indent=1) if ns.json else render(doc, rows=None if ns.all else TOP_ROWS)
     from ulysses_sp.cli.plan_rehearse import rehearse_plan, render_rehearsal
 
     out = rehearse_plan(ns, doc, load_shape(ns.model), hardware(ns))
     if ns.json:
         return json.dumps({**doc, "rehearsal": {k: v for k, v in out.items() if k != "report"}}, indent=1, default=str)
-    return render(doc) + "\n" + render_rehearsal(out)
+    return render(doc, rows=None if ns.all else TOP_ROWS) + "\n" + render_rehearsal(out)

@@ -146,7 +146,7 @@ def _projected(cfg: RunConfig, config: Any, results: list[StepResult], hw: Any, 
     from ulysses_sp.plan.inputs import ModelShape
     from ulysses_sp.rehearse.timing import project
 
-    shard = gpus if cfg.zero_partition == "all" else gpus // cfg.sp
+    shard = gpus if cfg.partition_for(gpus) == "all" else gpus // cfg.sp
     host_opt = 16 * ModelShape.from_hf_config(config.get_text_config()).params // shard if cfg.cpu_offload else 0
     times = [project(r, hw, dtype=cfg.dtype, sp=cfg.sp, shard_group=shard, host_optimizer_bytes=host_opt,
                      tokens=cfg.micro_batch_size * cfg.seq_len // cfg.sp) for r in results]  # fmt: skip
@@ -185,7 +185,7 @@ def _rehearse_rank(cfg: RunConfig, config: Any, batch: dict[str, torch.Tensor], 
                 model, cfg.attn, cfg.sp, cfg.micro_batch_size, seq_length=cfg.seq_len, mesh=mesh,
                 attn_chunk=cfg.attn_chunk, offload_attention=cfg.offload_attention, head_chunks=cfg.head_chunks,
             )  # fmt: skip
-        engine, _, _, _ = initialize(model, cfg.training_config(), mpu=mpu or mesh.mpu, loss_fn=loss_fn)
+        engine, _, _, _ = initialize(model, cfg.training_config(gpus), mpu=mpu or mesh.mpu, loss_fn=loss_fn)
         return engine
 
     return rehearse_step(build, make_engine, local, gpus=gpus, rank=rank, device=where,

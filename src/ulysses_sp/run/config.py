@@ -29,6 +29,18 @@ from ulysses_sp.config.sections import (
 )
 from ulysses_sp.run.prelaunch import check_option_types
 
+PRESET_DEFAULTS: dict[str, Any] = {"lr": 1e-2, "micro_batch_size": 8}
+"""A preset is a randomly initialised toy (the recall task's recipe): a high rate learns in minutes."""
+MODEL_DIR_DEFAULTS: dict[str, Any] = {"lr": 1e-5, "micro_batch_size": 1}
+"""A model directory is a trained model being fine-tuned, usually on long sequences: a rate of the usual
+full fine-tuning range (1e-2 would wreck its weights in a few steps) and one sample per micro-step."""
+
+
+def model_defaults(model: str) -> dict[str, Any]:
+    """``lr`` and ``micro_batch_size`` when not given: a preset's, else a model directory's (``plan``
+    uses them too, a named shape as a directory)."""
+    return dict(PRESET_DEFAULTS if tasks.is_preset(model) else MODEL_DIR_DEFAULTS)
+
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig(tasks.DataSettings):
@@ -48,14 +60,16 @@ class RunConfig(tasks.DataSettings):
     """Sequence-parallel size ``P``; ``dp = world_size / P``."""
     zero_stage: int = 0
     """0: DDP; 1: + sharded optimizer state; 2: FSDP2 grads+state; 3: FSDP2 params too."""
-    micro_batch_size: int = 8
-    """Samples per micro-step per data-parallel replica (an SP group shares them)."""
+    micro_batch_size: int | None = None
+    """Samples per micro-step per data-parallel replica (an SP group shares them); ``None``: the
+    model's default (``model_defaults``: 8 for a preset, 1 for a model directory)."""
     grad_accum: int = 1
     """Micro-steps per optimizer step."""
     steps: int = 300
     """Optimizer steps to train (in total, counting those before a resume)."""
-    lr: float = 1e-2
-    """Peak learning rate of AdamW (warmup to it, then a cosine down to ``cos_min_ratio * lr``)."""
+    lr: float | None = None
+    """Peak learning rate of AdamW (warmup to it, then a cosine down to ``cos_min_ratio * lr``);
+    ``None``: the model's default (``model_defaults``: 1e-2 for a preset, 1e-5 for a model directory)."""
     betas: tuple[float, float] = (0.9, 0.95)
     """AdamW's ``(beta1, beta2)``, each in ``[0, 1)``."""
     weight_decay: float = 0.0
@@ -111,8 +125,16 @@ class RunConfig(tasks.DataSettings):
     """Start even when the planner predicts the run does not fit (warn instead of refusing)."""
     profile_comm: bool = False
     """Time collectives (device syncs): ``comm_s``, ``dp_comm_s``, ``compute_s`` in the metrics."""
-    zero_partition: str = "data_parallel"
-    """ZeRO partitions span the DP axis (``data_parallel``) or all dp*sp ranks (``all``)."""
+    zero_partition: str = "auto"
+    """ZeRO partitions span the DP axis (``data_parallel``) or all dp*sp ranks (``all``); ``auto``:
+    ``all`` where the DP axis is one rank at ZeRO >= 1 (it would partition nothing), else
+    ``data_parallel`` (``partition_for``)."""
+    report_to: str = "none"
+    """Where the metrics go besides ``metrics.jsonl``: ``none``, ``tensorboard`` (event files in
+    ``<output_dir>/runs``), ``wandb`` (offline unless ``WANDB_MODE`` says otherwise), or both
+    comma-separated; rank 0 writes, with the HF Trainer's names (``run.report``)."""
+    plot: bool = True
+    """Draw the run's loss curve into ``loss.png`` beside the metrics file at the end (needs matplotlib)."""
 
     dtype: str = "fp32"
     """Compute dtype: ``fp32``, ``bf16`` or ``fp16`` (mixed precision: fp32 master weights and state)."""
@@ -140,6 +162,17 @@ class RunConfig(tasks.DataSettings):
     allow_data_change: bool = False
     """``--resume`` even though the data's fingerprint differs from the checkpoint's."""
 
+    def __post_init__(self) -> None:
+        for name, value in model_defaults(self.model).items():  # None: this kind of model's default
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+
+    def partition_for(self, world_size: int) -> str:
+        """The ZeRO partition this run uses on ``world_size`` processes (``auto`` resolved)."""
+        if self.zero_partition != "auto":
+            return self.zero_partition
+        return "all" if self.zero_stage >= 1 and world_size // self.sp == 1 else "data_parallel"
+
     @property
     def metrics_path(self) -> str:
         """Where the metrics JSONL goes: ``metrics_file``, else ``<output_dir>/metrics.jsonl``."""
@@ -155,9 +188,15 @@ class RunConfig(tasks.DataSettings):
             return max(1, math.ceil(round(self.warmup_ratio * self.steps, 6)))
         return max(1, min(20, self.steps // 10))
 
-    def training_config(self) -> TrainingConfig:
-        """The engine's config for this run: batch sizes, clipping, ZeRO stage, AdamW and a
-        warmup + cosine ``WarmupCosineLR`` over ``steps`` (the mesh comes from ``mesh_param``/``mpu``)."""
+    def training_config(self, world_size: int | None = None) -> TrainingConfig:
+        """The engine's config for this run on ``world_size`` processes: batch sizes, clipping, ZeRO stage
+        and partition, AdamW and a warmup + cosine ``WarmupCosineLR`` over ``steps`` (the mesh comes from
+        ``mesh_param``/``mpu``). ``world_size`` may be left out when ``zero_partition`` is not ``auto``."""
+        if world_size is None and self.zero_partition == "auto":
+            if self.zero_stage >= 1:
+                raise ValueError("zero_partition 'auto' depends on the world size: training_config(world_size), "
+                                 "or give zero_partition 'data_parallel' or 'all'")  # fmt: skip
+            world_size = self.sp  # ZeRO 0 partitions nothing: either answer is the same
         warmup = self.warmup_num_steps
         return TrainingConfig(
             train_micro_batch_size_per_gpu=self.micro_batch_size,
@@ -165,7 +204,7 @@ class RunConfig(tasks.DataSettings):
             gradient_clipping=self.grad_clip,
             zero_optimization=ZeroConfig(
                 stage=self.zero_stage,
-                partition=self.zero_partition,
+                partition=self.partition_for(world_size or self.sp),
                 offload_param=OffloadConfig(device="cpu") if self.cpu_offload else None,
                 offload_optimizer=OffloadConfig(device="cpu") if self.cpu_offload else None,
             ),
@@ -211,12 +250,40 @@ def _ring_note(mesh) -> str:
     return f" (ring {mesh.ring_size} x ulysses {mesh.ulysses_size}: ring attention)" if mesh.ring_size > 1 else ""
 
 
+def _default_note(cfg: RunConfig) -> str:
+    if cfg.lr != model_defaults(cfg.model)["lr"]:
+        return ""
+    return " (a preset's default)" if tasks.is_preset(cfg.model) else " (the default for a model directory: --lr)"
+
+
+def unpartitioned_warning(cfg: RunConfig, world_size: int) -> str | None:
+    """The warning for ZeRO >= 1 over a partition of one rank out of several: it shards nothing."""
+    if cfg.zero_stage == 0 or world_size == 1 or cfg.partition_for(world_size) == "all" or world_size > cfg.sp:
+        return None
+    return (f"--zero-stage {cfg.zero_stage} --zero-partition data_parallel with dp 1 partitions nothing: each of "
+            f"the {world_size} ranks holds the whole model's parameters, gradients and optimizer state; "
+            f"--zero-partition all (the default, auto, at dp 1) partitions them over all {world_size} ranks")  # fmt: skip
+
+
+def zero_note(cfg: RunConfig, world_size: int) -> str:
+    """``ZeRO stage 3, partitioned over all 4 ranks (--zero-partition all)``: what the stage shards
+    and over how many ranks; says so when a partition of one rank shards nothing."""
+    if cfg.zero_stage == 0:
+        return "ZeRO stage 0 (DDP: every rank holds the whole model's states)"
+    part = cfg.partition_for(world_size)
+    ranks = world_size if part == "all" else world_size // cfg.sp
+    where = "all dp x sp ranks" if part == "all" else "the DP axis"
+    note = f"ZeRO stage {cfg.zero_stage}, partitioned over {ranks} rank(s) ({where}, --zero-partition {part})"
+    return note + (": NOTHING IS PARTITIONED (see the warning)" if unpartitioned_warning(cfg, world_size) else "")
+
+
 def startup_summary(cfg: RunConfig, engine, model, dataset, resumed: str | None) -> str:
     n_params = sum(p.numel() for p in model.parameters())
     bs = engine.batch_sizes
     lines = [
         f"ulysses-sp train: {dist.get_world_size()} processes = dp {engine.dp_size} x sp {engine.sp_size}"
-        f"{_ring_note(engine.mesh)}, device {engine.device.type} ({dist.get_backend()}), ZeRO stage {cfg.zero_stage}",
+        f"{_ring_note(engine.mesh)}, device {engine.device.type} ({dist.get_backend()})",
+        f"  {zero_note(cfg, dist.get_world_size())}",
         f"  model {cfg.model}: {type(model).__name__}, {n_params / 1e6:.3f}M params, attention {cfg.attn}"
         + (" inside Ulysses SP" if engine.sp_size > 1 else "")
         + (
@@ -227,7 +294,7 @@ def startup_summary(cfg: RunConfig, engine, model, dataset, resumed: str | None)
         f"  data {cfg.data}: {len(dataset)} samples of {cfg.seq_len} tokens; {cfg.seq_len // engine.sp_size} "
         f"tokens per rank; global batch {bs.train_batch_size} = micro {bs.train_micro_batch_size_per_gpu} x "
         f"accum {bs.gradient_accumulation_steps} x dp {bs.dp_world_size}",
-        f"  steps {cfg.steps}, AdamW lr {cfg.lr} betas {tuple(cfg.betas)} weight decay {cfg.weight_decay}, "
+        f"  steps {cfg.steps}, AdamW lr {cfg.lr}{_default_note(cfg)} betas {tuple(cfg.betas)} weight decay {cfg.weight_decay}, "
         f"warmup {cfg.warmup_num_steps} steps, seed {cfg.seed}",
         f"  output {cfg.output_dir}, metrics {cfg.metrics_path}"
         + (f"; resumed from {resumed}" if resumed else ""),

@@ -10,13 +10,15 @@ group initialised) then builds and trains:
    directory is built on the meta device and filled shard by shard after sharding, ``state/loading.py``;
    on resume the checkpoint's training state fills model and optimizer), ALST transforms (tiled MLP, activation checkpointing / offload);
 2. sequence parallelism (``sp > 1``): ``UlyssesSPAttentionHF.register_with_transformers`` ->
-   ``mpu``; the engine: ``initialize(model, cfg.training_config(), mpu=...)`` (ZeRO stage, AdamW,
+   ``mpu``; the engine: ``initialize(model, cfg.training_config(), mpu=...)`` (ZeRO stage and partition,
+   ``auto`` resolved for the world size: ``RunConfig.partition_for``; AdamW,
    warmup + cosine: the recipe is ``RunConfig``'s fields);
 3. data: ``sp_dataloader`` per rank -> ``UlyssesSPDataLoaderAdapter``, so a run with ``sp = P``
    processes the same global batches as ``sp = 1`` with the same ``dp``;
 4. per optimizer step: ``grad_accum`` micro-steps of ``engine.backward(engine(**batch).loss)`` (the
    output and its logits freed before the backward: ``micro_step``) / ``step``,
-   a metrics line, and every ``save_every`` steps an atomic checkpoint (``state/checkpoint.py``, through
+   a metrics line (``run.report``: ``metrics.jsonl``, and TensorBoard / W&B with ``--report-to``;
+   ``loss.png`` when the run ends), and every ``save_every`` steps an atomic checkpoint (``state/checkpoint.py``, through
    ``rundir.checked_save``: finite weights, free space).
 
 Reliability: rank 0 holds the output directory's ``RunLock`` for the whole run; a non-finite step
@@ -31,7 +33,6 @@ The library never reads argv or launcher variables; the CLI does and passes a ``
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import time
@@ -45,10 +46,11 @@ import torch.distributed as dist
 from ulysses_sp import tasks
 from ulysses_sp.engine.divergence import DivergenceError
 from ulysses_sp.parallel import comm_timing
-from ulysses_sp.parallel.comm import all_reduce_max, barrier, raise_if_any_rank_failed
-from ulysses_sp.run.config import RunConfig, startup_summary
+from ulysses_sp.parallel.comm import all_reduce_max, raise_if_any_rank_failed
+from ulysses_sp.run.config import RunConfig, startup_summary, unpartitioned_warning
 from ulysses_sp.run.lock import RunLock, RunLockedError
 from ulysses_sp.run.model_checks import apply_techniques, built_attn, sp_attention_wanted
+from ulysses_sp.run.report import MetricsReport
 from ulysses_sp.run.resolve import ResolvedRun, resolve_run
 from ulysses_sp.run.rundir import checked_save, prepare_output_dir
 from ulysses_sp.run.stream import DataStream
@@ -91,8 +93,9 @@ def _run(resolved: ResolvedRun, stop: Any, held: ExitStack) -> dict[str, Any]:
     from ulysses_sp.state.loading import init_empty_model, load_pretrained_weights
 
     cfg, manifest, tokenizer, dataset = resolved.cfg, resolved.manifest, resolved.tokenizer, resolved.dataset
-    cfg = replace(cfg, attn=built_attn(cfg, resolved.model_config))  # eager without attention layers (Mamba-2)
     world, rank = dist.get_world_size(), dist.get_rank()
+    # eager without attention layers (Mamba-2); the ZeRO partition for this world size (auto resolved)
+    cfg = replace(cfg, attn=built_attn(cfg, resolved.model_config), zero_partition=cfg.partition_for(world))
     mesh = init_mesh(
         sp_size=cfg.sp, ring_size=resolved.ring_size
     )  # the run's layout: attention, engine and loop share it
@@ -111,9 +114,15 @@ def _run(resolved: ResolvedRun, stop: Any, held: ExitStack) -> dict[str, Any]:
         except RunLockedError as e:
             error = str(e)
     raise_if_any_rank_failed(error, mesh.reduce_group, RunLockedError)
+    report = None
     if rank == 0:
         prepare_output_dir(cfg, resumed_step)
-    barrier(mesh.reduce_group)
+        try:  # metrics file, TensorBoard, W&B: closed (and loss.png drawn) when the run ends, however it ends
+            report = MetricsReport(cfg, resumed_step=resumed_step)
+            held.callback(report.close)
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others wait in a collective
+            error = f"metrics ({cfg.metrics_path}, --report-to {cfg.report_to}): {type(e).__name__}: {e}"
+    raise_if_any_rank_failed(error, mesh.reduce_group)
 
     predicted = _preflight(cfg, world, resolved.model_config, mesh)  # before the model exists
     sharded_load = cfg.zero_stage >= 2 and not tasks.is_preset(cfg.model)
@@ -138,8 +147,10 @@ def _run(resolved: ResolvedRun, stop: Any, held: ExitStack) -> dict[str, Any]:
     )  # fmt: skip
     if rank == 0:
         logger.info(startup_summary(cfg, engine, model, dataset, resume_dir) + "\n" + predicted)
+        if unpartitioned_warning(cfg, world):
+            logger.warning(unpartitioned_warning(cfg, world))
     try:
-        return _loop(cfg, engine, stream, state, tokenizer, manifest, track_peak_memory, stop)
+        return _loop(cfg, engine, stream, state, tokenizer, manifest, track_peak_memory, stop, report)
     finally:
         for h in handles:
             h.remove()
@@ -169,7 +180,7 @@ def _preflight(cfg: RunConfig, world: int, model_config: Any, mesh) -> str:
     pred = prediction(cfg, world, model_config, mesh.device)
     line, error = "", None
     try:
-        line = check_fits(cfg, pred, mesh.device)
+        line = check_fits(cfg, pred, mesh.device, world)
     except ValueError as e:
         error = str(e)
     raise_if_any_rank_failed(error, mesh.reduce_group)  # budgets may differ between hosts
@@ -199,7 +210,7 @@ def _last_good(cfg: RunConfig) -> str:
     return found[-1][1] if found else "none (no checkpoint was saved yet)"
 
 
-def _loop(cfg, engine, stream, state, tokenizer, manifest, track_peak_memory, stop) -> dict[str, Any]:
+def _loop(cfg, engine, stream, state, tokenizer, manifest, track_peak_memory, stop, report) -> dict[str, Any]:
     from tqdm import tqdm
 
     rank = dist.get_rank()
@@ -210,7 +221,6 @@ def _loop(cfg, engine, stream, state, tokenizer, manifest, track_peak_memory, st
     bar = tqdm(
         total=cfg.steps, initial=step, disable=rank != 0 or not cfg.progress, unit="step", dynamic_ncols=True
     )
-    metrics = open(cfg.metrics_path, "a", encoding="utf-8") if rank == 0 else None
     losses: list[float] = []
     stopped = False
     start = time.perf_counter()
@@ -247,9 +257,8 @@ def _loop(cfg, engine, stream, state, tokenizer, manifest, track_peak_memory, st
                     logger.warning("step %d skipped: loss %s, gradient norm %s (not finite)", step, loss,
                                    record["grad_norm"])  # fmt: skip
             losses.append(loss)
-            if metrics is not None:
-                metrics.write(json.dumps(record) + "\n")  # one write per line: a torn line is the last
-                metrics.flush()
+            if report is not None:
+                report.log(record)
             shown = {"comm": f"{record['comm_share']:.0%}"} if "comm_share" in record else {}
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", **shown)
             bar.update(1)
@@ -266,8 +275,6 @@ def _loop(cfg, engine, stream, state, tokenizer, manifest, track_peak_memory, st
                 break
     finally:
         bar.close()
-        if metrics is not None:
-            metrics.close()
     elapsed = time.perf_counter() - start
     summary = {"steps": step, "final_loss": losses[-1] if losses else None, "seconds": elapsed,
                "output_dir": cfg.output_dir, "checkpoint": os.path.join(cfg.output_dir, f"{ckpt.PREFIX}{step}"),

@@ -29,7 +29,7 @@ def settings_for(cfg: RunConfig, world_size: int, device_type: str) -> Settings:
     """The planner's view of a training run's settings."""
     return Settings(
         seq_len=cfg.seq_len, micro_batch_size=cfg.micro_batch_size, dp=world_size // cfg.sp, sp=cfg.sp,
-        zero_stage=cfg.zero_stage, partition=cfg.zero_partition,
+        zero_stage=cfg.zero_stage, partition=cfg.partition_for(world_size),
         dtype="fp32" if cfg.dtype == "fp32" else "bf16",  # fp16 takes bf16's bytes
         offload_states=cfg.cpu_offload, tiled_mlp=cfg.tiled_mlp, tiled_mlp_shards=cfg.tiled_mlp_shards,
         tiled_loss=cfg.tiled_loss, tiled_loss_shards=cfg.tiled_loss_shards,
@@ -93,9 +93,29 @@ def prediction(cfg: RunConfig, world_size: int, model_config: Any, device: torch
     return predict(shape, settings_for(cfg, world_size, device.type), hw)
 
 
-def check_fits(cfg: RunConfig, pred: Prediction, device: torch.device) -> str:
-    """Raise ``ValueError`` (warn with ``--force``) when ``pred`` exceeds the budget; return the
-    startup summary's line."""
+ALST_FLAGS = ("tiled_mlp", "tiled_loss", "activation_checkpointing", "offload_activations", "recompute_norms")
+
+
+def levers(cfg: RunConfig, world_size: int) -> list[str]:
+    """Every setting that lowers the peak per rank and that this run does not use yet, as flags."""
+    out = [f"--micro-batch-size 1 (now {cfg.micro_batch_size}; --grad-accum keeps the global batch)"
+           ] if cfg.micro_batch_size > 1 else []  # fmt: skip
+    if cfg.dtype == "fp32":
+        out.append("--dtype bf16")
+    zero = [] if cfg.zero_stage == 3 else ["--zero-stage 3"]
+    if cfg.sp > 1 and cfg.partition_for(world_size) != "all":  # over all dp x sp ranks, not dp alone
+        zero.append("--zero-partition all")
+    out += [" ".join(zero)] if zero else []
+    alst = [name for name in ALST_FLAGS if not getattr(cfg, name)]
+    out += ["ALST " + " ".join("--" + n.replace("_", "-") for n in alst)] if alst else []
+    if not cfg.cpu_offload:
+        out.append("--cpu-offload (model states in host memory, ZeRO 3)")
+    return [*out, f"more --sp (now {cfg.sp}: more ranks share each sequence)", "a shorter --seq-len"]
+
+
+def check_fits(cfg: RunConfig, pred: Prediction, device: torch.device, world_size: int) -> str:
+    """Raise ``ValueError`` (warn with ``--force``) when ``pred`` exceeds the budget, naming every
+    lever not yet pulled (``levers``); return the startup summary's line."""
     budget, source = memory_budget(cfg, device)
     line = f"  predicted peak per rank {pred.peak_bytes / 2**20:,.1f} MiB" + (
         f" of {budget / 2**20:,.0f} MiB ({source})" if budget else ""
@@ -105,8 +125,9 @@ def check_fits(cfg: RunConfig, pred: Prediction, device: torch.device) -> str:
         msg = (
             f"predicted peak per rank {pred.peak_bytes:,} bytes > {budget:,} bytes ({source}); largest parts: "
             + ", ".join(f"{k} {v:,}" for k, v in big)
-            + "; shorten --seq-len, raise --sp, add --tiled-mlp/--tiled-loss/--activation-checkpointing, "
-            "run `ulysses-sp plan` for a setting that fits, or pass --force to try anyway"
+            + "; what would lower it: " + ", ".join(levers(cfg, world_size))
+            + f"; `ulysses-sp plan --model {cfg.model} --gpus {world_size} --seq-len {cfg.seq_len}` finds a "
+            "setting that fits; --force tries anyway"
         )
         if not cfg.force:
             raise ValueError(msg)
@@ -121,4 +142,4 @@ def check_before_launch(cfg: RunConfig, world_size: int, model_config: Any) -> N
     from ulysses_sp.parallel.mesh import default_device_type
 
     device = torch.device(default_device_type())
-    check_fits(cfg, prediction(cfg, world_size, model_config, device), device)
+    check_fits(cfg, prediction(cfg, world_size, model_config, device), device, world_size)

@@ -68,7 +68,7 @@ def resolve_run(cfg: RunConfig, world_size: int, *, progress: bool | None = None
     """
     check_train_options(cfg)
     check_layout(world_size, sp=cfg.sp, seq_len=cfg.seq_len, sizes={}, attn=cfg.attn)
-    cfg.training_config()  # the engine's own checks
+    cfg.training_config(world_size)  # the engine's own checks
     # The model directory's checks (config, safetensors index, shards, shapes, what a ZeRO 2/3 load can
     # read: state.model_dir.check_model_dir) run inside run.checks.model_config, called by check_model.
     tokenizer = tasks.run_tokenizer(cfg.tokenizer, cfg.model)
