@@ -8,6 +8,7 @@ left-pads them). The reward is the number of lowercase letters in the completion
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from hf_dpo_runs import shared_dir
-from hf_runs import VOCAB, accelerate_env
+from hf_runs import VOCAB, accelerate_env, fsdp2_on_cpu
 from models import tiny_model
 
 EOS_IDS = [258, *range(30)]
@@ -36,11 +37,12 @@ def prompt_rows(n: int, seed: int) -> list[dict[str, str]]:
 
 
 def rl_train(sp_size: int, *, trainer: str = "grpo", steps: int = 2, lora: bool = False, evaluate: bool = False,
-             **config: Any) -> dict[str, Any]:  # fmt: skip
+             fsdp2: bool = False, **config: Any) -> dict[str, Any]:  # fmt: skip
     """Train ``steps`` optimizer steps (fp32, 4 completions per device batch, 2 per prompt, 8 tokens at most);
     ``sp_size=0``: no ``prepare`` (the oracle). ``config``: more ``GRPOConfig`` / ``RLOOConfig`` fields (``beta``
     > 0 builds the reference model from the policy's directory, or disables the LoRA adapter). Returns the
-    logged dicts of every step (and of ``evaluate()``), the trainer's class name and what ``remove()`` restored."""
+    logged dicts of every step (and of ``evaluate()``), the trainer's class name, what ``remove()`` restored and
+    whether the parameters were sharded (``fsdp2``: accelerate's FSDP2, ``hf_runs.fsdp2_on_cpu``)."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
@@ -53,7 +55,8 @@ def rl_train(sp_size: int, *, trainer: str = "grpo", steps: int = 2, lora: bool 
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    with accelerate_env(), tempfile.TemporaryDirectory() as out, shared_dir() as shared:
+    fsdp = fsdp2_on_cpu() if fsdp2 else contextlib.nullcontext()
+    with accelerate_env(), fsdp, tempfile.TemporaryDirectory() as out, shared_dir() as shared:
         model_dir = os.path.join(shared, "model")  # TRL builds the reference model (beta > 0) from the policy's path
         if dist.get_rank() == 0:  # transformers writes on the main process only
             model = tiny_model("llama", seed=0, vocab=VOCAB)
@@ -80,7 +83,8 @@ def rl_train(sp_size: int, *, trainer: str = "grpo", steps: int = 2, lora: bool 
         if handle is not None:
             handle.remove()
         restored = type(trainer_obj).__name__
-    return {"logs": logs, "eval": evals, "name": name, "restored": restored, "rank": dist.get_rank()}
+        sharded = any(type(p).__name__ == "DTensor" for p in trainer_obj.model.parameters())
+    return {"logs": logs, "eval": evals, "name": name, "restored": restored, "fsdp2": sharded}
 
 
 def refusals() -> list[str]:
