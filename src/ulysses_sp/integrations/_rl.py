@@ -109,7 +109,7 @@ def check_rl(trainer: Any, *, ring_size: int, tiled_loss: bool | int) -> None:
         if own:
             raise ValueError(
                 f"{name} (through {cls.__module__}.{cls.__name__}) overrides {own}: the SP path replaces TRL's "
-                f"per-token log-probabilities and generation and reproduces TRL's own {cls.__mro__[1].__name__} loss only"
+                "per-token log-probabilities and wraps its generation, and reproduces TRL's own loss only"
             )
 
 
