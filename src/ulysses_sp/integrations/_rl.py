@@ -33,6 +33,11 @@ replaces that method and wraps generation; nothing else (no SP data loader, no S
 The oracle is the same trainer on the same ``W`` processes without SP (one process without SP samples
 other completions: its seed and its slice of the generation batch differ).
 
+Memory: the group's ``N = P * B`` rows go through one forward, ``[P * B, S/P]`` per rank — the ``B * T``
+tokens a rank holds without SP. Exact, but not yet the ``1/P`` per-rank activations SP is for; that needs
+the rows taken one source rank at a time with a backward in between (TRL's loss on no-grad values first,
+then a recomputed forward/backward per source rank under ``no_sync``).
+
 Shape legend: ``B`` rows of one rank's chunk, ``T`` its prompt + completion length, ``C`` its
 ``logits_to_keep``, ``N`` the group's rows, ``S`` the longest real run padded to a multiple of ``P``,
 ``S_l = S/P``, ``F`` per-token fields, ``P`` sp size.
