@@ -67,8 +67,9 @@ def test_grpo_loss_types_and_old_logps_sp2_equal_two_processes(pool):
 
 @pytest.mark.slow
 def test_rloo_sp2_equals_two_processes(pool):
-    """RLOOTrainer (the same per-token machinery, per-sequence summed log-probs) with a reference model."""
-    want = _assert_exact(pool, 2, trainer="rloo", beta=0.04, evaluate=True)
+    """RLOOTrainer (the same per-token machinery, per-sequence summed log-probs) with a reference model, over 2
+    accumulation steps (its loss is unscaled: the Trainer divides it, and the SP backward by the same)."""
+    want = _assert_exact(pool, 2, trainer="rloo", beta=0.04, gradient_accumulation_steps=2, evaluate=True)
     assert want[0]["logs"][1]["kl"] > 0
 
 

@@ -141,55 +141,63 @@ def _spans(mask: torch.Tensor) -> tuple[list[int], list[int]]:
     return a.tolist(), b.tolist()
 
 
-def _lay_out(group: list[tuple[torch.Tensor, list[int], list[int], int]], p: int,
-             pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:  # fmt: skip
-    """The group's rows as the SP forward takes them: ``tokens``, ``shift_labels`` ``[N, S]`` (each row's
-    real tokens first; the label at ``i`` is token ``i+1`` where TRL scores it, else ``-100``) and each
-    row's first position id (its left padding: the real token ``j`` has position ``a + j`` without SP)."""
-    n = sum(ids.shape[0] for ids, *_ in group)
-    s = max(1, max(max(b, default=0) for _, _, b, _ in group))
-    s = math.ceil(s / p) * p
-    tokens = torch.full((n, s), pad_token_id, dtype=torch.long)  # [N, S]
-    shift = torch.full((n, s), IGNORE_INDEX, dtype=torch.long)  # [N, S]
-    starts, row = [], 0
-    for ids, a_k, b_k, keep in group:
-        for i, (a, b) in enumerate(zip(a_k, b_k)):
-            tokens[row, :b] = ids[i, a : a + b]
-            first = max(ids.shape[1] - keep - a, 1)  # the first scored token's index in the real run
-            shift[row, first - 1 : b - 1] = ids[i, a + first : a + b]
-            starts.append(a)
-            row += 1
-    return tokens, shift, starts
+Batch = tuple[torch.Tensor, list[int], list[int], int]
+"""One rank's rows as the group exchanges them: token ids ``[B, T]`` (host), each row's ``a`` left-padding
+and ``b`` real tokens (``_spans``), and ``logits_to_keep``."""
 
 
-def group_logps(model: Any, ids: torch.Tensor, mask: torch.Tensor, keep: int, mesh: SPMesh, *, pad_token_id: int,
-                entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """This rank's ``[B, keep]`` per-token log-probs (and entropies) of ``ids [B, T]``, computed with the
-    rest of its SP group (module docstring, step 2): what TRL's ``_get_per_token_logps_and_entropies``
-    returns for the chunk. A collective: every rank of the group calls it, with its own rows."""
-    a_k, b_k = _spans(mask)
-    group = all_gather_object((ids.detach().cpu(), a_k, b_k, keep), mesh.sp_group)  # [P] batches, SP-rank order
-    tokens, shift, starts = _lay_out(group, mesh.sp_size, pad_token_id)
+def exchange(ids: torch.Tensor, mask: torch.Tensor, keep: int, mesh: SPMesh) -> list[Batch]:
+    """Every rank's rows, in SP-rank order (host values, one ``all_gather_object``; a collective)."""
+    a, b = _spans(mask)
+    return all_gather_object((ids.detach().cpu(), a, b, keep), mesh.sp_group)
+
+
+def chunks(batch: Batch, rows: int) -> Iterator[Batch]:
+    """``batch`` in pieces of at most ``rows`` rows (TRL's ``batch_size`` chunking)."""
+    ids, a, b, keep = batch
+    for i in range(0, ids.shape[0], rows):
+        yield ids[i : i + rows], a[i : i + rows], b[i : i + rows], keep
+
+
+def _lay_out(batch: Batch, p: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tokens`` and ``shift_labels`` ``[B, S]`` as the SP forward takes them: each row's real tokens first,
+    padded to a multiple of ``P``; the label at ``i`` is token ``i+1`` where TRL scores it, else ``-100``."""
+    ids, a_k, b_k, keep = batch
+    s = math.ceil(max(1, max(b_k, default=0)) / p) * p
+    tokens = torch.full((ids.shape[0], s), pad_token_id, dtype=torch.long)  # [B, S]
+    shift = torch.full((ids.shape[0], s), IGNORE_INDEX, dtype=torch.long)  # [B, S]
+    for row, (a, b) in enumerate(zip(a_k, b_k)):
+        tokens[row, :b] = ids[row, a : a + b]
+        first = max(ids.shape[1] - keep - a, 1)  # the first scored token's index in the real run
+        shift[row, first - 1 : b - 1] = ids[row, a + first : a + b]
+    return tokens, shift
+
+
+def source_logps(model: Any, batch: Batch, mesh: SPMesh, *, pad_token_id: int, entropy: bool,
+                 device: torch.device) -> tuple[torch.Tensor, torch.dtype]:  # fmt: skip
+    """The per-token log-probs (and entropies) ``[B, keep, F]`` of one rank's rows, on every rank of the group,
+    computed by the group together (module docstring, step 2), in TRL's layout; and the head's dtype.
+
+    Differentiable: the gather's backward sums the group's gradients before each rank takes its token
+    slice, so the rank whose rows these are may back-propagate its loss while the others pass zeros."""
+    ids, a_k, _, keep = batch
+    tokens, shift = _lay_out(batch, mesh.sp_size, pad_token_id)
     s = tokens.shape[1]
-    s_l, k, device = s // mesh.sp_size, mesh.sp_rank, ids.device
+    s_l, k = s // mesh.sp_size, mesh.sp_rank
     cut = slice(k * s_l, (k + 1) * s_l)
-    pos = torch.tensor(starts)[:, None] + torch.arange(k * s_l, (k + 1) * s_l)  # [N, S_l]: positions without SP
-    layout = HostLayout(s, tuple(((0, a),) for a in starts))  # one document per row
+    pos = torch.tensor(a_k)[:, None] + torch.arange(k * s_l, (k + 1) * s_l)  # [B, S_l]: the positions without SP
+    layout = HostLayout(s, tuple(((0, a),) for a in a_k))  # one document per row
     out = model(input_ids=tokens[:, cut].to(device), position_ids=attach_layout(pos.to(device), layout),
                 shift_labels=shift[:, cut].to(device), fused_lm_head=True)  # fmt: skip
     names = ("log_probs", "entropy") if entropy else ("log_probs",)
-    # one all-gather for every field: [N, S_l, F] -> [N, S, F]; backward: summed over the group, then sliced
+    # one all-gather for every field: [B, S_l, F] -> [B, S, F]; backward: summed over the group, then sliced
     full = gather_sequence(torch.stack([getattr(out, n).float() for n in names], dim=-1), mesh.sp_group,
                            sum_grads=True)  # fmt: skip
-    first = sum(len(g[1]) for g in group[:k])
-    mine = full[first : first + ids.shape[0]]  # [B, S, F]
     # TRL's column j scores token T-C+j, predicted at the real-run index T-C+j-1-a
     idx = torch.arange(ids.shape[1] - keep - 1, ids.shape[1] - 1)[None] - torch.tensor(a_k)[:, None]  # [B, C]
     valid = ((idx >= 0) & (idx < s)).to(device)
-    picked = mine.gather(1, idx.clamp(0, s - 1).to(device)[..., None].expand(-1, -1, len(names)))  # [B, C, F]
-    picked = picked.masked_fill(~valid[..., None], 0.0)
-    dtype = out.log_probs.dtype
-    return picked[..., 0].to(dtype), picked[..., 1].to(dtype) if entropy else None
+    picked = full.gather(1, idx.clamp(0, s - 1).to(device)[..., None].expand(-1, -1, len(names)))  # [B, C, F]
+    return picked.masked_fill(~valid[..., None], 0.0), out.log_probs.dtype
 
 
 @contextlib.contextmanager
@@ -212,29 +220,77 @@ class SPRLMixin:
 
     _ulysses_sp: Any  # integrations.transformers.SPTrainerHandle
 
+    _sp_training_pass: list[Any] | None = None
+    """While ``compute_loss`` runs TRL's loss: the training pass's inputs and leaf values (``_sp_backward``)."""
+
     def _get_per_token_logps_and_entropies(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                                            logits_to_keep: int, batch_size: int | None = None,
                                            compute_entropy: bool = False, compute_aux_loss: bool = False,
                                            **multimodal: Any) -> tuple[torch.Tensor, torch.Tensor | None, None]:  # fmt: skip
-        """TRL's per-token log-probs and entropies of this rank's rows, computed by the SP group together,
-        in chunks of ``batch_size`` rows per rank as TRL does."""
+        """TRL's per-token log-probs and entropies ``[B, C]`` of this rank's rows, computed by the SP group one
+        source rank's rows at a time (``B x T/P`` tokens per rank per forward), without a graph: the training
+        pass returns leaves whose gradients ``compute_loss`` back-propagates (``_sp_backward``)."""
         given = sorted(k for k, v in multimodal.items() if v is not None)
         if given or compute_aux_loss:
             raise ValueError(f"under sequence parallelism the RL log-probs take token ids only (given: "
                              f"{given or ['compute_aux_loss']})")  # fmt: skip
+        capture = self._sp_training_pass
+        if torch.is_grad_enabled() and capture is None:
+            raise ValueError("under sequence parallelism the RL log-probs with a graph come from compute_loss only")
         handle = self._ulysses_sp
-        rows = batch_size or input_ids.size(0)
-        starts = range(0, input_ids.size(0), rows)
-        chunks = max(all_gather_object(len(starts), handle.mesh.sp_group))  # the group agrees on the calls
-        logps, entropies = [], []
-        for c in range(chunks):
-            part = slice(c * rows, (c + 1) * rows)  # empty past this rank's rows
-            with self.accelerator.autocast():  # type: ignore[attr-defined]
-                lp, ent = group_logps(model, input_ids[part], attention_mask[part], logits_to_keep, handle.mesh,
-                                      pad_token_id=handle.pad_token_id, entropy=compute_entropy)  # fmt: skip
-            logps.append(lp)
-            entropies.append(ent)
-        return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
+        group = exchange(input_ids, attention_mask, logits_to_keep, handle.mesh)
+        rows, mine, dtype = batch_size or input_ids.size(0), [], None
+        with torch.no_grad():
+            for j, batch in enumerate(group):
+                for part in chunks(batch, rows):
+                    with self.accelerator.autocast():  # type: ignore[attr-defined]
+                        picked, dtype = source_logps(model, part, handle.mesh, pad_token_id=handle.pad_token_id,
+                                                     entropy=compute_entropy, device=input_ids.device)  # fmt: skip
+                    if j == handle.mesh.sp_rank:
+                        mine.append(picked)
+        values = [v.to(dtype).clone() for v in torch.cat(mine).unbind(-1)]  # [B, C] per field
+        if capture is not None:
+            capture.append((model, group, rows, [v.requires_grad_() for v in values]))
+        return values[0], values[1] if compute_entropy else None, None
+
+    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:  # fmt: skip
+        """TRL's loss of this rank's batch; its gradient back-propagated here, one source rank at a time."""
+        if not torch.is_grad_enabled():
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)  # type: ignore[misc]
+        self._sp_training_pass = []
+        try:
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)  # type: ignore[misc]
+        finally:
+            passes, self._sp_training_pass = self._sp_training_pass, None
+        if len(passes) != 1:
+            raise ValueError(f"expected one training pass of the per-token log-probs per loss, got {len(passes)}")
+        grads = torch.autograd.grad(loss, passes[0][3], allow_unused=True)  # dL/d(log-probs, entropies) [B, C]
+        upstream = torch.stack([torch.zeros_like(v) if g is None else g for g, v in zip(grads, passes[0][3])], -1)
+        self._sp_backward(*passes[0][:3], upstream * self._sp_accumulation_scale(num_items_in_batch))
+        return loss.detach().requires_grad_()  # the gradient is in place; the Trainer's backward adds nothing
+
+    def _sp_backward(self, model: Any, group: list[Batch], rows: int, upstream: torch.Tensor) -> None:
+        """The parameter gradients of this rank's loss, the group's rows recomputed one source rank's chunk at a
+        time (module docstring, step 3); each rank's ``upstream`` ``[B, C, F]`` enters at its own rows. Every
+        round but the last accumulates without DDP's sync; the last syncs when the Trainer's step does."""
+        handle, acc = self._ulysses_sp, self.accelerator  # type: ignore[attr-defined]
+        rounds = [(j, i * rows, part) for j, batch in enumerate(group) for i, part in enumerate(chunks(batch, rows))]
+        for n, (j, start, part) in enumerate(rounds):
+            with contextlib.nullcontext() if n == len(rounds) - 1 else acc.no_sync(model):
+                with acc.autocast():
+                    picked, _ = source_logps(model, part, handle.mesh, pad_token_id=handle.pad_token_id,
+                                             entropy=upstream.shape[-1] > 1, device=upstream.device)  # fmt: skip
+                own = j == handle.mesh.sp_rank
+                acc.backward((picked * upstream[start : start + picked.shape[0]]).sum() if own else picked.sum() * 0)
+
+    def _sp_accumulation_scale(self, num_items_in_batch: Any) -> float:
+        """What ``Trainer.training_step`` divides the loss by before its backward (gradient accumulation)."""
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled is None:
+            scaled = (getattr(self, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None) or (
+                getattr(self, "compute_loss_func", None) is not None)  # fmt: skip
+        return 1.0 if scaled else 1.0 / self.current_gradient_accumulation_steps  # type: ignore[attr-defined]
 
     def _generate(self, prompts: list[Any]) -> Any:
         with unsharded(self.model, self._ulysses_sp.registration.attention):  # type: ignore[attr-defined]
