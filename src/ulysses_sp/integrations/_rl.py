@@ -16,30 +16,31 @@ replaces that method and wraps generation; nothing else (no SP data loader, no S
    of a group's work. ``_generate`` runs the policy on its core attention (the attention mask and KV
    cache as transformers runs them), with the SP guard off.
 2. **Per-token log-probs, with SP** (DESIGN.md steps 3-5). The ``P`` ranks of a group exchange their
-   batches (token ids and each row's padding spans, host values, one ``all_gather_object``) and lay the
-   group's ``N`` rows side by side: each row's real tokens first (TRL left-pads prompts and right-pads
-   completions), its position ids those of the run without SP (``arange(T)``: the left padding's offset
-   kept), padded to a multiple of ``P``. Rank ``k`` runs TRL's fused LM head (``add_fused_lm_head``: no
-   ``[B, S, V]`` logits) on tokens ``[k*S_l, (k+1)*S_l)`` of every row with pre-shifted ``shift_labels``;
-   the per-token fields are gathered (``gather_sequence``) and each rank keeps its own rows in TRL's
-   ``[B, logits_to_keep]`` layout (zeros off the completion, as TRL's labels ``-100`` give).
-3. **Loss and gradients.** TRL's ``_compute_loss`` runs unchanged on each rank for its own batch: its
-   value and every logged metric (reward, KL, entropy, clip ratios, completion lengths and their
-   collectives over ``W`` processes) are those of the run without SP. A rank's loss reads only its own
-   rows, so the gather's backward sums the group's gradients before each rank takes its token slice
-   (``sum_grads``): the gradients summed over the group are those of the sum of its ranks' losses, and
-   the Trainer's DDP/FSDP average over ``W`` is the run without SP's — no scaling.
+   batches (token ids and each row's padding spans, host values, one ``all_gather_object``) and then take
+   them one source rank (and TRL ``batch_size`` chunk) at a time: each row's real tokens first (TRL
+   left-pads prompts and right-pads completions), its position ids those of the run without SP
+   (``arange(T)``: the left padding's offset kept), padded to a multiple of ``P``. Rank ``k`` runs TRL's
+   fused LM head (``add_fused_lm_head``: no ``[B, S, V]`` logits) on tokens ``[k*S_l, (k+1)*S_l)`` of
+   those rows with pre-shifted ``shift_labels`` — ``B x T/P`` tokens per rank per forward, the ``1/P``
+   SP is for; the per-token fields are gathered (``gather_sequence``) and the source rank keeps them, in
+   TRL's ``[B, logits_to_keep]`` layout (zeros off the completion, as TRL's labels ``-100`` give).
+3. **Loss and gradients.** These values carry no graph. TRL's ``_compute_loss`` runs unchanged on each
+   rank for its own batch, so its value and every logged metric (reward, KL, entropy, clip ratios,
+   completion lengths and their collectives over ``W`` processes) are those of the run without SP.
+   ``compute_loss`` then takes the loss's gradient with respect to the per-token values and recomputes
+   the forward one source rank's rows at a time, back-propagating ``sum(values * gradient)`` on the
+   source rank and zero on the others: the gather's backward sums the group's gradients before each
+   rank takes its token slice (``sum_grads``), so after the rounds the group's parameter gradients add
+   up to the gradient of the sum of its ranks' losses, and the Trainer's DDP/FSDP average over ``W`` is
+   the run without SP's — no scaling. Every round but the last accumulates under ``no_sync``; each is
+   scaled as ``Trainer.training_step`` scales its backward. Cost: one forward more than without SP (the
+   no-grad pass), as with full activation checkpointing.
 
 The oracle is the same trainer on the same ``W`` processes without SP (one process without SP samples
 other completions: its seed and its slice of the generation batch differ).
 
-Memory: the group's ``N = P * B`` rows go through one forward, ``[P * B, S/P]`` per rank — the ``B * T``
-tokens a rank holds without SP. Exact, but not yet the ``1/P`` per-rank activations SP is for; that needs
-the rows taken one source rank at a time with a backward in between (TRL's loss on no-grad values first,
-then a recomputed forward/backward per source rank under ``no_sync``).
-
 Shape legend: ``B`` rows of one rank's chunk, ``T`` its prompt + completion length, ``C`` its
-``logits_to_keep``, ``N`` the group's rows, ``S`` the longest real run padded to a multiple of ``P``,
+``logits_to_keep``, ``S`` its longest real run padded to a multiple of ``P``,
 ``S_l = S/P``, ``F`` per-token fields, ``P`` sp size.
 """
 
