@@ -5,13 +5,13 @@ log-likelihood (``transformers.Trainer``'s and TRL ``SFTTrainer``'s ``loss_type=
 trainer whose own class computes another objective would be trained on the wrong loss without a
 word, so ``prepare`` refuses it, naming the class and the reason:
 
-- TRL's reward, RL and distillation trainers and ``KTOTrainer`` (``RewardTrainer``, ``GRPOTrainer``,
-  ``RLOOTrainer``, ``DistillationTrainer``, ...): their losses are functions of whole-sequence
+- TRL's reward and distillation trainers and ``KTOTrainer`` (``RewardTrainer``, ``DistillationTrainer``,
+  ...): their losses are functions of whole-sequence
   quantities (per-sequence summed log-probabilities against a reference model, sequence-level
   rewards, a teacher's full distribution) built from full-sequence outputs on one rank. Under SP a
   rank holds ``S/P`` tokens of each sequence; the per-token values would have to be gathered over
-  the SP group before the loss, which none of them does yet. ``DPOTrainer`` has that path
-  (``_preference``) and is not checked here.
+  the SP group before the loss, which none of them does yet. ``DPOTrainer`` (``_preference``),
+  ``GRPOTrainer`` and ``RLOOTrainer`` (``_rl``) have that path and are not checked here.
 - any other subclass that defines its own ``compute_loss``: the same reason, for an objective we
   cannot know.
 
@@ -49,10 +49,6 @@ WHY = {
     "under SP each rank holds only part of every sequence",
     "RewardTrainer": "its loss compares the chosen and rejected sequences' rewards, read at the last "
     "token, which under SP is on one rank only",
-    "GRPOTrainer": "it generates completions and weights per-sequence log-probabilities by rewards; "
-    "neither generation nor the per-sequence sums are sequence-parallel",
-    "RLOOTrainer": "it generates completions and weights per-sequence log-probabilities by rewards; "
-    "neither generation nor the per-sequence sums are sequence-parallel",
     "DistillationTrainer": "its loss compares the student's and a teacher's full-sequence distributions",
 }
 
