@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 
+from ulysses_sp.integrations._support import check_adapter_and_overrides
 from ulysses_sp.objectives.logps import gather_sequence
 from ulysses_sp.parallel.comm import all_gather_object
 from ulysses_sp.parallel.doc_layout import HostLayout, attach_layout
@@ -102,21 +103,9 @@ def check_rl(trainer: Any, *, ring_size: int, tiled_loss: bool | int) -> None:
             f"{name} with use_transformers_continuous_batching=True is not supported under sequence parallelism "
             "(its paged attention is not the core attention the SP path restores for generation); set it to False"
         )
-    peft_config = getattr(trainer.model, "peft_config", None) or {}
-    if any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
-        raise ValueError(
-            f"{name} with a prompt-learning PEFT adapter (virtual tokens before the sequence) is not "
-            "supported under sequence parallelism; use LoRA or another adapter on the weights"
-        )
-    for cls in type(trainer).__mro__:
-        if cls.__name__ in RL_TRAINERS:
-            break
-        own = [m for m in OWN_METHODS if m in vars(cls)]
-        if own:
-            raise ValueError(
-                f"{name} (through {cls.__module__}.{cls.__name__}) overrides {own}: the SP path replaces TRL's "
-                "per-token log-probabilities and wraps its generation, and reproduces TRL's own loss only"
-            )
+    check_adapter_and_overrides(trainer, name, stop_at=RL_TRAINERS, methods=OWN_METHODS,
+                                why="the SP path replaces TRL's per-token log-probabilities and wraps its generation, "
+                                "and reproduces TRL's own loss only")  # fmt: skip
 
 
 def reference_model(trainer: Any) -> torch.nn.Module | None:

@@ -97,3 +97,24 @@ def fsdp_dropped(trainer: Any) -> str | None:
     )
     logger.warning(message)
     return message
+
+
+def check_adapter_and_overrides(
+    trainer: Any, name: str, *, stop_at: Any, methods: tuple[str, ...], why: str
+) -> None:
+    """The refusals the TRL preference and RL paths share (``ValueError``): a prompt-learning PEFT adapter
+    (virtual tokens before the sequence: its positions would not be the sequence's), and a subclass
+    between the trainer's class and TRL's (``stop_at``: its class names) that overrides one of
+    ``methods`` — the SP path replaces or reproduces exactly those (``why`` says how)."""
+    peft_config = getattr(trainer.model, "peft_config", None) or {}
+    if any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
+        raise ValueError(
+            f"{name} with a prompt-learning PEFT adapter (virtual tokens before the sequence) is not "
+            "supported under sequence parallelism; use LoRA or another adapter on the weights"
+        )
+    for cls in type(trainer).__mro__:
+        if cls.__name__ in stop_at:
+            break
+        own = [m for m in methods if m in vars(cls)]
+        if own:
+            raise ValueError(f"{name} (through {cls.__module__}.{cls.__name__}) overrides {own}: {why}")
