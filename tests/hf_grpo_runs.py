@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from hf_dpo_runs import shared_dir
-from hf_runs import VOCAB, accelerate_env, fsdp2_on_cpu
+from hf_runs import VOCAB, accelerate_env, fsdp2_on_cpu, prepared_run
 from models import tiny_model
 
 EOS_IDS = [258, *range(30)]
@@ -46,7 +46,6 @@ def rl_train(sp_size: int, *, trainer: str = "grpo", steps: int = 2, lora: bool 
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-    from ulysses_sp.integrations.transformers import prepare
     from ulysses_sp.tasks.tokenizer import byte_tokenizer
 
     config_cls, trainer_cls = (GRPOConfig, GRPOTrainer) if trainer == "grpo" else (RLOOConfig, RLOOTrainer)
@@ -75,16 +74,7 @@ def rl_train(sp_size: int, *, trainer: str = "grpo", steps: int = 2, lora: bool 
             train_dataset=Dataset.from_list(prompt_rows(32, seed=1)),
             eval_dataset=Dataset.from_list(prompt_rows(8, seed=2)) if evaluate else None, peft_config=peft_config,
         )  # fmt: skip
-        handle = prepare(trainer_obj, sp_size=sp_size) if sp_size else None
-        name = type(trainer_obj).__name__
-        trainer_obj.train()
-        logs = [dict(h) for h in trainer_obj.state.log_history if "loss" in h]
-        evals = trainer_obj.evaluate() if evaluate else {}
-        if handle is not None:
-            handle.remove()
-        restored = type(trainer_obj).__name__
-        sharded = any(type(p).__name__ == "DTensor" for p in trainer_obj.model.parameters())
-    return {"logs": logs, "eval": evals, "name": name, "restored": restored, "fsdp2": sharded}
+        return prepared_run(trainer_obj, sp_size, evaluate=evaluate)
 
 
 def refusals() -> list[str]:
