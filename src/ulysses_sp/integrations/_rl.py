@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from ulysses_sp.integrations._support import check_adapter_and_overrides
+from ulysses_sp.integrations._support import check_trl_sp_path
 from ulysses_sp.objectives.logps import gather_sequence
 from ulysses_sp.parallel.comm import all_gather_object
 from ulysses_sp.parallel.doc_layout import HostLayout, attach_layout
@@ -82,16 +82,6 @@ def check_rl(trainer: Any, *, ring_size: int, tiled_loss: bool | int) -> None:
         )
     if getattr(trainer, "_is_vlm", False):
         raise ValueError(f"{name} with a vision-language model is not supported under sequence parallelism")
-    if ring_size > 1:
-        raise ValueError(
-            f"{name} under a ring (ring_size={ring_size}) is not supported: the shards are in zigzag order; "
-            "choose an sp_size the attention heads split over (ring_size=1)"
-        )
-    if tiled_loss is not False:
-        raise ValueError(
-            f"tiled_loss does not apply to {name}: TRL's fused LM head already computes the log-probabilities "
-            "in tiles (no [B, S_l, V] logits); pass tiled_loss=False"
-        )
     if getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "colocate":
         raise ValueError(
             f"{name} with use_vllm=True, vllm_mode='colocate' is not supported under sequence parallelism (a vLLM "
@@ -103,7 +93,7 @@ def check_rl(trainer: Any, *, ring_size: int, tiled_loss: bool | int) -> None:
             f"{name} with use_transformers_continuous_batching=True is not supported under sequence parallelism "
             "(its paged attention is not the core attention the SP path restores for generation); set it to False"
         )
-    check_adapter_and_overrides(trainer, name, stop_at=RL_TRAINERS, methods=OWN_METHODS,
+    check_trl_sp_path(trainer, name, ring_size=ring_size, tiled_loss=tiled_loss, stop_at=RL_TRAINERS, methods=OWN_METHODS,
                                 why="the SP path replaces TRL's per-token log-probabilities and wraps its generation, "
                                 "and reproduces TRL's own loss only")  # fmt: skip
 

@@ -99,13 +99,24 @@ def fsdp_dropped(trainer: Any) -> str | None:
     return message
 
 
-def check_adapter_and_overrides(
-    trainer: Any, name: str, *, stop_at: Any, methods: tuple[str, ...], why: str
+def check_trl_sp_path(
+    trainer: Any, name: str, *, ring_size: int, tiled_loss: Any, stop_at: Any, methods: tuple[str, ...], why: str
 ) -> None:
-    """The refusals the TRL preference and RL paths share (``ValueError``): a prompt-learning PEFT adapter
-    (virtual tokens before the sequence: its positions would not be the sequence's), and a subclass
-    between the trainer's class and TRL's (``stop_at``: its class names) that overrides one of
-    ``methods`` — the SP path replaces or reproduces exactly those (``why`` says how)."""
+    """The refusals the TRL preference and RL paths share (``ValueError``): a ring layout (zigzag shards),
+    ``tiled_loss`` (TRL's fused head is tiled already), a prompt-learning PEFT adapter (virtual tokens
+    before the sequence: its positions would not be the sequence's), and a subclass between the
+    trainer's class and TRL's (``stop_at``: its class names) that overrides one of ``methods`` — the SP
+    path replaces or reproduces exactly those (``why`` says how)."""
+    if ring_size > 1:
+        raise ValueError(
+            f"{name} under a ring (ring_size={ring_size}) is not supported: the shards are in zigzag order; "
+            "choose an sp_size the attention heads split over (ring_size=1)"
+        )
+    if tiled_loss is not False:
+        raise ValueError(
+            f"tiled_loss does not apply to {name}: TRL's fused LM head already computes the log-probabilities "
+            "in tiles (no [B, S_l, V] logits); pass tiled_loss=False"
+        )
     peft_config = getattr(trainer.model, "peft_config", None) or {}
     if any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
         raise ValueError(
