@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything (see scripts/setup.sh), lint, build the docs site strictly, then run the whole test suite.
+# Arguments go to pytest: `--quick` leaves out the end-to-end and multi-rank tests (tests/conftest.py);
+# CI (.ci/run) runs it without arguments, i.e. everything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

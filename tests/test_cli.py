@@ -36,7 +36,7 @@ TINY = [
 METRIC_KEYS = {"step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "peak_mem_bytes"}
 
 
-def cli(*args: str, timeout: float = 240, check: bool = True) -> subprocess.CompletedProcess:
+def cli(*args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         [sys.executable, "-m", "ulysses_sp.cli.main", *args], capture_output=True, text=True, timeout=timeout
     )
@@ -134,7 +134,7 @@ def test_sp2_matches_sp1_at_dp2_with_alst_techniques_zero0_under_torchrun_and_pr
     # the reference runs under torchrun (the same command, launched from outside)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd = [*torchrun, "-m", "ulysses_sp.cli.main", "train", *TINY, "--output-dir", str(tmp_path / "sp1")]
-    proc = subprocess.run([*cmd, "--sp", "1", *common], capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([*cmd, "--sp", "1", *common], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "dp 2 x sp 1" in proc.stderr
     alst = ("--tiled-mlp", "2", "--tiled-loss", "--activation-checkpointing", "--offload-activations",
@@ -172,7 +172,9 @@ def _last_spawned_worker(parent: int) -> int:
 def test_kill_9_one_rank_then_resume_is_exact_zero3(runs, tmp_path):
     # checkpoints every 3 steps: step 3 ends mid-way through a round of the SP data adapter (3 % sp),
     # so resuming also exercises the skip inside a round; saving does not change the losses
-    args = ("--sp", "2", "--nproc", "2", *STEPS8, "--save-every", "3")
+    # a collective timeout of 600 s (the last --timeout wins over TINY's 60): the launcher must end the run
+    # on the rank's exit, not when the survivor's collective times out
+    args = ("--sp", "2", "--nproc", "2", *STEPS8, "--save-every", "3", "--timeout", "600")
     run = tmp_path / "killed"
     cmd = [sys.executable, "-m", "ulysses_sp.cli.main", "train", *TINY, "--output-dir", str(run), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -182,8 +184,9 @@ def test_kill_9_one_rank_then_resume_is_exact_zero3(runs, tmp_path):
         time.sleep(0.005)
     os.kill(_last_spawned_worker(proc.pid), signal.SIGKILL)
     killed_at = time.monotonic()
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 1 and time.monotonic() - killed_at < 60  # the collective timeout is 60 s
+    _, err = proc.communicate(timeout=400)
+    # far below the 600 s collective timeout, with room for a loaded machine
+    assert proc.returncode == 1 and time.monotonic() - killed_at < 300
     assert "(exit -9)" in err
     done = [m["step"] for m in metrics(run)]
     assert done and done[-1] < 8, "the kill came too late to test anything"
@@ -198,21 +201,23 @@ def test_default_task_learns_and_eval_shows_late_positions(tmp_path):
     but the span ~S/2 positions back, on the other SP rank. No model that fails to attend across the
     shard boundary can go below it; 1.0 nat (a geometric-mean probability of 37% on the right token,
     vs 0.45% at chance) is reached only by copying from the span. The untrained model sits at chance.
+    At 32 tokens the copy is learned in fewer steps than at 64 (measured, training loss of the last
+    step: 0.10 after 100 steps at 32 tokens; 0.63 after 150 at 64, the old setting, 2.46 after 100).
     """
     out = tmp_path / "learn"
-    # ~190 s on the shared 2-core machine (the suite's longest run); 240 s timed out there under load
-    cli("train", "--seq-len", "64", "--micro-batch-size", "32", "--steps", "150", "--output-dir", str(out),
-        "--no-progress", timeout=600)  # fmt: skip
-    ckpt = str(out / "checkpoint-150")
+    seq = 32
+    cli("train", "--seq-len", str(seq), "--micro-batch-size", "32", "--steps", "100", "--output-dir", str(out),
+        "--no-progress", "--no-plot")  # fmt: skip
+    ckpt = str(out / "checkpoint-100")
     js, png = tmp_path / "eval.json", tmp_path / "eval.png"
-    cli("eval", "--model", "tiny-llama", ckpt, "--seq-len", "64", "--sp", "2", "--nproc", "2",
+    cli("eval", "--model", "tiny-llama", ckpt, "--seq-len", str(seq), "--sp", "2", "--nproc", "2",
         "--num-samples", "32", "--output-json", str(js), "--plot", str(png))  # fmt: skip
     before, after = json.loads(js.read_text())["results"]
     assert before["late_loss"] > tasks.CHANCE_LOSS - 0.3
     assert after["late_loss"] < 1.0 and after["accuracy"] > 0.7
     assert after["early_loss"] is None  # the span carries no labels
     bins = [b for b in after["per_position"] if b["tokens"]]
-    assert bins and all(b["start"] >= 32 - 2 for b in bins)
+    assert bins and all(b["start"] >= seq // 2 - 2 for b in bins)
     assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the same checkpoint evaluated without sequence parallelism (one process, plain attention)
     js1 = tmp_path / "eval_sp1.json"
@@ -224,7 +229,7 @@ def test_default_task_learns_and_eval_shows_late_positions(tmp_path):
             "--sp",
             "1",
             "--seq-len",
-            "64",
+            str(seq),
             "--num-samples",
             "32",
             "--output-json",

@@ -23,7 +23,7 @@ def chat_run(tmp_path_factory):
     (root / "chatml.jinja").write_text(CHATML)
     cli("train", "--model", "tiny-llama", "--data", data, "--chat-template", str(root / "chatml.jinja"),
         "--loss-on", "assistant", "--eval-split", "0.2", "--seq-len", "64", "--micro-batch-size", "2",
-        "--steps", "12", "--lr", "3e-3", "--sp", "2", "--nproc", "2", "--no-progress", "--timeout", "60",
+        "--steps", "12", "--lr", "3e-3", "--sp", "2", "--nproc", "2", "--no-progress", "--no-plot", "--timeout", "60",
         "--output-dir", str(root / "run"), "--data-cache", str(root / "cache"), "--data-workers", "1")  # fmt: skip
     return root
 

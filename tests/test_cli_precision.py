@@ -27,7 +27,7 @@ def test_bf16_offload_sharded_load_then_resume_on_another_layout(model_dir, tmp_
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run"
-    common = ("--model", str(model_dir), "--tokenizer", "byte", "--seq-len", "32", "--micro-batch-size", "2", "--no-progress",
+    common = ("--model", str(model_dir), "--tokenizer", "byte", "--seq-len", "32", "--micro-batch-size", "2", "--no-progress", "--no-plot",
               "--timeout", "60", "--steps", "4", "--output-dir", str(out), "--dtype", "bf16", "--save-dtype", "bf16")  # fmt: skip
     proc = cli(
         "train",

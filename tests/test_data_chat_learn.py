@@ -48,7 +48,7 @@ def _train(tmp_path, data: str, template: str, loss_on: str) -> tuple[list[float
     start = time.perf_counter()
     main(["train", "--model", "tiny-llama", "--data", data, "--chat-template", template, "--loss-on", loss_on,
           "--seq-len", str(SEQ_LEN), "--micro-batch-size", str(MICRO_BATCH), "--steps", str(STEPS), "--lr", "3e-3",
-          "--sp", "1", "--nproc", "1", "--seed", "0", "--save-every", "0", "--no-progress", "--output-dir",
+          "--sp", "1", "--nproc", "1", "--seed", "0", "--save-every", "0", "--no-progress", "--no-plot", "--output-dir",
           str(out), "--data-cache", str(tmp_path / "cache"), "--data-workers", "1"])  # fmt: skip
     seconds = time.perf_counter() - start
     with open(out / "metrics.jsonl", encoding="utf-8") as f:

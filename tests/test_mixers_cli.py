@@ -18,7 +18,7 @@ from ulysses_sp.cli.main import main
 def _train(tmp_path, model: str, data: str, sp: int) -> list[dict]:
     out = tmp_path / f"run_sp{sp}"
     args = ["train", "--model", model, "--tokenizer", "byte", "--data", data, "--packing", "best-fit", "--seq-len", "96",
-            "--sp", str(sp), "--nproc", str(sp), "--steps", "2", "--micro-batch-size", "1", "--no-progress",
+            "--sp", str(sp), "--nproc", str(sp), "--steps", "2", "--micro-batch-size", "1", "--no-progress", "--no-plot",
             "--output-dir", str(out), "--data-cache", str(tmp_path / "cache"), "--timeout", "120"]  # fmt: skip
     if sp == 1:  # one process: the CLI runs it without a launcher, here in this process
         main(args)

@@ -146,4 +146,6 @@ def test_a_stopped_rank_is_named_and_the_run_ends_within_the_timeout(tmp_path):
             proc.kill()
     assert proc.returncode == 1, err[-3000:]
     assert "failed: rank(s) 1 stopped answering: rank(s) 0 waited 10 s (--timeout)" in err, err[-3000:]
-    assert took < 10 + 15, took  # the collective timeout plus a few seconds (was timeout + 30 s)
+    # the collective timeout, the 3 s shutdown grace and teardown, with room for a loaded machine; the old
+    # behaviour (timeout + 30 s of shutdown grace) took 40 s or more
+    assert took < 10 + 28, took

@@ -36,7 +36,7 @@ def _readme_vlm_example() -> tuple[str, list[str]]:
 
 
 def _train(cwd, args: list[str], out: str, **flags) -> list[dict]:
-    args = [*args, "--output-dir", out, "--no-progress", "--timeout", "120"]
+    args = [*args, "--output-dir", out, "--no-progress", "--no-plot", "--timeout", "120"]
     for flag, value in flags.items():
         name = "--" + flag.replace("_", "-")
         if name in args:
