@@ -149,8 +149,7 @@ def _opt_tensors(optimizer) -> list:
 
 def measure(case: dict[str, Any]) -> dict[str, Any]:
     """On every rank of an initialised 2-rank group: the second step's peak and comm times."""
-    # the partition the planner's Settings default to (train's auto would take "all" at dp 1)
-    cfg = RunConfig(micro_batch_size=1, zero_partition="data_parallel", **case)
+    cfg = RunConfig(micro_batch_size=1, zero_partition="data_parallel", **case)  # the planner Settings' default
     s, sp = cfg.seq_len, cfg.sp
     mesh = init_mesh(sp_size=sp)
     model = tasks.build_model(cfg.model, vocab_size=len(tasks.load_tokenizer(None, cfg.model)), seed=0)

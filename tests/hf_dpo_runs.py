@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from hf_runs import VOCAB, accelerate_env, fsdp2_on_cpu
+from hf_runs import VOCAB, accelerate_env, fsdp2_on_cpu, prepared_run
 from models import tiny_model
 
 
@@ -72,7 +72,6 @@ def dpo_train(
     ``evaluate()``), the trainer's class name and what ``remove()`` restored."""
     from trl import DPOConfig, DPOTrainer
 
-    from ulysses_sp.integrations.transformers import prepare
     from ulysses_sp.tasks.tokenizer import byte_tokenizer
 
     model = tiny_model("llama", seed=0, vocab=VOCAB)
@@ -97,13 +96,4 @@ def dpo_train(
             eval_dataset=on_disk(preference_rows(8, seed=2), os.path.join(data, "eval")) if evaluate else None,
             peft_config=peft_config,
         )  # fmt: skip
-        handle = prepare(trainer, sp_size=sp_size) if sp_size else None
-        name = type(trainer).__name__
-        trainer.train()
-        logs = [dict(h) for h in trainer.state.log_history if "loss" in h]
-        evals = trainer.evaluate() if evaluate else {}
-        if handle is not None:
-            handle.remove()
-        restored = type(trainer).__name__
-        sharded = any(type(p).__name__ == "DTensor" for p in trainer.model.parameters())
-    return {"logs": logs, "eval": evals, "name": name, "restored": restored, "fsdp2": sharded}
+        return prepared_run(trainer, sp_size, evaluate=evaluate)

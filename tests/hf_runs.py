@@ -285,3 +285,20 @@ def train_and_eval(
         "restored": restored,
         "fsdp2": sharded,
     }
+
+
+def prepared_run(trainer: Any, sp_size: int | None, *, evaluate: bool) -> dict[str, Any]:
+    """``prepare(trainer, sp_size)`` (none when ``sp_size`` is falsy), train, maybe evaluate, undo: every
+    training log with a loss, the eval metrics, the trainer's class before and after ``remove()``, and
+    whether the model's parameters were FSDP2-sharded (shared by the DPO and GRPO runs)."""
+    from ulysses_sp.integrations.transformers import prepare
+
+    handle = prepare(trainer, sp_size=sp_size) if sp_size else None
+    name = type(trainer).__name__
+    trainer.train()
+    logs = [dict(h) for h in trainer.state.log_history if "loss" in h]
+    evals = trainer.evaluate() if evaluate else {}
+    if handle is not None:
+        handle.remove()
+    sharded = any(type(p).__name__ == "DTensor" for p in trainer.model.parameters())
+    return {"logs": logs, "eval": evals, "name": name, "restored": type(trainer).__name__, "fsdp2": sharded}

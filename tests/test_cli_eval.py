@@ -65,3 +65,26 @@ def test_eval_of_a_run_takes_its_micro_batch(chat_run):
     assert options().micro_batch_size == 2 != EvalConfig.micro_batch_size
     assert options("--micro-batch-size", "5").micro_batch_size == 5
     assert eval_options(build_parser().parse_args(["eval", "--model", "tiny-llama"]))[0].micro_batch_size == 8
+
+
+def test_eval_of_a_run_takes_its_attention(chat_run, tmp_path):
+    """A run trained with --attn eager (gpt-oss needs it) is evaluated with eager unless --attn says otherwise."""
+    import json
+    import shutil
+
+    from ulysses_sp.cli.args import build_parser
+    from ulysses_sp.cli.evaluate import eval_options
+    from ulysses_sp.state import checkpoint as ckpt
+
+    saved = ckpt.list_checkpoints(str(chat_run / "run"))[-1][1]
+    copy = tmp_path / "ckpt"
+    shutil.copytree(saved, copy)
+    manifest = json.loads((copy / ckpt.MANIFEST).read_text())
+    manifest["run"]["attn"] = "eager"
+    (copy / ckpt.MANIFEST).write_text(json.dumps(manifest))
+
+    def attn(*flags: str) -> str:
+        return eval_options(build_parser().parse_args(["eval", "--model", str(copy), *flags]))[0].attn
+
+    assert attn() == "eager" and attn("--attn", "sdpa") == "sdpa"
+    assert eval_options(build_parser().parse_args(["eval", "--model", "tiny-llama"]))[0].attn == "sdpa"

@@ -169,3 +169,13 @@ def test_readme_shows_the_fsdp2_config_file():
     lines = (root / "examples" / "accelerate_fsdp2.yaml").read_text().splitlines(keepends=True)
     body = "".join(line for line in lines if not line.startswith("#"))
     assert f"```yaml\n{body}```" in (root / "docs" / "readme" / "hf.md").read_text()
+
+
+def test_the_dpo_guide_shows_the_example_file():
+    """The DPO section of the Trainer guide (docs/readme/hf.md) shows examples/dpo_sp.py verbatim; the
+    examples test runs the shown script with torchrun at sp 2."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    example = (root / "examples" / "dpo_sp.py").read_text()
+    assert f"```python\n{example}```" in (root / "docs" / "readme" / "hf.md").read_text()

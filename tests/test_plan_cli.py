@@ -133,6 +133,19 @@ def test_plan_shares_train_defaults_sorts_best_first_and_completes_the_command(c
     assert cpu["command"][-2:] == ["--lr", "0.01"] and "--data" not in cpu["command"]
 
 
+def test_plan_names_the_tokenizer_a_model_dir_without_one_needs(capsys, tmp_path):
+    """train refuses a model directory without tokenizer files unless --tokenizer names one: the plan's
+    command carries the placeholder and a note, so the command it prints is one train accepts once filled."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=256).save_pretrained(tmp_path)  # fmt: skip
+    doc = _plan(capsys, "--model", str(tmp_path), "--gpus", "2", "--seq-len", "2048")
+    i = doc["command"].index("--tokenizer")
+    assert doc["command"][i + 1] == "<tokenizer dir>"
+    assert any("has no tokenizer files" in n and "--tokenizer byte" in n for n in doc["notes"])
+
+
 def test_the_readme_alst_numbers_come_from_the_commands_next_to_them(capsys):
     """Each ``ulysses-sp plan ... # N: ...`` line of the docs (the CLI guide, docs/readme/cli.md): N
     is the longest S of a row of that command with every technique and the model states on the host."""

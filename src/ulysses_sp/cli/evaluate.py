@@ -10,7 +10,7 @@ registration (``run.loop.register_attention``), the same closed-world guard and 
 sample is scored once: the last round is filled with blank samples that score nothing. Every rank
 bins the loss of its own tokens by their *global* position (the shard's ``position_ids``), so one
 all-reduce gives the per-position curve over the whole context. Unset, the data and its settings,
-``--seq-len``, ``--seed``, ``--micro-batch-size`` and ``--sp`` are the training run's (``eval_options``:
+``--seq-len``, ``--seed``, ``--micro-batch-size``, ``--attn`` and ``--sp`` are the training run's (``eval_options``:
 the manifest of the first ``--model`` that has one). Output: a JSON report (stdout and
 ``--output-json``) and a PNG plot (``--plot``; needs matplotlib, ``pip install 'ulysses-sp[plot]'``).
 """
@@ -61,8 +61,8 @@ class EvalConfig(DataSettings):
     """PNG path; ``None`` = no plot."""
 
 
-FROM_RUN = ("data", "seq_len", "seed", "micro_batch_size", "data_format", "loss_on", "chat_template", "packing",
-            "long_samples", "eval_split")  # fmt: skip
+FROM_RUN = ("data", "seq_len", "seed", "micro_batch_size", "attn", "data_format", "loss_on", "chat_template",
+            "packing", "long_samples", "eval_split")  # fmt: skip
 """Settings an eval takes from the training run's manifest (its ``run`` section) unless given."""
 
 
@@ -86,7 +86,8 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bins", type=int, default=d.bins, help="position bins across the context")
     p.add_argument("--seed", type=int, default=None,
                    help=f"the training run's seed: presets' init, the eval split (default: {run} 0)")  # fmt: skip
-    p.add_argument("--attn", default=d.attn, help="core attention: sdpa, eager, flash_attention_2, ...")
+    p.add_argument("--attn", default=None,
+                   help=f"core attention: sdpa, eager, flash_attention_2, ... (default: {run} {d.attn})")  # fmt: skip
     p.add_argument("--output-json", default=d.output_json, metavar="FILE", help="the JSON report")
     p.add_argument("--plot", default=d.plot, metavar="FILE", help="PNG path ('' or 'none' = no plot)")
     add_data_args(p, None, from_run=FROM_RUN)

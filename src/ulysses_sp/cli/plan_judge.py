@@ -66,10 +66,11 @@ class PlanJudge:
         self._meta = None
         if self.config is None:
             return
-        if not model.endswith(".json"):
-            from ulysses_sp.tasks import load_tokenizer
+        from ulysses_sp import tasks
 
-            self._tokenizer = load_tokenizer(None, model)
+        # a directory without tokenizer files: train needs --tokenizer, whose vocabulary the plan cannot know
+        if not model.endswith(".json") and (tasks.is_preset(model) or tasks.has_tokenizer(model)):
+            self._tokenizer = tasks.load_tokenizer(None, model)
         try:
             self._meta = build_meta_model(self.config, "sdpa", name=repr(model))
         except ValueError as sdpa:

@@ -6,6 +6,7 @@ placeholder made explicit). Where it sits: beside ``cli.plan``, which builds the
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 TOP_ROWS = 10
@@ -37,7 +38,12 @@ def complete_command(best: dict[str, Any] | None, model: str, notes: list[str]) 
                  + ("a preset (random init); " if preset else "a model directory (fine-tuning); ")
                  + "choose your own" + ("" if preset else ", and replace <your data> with your data file or "
                                         "directory (--data: .jsonl/.parquet/.txt/..., README 'Fine-tuning data')"))  # fmt: skip
-    return [*best["train_args"], *([] if preset else ["--data", "<your data>"]), "--lr", f"{lr:g}"]
+    tokenizer = []  # a model directory without tokenizer files: train refuses it unless one is named
+    if not preset and os.path.isdir(model) and not tasks.has_tokenizer(model):
+        tokenizer = ["--tokenizer", "<tokenizer dir>"]
+        notes.append(f"{model!r} has no tokenizer files: replace <tokenizer dir> with the model's tokenizer "
+                     "(or --tokenizer byte for the built-in byte-level one)")  # fmt: skip
+    return [*best["train_args"], *([] if preset else ["--data", "<your data>"]), *tokenizer, "--lr", f"{lr:g}"]
 
 
 def render(doc: dict[str, Any], *, rows: int | None = TOP_ROWS) -> str:

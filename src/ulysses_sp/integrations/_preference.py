@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from ulysses_sp.checks import check_seq_len_divisible
 from ulysses_sp.data.shard import make_shift_labels
+from ulysses_sp.integrations._support import check_trl_sp_path
 from ulysses_sp.integrations._trainer import SOURCE_KEY, SPTrainerDataLoader, SPTrainerMixin
 from ulysses_sp.objectives.logps import gather_sequence
 from ulysses_sp.parallel.comm import all_gather_object, raise_if_any_rank_failed
@@ -72,31 +73,9 @@ def check_preference(trainer: Any, *, ring_size: int, tiled_loss: bool | int) ->
         )
     if getattr(trainer, "_is_vlm", False) or getattr(trainer, "_is_vision_dataset", False):
         raise ValueError(f"{name} with a vision-language model or images is not supported under sequence parallelism")
-    if ring_size > 1:
-        raise ValueError(
-            f"{name} under a ring (ring_size={ring_size}) is not supported: the shards are in zigzag order; "
-            "choose an sp_size the attention heads split over (ring_size=1)"
-        )
-    if tiled_loss is not False:
-        raise ValueError(
-            f"tiled_loss does not apply to {name}: TRL's fused LM head already computes the log-probabilities "
-            "in tiles (no [B, S_l, V] logits); pass tiled_loss=False"
-        )
-    peft_config = getattr(trainer.model, "peft_config", None) or {}
-    if any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
-        raise ValueError(
-            f"{name} with a prompt-learning PEFT adapter (virtual tokens before the sequence) is not "
-            "supported under sequence parallelism; use LoRA or another adapter on the weights"
-        )
-    for cls in type(trainer).__mro__:
-        if cls.__name__ in PREFERENCE_TRAINERS:
-            break
-        own = [m for m in ("compute_loss", "_compute_loss", "compute_ref_log_probs") if m in vars(cls)]
-        if own:
-            raise ValueError(
-                f"{name} (through {cls.__module__}.{cls.__name__}) overrides {own}: the SP path reproduces "
-                "TRL's own DPO loss only"
-            )
+    check_trl_sp_path(trainer, name, ring_size=ring_size, tiled_loss=tiled_loss, stop_at=PREFERENCE_TRAINERS,
+                                methods=("compute_loss", "_compute_loss", "compute_ref_log_probs"),
+                                why="the SP path reproduces TRL's own DPO loss only")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- data

@@ -5,13 +5,13 @@ log-likelihood (``transformers.Trainer``'s and TRL ``SFTTrainer``'s ``loss_type=
 trainer whose own class computes another objective would be trained on the wrong loss without a
 word, so ``prepare`` refuses it, naming the class and the reason:
 
-- TRL's reward, RL and distillation trainers and ``KTOTrainer`` (``RewardTrainer``, ``GRPOTrainer``,
-  ``RLOOTrainer``, ``DistillationTrainer``, ...): their losses are functions of whole-sequence
+- TRL's reward and distillation trainers and ``KTOTrainer`` (``RewardTrainer``, ``DistillationTrainer``,
+  ...): their losses are functions of whole-sequence
   quantities (per-sequence summed log-probabilities against a reference model, sequence-level
   rewards, a teacher's full distribution) built from full-sequence outputs on one rank. Under SP a
   rank holds ``S/P`` tokens of each sequence; the per-token values would have to be gathered over
-  the SP group before the loss, which none of them does yet. ``DPOTrainer`` has that path
-  (``_preference``) and is not checked here.
+  the SP group before the loss, which none of them does yet. ``DPOTrainer`` (``_preference``),
+  ``GRPOTrainer`` and ``RLOOTrainer`` (``_rl``) have that path and are not checked here.
 - any other subclass that defines its own ``compute_loss``: the same reason, for an objective we
   cannot know.
 
@@ -49,10 +49,6 @@ WHY = {
     "under SP each rank holds only part of every sequence",
     "RewardTrainer": "its loss compares the chosen and rejected sequences' rewards, read at the last "
     "token, which under SP is on one rank only",
-    "GRPOTrainer": "it generates completions and weights per-sequence log-probabilities by rewards; "
-    "neither generation nor the per-sequence sums are sequence-parallel",
-    "RLOOTrainer": "it generates completions and weights per-sequence log-probabilities by rewards; "
-    "neither generation nor the per-sequence sums are sequence-parallel",
     "DistillationTrainer": "its loss compares the student's and a teacher's full-sequence distributions",
 }
 
@@ -101,3 +97,35 @@ def fsdp_dropped(trainer: Any) -> str | None:
     )
     logger.warning(message)
     return message
+
+
+def check_trl_sp_path(
+    trainer: Any, name: str, *, ring_size: int, tiled_loss: Any, stop_at: Any, methods: tuple[str, ...], why: str
+) -> None:
+    """The refusals the TRL preference and RL paths share (``ValueError``): a ring layout (zigzag shards),
+    ``tiled_loss`` (TRL's fused head is tiled already), a prompt-learning PEFT adapter (virtual tokens
+    before the sequence: its positions would not be the sequence's), and a subclass between the
+    trainer's class and TRL's (``stop_at``: its class names) that overrides one of ``methods`` — the SP
+    path replaces or reproduces exactly those (``why`` says how)."""
+    if ring_size > 1:
+        raise ValueError(
+            f"{name} under a ring (ring_size={ring_size}) is not supported: the shards are in zigzag order; "
+            "choose an sp_size the attention heads split over (ring_size=1)"
+        )
+    if tiled_loss is not False:
+        raise ValueError(
+            f"tiled_loss does not apply to {name}: TRL's fused LM head already computes the log-probabilities "
+            "in tiles (no [B, S_l, V] logits); pass tiled_loss=False"
+        )
+    peft_config = getattr(trainer.model, "peft_config", None) or {}
+    if any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
+        raise ValueError(
+            f"{name} with a prompt-learning PEFT adapter (virtual tokens before the sequence) is not "
+            "supported under sequence parallelism; use LoRA or another adapter on the weights"
+        )
+    for cls in type(trainer).__mro__:
+        if cls.__name__ in stop_at:
+            break
+        own = [m for m in methods if m in vars(cls)]
+        if own:
+            raise ValueError(f"{name} (through {cls.__module__}.{cls.__name__}) overrides {own}: {why}")

@@ -17,7 +17,9 @@ gradients (see ``_trainer``'s module docstring for why that is the sum over SP a
 A Qwen-VL model (``ulysses_sp.vlm``) gets its language-model hook, and its loaders exchange whole
 batches in the SP round (the merge and the 3-D positions need the full sample). TRL's ``DPOTrainer``
 gets ``SPPreferenceMixin`` instead (``_preference``): whole batches to every rank of the group, its
-fused LM head run on the shard and its per-token outputs gathered, TRL's own loss and metrics.
+fused LM head run on the shard and its per-token outputs gathered, TRL's own loss and metrics. TRL's
+``GRPOTrainer`` / ``RLOOTrainer`` get ``SPRLMixin`` (``_rl``): generation as without SP, each SP group
+computing its ranks' per-token log-probs together, TRL's own loss and metrics on every rank.
 
 What changes for the user: each rank runs ``sp_size`` times as many micro-steps per epoch (an SP
 group shares its ranks' batches), so ``gradient_accumulation_steps * sp_size`` keeps the global batch
@@ -27,8 +29,9 @@ Refused, with the fix in the message (``ValueError`` on every rank, before any c
 Trainer with DeepSpeed or with accelerate's own sequence/context/tensor parallelism, single-process
 multi-GPU ``DataParallel``, an attention implementation the SP attention cannot wrap, a model with a
 module that mixes tokens outside the SP attention (``mixers.guard``: a convolution, scan or linear attention),
-a trainer with another objective (TRL's non-SFT trainers but ``DPOTrainer``, any subclass with
-its own ``compute_loss``: ``_support``; DPO options ``_preference.check_preference`` names), Liger kernels on the CPU, a custom
+a trainer with another objective (TRL's non-SFT trainers but ``DPOTrainer``, ``GRPOTrainer`` and
+``RLOOTrainer``, any subclass with its own ``compute_loss``: ``_support``; the options
+``_preference.check_preference`` and ``_rl.check_rl`` name), Liger kernels on the CPU, a custom
 ``compute_loss_func``, label smoothing, TRL's ``loss_type="dft"`` or MoE auxiliary loss, ``compute_metrics`` (it needs full-sequence logits, which SP
 never gathers). Collator outputs the adapter cannot shard (left padding, a ``[B, S]`` tensor whose
 batch size differs, ...) raise at the first batch on every rank of the group.
@@ -50,6 +53,7 @@ from ulysses_sp.integrations._preference import (
     fused_head_models,
     is_preference_trainer,
 )
+from ulysses_sp.integrations._rl import SPRLMixin, check_rl, is_rl_trainer, reference_model
 from ulysses_sp.integrations._support import check_liger, check_trainer_loss, fsdp_dropped
 from ulysses_sp.integrations._trainer import SPTrainerDataLoader, SPTrainerMixin
 from ulysses_sp.integrations.alst import ALSTHandle, ALSTOptions
@@ -88,6 +92,7 @@ class SPTrainerHandle:
         alst: ALSTHandle | None = None,
         vlm: VLMShardHandle | None = None,
         preference: FusedHeadPatch | None = None,
+        rl: bool = False,
     ) -> None:
         self.trainer = trainer
         self.mesh = mesh
@@ -109,7 +114,7 @@ class SPTrainerHandle:
         # A subclass built per trainer (no module-level cache): the trainer's own overrides stay in
         # force below the mixin's five, and ``remove`` restores the class.
         cls = self._trainer_class
-        mixin = SPTrainerMixin if preference is None else SPPreferenceMixin
+        mixin = SPRLMixin if rl else SPTrainerMixin if preference is None else SPPreferenceMixin
         trainer.__class__ = type(f"SequenceParallel{cls.__name__}", (mixin, cls), {})
 
     def remove(self) -> None:
@@ -179,7 +184,7 @@ def prepare(
             change), or the sizes do not fit (it names them).
     """
     positive_int("sp_size", sp_size)
-    if isinstance(trainer, SPTrainerMixin):
+    if isinstance(trainer, (SPTrainerMixin, SPRLMixin)):
         raise ValueError("this trainer is prepared for sequence parallelism already")
     model = getattr(trainer, "model", None)
     core = core_attn_implementation or _model_attention(model)
@@ -198,6 +203,11 @@ def prepare(
         check_preference(trainer, ring_size=ring, tiled_loss=tiled_loss)
         for ref in fused_head_models(trainer)[1:]:
             check_sequence_mixing(ref, sp_size=sp_size)
+    rl = is_rl_trainer(trainer)  # TRL's GRPOTrainer / RLOOTrainer: its own loss on group-computed log-probs
+    if rl:
+        check_rl(trainer, ring_size=ring, tiled_loss=tiled_loss)
+        if reference_model(trainer) is not None:
+            check_sequence_mixing(reference_model(trainer), sp_size=sp_size)
     require_process_group("ulysses_sp.integrations.transformers.prepare")
     mesh = init_mesh(sp_size=sp_size, ring_size=ring)
     registration = None if not heads else UlyssesSPAttentionHF.register_with_transformers(
@@ -219,6 +229,8 @@ def prepare(
         for ref in models[1:]:  # a separate reference model runs the SP attention too
             registration.attach(ref)
         patch = FusedHeadPatch(models, mesh, pad_token_id=_pad_token_id(trainer), strict=strict)
+    if rl and reference_model(trainer) is not None:  # a separate reference model runs the SP attention too
+        registration.attach(reference_model(trainer))
     return SPTrainerHandle(
         trainer,
         mesh,
@@ -229,6 +241,7 @@ def prepare(
         alst=alst,
         vlm=vlm,
         preference=patch,
+        rl=rl,
     )
 
 
@@ -261,8 +274,8 @@ def _check_trainer(trainer: Any, core: str) -> None:
     """Refuse what cannot run with SP; every rank sees the same configuration, so every rank raises."""
     if core not in CORE_ATTENTIONS:
         raise ValueError(f"core_attn_implementation={core!r}; choose one of {list(CORE_ATTENTIONS)}")
-    preference = is_preference_trainer(trainer)
-    if not preference:
+    own_loss = is_preference_trainer(trainer) or is_rl_trainer(trainer)
+    if not own_loss:
         check_trainer_loss(trainer)  # objectives the SP loss does not compute
     check_liger(trainer)
     args = trainer.args
@@ -301,7 +314,7 @@ def _check_trainer(trainer: Any, core: str) -> None:
             "compute_metrics needs full-sequence logits, which sequence parallelism never gathers on one "
             "rank; remove compute_metrics (the eval loss is computed with SP)"
         )
-    if preference:  # its own loss (every loss_type), refusals in _preference.check_preference
+    if own_loss:  # its own loss (every loss_type), refusals in _preference.check_preference / _rl.check_rl
         return
     loss_type = getattr(args, "loss_type", None)  # TRL's SFTConfig
     if loss_type not in (None, "nll"):

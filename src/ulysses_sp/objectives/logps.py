@@ -56,16 +56,36 @@ class _GatherSequence(torch.autograd.Function):
         return grad.narrow(1, ctx.rank * ctx.s_l, ctx.s_l), None
 
 
-def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+class _GatherSequenceSummed(_GatherSequence):
+    """``[B, S_l, ...] -> [B, S, ...]`` in rank order; backward: this rank's slice of the gradient
+    summed over the group (an all-reduce, then the slice: a reduce-scatter gloo also runs)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _GatherSequence.forward(ctx, x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        total = all_reduce_sum(grad.contiguous(), ctx.group, timed="sp")  # [B, S, ...] summed over the group
+        return total.narrow(1, ctx.rank * ctx.s_l, ctx.s_l), None
+
+
+def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None, *, sum_grads: bool = False) -> torch.Tensor:
     """Every rank's ``x [B, S_l, ...]`` concatenated along dim 1 in SP-rank order: ``[B, S, ...]``.
 
     Differentiable for a loss that every rank of the group computes alike from the result: the
     backward returns this rank's slice of the gradient, so the gradients summed over the SP group are
     the loss's exact gradient. Shards must have equal length (the SP data adapter pads to a multiple
-    of ``P``). ``group=None`` or a 1-rank group: ``x`` itself."""
+    of ``P``). ``group=None`` or a 1-rank group: ``x`` itself.
+
+    ``sum_grads=True``: for ranks whose losses differ (each reads its own rows of the result, as TRL's
+    RL trainers under SP do, ``integrations._rl``): the backward sums the ranks' gradients before
+    taking this rank's slice, so the gradients summed over the group are those of the sum of the
+    ranks' losses."""
     if group is None or dist.get_world_size(group) == 1:
         return x
-    return _GatherSequence.apply(x, group)
+    return (_GatherSequenceSummed if sum_grads else _GatherSequence).apply(x, group)
 
 
 def sum_over_sequence(local: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

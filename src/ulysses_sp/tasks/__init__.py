@@ -60,7 +60,7 @@ TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 """Files that make a model directory's own tokenizer loadable (``AutoTokenizer``)."""
 
 
-def _has_tokenizer(directory: str) -> bool:
+def has_tokenizer(directory: str) -> bool:
     return any(os.path.isfile(os.path.join(directory, f)) for f in TOKENIZER_FILES)
 
 
@@ -105,7 +105,7 @@ def run_tokenizer(tokenizer: str | None, model: str):
     if is_preset(model):
         return byte_tokenizer()
     check_model_dir(model)  # no such directory, no config.json: that, not the tokenizer, is the problem
-    if _has_tokenizer(model):
+    if has_tokenizer(model):
         return _load_dir(model, "--model")
     raise _no_tokenizer(model)
 
@@ -114,7 +114,7 @@ def load_tokenizer(tokenizer: str | None, model: str):
     """A tokenizer to size a model with (``plan``: only a preset's vocabulary depends on it): as
     ``run_tokenizer``, except that a model directory without one gets the byte-level tokenizer.
     Runs use ``run_tokenizer``, which refuses that case instead."""
-    if tokenizer is None and not is_preset(model) and not _has_tokenizer(model):
+    if tokenizer is None and not is_preset(model) and not has_tokenizer(model):
         return byte_tokenizer()
     return run_tokenizer(tokenizer, model)
 
