@@ -1,6 +1,10 @@
-"""The CLI trains a local hybrid model directory (LFM2: short convolutions beside attention), a pure
-Mamba-2 and a pure Mamba-1 directory (no attention layers at all) on packed documents at sp 2
-exactly as at sp 1: the same losses and gradient norms, step by step."""
+"""The CLI trains a local hybrid model directory (LFM2: short convolutions beside attention) and a pure
+Mamba-1 directory (no attention layers at all) on packed documents at sp 2 exactly as at sp 1: the
+same losses and gradient norms, step by step. A pure Mamba-2 directory takes the same no-attention
+path with the Mamba-2 handler, whose training at sp 2 equals the run without SP through the engine the
+CLI builds (packed, ZeRO 3: ``test_mixers_engine.py::test_hybrid_engine_zero3_equals_no_sp``) and under
+the HF Trainer (``test_mixers_trainer.py::test_trainer_sp2_trains_pure_mamba2_as_without_sp``); its own
+CLI run here only repeated those (one launch of ~15 s)."""
 
 from __future__ import annotations
 
@@ -30,8 +34,8 @@ def _train(tmp_path, model: str, data: str, sp: int) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("arch", ["lfm2", "mamba2", "mamba"])
-def test_cli_trains_hybrid_and_pure_mamba2_dirs_at_sp2_as_at_sp1(tmp_path, arch):
+@pytest.mark.parametrize("arch", ["lfm2", "mamba"])
+def test_cli_trains_hybrid_and_pure_mamba_dirs_at_sp2_as_at_sp1(tmp_path, arch):
     from transformers import AutoModelForCausalLM
 
     cfg = hybrid_config(arch)
