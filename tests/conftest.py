@@ -18,7 +18,7 @@ from harness import WorkerPool  # noqa: E402
 END_TO_END_MODULES = {
     "test_cli", "test_cli_eval", "test_cli_eval_sp", "test_cli_precision", "test_cli_ring",
     "test_data_chat_learn", "test_examples", "test_gpu_check", "test_hf_trainer", "test_hf_trainer_alst",
-    "test_hf_trainer_dpo", "test_hf_trainer_exact", "test_hf_trainer_other", "test_mixers_cli",
+    "test_hf_trainer_dpo", "test_hf_trainer_exact", "test_hf_trainer_grpo", "test_hf_trainer_other", "test_mixers_cli",
     "test_mixers_trainer", "test_model_sweep", "test_plan_judge", "test_rehearse", "test_reliability_cli",
     "test_shutdown", "test_vlm_cli",
 }  # fmt: skip
