@@ -117,15 +117,21 @@ def check_trl_sp_path(
             f"tiled_loss does not apply to {name}: TRL's fused LM head already computes the log-probabilities "
             "in tiles (no [B, S_l, V] logits); pass tiled_loss=False"
         )
-    peft_config = getattr(trainer.model, "peft_config", None) or {}
-    if any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
-        raise ValueError(
-            f"{name} with a prompt-learning PEFT adapter (virtual tokens before the sequence) is not "
-            "supported under sequence parallelism; use LoRA or another adapter on the weights"
-        )
+    check_prompt_learning(trainer, name)
     for cls in type(trainer).__mro__:
         if cls.__name__ in stop_at:
             break
         own = [m for m in methods if m in vars(cls)]
         if own:
             raise ValueError(f"{name} (through {cls.__module__}.{cls.__name__}) overrides {own}: {why}")
+
+
+def check_prompt_learning(trainer: Any, name: str) -> None:
+    """Refuse a prompt-learning PEFT adapter (prompt / prefix / P-tuning): its virtual tokens go before
+    each rank's shard, not before the sequence, so the step would not be the step without SP."""
+    peft_config = getattr(trainer.model, "peft_config", None) or {}
+    if any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
+        raise ValueError(
+            f"{name} with a prompt-learning PEFT adapter (virtual tokens before the sequence) is not "
+            "supported under sequence parallelism; use LoRA or another adapter on the weights"
+        )

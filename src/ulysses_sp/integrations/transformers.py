@@ -31,7 +31,7 @@ multi-GPU ``DataParallel``, an attention implementation the SP attention cannot 
 module that mixes tokens outside the SP attention (``mixers.guard``: a convolution, scan or linear attention),
 a trainer with another objective (TRL's non-SFT trainers but ``DPOTrainer``, ``GRPOTrainer`` and
 ``RLOOTrainer``, any subclass with its own ``compute_loss``: ``_support``; the options
-``_preference.check_preference`` and ``_rl.check_rl`` name), Liger kernels on the CPU, a custom
+``_preference.check_preference`` and ``_rl.check_rl`` name), Liger kernels on the CPU, a prompt-learning PEFT adapter (virtual tokens), a custom
 ``compute_loss_func``, label smoothing, TRL's ``loss_type="dft"`` or MoE auxiliary loss, ``compute_metrics`` (it needs full-sequence logits, which SP
 never gathers). Collator outputs the adapter cannot shard (left padding, a ``[B, S]`` tensor whose
 batch size differs, ...) raise at the first batch on every rank of the group.
@@ -54,7 +54,12 @@ from ulysses_sp.integrations._preference import (
     is_preference_trainer,
 )
 from ulysses_sp.integrations._rl import SPRLMixin, check_rl, is_rl_trainer, reference_model
-from ulysses_sp.integrations._support import check_liger, check_trainer_loss, fsdp_dropped
+from ulysses_sp.integrations._support import (
+    check_liger,
+    check_prompt_learning,
+    check_trainer_loss,
+    fsdp_dropped,
+)
 from ulysses_sp.integrations._trainer import SPTrainerDataLoader, SPTrainerMixin
 from ulysses_sp.integrations.alst import ALSTHandle, ALSTOptions
 from ulysses_sp.mixers.apply import apply_mixers, has_unsharded_mixers
@@ -278,6 +283,7 @@ def _check_trainer(trainer: Any, core: str) -> None:
     if not own_loss:
         check_trainer_loss(trainer)  # objectives the SP loss does not compute
     check_liger(trainer)
+    check_prompt_learning(trainer, type(trainer).__name__)
     args = trainer.args
     if getattr(trainer, "is_deepspeed_enabled", False) or getattr(args, "deepspeed", None):
         raise ValueError(
