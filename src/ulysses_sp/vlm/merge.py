@@ -63,7 +63,20 @@ def _check(input_ids: Any, position_ids: Any, attention_mask: Any, inputs_embeds
         )
 
 
-def _rows_by_rank(mask: torch.Tensor, indices: list[torch.Tensor]) -> list[torch.Tensor]:
+def _placeholders(input_ids: torch.Tensor, grid: torch.Tensor, token: int, merge: int) -> torch.Tensor:
+    """``[B, S]`` bool: the placeholder tokens of one modality, checked against its grids."""
+    full = input_ids == token
+    wanted = int(grid.prod(dim=-1).sum()) // merge
+    if int(full.sum()) != wanted:
+        raise ValueError(
+            f"the batch has {int(full.sum())} placeholder tokens (id {token}) but its grids ({grid.tolist()}) "
+            f"make {wanted} visual embeddings: the text must hold one placeholder per merged patch (build "
+            "samples with the model's processor)"
+        )
+    return full
+
+
+def rows_by_rank(mask: torch.Tensor, indices: list[torch.Tensor]) -> list[torch.Tensor]:
     """For each rank, ``[N_k]`` the merged rows its tokens take (``mask [B, S]``: the placeholders)."""
     b, s = mask.shape
     row = mask.flatten().long().cumsum(0).view(b, s) - 1  # [B, S]: row of each placeholder among all
@@ -90,23 +103,25 @@ def sharded_forward(
         indices = [shard_index(s, k, sp_size, ring_size, input_ids.device) for k in range(sp_size)]
         idx = indices[sp_rank]
         embeds = inner.get_input_embeddings()(input_ids.index_select(1, idx))  # [B, S_l] -> [B, S_l, Hd]
+        kinds = [(p, g, t) for p, g, t in ((pixel_values, image_grid_thw, config.image_token_id),
+                 (pixel_values_videos, video_grid_thw, config.video_token_id)) if p is not None]  # fmt: skip
         masks, deep = [], []
-        for pixels, grid, token in ((pixel_values, image_grid_thw, config.image_token_id),
-                                    (pixel_values_videos, video_grid_thw, config.video_token_id)):  # fmt: skip
-            if pixels is None:
-                continue
-            full = input_ids == token  # [B, S]
-            wanted = int(grid.prod(dim=-1).sum()) // merge
-            if int(full.sum()) != wanted:
-                raise ValueError(f"the batch has {int(full.sum())} placeholder tokens {token} but its grids "
-                                 f"({grid.tolist()}) make {wanted} visual embeddings")  # fmt: skip
-            rows_by_rank = _rows_by_rank(full, indices)
-            plan = plan_frames(grid, rows_by_rank, sp_rank=sp_rank, merge=merge, split=group is not None)
-            rows, layers = encode(parts.vision, pixels, plan, group)  # [N_l, Hd], deepstack [N_l, Hd] each
-            local = full.index_select(1, idx)  # [B, S] -> [B, S_l]
-            embeds = embeds.masked_scatter(local[..., None], rows.to(embeds.device, embeds.dtype))
-            masks.append(local)
-            deep.append(layers)
+        if kinds:  # images and video frames as one list of frames: one plan, at most one exchange
+            fulls = [_placeholders(input_ids, grid, token, merge) for _, grid, token in kinds]  # [B, S] each
+            per_kind = [rows_by_rank(full, indices) for full in fulls]  # [kind][rank] -> [N_k] rows
+            first = [0, int(fulls[0].sum())]  # video rows follow the image rows
+            needed = [torch.cat([rows[k] + first[j] for j, rows in enumerate(per_kind)]) for k in range(sp_size)]
+            grid = torch.cat([g for _, g, _ in kinds])
+            plan = plan_frames(grid, needed, sp_rank=sp_rank, merge=merge, split=group is not None)
+            rows, layers = encode(parts.vision, [p for p, _, _ in kinds], plan, group)  # [N_l, Hd] each
+            start = 0
+            for full, mine in zip(fulls, (rows_[sp_rank] for rows_ in per_kind)):
+                part = slice(start, start + len(mine))  # this kind's rows, in the shard's token order
+                start = part.stop
+                local = full.index_select(1, idx)  # [B, S] -> [B, S_l]
+                embeds = embeds.masked_scatter(local[..., None], rows[part].to(embeds.device, embeds.dtype))
+                masks.append(local)
+                deep.append([d[part] for d in layers])
         lm_kwargs: dict[str, Any] = {}
         if deepstack:
             lm_kwargs["visual_pos_masks"], lm_kwargs["deepstack_visual_embeds"] = _deepstack(masks, deep, embeds)

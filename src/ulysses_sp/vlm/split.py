@@ -142,13 +142,19 @@ def plan_frames(
 
 
 def encode(
-    vision: Any, pixels: torch.Tensor, plan: FramePlan, group: dist.ProcessGroup | None
+    vision: Any, pixels: list[torch.Tensor], plan: FramePlan, group: dist.ProcessGroup | None
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """This rank's merged rows ``[N_l, Hd]`` (in its local token order) and Qwen3-VL's deepstack
-    rows (``[N_l, Hd]`` per deepstack layer; ``[]`` for Qwen2.5-VL). A rank with ``plan.unused``
-    gets zero rows that still depend on the tower (times zero)."""
-    x = pixels.index_select(0, plan.pixels.to(pixels.device)).type(vision.dtype)  # [N_p, C] -> [N_p mine, C]
-    out = vision(x, grid_thw=plan.grid.to(pixels.device))
+    """This rank's merged rows ``[N_l, Hd]`` (in the order of its ``rows_by_rank`` entry) and
+    Qwen3-VL's deepstack rows (``[N_l, Hd]`` per deepstack layer; ``[]`` for Qwen2.5-VL).
+    ``pixels``: the ``pixel_values`` the grids of ``plan_frames`` describe, in order (images, then
+    videos). A rank with ``plan.unused`` gets zero rows that still depend on the tower (times zero)."""
+    picked, first = [], 0
+    for p in pixels:  # [N_p, C] each -> [N_p mine, C]: the plan's rows, never the whole concatenation
+        sel = plan.pixels[(plan.pixels >= first) & (plan.pixels < first + p.shape[0])] - first
+        picked.append(p.index_select(0, sel.to(p.device)))
+        first += p.shape[0]
+    x = torch.cat(picked).type(vision.dtype)
+    out = vision(x, grid_thw=plan.grid.to(x.device))
     feats = [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]  # each [N_v mine, Hd]
     width = feats[0].shape[-1]
     rows = torch.cat(feats, dim=-1)  # [N_v mine, (1 + layers) * Hd]: one exchange for all of them
