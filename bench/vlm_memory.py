@@ -3,7 +3,7 @@
 Run (about 5 minutes on 2 CPU cores): ``python -m bench.vlm_memory [--out bench/results/vlm_memory.md]``
 
 A random Qwen2.5-VL (text: hidden 256, 4 layers, 8 heads, vocab 1024; vision: hidden 128, depth 4), one fp32 step on
-one sample of 32x32-patch images (256 tokens each) and 256 text tokens at sp 1, 2, 4 (gloo), each rank merging its
+one sample of 32x32-patch images (256 tokens each) then ~256 text tokens at sp 1, 2, 4 (gloo), each rank merging its
 shard (``vlm.merge``), frames split over the group (``initialize``'s default) or those its shard touches (no group).
 Per rank (``track_peak_memory``, CPU dispatch counter, parameters in the baseline): the step's extra bytes, and the
 vision tower's forward + backward over this rank's share (``vlm.split``).
@@ -44,10 +44,8 @@ def _model():
 
 def _sample(images: int) -> dict:
     g = torch.Generator().manual_seed(0)
-    ids = [torch.randint(3, 900, (TEXT_TOKENS // (images + 1),), generator=g)]
-    for _ in range(images):
-        ids += [torch.tensor([1000] * IMAGE_TOKENS), torch.randint(3, 900, (TEXT_TOKENS // (images + 1),), generator=g)]
-    ids = torch.cat(ids + [torch.full((-sum(len(i) for i in ids) % 4,), 5)])[None]  # [1, S], S % 4 == 0
+    ids = [torch.tensor([1000] * IMAGE_TOKENS + [5]) for _ in range(images)]  # the images first (a prompt) ...
+    ids = torch.cat(ids + [torch.randint(3, 900, (TEXT_TOKENS + -len(ids) % 4,), generator=g)])[None]  # ... the answer
     return {"input_ids": ids, "pixel_values": torch.randn(images * 4 * IMAGE_TOKENS, 96, generator=g),
             "image_grid_thw": torch.tensor([[1, 32, 32]] * images)}  # fmt: skip
 
@@ -85,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     for images in (4, 8):
         for sp, split in ((1, False), (2, False), (4, False), (2, True), (4, True)):
             r = run_worker("bench.vlm_memory", sp, ["--images", str(images)] + ["--split"] * split)[0]
-            rows.append([r["S"], images * IMAGE_TOKENS, sp, "split" if split else "its shard's", f"{r['step'] / MIB:.1f}", f"{r['vision'] / MIB:.1f}", f"{(r['step'] - r['vision']) / MIB:.1f}"])  # fmt: skip
+            rows.append([r["S"], images * IMAGE_TOKENS, sp, "split" if split else ("its shard's" if sp > 1 else "all"), f"{r['step'] / MIB:.1f}", f"{r['vision'] / MIB:.1f}", f"{(r['step'] - r['vision']) / MIB:.1f}"])  # fmt: skip
     md.page(args.out, "vlm_memory: peak per rank of a Qwen2.5-VL step vs sp", run, [
         "Extra bytes over the parameters, max over ranks (CPU dispatch counter). The vision tower column is its forward "
         "+ backward over this rank's frames alone (split over the group, or those its shard touches).", md.table(["S", "image tokens", "sp", "frames encoded", "step peak MiB", "vision tower MiB", "step - vision MiB"], rows)])  # fmt: skip

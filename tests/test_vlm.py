@@ -57,8 +57,8 @@ def _full_hidden(shapes: set[tuple[int, ...]], s: int, hd: int) -> list[tuple[in
 def _docs(family: str, case: str) -> list[dict[str, torch.Tensor]]:
     if case == "single":
         return [sample(DOC_A, family, seed=1)]
-    if case == "one":  # one image (fewer frames than ranks), straddling the shard boundary
-        return [sample(DOC_B, family, seed=2)]
+    if case == "one":  # one image (fewer frames than ranks): the second half's rank encodes none of it
+        return [sample([3, ("image", 4, 8), 25], family, seed=2)]
     return [sample(DOC_A, family, seed=1), sample(DOC_B, family, seed=2), sample(DOC_C, family, seed=3)]
 
 

@@ -99,7 +99,7 @@ def sharded_forward(
                 video_grid_thw: torch.Tensor | None = None, mm_token_type_ids: Any = None,
                 second_per_grid_ts: Any = None, mm_encoder_outputs: Any = None, **kwargs: Any) -> Any:  # fmt: skip
         _check(input_ids, position_ids, attention_mask, inputs_embeds, mm_encoder_outputs)
-        b, s = input_ids.shape
+        s = input_ids.shape[1]
         indices = [shard_index(s, k, sp_size, ring_size, input_ids.device) for k in range(sp_size)]
         idx = indices[sp_rank]
         embeds = inner.get_input_embeddings()(input_ids.index_select(1, idx))  # [B, S_l] -> [B, S_l, Hd]
