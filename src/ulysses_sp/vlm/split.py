@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ulysses_sp.parallel.comm import comm_device
+from ulysses_sp.parallel.comm import exchange_bytes
 
 
 class _RowExchange(torch.autograd.Function):
@@ -54,11 +54,11 @@ class _RowExchange(torch.autograd.Function):
 
 
 def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    where = comm_device(group, x.device)
-    out = torch.empty(sum(recv), *x.shape[1:], dtype=x.dtype, device=where)
-    # [sum(send), C] -> [sum(recv), C]: rank k's rows after rank k-1's
-    dist.all_to_all_single(out, x.contiguous().to(where), recv, send, group=group)
-    return out.to(x.device)
+    # [sum(send), C] -> [sum(recv), C]: rank k's rows after rank k-1's (one all-to-all of the bytes)
+    c = x.shape[1]
+    pieces = [[piece] for piece in x.split(send)]
+    got = exchange_bytes(pieces, [r * c * x.element_size() for r in recv], group, x.device)
+    return got.view(x.dtype).view(-1, c).to(x.device)
 
 
 @dataclass(frozen=True)
