@@ -107,7 +107,7 @@ class SPTrainerHandle:
         self.alst = alst
         """The ALST techniques applied to the model (``integrations.alst``), or ``None``."""
         self.vlm = vlm
-        """A vision-language model's language-model pre-hook (``vlm.shard_vlm``), or ``None``."""
+        """A vision-language model's per-shard merge (``vlm.shard_vlm``), or ``None``."""
         self.preference = preference
         """TRL ``DPOTrainer``: its fused LM heads under SP (``_preference``), or ``None``."""
         self.pad_token_id = pad_token_id
@@ -221,10 +221,11 @@ def prepare(
     )  # fmt: skip
     mixers = apply_mixers(model, mesh) if has_unsharded_mixers(model) else None  # conv / Mamba-2 layers
     fsdp_dropped(trainer)  # accelerate on a CPU: an FSDP config runs as DDP
-    vlm = None  # Qwen-VL: whole batches to every rank, the language model's inputs cut after the merge
+    vlm = None  # Qwen-VL: whole batches to every rank, each rank merges its own shard (frames split)
     if vlm_parts(model) is not None:
         vlm = installed(model) or shard_vlm(
-            model, sp_rank=mesh.sp_rank, sp_size=mesh.sp_size, ring_size=mesh.ring_size, core=core
+            model, sp_rank=mesh.sp_rank, sp_size=mesh.sp_size, ring_size=mesh.ring_size, core=core,
+            split_images_over=mesh.sp_group,
         )
     logger.info("sequence parallelism in %s: %r, core attention %r", type(trainer).__name__, mesh, core)
     alst = options.apply(model) if options != ALSTOptions() else None
