@@ -16,8 +16,11 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import pathlib
 import textwrap
 from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 WORLD_SIZE = 4
 """The world size the probes derive ``TrainingConfig`` at (sp 2, so dp 2)."""
@@ -284,13 +287,11 @@ def bench_scripts() -> str:
     ``python -m bench...`` line of its docstring) and the results pages its source names."""
     import re
 
-    from mkdocs_hooks import ROOT
-
     rows = []
     for path in sorted((ROOT / "bench").glob("*.py")):
         doc = ast.get_docstring(ast.parse(path.read_text())) or ""
         run = re.search(r"(?:PYTHONPATH=src )?python -m (?:torch\.distributed\.run [^`\n]*?)?bench[\w.]*[^`\n]*", doc)
-        results = sorted(set(re.findall(r"results/(\w+)\.md", path.read_text())))
+        results = sorted(set(re.findall(r"results/(\w+)\.md", path.read_text())) | {path.stem})
         results = [r for r in results if (ROOT / "bench" / "results" / f"{r}.md").is_file()]
         rows.append((
             f"`{path.name}`",
