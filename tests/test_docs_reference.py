@@ -228,3 +228,24 @@ def test_the_contributing_pages_name_what_exists(page):
     assert not [p for p in paths if not (ROOT / p).is_file()], sorted(p for p in paths if not (ROOT / p).is_file())
     for path, test in re.findall(r"\b(tests/\w+\.py)::(\w+)", text):
         assert re.search(rf"^\s*def {test}\(", (ROOT / path).read_text(), re.M), f"{path} has no {test}"
+
+
+# ---------------------------------------------------------------- the planner's fit script
+def _short_conv_fit() -> dict:
+    import fit_mixer_terms
+
+    rows = [fit_mixer_terms.measure("short_conv", cls, kw) for cls, kw in fit_mixer_terms.GRIDS["short_conv"][::2]]
+    return fit_mixer_terms.fit("short_conv", rows)  # 3 of its 5 sizes: one monomial
+
+
+def test_the_mixer_fit_script_reproduces_the_planners_coefficients(pool):
+    """scripts/fit_mixer_terms.py (the contributing page "The bench" names it): its short-convolution
+    fit, measured now, gives the coefficients ``plan.mixers`` holds."""
+    from ulysses_sp.plan.inputs import MixerShape
+    from ulysses_sp.plan.mixers import FP32, memory_per_token
+
+    saved, workspace = (b / FP32 for b in memory_per_token(MixerShape(kind="short_conv", channels=1), 1))
+    got = pool.run(_short_conv_fit, 1)[0]
+    assert got["saved"]["coefficients"]["C"] == pytest.approx(saved, rel=0.03), got
+    assert got["workspace"]["coefficients"]["C"] == pytest.approx(workspace, rel=0.10), got
+    assert got["saved"]["fit_error"] < 0.01 and got["saved"]["code_error"] < 0.03, got
