@@ -1,5 +1,5 @@
-"""The generated reference pages that read the code (scripts/mkdocs_hooks.py adds them to the site):
-the config keys from the config dataclasses and the plan JSON schema from ``cli/plan_schema.py``.
+"""What the site generates from the code (scripts/mkdocs_hooks.py adds it at build time): the config
+keys from the config dataclasses, the plan JSON schema from ``cli/plan_schema.py``, the bench's scripts.
 tests/test_docs_reference.py checks that each page covers every key and that the schema matches a
 real ``ulysses-sp plan --json``.
 
@@ -8,6 +8,8 @@ real ``ulysses-sp plan --json``.
   type, default and docstring; for ``TrainingConfig`` which ``train`` flag sets each key, found by
   changing that flag's ``RunConfig`` field and seeing which key of ``training_config()`` moves.
 - ``plan_json_reference()``: the tables of ``ulysses_sp.cli.plan_schema``.
+- ``bench_scripts()``: the table of bench/*.py that replaces ``<!-- bench-scripts -->`` in
+  docs/contributing/bench.md.
 """
 
 from __future__ import annotations
