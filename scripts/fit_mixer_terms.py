@@ -159,8 +159,9 @@ def measure_grid(kinds: tuple[str, ...]) -> dict[str, list[tuple[Any, float, flo
 
 def fit(kind: str, rows: list[tuple[Any, float, float]]) -> dict[str, Any]:
     """The least-squares coefficients (fp32 elements per token) of the saved bytes and of the
-    backward workspace on ``MONOMIALS[kind]``, each with the largest relative residual of the fit
-    and of the formula the code holds now (``memory_per_token`` at sp 1)."""
+    backward workspace on ``MONOMIALS[kind]``, each with the largest residual of the fit and of the
+    formula the code holds now (``memory_per_token`` at sp 1), relative to the saved bytes (the
+    workspace's: to saved + workspace, the high point the planner adds up)."""
     from ulysses_sp.plan.mixers import FP32, memory_per_token
 
     out: dict[str, Any] = {}
@@ -168,7 +169,10 @@ def fit(kind: str, rows: list[tuple[Any, float, float]]) -> dict[str, Any]:
         a = torch.tensor([[f(m) for f in monomials.values()] for m, _, _ in rows], dtype=torch.float64)
         b = torch.tensor([r[1] if part == "saved" else r[2] for r in rows], dtype=torch.float64) / FP32
         coef = torch.linalg.lstsq(a, b[:, None]).solution[:, 0]
-        scale = b.abs().clamp_min(1.0)
+        # relative to what the planner adds up: the saved bytes, or saved + workspace (a workspace near 0
+        # at a small size would make any error look large)
+        total = torch.tensor([r[1] + (r[2] if part == "workspace" else 0.0) for r in rows], dtype=torch.float64)
+        scale = (total / FP32).abs().clamp_min(1.0)
         now = torch.tensor([memory_per_token(m, 1)[0 if part == "saved" else 1] / FP32 for m, _, _ in rows],
                            dtype=torch.float64)  # fmt: skip
         out[part] = {
