@@ -146,11 +146,10 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
     # 16 in 16-bit (bench.plan_check)
     norm = 0 if s.recompute_norms else norm_full  # recomputed: the projections after it absorb it (memory.norms)
     norm_ws = (h * tok + (12 if e == 4 else 16) * h // e * _tile_tokens(tok, h, None)) if s.recompute_norms else 0
-    # the core's output q: a flash/sdpa kernel writes it token-major, so the o-projection's input is a view of it
     # the core's output and the o-projection's input: at sp 1 a flash/sdpa kernel writes the output
     # token-major, so the projection's input is a view of it; with P > 1 the return exchange makes a copy
     attn_saved = norm + (q + 2 * kv) + (2 * q if s.sp > 1 else q)
-    exchange_in = q + 2 * kv if s.sp > 1 else 0  # see the module docstring
+    exchange_in = q + 2 * m.kv_heads * d if s.sp > 1 else 0  # see the module docstring (kv before replication)
     if s.attention == "blockwise":
         attn_saved = norm + q  # q/k/v and the core's output go to the host with the blocks
     mlp_saved = 0 if s.tiled_mlp else 4 * big_i
@@ -174,6 +173,22 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
     # receive buffers since it goes head by head (parallel/headwise.py), but plan_check's measured peaks
     # did not move where this term is the high point: kept until that peak is located
     attn_ws = (2 * q + 2 * kv + (2 * q // s.head_chunks if s.sp > 1 else 0)) * tok
+    # with P > 1 (one head group, not blockwise) the high point is the q/k/v gradients' exchange home, read
+    # off rehearsals of Llama-3-8B at P 2-32 (bench.scale_table): the core's recomputed output and dq, dk, dv
+    # as it returns them (q + 2 kv); dq home and its accumulated sum (2q); dk and dv home (2 Hkv D); with
+    # more than one query head per rank the core's gradient re-laid out for the exchange (q) and a staged
+    # piece each way (``comm.exchange_pieces``: one head's P S_l D per batch row), else one
+    several = m.heads > s.sp
+    attn_bwd = norm + (5 if several else 4) * q + 2 * kv + 2 * m.kv_heads * d
+    attn_bwd += (2 if several else 1) * s.sp * d // s.micro_batch_size
+    exact_attn_bwd = s.device_type == "cuda" and s.sp > 1 and s.head_chunks == 1 and s.attention != "blockwise"
+    # on CUDA the flash kernel's backward allocates inside itself (rehearse.tracker.kernel_workspace): an fp32
+    # dq accumulator (head dim rounded to 32, + softmax_d) and, with fewer kv than query heads on the rank, dk
+    # and dv expanded to the query heads; alive with q, k, v, the output, its gradient and dq, dk, dv
+    flash_ws = 0
+    if s.device_type == "cuda" and s.attention != "blockwise":
+        flash_ws = 4 * m.heads * (-(-d // 32) * 32 + 1) // e + (2 * q if m.heads > max(m.kv_heads, s.sp) else 0)
+    core_bwd = norm + 4 * q + 4 * kv + flash_ws // s.head_chunks
     # the gradient flowing down and the residual's; the tiled MLP adds its input gradient, summed
     # over the tiles in a buffer of its own
     grad_flow = (3 if s.tiled_mlp else 2) * h * tok
@@ -182,6 +197,8 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
     for kind in m.kinds():
         mixed = attn_saved * kind.attention  # the input norm rides with the attention's terms
         mix_ws = attn_ws if kind.attention else 0
+        if kind.attention and kind.mixer is None and exact_attn_bwd:  # its backward's set, whole (above)
+            mix_ws = (attn_bwd - attn_saved) * tok
         exch = exchange_in if kind.attention else 0
         if kind.mixer is not None:  # measured bytes (plan.mixers), in elements of the model dtype
             saved_b, ws_b = mixer_memory(kind.mixer, s.sp)
@@ -204,7 +221,8 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
             # output (the caller's local), the gradient in; q/k/v, their exchanged copies, the core's output,
             # its token-major copy and what the return exchange gives back
             recompute = max(recompute, (3 * h + (q + 2 * kv) + exchange_in + 3 * q) * tok)
-        here.append(max((layer_full - mlp_grad) * tok + (mlp_ws if kind.mlp else 0) + grad_flow,
+        core = (layer_full - mlp - mlp_grad - mixed + core_bwd - h) * tok + grad_flow if flash_ws and kind.attention else 0
+        here.append(max((layer_full - mlp_grad) * tok + (mlp_ws if kind.mlp else 0) + grad_flow, core,
                         (layer_full - mlp - mlp_grad) * tok + mix_ws + grad_flow,
                         norm_here + grad_flow, recompute) + rope * tok)  # fmt: skip
     # gradients made so far: whole layers (stages 0-1) or their shards after each reduce-scatter
