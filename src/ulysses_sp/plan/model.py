@@ -57,6 +57,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from ulysses_sp.plan.exchange import exchange_latency_s, packed_exchange
 from ulysses_sp.plan.hardware import Hardware, link_gbps
 from ulysses_sp.plan.inputs import DTYPE_BYTES, ModelShape, Settings
 from ulysses_sp.plan.mixers import exchange_per_token
@@ -130,7 +131,7 @@ def _states(m: ModelShape, s: Settings) -> tuple[dict[str, int], int, int]:
     )
 
 
-def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
+def _activations(m: ModelShape, s: Settings, hw: Hardware | None = None) -> tuple[dict[str, int], int]:
     """(the step's activation peak by component, host bytes of offloaded activations)."""
     e = DTYPE_BYTES[s.dtype]
     tok = s.micro_batch_size * s.seq_len // s.sp
@@ -173,7 +174,11 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
     # and with P > 1 an exchange term of 2 q (of one head group). The plain exchange holds no send and
     # receive buffers since it goes head by head (parallel/headwise.py), but plan_check's measured peaks
     # did not move where this term is the high point: kept until that peak is located
-    attn_ws = (2 * q + 2 * kv + (2 * q // s.head_chunks if s.sp > 1 else 0)) * tok
+    # the packed exchange (short sequences) holds a receive buffer of all the q/k/v gradients (of q/k/v in the
+    # recompute; its send buffer goes before the unpacking copy): counted where it exceeds the 2 q exchange term
+    # (plan_check's grid measured the same peaks packed and head by head, MHA and tiny, so no more than that)
+    packed = max(0, q + 2 * kv - 2 * q) if packed_exchange(m, s, hw) else 0
+    attn_ws = (2 * q + 2 * kv + (2 * q // s.head_chunks if s.sp > 1 else 0) + packed) * tok
     # the gradient flowing down and the residual's; the tiled MLP adds its input gradient, summed
     # over the tiles in a buffer of its own
     grad_flow = (3 if s.tiled_mlp else 2) * h * tok
@@ -203,7 +208,7 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
         if ckpt and kind.attention and s.sp > 1:  # the attention's recompute: the layer input, the norm's
             # output (the caller's local), the gradient in; q/k/v, their exchanged copies, the core's output,
             # its token-major copy and what the return exchange gives back
-            recompute = max(recompute, (3 * h + (q + 2 * kv) + exchange_in + 3 * q) * tok)
+            recompute = max(recompute, (3 * h + (q + 2 * kv) + exchange_in + 3 * q + packed) * tok)
         here.append(max((layer_full - mlp_grad) * tok + (mlp_ws if kind.mlp else 0) + grad_flow,
                         (layer_full - mlp - mlp_grad) * tok + mix_ws + grad_flow,
                         norm_here + grad_flow, recompute) + rope * tok)  # fmt: skip
@@ -251,7 +256,7 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
 def memory(m: ModelShape, s: Settings, hw: Hardware | None = None) -> tuple[dict[str, int], int]:
     """``(breakdown, host_bytes)`` of one rank's peak; ``breakdown`` sums to the peak."""
     states, host_states, step_ws = _states(m, s)
-    acts, host_acts = _activations(m, s)
+    acts, host_acts = _activations(m, s, hw)
     during_step = (
         acts["activations"] + acts["logits_loss"] + acts["backward_workspace"] + acts["grads_in_flight"]
     )
@@ -298,6 +303,7 @@ def predict(m: ModelShape, s: Settings, hw: Hardware) -> Prediction:
         # head groups: q/k/v exchanged again in backward
         a2a += (s.head_chunks > 1) * tok * sum((q + 2 * kv) * k.attention for k in m.kinds()) * e * (u - 1) / u
     comm = a2a / (link_gbps(hw, u) * 1e9)
+    comm += exchange_latency_s(m, s, hw, passes)
     if r > 1:  # ring: a hop sends the local K/V (S/R tokens, kv/U heads); forward passes R-1 hops each,
         # backward R-1 K/V hops plus R hops of fp32 dK/dV (counted exactly by bench/ring_bench.py)
         hop = s.micro_batch_size * s.seq_len // r * 2 * kv // u
