@@ -179,3 +179,14 @@ def test_planner_models_the_packed_buffer_where_it_runs_and_keeps_capacity():
     budget = 2 << 30
     assert max_seq_len(tiny, bench, cpu, budget=budget) == max_seq_len(tiny, replace(bench, exchange="headwise"), cpu,
                                                                        budget=budget)  # fmt: skip
+
+
+def test_train_takes_the_exchange_and_refuses_an_unknown_one_before_launch():
+    from ulysses_sp.cli.args import build_parser
+    from ulysses_sp.run.checks import check_train_options
+    from ulysses_sp.run.config import RunConfig
+
+    assert build_parser().parse_args(["train", "--exchange", "headwise"]).exchange == "headwise"
+    check_train_options(RunConfig(exchange="packed"))
+    with pytest.raises(ValueError, match="--exchange must be one of auto, packed, headwise, got 'fast'"):
+        check_train_options(RunConfig(exchange="fast"))
