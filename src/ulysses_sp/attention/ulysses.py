@@ -16,12 +16,12 @@ path ``attention/core.py`` picks runs: plain causal through the kernel's own
 causal mode; packed documents (position ids restart at 0) and sliding windows through the blockwise
 core for sdpa (no ``S x S`` tensor), varlen for flash, a ``BlockMask`` for flex, a dense mask for eager.
 q, k and v (and the output) cross the SP group packed (one collective each way) below a per-piece byte
-threshold, head by head above (no whole-tensor buffers): ``parallel/headwise.py``, ``parallel/exchange_cost.py``. Where the positions come from, chunked attention layers and the query temperature of NoPE layers: ``attention/positions.py``; per-head
-parameters the core reads (attention sinks) cut to the rank's heads: ``attention/heads.py``.
+threshold, head by head above (no whole-tensor buffers): ``parallel/headwise.py``, ``exchange_cost.py``.
+Where the positions come from, chunked attention layers and NoPE layers' query temperature:
+``attention/positions.py``; per-head parameters (attention sinks) cut to the rank's heads: ``attention/heads.py``.
 
-GQA/MQA: kv heads split over ranks like query heads when ``Hkv % P == 0``; when ``Hkv < P`` each kv
-head goes to the ``P/Hkv`` ranks whose query heads use it (replicated piece by piece head by head, before
-the collective packed), so every rank receives exactly the one kv head it needs — the minimum bytes.
+GQA/MQA: kv heads split over ranks like query heads when ``Hkv % P == 0``; when ``Hkv < P`` each kv head goes
+to the ``P/Hkv`` ranks whose queries use it (``headwise.py``): each rank receives the one it needs, no more.
 
 Shape legend: ``B`` batch, ``S`` global sequence, ``S_l = S/P``, ``H`` query heads, ``H_l = H/P``,
 ``Hkv`` kv heads, ``Hkv_l`` kv heads per rank, ``D`` head dim, ``P`` sp size.

@@ -16,10 +16,11 @@ packed ``alpha + n b (beta + (c + 1) gamma)``: the bytes term is the same, so pa
 
 The constants: gloo's were measured on this project's CPU machines (2 ranks over shared memory):
 ``all_to_all_single`` of 1 KB-256 KB took 170-270 us (alpha), of 16 MB 9.9 ms (beta); gamma is set so that
-``alpha / gamma`` is the crossover measured with the attention exchange itself (4 heads of D 16, fp32,
-forward + backward: packed 1.65-1.77x faster at 128-256 KiB pieces, 1.08-1.11x at 512 KiB, a tie to 0.92x
-at 640-896 KiB, head by head 1.2-1.6x faster from 2 MiB, under load 12-15 from other jobs): 640 KiB. It is
-more than one plain copy (3.2 ms per 16 MB): packing, unpacking and first-touching two fresh buffers.
+``alpha / gamma`` is the crossover measured with the attention exchange itself (q/k/v in and the output out,
+forward + backward, 4 heads of D 16, fp32, 2 ranks; head-by-head time over packed, four runs under load 10-15
+from other jobs): 1.12-1.77x at 128-256 KiB pieces, 1.00-1.38x at 512 KiB, 1.00-1.12x at 640 KiB, 0.84-1.18x
+at 896 KiB (3 of 4 below 1), 0.56-0.82x at 2 MiB: 640 KiB. That is more than one plain copy (3.2 ms per
+16 MB): packing, unpacking and first-touching two fresh buffers.
 NCCL's are published figures (nccl-tests all-to-all small-message latency on DGX H100 over NVLink and
 across nodes over 400 Gb/s InfiniBand; H100 HBM3 copy bandwidth), not measured here. The planner
 (``plan/``) uses the same model for the time term and for the packed path's transient buffer; pure
