@@ -47,3 +47,22 @@ def test_reward_model_sp2_equals_one_process(pool):
     logs = _assert_exact(pool, reward_train, "RewardTrainer", accum=2, evaluate=True, center_rewards_coefficient=0.01)
     assert {"loss", "grad_norm", "accuracy", "margin", "min_reward", "max_reward"} <= set(logs[0])
     assert logs[0]["grad_norm"] > 0
+
+
+def test_kto_kl_at_dp2_and_orpo_cpo_are_refused_by_name():
+    """KTO's KL term at dp > 1 (its estimate would average other batches than any run without SP), and
+    trl.experimental's ORPO / CPO (their losses slice the full [B, S, V] logits), name the reason and the fix."""
+    import types
+
+    from trl.experimental.cpo import CPOTrainer
+    from trl.experimental.orpo import ORPOTrainer
+
+    from ulysses_sp.integrations._preference import check_preference
+    from ulysses_sp.integrations._support import check_trainer_loss
+
+    kto = types.SimpleNamespace(calculate_KL=True, loss_type="kto")
+    with pytest.raises(ValueError, match=r"loss_type='kto' at dp_size=2: .* holds 2 distinct batches.*apo_zero_unpaired"):
+        check_preference(kto, ring_size=1, tiled_loss=False, dp_size=2)
+    for cls in (ORPOTrainer, CPOTrainer):
+        with pytest.raises(ValueError, match=rf"{cls.__name__} .*full \[B, S, V\] logits"):
+            check_trainer_loss(object.__new__(cls))
