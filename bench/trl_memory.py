@@ -1,17 +1,21 @@
 """Peak memory per rank and step time of TRL's DPO and GRPO training steps on long sequences vs sp (issue 34).
 
-Run (about 20 minutes on 2 CPU cores): ``python -m bench.trl_memory [--lengths 8192 16384 32768] [--sp 1 2 4]``
+Run (about 20 minutes on 2 CPU cores, 8K and 16K): ``python -m bench.trl_memory [--lengths 8192 16384 32768] [--sp 1 2 4]``
 
-A random Llama (h=64, MLP 256, 2 layers, 4 heads / 2 kv heads, vocab 8192, fp32, sdpa) trains 2 optimizer steps
-of TRL's own trainer on ``sp`` gloo ranks (dp 1), through ``prepare(trainer, sp_size=sp)`` for sp > 1:
+A random Llama (h=64, MLP 2048, 2 layers, 4 heads / 2 kv heads, vocab 8192, fp32, sdpa; a wide MLP so that the
+per-token memory is a model's, not a toy's, at an attention cost a CPU can pay at 16K) trains one optimizer step of
+TRL's own trainer (its defaults: activation checkpointing on) on ``sp`` gloo ranks (dp 1), through
+``prepare(trainer, sp_size=sp)`` for sp > 1:
 
 - ``DPOTrainer``: one pair per step, a 64-token prompt and a chosen / rejected completion of ``S - 64`` tokens
   (the ``[2, S]`` batch), a separate reference model (another random Llama), sigmoid loss;
 - ``GRPOTrainer``: 2 completions of ``S - 64`` tokens per rank per step, synthetic (TRL's ``rollout_func``
   returns random tokens: token-by-token generation on a CPU is not what is measured), beta 0, TRL's default loss.
 
-Each rank meters the second step (``on_step_begin`` to ``on_step_end``: the forward passes, loss, backward and
-AdamW step; the optimizer state exists already) with ``ulysses_sp.memory.track_peak_memory`` (CPU dispatch
+TRL's fused LM head computes the log-probs in tiles of 4096 tokens x ``_CHUNKED_LOGPROB_CHUNK_SIZE`` vocabulary
+columns: 32768 by default, whose fp32 scratch on the CPU (torch, not Triton) is ~1.5 GiB whatever ``S`` is and
+would hide the per-token memory; here 4096 columns (~0.2 GiB, set in ``trl.trainer.utils``). Each rank meters the
+step (``on_step_begin`` to ``on_step_end``: the forward passes, loss, backward and AdamW step) with ``ulysses_sp.memory.track_peak_memory`` (CPU dispatch
 counter): the bytes it adds over what is live at its start, max over ranks; and its wall time, max over ranks.
 """
 
@@ -34,12 +38,12 @@ from ulysses_sp.memory.meter import track_peak_memory
 from ulysses_sp.tasks.tokenizer import byte_tokenizer
 
 MIB, PROMPT = 2**20, 64
-MODEL = dict(vocab_size=8192, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+MODEL = dict(vocab_size=8192, hidden_size=64, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)  # fmt: skip
 
 
 class Probe(TrainerCallback):
-    """The last step's extra bytes and wall seconds on this rank."""
+    """The step's extra bytes and wall seconds on this rank."""
 
     def on_step_begin(self, args, state, control, **kw):
         self.t, self.cm = time.perf_counter(), track_peak_memory("cpu")
@@ -59,7 +63,7 @@ def _trainer(kind: str, s: int, out: str, probe: Probe):
     from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
 
     g, n = torch.Generator().manual_seed(0), dist.get_world_size()
-    common = dict(output_dir=out, use_cpu=True, report_to=[], save_strategy="no", max_steps=2, logging_steps=1,
+    common = dict(output_dir=out, use_cpu=True, report_to=[], save_strategy="no", max_steps=1, logging_steps=1,
                   learning_rate=1e-3, seed=0, disable_tqdm=True, dataloader_num_workers=0, bf16=False)  # fmt: skip
     model = llama(**MODEL, max_position_embeddings=s)
     if kind == "DPO":
@@ -81,8 +85,11 @@ def _trainer(kind: str, s: int, out: str, probe: Probe):
 
 
 def worker(lengths: list[int]) -> dict:
-    """``{kind: {S: (extra bytes, seconds)}}`` of the second step at sp = world size, max over ranks."""
+    """``{kind: {S: (extra bytes, seconds)}}`` of the step at sp = world size, max over ranks."""
+    import trl.trainer.utils
+
     sp, res = dist.get_world_size(), {}
+    trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE = 4096  # the head's vocabulary tile (module docstring)
     for kind in ("DPO", "GRPO"):
         for s in lengths:
             with tempfile.TemporaryDirectory() as out:
@@ -108,9 +115,9 @@ def main(argv: list[str] | None = None) -> None:
              f"{r[str(s)][1]:.1f}"] for kind in ("DPO", "GRPO") for s in args.lengths for sp, r in
             ((sp, got[sp][kind]) for sp in args.sp)]  # fmt: skip
     md.page(args.out, "trl_memory: TRL's DPO and GRPO step on long sequences vs sp", run, [
-        "The second optimizer step of TRL's trainer (through prepare(trainer, sp_size=sp) for sp > 1), dp 1: the "
-        "bytes it adds over what is live at its start (activations, gathered log-probs, gradients; parameters and "
-        "AdamW state excluded), max over ranks; its wall time on a shared 2-core CPU machine (sp ranks share 2 cores).",
+        "One optimizer step of TRL's trainer (through prepare(trainer, sp_size=sp) for sp > 1), dp 1: the "
+        "bytes it adds over what is live at its start (activations, gathered log-probs, gradients, AdamW state; "
+        "parameters excluded), max over ranks; its wall time on a shared 2-core CPU machine (sp ranks share 2 cores).",
         md.table(["trainer", "S (tokens per sequence)", "sp", "step peak MiB per rank", "vs sp 1", "step s"], rows)])  # fmt: skip
 
 
