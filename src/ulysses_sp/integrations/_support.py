@@ -5,13 +5,11 @@ log-likelihood (``transformers.Trainer``'s and TRL ``SFTTrainer``'s ``loss_type=
 trainer whose own class computes another objective would be trained on the wrong loss without a
 word, so ``prepare`` refuses it, naming the class and the reason:
 
-- TRL's reward and distillation trainers and ``KTOTrainer`` (``RewardTrainer``, ``DistillationTrainer``,
-  ...): their losses are functions of whole-sequence
-  quantities (per-sequence summed log-probabilities against a reference model, sequence-level
-  rewards, a teacher's full distribution) built from full-sequence outputs on one rank. Under SP a
-  rank holds ``S/P`` tokens of each sequence; the per-token values would have to be gathered over
-  the SP group before the loss, which none of them does yet. ``DPOTrainer`` (``_preference``),
-  ``GRPOTrainer`` and ``RLOOTrainer`` (``_rl``) have that path and are not checked here.
+- TRL's distillation trainers and ``trl.experimental``'s ``ORPOTrainer`` / ``CPOTrainer``: their
+  losses read the full-sequence ``[B, S, V]`` logits (a teacher's distribution; ORPO/CPO's chosen NLL
+  and log-probs sliced from ``outputs.logits``) on one rank, which SP never gathers (``S/P`` tokens per
+  rank). ``DPOTrainer``, ``KTOTrainer``, ``RewardTrainer`` (``_preference``, ``_reward``),
+  ``GRPOTrainer`` and ``RLOOTrainer`` (``_rl``) gather per-token values instead and are not checked here.
 - any other subclass that defines its own ``compute_loss``: the same reason, for an objective we
   cannot know.
 
@@ -45,10 +43,10 @@ NLL_TRAINERS = ("Trainer", "SFTTrainer", "_BaseTrainer")
 TRL's common base, which defines none of its own)."""
 
 WHY = {
-    "KTOTrainer": "its loss uses each completion's summed log-probability against a reference model; "
-    "under SP each rank holds only part of every sequence",
-    "RewardTrainer": "its loss compares the chosen and rejected sequences' rewards, read at the last "
-    "token, which under SP is on one rank only",
+    "ORPOTrainer": "its loss slices the chosen and rejected log-probs and NLL from the full [B, S, V] logits "
+    "(outputs.logits), which under SP no rank holds",
+    "CPOTrainer": "its loss slices the chosen and rejected log-probs and NLL from the full [B, S, V] logits "
+    "(outputs.logits), which under SP no rank holds",
     "DistillationTrainer": "its loss compares the student's and a teacher's full-sequence distributions",
 }
 
