@@ -2,12 +2,11 @@
 
 Run (about 5 minutes on 2 CPU cores): ``python -m bench.vlm_memory [--out bench/results/vlm_memory.md]``
 
-A random Qwen2.5-VL (text: hidden 256, 4 layers, 8 heads, vocab 1024; vision: hidden 128, depth 4) trains one
-fp32 step on one sample of 32x32-patch images (256 tokens each) and 256 text tokens, at sp 1, 2 and 4 (gloo
-ranks), the images encoded on every rank or split over the group (``shard_vlm(split_images_over=)``). Each rank measures with ``ulysses_sp.memory.track_peak_memory`` (CPU
-dispatch counter, parameters in the baseline): the whole step's extra bytes (forward, loss, backward), and the
-vision tower's forward + backward over the sample's images alone: it runs whole on every rank
-(``ulysses_sp.vlm.shard``).
+A random Qwen2.5-VL (text: hidden 256, 4 layers, 8 heads, vocab 1024; vision: hidden 128, depth 4), one fp32 step on
+one sample of 32x32-patch images (256 tokens each) then ~256 text tokens at sp 1, 2, 4 (gloo), each rank merging its
+shard (``vlm.merge``), frames split over the group (``initialize``'s default) or those its shard touches (no group).
+Per rank (``track_peak_memory``, CPU dispatch counter, parameters in the baseline): the step's extra bytes, and the
+vision tower's forward + backward over this rank's share (``vlm.split``).
 """
 
 from __future__ import annotations
@@ -25,6 +24,8 @@ from ulysses_sp.memory.meter import track_peak_memory
 from ulysses_sp.parallel.loss import sp_causal_lm_loss
 from ulysses_sp.parallel.mesh import init_mesh
 from ulysses_sp.vlm import prepare_vlm_batch, shard_vlm
+from ulysses_sp.vlm.merge import rows_by_rank, shard_index
+from ulysses_sp.vlm.split import encode, plan_frames
 
 MIB, IMAGE_TOKENS, TEXT_TOKENS = 2**20, 256, 256
 
@@ -43,11 +44,8 @@ def _model():
 
 def _sample(images: int) -> dict:
     g = torch.Generator().manual_seed(0)
-    ids = [torch.randint(3, 900, (TEXT_TOKENS // (images + 1),), generator=g)]
-    for _ in range(images):
-        ids += [torch.tensor([1000] * IMAGE_TOKENS), torch.randint(3, 900, (TEXT_TOKENS // (images + 1),), generator=g)]
-    ids = torch.cat(ids)[None]
-    ids = torch.cat([ids, torch.full((1, -ids.shape[1] % 4), 5)], dim=1)
+    ids = [torch.tensor([1000] * IMAGE_TOKENS + [5]) for _ in range(images)]  # the images first (a prompt) ...
+    ids = torch.cat(ids + [torch.randint(3, 900, (TEXT_TOKENS + -len(ids) % 4,), generator=g)])[None]  # ... the answer
     return {"input_ids": ids, "pixel_values": torch.randn(images * 4 * IMAGE_TOKENS, 96, generator=g),
             "image_grid_thw": torch.tensor([[1, 32, 32]] * images)}  # fmt: skip
 
@@ -63,11 +61,13 @@ def worker(images: int, split: bool) -> dict:
     inputs = prepare_vlm_batch(model, batch, sp_rank=mesh.sp_rank, sp_size=sp)
     labels = inputs.pop("shift_labels")
     with track_peak_memory("cpu", include=model.parameters()) as step:
-        loss = sp_causal_lm_loss(model(**inputs, use_cache=False).logits, labels, mesh.sp_group if sp > 1 else None)
-        loss.backward()
+        sp_causal_lm_loss(model(**inputs, use_cache=False).logits, labels, mesh.sp_group if sp > 1 else None).backward()
     model.zero_grad(set_to_none=True)
-    with track_peak_memory("cpu", include=model.parameters()) as vision:
-        model.model.visual(batch["pixel_values"], grid_thw=batch["image_grid_thw"]).pooler_output.sum().backward()
+    ids, group = inputs["input_ids"], mesh.sp_group if split and sp > 1 else None
+    needed = rows_by_rank(ids == 1000, [shard_index(ids.shape[1], k, sp, 1, "cpu") for k in range(sp)])
+    plan = plan_frames(batch["image_grid_thw"], needed, sp_rank=mesh.sp_rank, merge=4, split=group is not None)
+    with track_peak_memory("cpu", include=model.parameters()) as vision:  # this rank's share of the tower
+        encode(model.model.visual, [batch["pixel_values"]], plan, group)[0].sum().backward()
     return {"S": int(batch["input_ids"].shape[1]), "step": max_over_ranks(step.extra_bytes), "vision": max_over_ranks(vision.extra_bytes)}  # fmt: skip
 
 
@@ -83,12 +83,10 @@ def main(argv: list[str] | None = None) -> None:
     for images in (4, 8):
         for sp, split in ((1, False), (2, False), (4, False), (2, True), (4, True)):
             r = run_worker("bench.vlm_memory", sp, ["--images", str(images)] + ["--split"] * split)[0]
-            rows.append([r["S"], images * IMAGE_TOKENS, sp, "split" if split else "every rank", f"{r['step'] / MIB:.1f}", f"{r['vision'] / MIB:.1f}",
-                         f"{(r['step'] - r['vision']) / MIB:.1f}"])  # fmt: skip
+            rows.append([r["S"], images * IMAGE_TOKENS, sp, "split" if split else ("its shard's" if sp > 1 else "all"), f"{r['step'] / MIB:.1f}", f"{r['vision'] / MIB:.1f}", f"{(r['step'] - r['vision']) / MIB:.1f}"])  # fmt: skip
     md.page(args.out, "vlm_memory: peak per rank of a Qwen2.5-VL step vs sp", run, [
-        "Extra bytes over the parameters, max over ranks (CPU dispatch counter). The vision tower "
-        "column is its forward + backward over the sample's images alone (this rank's share when split).",
-        md.table(["S", "image tokens", "sp", "images", "step peak MiB", "vision tower MiB", "step - vision MiB"], rows)])  # fmt: skip
+        "Extra bytes over the parameters, max over ranks (CPU dispatch counter). The vision tower column is its forward "
+        "+ backward over this rank's frames alone (split over the group, or those its shard touches).", md.table(["S", "image tokens", "sp", "frames encoded", "step peak MiB", "vision tower MiB", "step - vision MiB"], rows)])  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -3,6 +3,9 @@
 - `index.md` is README.md; `results/NAME.md` is bench/results/NAME.md (one source each).
 - `reference/cli.md`: every subcommand's `--help`, from `ulysses_sp.cli.args.build_parser`.
 - `reference/api.md`: a mkdocstrings block per public name of `ulysses_sp` (its `_EXPORTS`).
+- `reference/config.md`, `reference/plan-json.md`: the config keys and the plan JSON schema
+  (scripts/docs_reference.py); a page's `<!-- bench-scripts -->` line becomes the table of bench/*.py
+  with each script's docstring summary.
 - `contributing/architecture.md`: the layers of `tests/test_architecture.py`, each package's
   docstring beside them.
 - The pages are written with repository-relative links (they read on GitHub as well):
@@ -19,12 +22,15 @@ import os
 import pathlib
 import posixpath
 import re
+import sys
 
 from mkdocs.structure.files import File
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 _LINK = re.compile(r"(\]\()([^)\s]+)(\))")
 _FENCE = re.compile(r"^\s*(```|~~~)")
+sys.path.insert(0, str(ROOT / "scripts"))
+import docs_reference  # noqa: E402  (beside this file)
 
 
 def _generated(config, files, src_uri: str, content: str) -> None:
@@ -40,6 +46,8 @@ def on_files(files, config):
         _generated(config, files, f"results/{path.name}", path.read_text())
     _generated(config, files, "reference/cli.md", cli_reference())
     _generated(config, files, "reference/api.md", api_reference())
+    _generated(config, files, "reference/config.md", docs_reference.config_reference())
+    _generated(config, files, "reference/plan-json.md", docs_reference.plan_json_reference())
     _generated(config, files, "contributing/architecture.md", architecture())
     return files
 
@@ -79,6 +87,8 @@ def _map_link(target: str, src_uri: str) -> str:
 
 def on_page_markdown(markdown, page, config, files):
     src_uri = page.file.src_uri
+    if "<!-- bench-scripts -->" in markdown:
+        markdown = markdown.replace("<!-- bench-scripts -->", docs_reference.bench_scripts())
     shift = src_uri.startswith("readme/") and markdown.lstrip().startswith("## ")
     out, fenced = [], False
     for line in markdown.splitlines():

@@ -87,7 +87,7 @@ def dpo_train(
             output_dir=out, use_cpu=True, report_to=[], save_strategy="no", max_steps=steps,
             per_device_train_batch_size=2, per_device_eval_batch_size=2, gradient_accumulation_steps=accum,
             learning_rate=1e-2, logging_steps=1, seed=0, disable_tqdm=True, dataloader_num_workers=0,
-            bf16=False, dataset_num_proc=None, loss_type=list(loss_type),
+            bf16=config.pop("bf16", False), dataset_num_proc=None, loss_type=list(loss_type),
             precompute_ref_log_probs=reference == "precompute", **config,
         )  # fmt: skip
         trainer = DPOTrainer(

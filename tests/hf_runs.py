@@ -189,15 +189,15 @@ def train_and_eval(
     from ulysses_sp.tasks.tokenizer import byte_tokenizer
 
     model = tiny_model(arch, seed=0, vocab=VOCAB, kv_heads=kv_heads)
-    if lora:
+    peft_config = None
+    if lora:  # the plain Trainer gets a PEFT model; SFTTrainer its peft_config (the TRL path, docs/how-to/trl-lora.md)
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-        torch.manual_seed(1)
-        with torch.no_grad():  # non-zero B so that every adapter weight has a gradient at step 1
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0, 0.1)
+        # init_lora_weights=False: a non-zero B, so that every adapter weight has a gradient at step 1
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        torch.manual_seed(1)  # the same adapter weights on every rank and in every run
+        if kind == "plain":
+            model, peft_config = get_peft_model(model, peft_config), None
     common = dict(
         use_cpu=True,
         report_to=[],
@@ -257,7 +257,12 @@ def train_and_eval(
                 processing_class=tokenizer,
                 train_dataset=Dataset.from_list(train_rows),
                 eval_dataset=Dataset.from_list(eval_rows),
+                peft_config=peft_config,
             )
+            if lora:
+                from peft import PeftModel
+
+                assert isinstance(trainer.model, PeftModel), type(trainer.model)
         trainer.model_accepts_loss_kwargs = token_weighted
         handle = prepare(trainer, sp_size=sp_size, ring_size=ring_size) if sp_size else None
         name = type(trainer).__name__

@@ -57,13 +57,13 @@ def _sp_step(model, mesh, ids, labels, *, checkpointing=False):
     return avg / info.dp_size, {n: p.grad for n, p in model.named_parameters()}
 
 
-def _equivalence(dp, sp, cases, seq=S, kill_shard=None, checkpointing=False):
+def _equivalence(dp, sp, cases, seq=S, kill_shard=None, checkpointing=False, exchange="auto"):
     mesh = init_mesh((dp, sp))
     compared = []
     for arch, core, heads, kv in cases:
         ref = tiny_model(arch, attn=core, heads=heads, kv_heads=kv)
         model = copy.deepcopy(ref)
-        reg = UlyssesSPAttentionHF.register_with_transformers(model, core, sp, B, mesh=mesh)
+        reg = UlyssesSPAttentionHF.register_with_transformers(model, core, sp, B, mesh=mesh, exchange=exchange)
         ids = global_batch(1, dp * B, seq)
         labels = shift(ids)
         if kill_shard is not None:  # one SP shard of the first sequences holds only -100 labels
@@ -89,10 +89,11 @@ def test_sp_loss_and_every_gradient_equal_no_sp(pool, dp, sp):
     assert set(results[0]) == set(MHA_CASES)
 
 
+@pytest.mark.parametrize("exchange", ["packed", "headwise"])  # auto: packed at these sizes
 @pytest.mark.parametrize("heads, kv", [(4, 1), (8, 2), (8, 4)])
-def test_gqa_with_fewer_kv_heads_than_sp_ranks_is_exact(pool, heads, kv):
+def test_gqa_with_fewer_kv_heads_than_sp_ranks_is_exact(pool, heads, kv, exchange):
     cases = [("llama", "sdpa", heads, kv), ("qwen2", "eager", heads, kv)]
-    pool.run(_equivalence, 4, 1, 4, cases)
+    pool.run(_equivalence, 4, 1, 4, cases, exchange=exchange)
 
 
 def test_shard_with_only_ignored_labels_contributes_zero_not_nan(pool):
@@ -100,8 +101,10 @@ def test_shard_with_only_ignored_labels_contributes_zero_not_nan(pool):
     pool.run(_equivalence, 4, 2, 2, [("qwen2", "eager", 4, 4)], kill_shard=0)
 
 
-def test_activation_checkpointing_gives_same_gradients(pool):
-    pool.run(_equivalence, 2, 1, 2, [("llama", "sdpa", 4, 4), ("mistral", "eager", 4, 4)], checkpointing=True)
+@pytest.mark.parametrize("exchange", ["packed", "headwise"])
+def test_activation_checkpointing_gives_same_gradients(pool, exchange):
+    pool.run(_equivalence, 2, 1, 2, [("llama", "sdpa", 4, 4), ("mistral", "eager", 4, 4)], checkpointing=True,
+             exchange=exchange)
 
 
 def _undo_restores_model():
@@ -349,7 +352,7 @@ def test_each_forward_uses_its_own_position_ids(pool):
     pool.run(_fresh_positions_every_forward, 2)
 
 
-def _mixed_dtype_exchange():
+def _mixed_dtype_exchange(packed_path):
     from ulysses_sp.parallel.comm import seq_to_heads
     from ulysses_sp.parallel.headwise import qkv_seq_to_heads
 
@@ -358,7 +361,7 @@ def _mixed_dtype_exchange():
     # under autocast, rotary leaves q and k in fp32 while v comes out of its projection in bf16
     q, k = (torch.randn(2, 4, 3, 5, generator=g, requires_grad=True) for _ in range(2))
     v = torch.randn(2, 2, 3, 5, generator=g).to(torch.bfloat16).requires_grad_()
-    packed = qkv_seq_to_heads(q, k, v, mesh.sp_group)
+    packed = qkv_seq_to_heads(q, k, v, mesh.sp_group, packed=packed_path)
     alone = [seq_to_heads(t, mesh.sp_group) for t in (q, k, v)]
     assert [t.dtype for t in packed] == [torch.float32, torch.float32, torch.bfloat16]
     grads = []
@@ -372,5 +375,6 @@ def _mixed_dtype_exchange():
     )
 
 
-def test_packed_qkv_exchange_keeps_mixed_dtypes_and_equals_separate_exchanges(pool):
-    assert pool.run(_mixed_dtype_exchange, 2) == [True, True]
+@pytest.mark.parametrize("packed_path", [True, False])
+def test_packed_qkv_exchange_keeps_mixed_dtypes_and_equals_separate_exchanges(pool, packed_path):
+    assert pool.run(_mixed_dtype_exchange, 2, packed_path) == [True, True]

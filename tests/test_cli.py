@@ -198,6 +198,17 @@ def test_kill_9_one_rank_then_resume_is_exact_zero3(runs, tmp_path):
     assert losses(run) == losses(runs / "sp2")  # the uninterrupted run, to the bit
 
 
+def test_resume_on_another_nproc_sp_and_zero_stage_continues_the_run(runs, tmp_path):
+    """docs/how-to/resume-reshard.md: a checkpoint of the sp 2 run (2 processes, ZeRO 3) resumed into
+    another output directory on 1 process at sp 1 and ZeRO 1 (dp 1 as saved): the training state is
+    resharded, and the resumed steps are the uninterrupted run's steps."""
+    out = tmp_path / "resharded"
+    train_here(out, "--sp", "1", "--steps", "8", "--zero-stage", "1", "--resume", str(runs / "sp2" / "checkpoint-4"))
+    assert [m["step"] for m in metrics(out)] == [5, 6, 7, 8]
+    assert losses(out) == pytest.approx(losses(runs / "sp2")[4:], rel=1e-5)
+    assert (out / "checkpoint-8" / "manifest.json").is_file()
+
+
 def test_default_task_learns_and_eval_shows_late_positions(tmp_path):
     """A short recall run must push the recall half's loss far below chance.
 

@@ -26,7 +26,7 @@ _MARK = re.compile(r"<!-- (run by: (tests/\S+\.py)::(\w+).*?|not run: \S.*?) -->
 _CMD = re.compile(r"(?:ulysses-sp|-m ulysses_sp\.cli\.main)\s+(train|eval|plan|env)\b([^\n`#]*)")  # on text with continuations joined
 _FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
 # Pages about the bench and the tests quote their scripts' flags (`--smoke`, `--tech`), not the CLI's.
-_OTHER_FLAGS_PAGES = {"performance.md", "testing.md"}
+_OTHER_FLAGS_PAGES = {"performance.md", "testing.md", "bench.md"}
 
 
 def _rel(path) -> str:

@@ -169,6 +169,16 @@ def test_prepare_refuses_a_loss_it_does_not_reproduce(make_trainer):
         prepare(trainer, sp_size=2)
 
 
+def test_prepare_refuses_a_prompt_learning_adapter(make_trainer):
+    """Prompt tuning's virtual tokens would go before each rank's shard, not before the sequence."""
+    from peft import PromptTuningConfig, get_peft_model
+
+    trainer = make_trainer()
+    trainer.model = get_peft_model(trainer.model, PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    with pytest.raises(ValueError, match=r"Trainer with a prompt-learning PEFT adapter .*use LoRA"):
+        prepare(trainer, sp_size=2)
+
+
 def test_prepare_refuses_a_model_hiding_a_sequence_mixer(make_trainer):
     """The closed-world guard runs in prepare(), before any process group is needed."""
     from hidden_mixer import ConvMLP

@@ -171,11 +171,12 @@ def test_readme_shows_the_fsdp2_config_file():
     assert f"```yaml\n{body}```" in (root / "docs" / "readme" / "hf.md").read_text()
 
 
-def test_the_dpo_guide_shows_the_example_file():
-    """The DPO section of the Trainer guide (docs/readme/hf.md) shows examples/dpo_sp.py verbatim; the
-    examples test runs the shown script with torchrun at sp 2."""
+def test_the_dpo_and_grpo_guides_show_the_example_files():
+    """The DPO and GRPO sections of the Trainer guide (docs/readme/hf.md) show examples/dpo_sp.py and
+    examples/grpo_sp.py verbatim; the examples test runs the shown scripts with torchrun at sp 2."""
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parent.parent
-    example = (root / "examples" / "dpo_sp.py").read_text()
-    assert f"```python\n{example}```" in (root / "docs" / "readme" / "hf.md").read_text()
+    for name in ("dpo_sp.py", "grpo_sp.py"):
+        example = (root / "examples" / name).read_text()
+        assert f"```python\n{example}```" in (root / "docs" / "readme" / "hf.md").read_text(), name

@@ -67,11 +67,11 @@ def test_segments_path_where_it_applies():
 DOCS = (5, 7, 4)  # 16 tokens: boundaries fall inside shards at sp 2 and 4
 
 
-def _sp_packed(sp, kv):
+def _sp_packed(sp, kv, exchange):
     mesh = init_mesh((1, sp))
     ref = tiny_model("llama", heads=4, kv_heads=kv)
     model = copy.deepcopy(ref)
-    reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1, mesh=mesh)
+    reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1, mesh=mesh, exchange=exchange)
     ids = global_batch(3, 1, sum(DOCS))
     pos = _positions([DOCS])
     labels = shift(ids)
@@ -92,6 +92,7 @@ def _sp_packed(sp, kv):
     return path
 
 
+@pytest.mark.parametrize("exchange", ["packed", "headwise"])  # auto: packed at these sizes
 @pytest.mark.parametrize("sp, kv", [(4, 2)])  # GQA with fewer kv heads than ranks (sp 2: test_head_chunks)
-def test_packed_documents_per_document_sdpa_equal_no_sp(pool, sp, kv):
-    assert set(pool.run(_sp_packed, sp, sp, kv)) == {"segments"}
+def test_packed_documents_per_document_sdpa_equal_no_sp(pool, sp, kv, exchange):
+    assert set(pool.run(_sp_packed, sp, sp, kv, exchange)) == {"segments"}

@@ -150,3 +150,29 @@ def test_plan_max_search_finds_the_longest_length_the_rehearsal_accepts(limit, p
     assert got is not None and got <= best and got % 2048 == 0
     assert best - got <= max(2048, 0.02 * got), (got, best)
     assert len(asked) <= 12, asked
+
+
+@pytest.mark.parametrize("kernels, kv_heads", [("cuda", 2), ("cuda", 8), ("cpu", 2)])
+def test_the_flash_backward_workspace_is_counted_for_cuda_kernels(kernels, kv_heads):
+    """FlashAttention-2's backward allocates, inside the kernel, an fp32 dq accumulator (head dim rounded
+    to 32, + softmax_d) and, with fewer kv heads than query heads, dk/dv expanded to the query heads;
+    no fake kernel makes them. A rehearsal standing for CUDA adds them to the peak for the kernel's
+    duration (named in the peak's tensors); one standing for the CPU kernel does not."""
+    import torch
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ulysses_sp.rehearse.tracker import StepTracker
+
+    b, h, s, d = 1, 8, 4096, 64
+    with FakeTensorMode():
+        q = torch.randn(b, h, s, d, dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(b, kv_heads, s, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        tracker = StepTracker("cpu", kernels=kernels)
+        with tracker:
+            tracker.start_step()
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
+        tracker.finish()
+    made = [a for a in tracker.places["device"].peak_at if a.op == "kernel workspace (modelled)"]
+    expanded = 2 * b * s * h * d * 2 if kv_heads < h else 0
+    assert [a.nbytes for a in made] == ([4 * b * s * h * (d + 1) + expanded] if kernels == "cuda" else [])

@@ -1,9 +1,11 @@
 """Vision-language models under sequence parallelism vs the same model without SP (issue 24).
 
 Tiny Qwen2.5-VL and Qwen3-VL (transformers' own code, configs built here, fp32, weights at std 0.2):
-the vision tower encodes every image and video of the sample on every rank, the merge and the 3-D
-mrope positions are computed over the full sequence, and the language model runs on each rank's
-``S/P`` tokens with the Ulysses attention. Each case compares each rank's per-position logits, the
+each rank embeds its own ``S/P`` tokens and merges only the visual rows of its shard (``vlm.merge``),
+the tower's frames split over the group (one all-to-all of merged rows) or, without a group or with
+fewer frames than ranks, each rank encoding the frames its shard touches; the 3-D mrope positions
+come from the whole sample's metadata; images straddle shard boundaries. No ``[B, S, Hd]`` tensor
+exists on a rank (a dispatch mode records every tensor the step makes). Each case compares each rank's per-position logits, the
 loss and every parameter gradient (vision tower, deepstack mergers and token embeddings included)
 with the model run without SP: on the whole sample as its own forward computes it (positions from
 its own ``get_rope_index``), or, for packed samples, each document run alone.
@@ -18,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from oracle import assert_step_close
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from vlm_models import labels_for, pack, sample, tiny_vlm
 
 from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
@@ -32,9 +36,29 @@ DOC_B = [3, ("image", 4, 8), 5]
 DOC_C = [2, ("video", 2, 4, 4), 4]
 
 
+class _Shapes(TorchDispatchMode):
+    """Records the shape of every tensor an op makes (forward and backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: set[tuple[int, ...]] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.shapes.update(tuple(t.shape) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
+def _full_hidden(shapes: set[tuple[int, ...]], s: int, hd: int) -> list[tuple[int, ...]]:
+    """The recorded ``[B, S, Hd]`` shapes: a whole sequence of hidden vectors."""
+    return [sh for sh in shapes if len(sh) == 3 and sh[1:] == (s, hd)]
+
+
 def _docs(family: str, case: str) -> list[dict[str, torch.Tensor]]:
     if case == "single":
         return [sample(DOC_A, family, seed=1)]
+    if case == "one":  # one image (fewer frames than ranks): the second half's rank encodes none of it
+        return [sample([3, ("image", 4, 8), 25], family, seed=2)]
     return [sample(DOC_A, family, seed=1), sample(DOC_B, family, seed=2), sample(DOC_C, family, seed=3)]
 
 
@@ -60,6 +84,7 @@ def _cases(sp, cases):
     done = []
     for family, case, split in cases:
         ref = tiny_vlm(family)
+        hd = ref.config.text_config.hidden_size
         model = copy.deepcopy(ref)
         reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1, mesh=mesh)
         group = mesh.sp_group if split else None  # images split over the group (vlm.split)
@@ -69,20 +94,31 @@ def _cases(sp, cases):
         batch = pack(docs)
         batch["labels"] = labels_for(batch["input_ids"])
         s = batch["input_ids"].shape[1]
-        ref_logits, ref_loss = _reference(ref, docs)
-        ref_loss.backward()
+        with _Shapes() as ref_shapes:
+            ref_logits, ref_loss = _reference(ref, docs)
+            ref_loss.backward()
+        one = max(d["input_ids"].shape[1] for d in docs)  # the oracle holds [1, S_doc, Hd]: the probe sees it
+        assert _full_hidden(ref_shapes.shapes, one, hd), sorted(ref_shapes.shapes)
         inputs = prepare_vlm_batch(model, batch, sp_rank=mesh.sp_rank, sp_size=sp)
         labels = inputs.pop("shift_labels")
         seen: list[int] = []  # patch rows this rank's vision tower encodes
         probe = model.model.visual.patch_embed.register_forward_pre_hook(
             lambda m, a, seen=seen: seen.append(a[0].shape[0])
         )
-        out = model(**inputs, use_cache=False)
+        with _Shapes() as shapes:
+            out = model(**inputs, use_cache=False)
+            loss = sp_causal_lm_loss(out.logits, labels, mesh.sp_group)
+            loss.backward()
         probe.remove()
+        assert not _full_hidden(shapes.shapes, s, hd), _full_hidden(shapes.shapes, s, hd)  # no [B, S, Hd]
+        assert (1, s // sp, hd) in shapes.shapes  # this rank's embeddings [B, S_l, Hd]
         total = sum(batch[k].shape[0] for k in ("pixel_values", "pixel_values_videos") if k in batch)
-        assert (sum(seen) < total) if split else (sum(seen) == total), (seen, total)
-        loss = sp_causal_lm_loss(out.logits, labels, mesh.sp_group)
-        loss.backward()
+        encoded = torch.tensor(sum(seen))
+        dist.all_reduce(encoded, group=mesh.sp_group)
+        if split and case != "one":  # each frame encoded once over the group
+            assert sum(seen) < total and int(encoded) == total, (seen, total)
+        else:  # each rank encodes the frames its shard touches
+            assert sum(seen) < total or case == "one", (seen, total)
         for p in model.parameters():
             dist.all_reduce(p.grad, group=mesh.sp_group)
         cols = slice(mesh.sp_rank * s // sp, (mesh.sp_rank + 1) * s // sp)
@@ -104,8 +140,8 @@ def _cases(sp, cases):
 
 
 SP2 = [("qwen2_5_vl", "single", False), ("qwen3_vl", "single", False), ("qwen2_5_vl", "packed", False),
-       ("qwen2_5_vl", "single", True), ("qwen3_vl", "packed", True)]  # fmt: skip
-SP4 = [("qwen3_vl", "packed", False)]  # kv heads 2 < sp 4: replicated
+       ("qwen2_5_vl", "single", True), ("qwen3_vl", "packed", True), ("qwen3_vl", "one", True)]  # fmt: skip
+SP4 = [("qwen3_vl", "packed", False), ("qwen2_5_vl", "packed", True)]  # kv heads 2 < sp 4: replicated
 
 
 @pytest.mark.parametrize("sp, cases", [(2, SP2), (4, SP4)], ids=["sp2", "sp4"])

@@ -15,13 +15,13 @@ without it (a direct call) we gather the ``position_ids`` over the SP group once
 path ``attention/core.py`` picks runs: plain causal through the kernel's own
 causal mode; packed documents (position ids restart at 0) and sliding windows through the blockwise
 core for sdpa (no ``S x S`` tensor), varlen for flash, a ``BlockMask`` for flex, a dense mask for eager.
-q, k and v (and the output) cross the SP group head by head (``parallel/headwise.py``: no
-whole-tensor buffers). Where the positions come from, chunked attention layers and the query temperature of NoPE layers: ``attention/positions.py``; per-head
-parameters the core reads (attention sinks) cut to the rank's heads: ``attention/heads.py``.
+q, k and v (and the output) cross the SP group packed (one collective each way) below a per-piece byte
+threshold, head by head above (no whole-tensor buffers): ``parallel/headwise.py``, ``exchange_cost.py``.
+Where the positions come from, chunked attention layers and NoPE layers' query temperature:
+``attention/positions.py``; per-head parameters (attention sinks) cut to the rank's heads: ``attention/heads.py``.
 
-GQA/MQA: kv heads split over ranks like query heads when ``Hkv % P == 0``; when ``Hkv < P`` each kv
-head is replicated locally ``P/Hkv`` times *before* the all-to-all, so every rank receives exactly
-the one kv head its query heads use — the minimum number of bytes.
+GQA/MQA: kv heads split over ranks like query heads when ``Hkv % P == 0``; when ``Hkv < P`` each kv head goes
+to the ``P/Hkv`` ranks whose queries use it (``headwise.py``): each rank receives the one it needs, no more.
 
 Shape legend: ``B`` batch, ``S`` global sequence, ``S_l = S/P``, ``H`` query heads, ``H_l = H/P``,
 ``Hkv`` kv heads, ``Hkv_l`` kv heads per rank, ``D`` head dim, ``P`` sp size.
@@ -65,7 +65,8 @@ from ulysses_sp.attention.positions import (
 )
 from ulysses_sp.attention.registration import SPRegistration, model_and_config, resolve_layout
 from ulysses_sp.attention.ring import RingStats
-from ulysses_sp.parallel.headwise import out_heads_to_seq, qkv_seq_to_heads
+from ulysses_sp.parallel.exchange_cost import check_exchange
+from ulysses_sp.parallel.headwise import out_heads_to_seq, packed_exchange, qkv_seq_to_heads
 from ulysses_sp.parallel.mesh import SPMesh, require_process_group
 from ulysses_sp.parallel.mesh_shape import check_heads, head_counts
 
@@ -97,8 +98,11 @@ class UlyssesSPAttentionHF:
         ulysses_group: dist.ProcessGroup | None = None,
         ring_group: dist.ProcessGroup | None = None,
         head_chunks: int = 1,
+        exchange: str = "auto",
     ) -> None:
         check_core(core_attn_implementation)
+        self.exchange, self.last_exchange = check_exchange(exchange), None
+        """``auto``/``packed``/``headwise`` (``parallel/exchange_cost.py``); ``last_exchange``: the last call's."""
         plan_head_chunks(head_chunks, 1, head_chunks, 1)  # its type and sign; each layer's heads: per call
         check_blockwise_options(core_attn_implementation, attn_chunk, offload_attention)
         self.attn_chunk = attn_chunk
@@ -203,17 +207,14 @@ class UlyssesSPAttentionHF:
             return head_chunked_attention(query, key, value, attend=attend, groups=groups, group=self.ulysses_group,
                                           overlap=self.head_chunk_overlap), None  # fmt: skip
         if a2a:  # P below is the Ulysses size U (= sp size without a ring); S the ring rank's S/R tokens
-            p = self.ulysses_size
-            if hkv < p:
-                # [B, Hkv, S_l, D] -> [B, P, S_l, D]: rank j will receive the kv head its queries use.
-                key = key.repeat_interleave(p // hkv, dim=1)
-                value = value.repeat_interleave(p // hkv, dim=1)
-            # the exchange, head by head: [B, H, S_l, D] -> [B, H_l, S, D], [B, Hkv|P, S_l, D] -> [B, Hkv_l, S, D]
-            query, key, value = qkv_seq_to_heads(query, key, value, self.ulysses_group)
+            packed = packed_exchange(self.exchange, self.ulysses_group, query, key, value)  # by a piece's bytes
+            self.last_exchange = "packed" if packed else "headwise"
+            # [B, H, S_l, D] -> [B, H_l, S, D], [B, Hkv, S_l, D] -> [B, Hkv_l, S, D] (Hkv < P: rank j's kv head)
+            query, key, value = qkv_seq_to_heads(query, key, value, self.ulysses_group, packed=packed)
         out = self._attend(module, query, key, value, layouts, args, kwargs, h, rank, ring=sp)  # [B, S, H_l, D]
         del query, key, value  # the full-sequence q/k/v (not what the core saved) go before the output exchange
         if a2a:
-            out = out_heads_to_seq(out, self.ulysses_group)  # [B, S, H_l, D] -> [B, S_l, H, D]
+            out = out_heads_to_seq(out, self.ulysses_group, packed=packed)  # [B, S, H_l, D] -> [B, S_l, H, D]
         return out, None
 
     def _attend(self, module, q, k, v, layouts: tuple, args: tuple, kwargs: dict[str, Any], num_heads: int,
@@ -291,6 +292,7 @@ class UlyssesSPAttentionHF:
         offload_attention: bool = False,
         ring_size: int | str | None = None,
         head_chunks: int = 1,
+        exchange: str = "auto",
     ) -> SPRegistration:
         """Build the SP groups, register Ulysses attention with transformers, and return an ``mpu``.
 
@@ -323,6 +325,8 @@ class UlyssesSPAttentionHF:
             head_chunks: exchange and attend the heads in this many groups, one at a time (UPipe;
                 ``attention/head_chunks.py``): exchange buffers and attention activations of one
                 group alive instead of all, for one more q/k/v exchange and attention forward in backward.
+            exchange: q/k/v's and the output's all-to-all: ``packed`` (one collective each way, a buffer of the
+                exchanged size), ``headwise`` (one per batch row and head) or ``auto`` (``parallel/exchange_cost.py``).
 
         Returns:
             An ``SPRegistration``: an ``Mpu`` (``get_sequence_parallel_group()`` ...) that
@@ -351,5 +355,6 @@ class UlyssesSPAttentionHF:
             ulysses_group=mesh.ulysses_group,
             ring_group=mesh.ring_group,
             head_chunks=head_chunks,
+            exchange=exchange,
         )
         return SPRegistration(mesh, attn, model)

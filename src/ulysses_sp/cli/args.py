@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per block of the blockwise attention core (sdpa; default auto)")  # fmt: skip
     t.add_argument("--head-chunks", type=int, default=s, metavar="N",
                    help="SP attention in N head groups, one at a time: less peak memory, more compute (default 1)")  # fmt: skip
+    t.add_argument("--exchange", choices=("auto", "packed", "headwise"), default=s,
+                   help="SP attention all-to-all: one collective (packed), one per head (headwise), or auto: packed "
+                   "below a per-piece byte threshold of the backend (default auto)")  # fmt: skip
     t.add_argument("--offload-attention", action="store_true", default=s,
                    help="Ulysses-Offload: attention K/V on the host between forward and backward (sdpa)")  # fmt: skip
     t.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=s,

@@ -8,7 +8,7 @@ devices alone), predicts each one's peak memory per rank and step time, and reco
 setting that fits (with ``--max``: the one that allows the longest sequence, capped at the model's
 positions so that ``train`` accepts it) as the exact ``ulysses-sp train`` command line; ``notes``
 say how it was reached. ``--json`` prints one document
-(schema: README, "ulysses-sp plan")::
+(schema: ``cli.plan_schema``)::
 
     ulysses-sp plan --model llama-8b --gpus 8 --gpu-memory 80GB --max --dtype bf16
     ulysses-sp plan --model tiny-llama --device cpu --memory 2GB --gpus 2 --seq-len 4096 --json
@@ -77,7 +77,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rehearse", action="store_true",
                    help="rehearse the recommended train command (one step on fake tensors); with --max "
                         "(no --seq-len) confirm the longest length by rehearsal, bisecting to 2 %%")  # fmt: skip
-    p.add_argument("--json", action="store_true", help="print one JSON document (schema in the README)")
+    p.add_argument("--json", action="store_true", help="print one JSON document (schema: ulysses_sp.cli.plan_schema)")
 
 
 def load_shape(model: str, config: Any = None):

@@ -187,15 +187,17 @@ def shard_model(model: nn.Module, mesh: SPMesh) -> tuple[MixerHandle | None, VLM
     (``mixers.guard.check_sequence_mixing``), for any forward over ``mesh`` (``ulysses-sp eval`` runs
     ``train``'s forward through it): the registered SP attention attached to the positions of every
     call, the sequence mixers sharded (also at sp 1, so packed documents never leak whatever the sp
-    size), and a VLM's language-model hook (sp > 1). Returns ``(mixers, vlm)``: the handles whose
+    size), and a VLM's per-shard merge (sp > 1). Returns ``(mixers, vlm)``: the handles whose
     ``remove()`` undoes each (``None``: nothing to undo, or installed by the caller before)."""
     attach_registered(model)  # its SP attention sees the position_ids of every call
     # sequence mixers (short convolutions, Mamba-2, gated delta-net, KDA): head-sharded, with document
     # boundaries from the batch's position ids
     mixers = apply_mixers(model, mesh) if has_unsharded_mixers(model) else None
-    vlm = None  # a VLM: the language model's inputs cut after the full-sequence merge (ulysses_sp.vlm)
-    if vlm_parts(model) is not None and mesh.sp_size > 1:  # unless installed already (split_images_over=...)
-        vlm = installed(model) or shard_vlm(model, sp_rank=mesh.sp_rank, sp_size=mesh.sp_size, ring_size=mesh.ring_size)
+    vlm = None  # a VLM: each rank embeds and merges its own shard, frames split over SP (ulysses_sp.vlm)
+    if vlm_parts(model) is not None and mesh.sp_size > 1:  # unless installed already by the caller
+        vlm = installed(model) or shard_vlm(
+            model, sp_rank=mesh.sp_rank, sp_size=mesh.sp_size, ring_size=mesh.ring_size, split_images_over=mesh.sp_group
+        )
     return mixers, vlm
 
 

@@ -1,4 +1,5 @@
-"""TRL's ``DPOTrainer`` under sequence parallelism: its own loss on log-probabilities gathered over the SP group.
+"""TRL's ``DPOTrainer`` and ``KTOTrainer`` under sequence parallelism: their own losses on log-probabilities
+gathered over the SP group (``RewardTrainer``: the same data and loss scaling, its head in ``_reward``).
 
 Every DPO loss TRL offers (sigmoid, IPO, hinge, ..., the f-divergences, ``ld_alpha``, WPO weighting)
 and every metric it logs is a function of the per-token outputs of one call, TRL's fused LM head
@@ -29,6 +30,12 @@ path changes that call and nothing else (DeepSpeed-Ulysses / verl / OpenRLHF's r
 
 Shape legend: ``B`` pairs per batch, ``S`` sequence (chosen and rejected padded alike), ``S_l = S/P``,
 ``P`` sp size.
+
+``KTOTrainer`` is the same path: its policy, reference and KL-completion passes are the same fused-head call
+on unpaired ``[B, S]`` batches (right-padded by its collator). Its KL term is a per-micro-step mean over the
+processes' batches (``gather_for_metrics``); at ``dp = 1`` the group's ``P`` equal values leave it unchanged,
+but at ``dp > 1`` a micro-step holds ``dp`` distinct batches where the run without SP holds ``dp * sp``, so
+no run without SP has the same KL estimate: refused (``loss_type='apo_zero_unpaired'`` has no KL term).
 """
 
 from __future__ import annotations
@@ -51,31 +58,37 @@ from ulysses_sp.parallel.doc_layout import HostLayout, attach_layout
 from ulysses_sp.parallel.loss import IGNORE_INDEX
 from ulysses_sp.parallel.mesh import SPMesh
 
-PREFERENCE_TRAINERS = ("DPOTrainer",)
-"""TRL trainers whose SP path is this module's."""
+PREFERENCE_TRAINERS = ("DPOTrainer", "KTOTrainer", "RewardTrainer")
+"""TRL trainers whose SP path is this module's (``RewardTrainer`` with ``_reward``'s head)."""
 
 FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
 """The per-token fields of TRL's ``FusedCausalLMOutput`` (``None`` where not asked for)."""
 
 
 def is_preference_trainer(trainer: Any) -> bool:
-    """Whether ``trainer`` is (a subclass of) TRL's ``DPOTrainer``."""
+    """Whether ``trainer`` is (a subclass of) TRL's ``DPOTrainer``, ``KTOTrainer`` or ``RewardTrainer``."""
     return any(c.__name__ in PREFERENCE_TRAINERS and c.__module__.startswith("trl.") for c in type(trainer).__mro__)
 
 
-def check_preference(trainer: Any, *, ring_size: int, tiled_loss: bool | int) -> None:
-    """Refuse what the DPO SP path does not reproduce exactly, naming it and the fix (``ValueError``)."""
+def check_preference(trainer: Any, *, ring_size: int, tiled_loss: bool | int, dp_size: int) -> None:
+    """Refuse what the preference SP path does not reproduce exactly, naming it and the fix (``ValueError``)."""
     name = type(trainer).__name__
+    if getattr(trainer, "calculate_KL", False) and dp_size > 1:
+        raise ValueError(
+            f"{name} with loss_type={trainer.loss_type!r} at dp_size={dp_size}: its KL term is a mean over the "
+            f"processes' batches of each micro-step, which under sequence parallelism holds {dp_size} distinct "
+            f"batches, not {dp_size} x sp; run dp_size=1 (world size = sp_size) or loss_type='apo_zero_unpaired'"
+        )
     if getattr(trainer, "aux_loss_enabled", False):
         raise ValueError(
             f"{name}: the MoE auxiliary (load-balancing) loss is not reproduced under sequence parallelism "
-            "(each rank routes only its shard's tokens); set router_aux_loss_coef=0.0 in the DPOConfig"
+            "(each rank routes only its shard's tokens); set router_aux_loss_coef=0.0 in the trainer's config"
         )
     if getattr(trainer, "_is_vlm", False) or getattr(trainer, "_is_vision_dataset", False):
         raise ValueError(f"{name} with a vision-language model or images is not supported under sequence parallelism")
     check_trl_sp_path(trainer, name, ring_size=ring_size, tiled_loss=tiled_loss, stop_at=PREFERENCE_TRAINERS,
-                                methods=("compute_loss", "_compute_loss", "compute_ref_log_probs"),
-                                why="the SP path reproduces TRL's own DPO loss only")  # fmt: skip
+                                methods=("compute_loss", "_compute_loss", "compute_ref_log_probs", "_compute_kl_logps"),
+                                why="the SP path reproduces TRL's own loss only")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -140,7 +153,7 @@ def _shard_call(
                              "parallelism; only input_ids and attention_mask are")  # fmt: skip
     p, k = mesh.sp_size, mesh.sp_rank
     if strict:
-        check_seq_len_divisible(s, p, fix="set DPOConfig(pad_to_multiple_of=...) to")
+        check_seq_len_divisible(s, p, fix="set the config's pad_to_multiple_of to")
     padded = math.ceil(s / p) * p
     s_l, cut = padded // p, slice(k * (padded // p), (k + 1) * (padded // p))
     ids = F.pad(ids, (0, padded - s), value=pad_token_id)  # [2B, S] -> [2B, S_pad]
@@ -187,7 +200,7 @@ class FusedHeadPatch:
             fused = vars(model).get("forward")
             if fused is None:
                 raise ValueError(f"{type(model).__name__} has no fused LM head (trl add_fused_lm_head): build "
-                                 "the DPOTrainer before prepare()")  # fmt: skip
+                                 "the trainer before prepare()")  # fmt: skip
             wrapper = _sp_fused_forward(fused, mesh, pad_token_id=pad_token_id, strict=strict)
             model.forward = types.MethodType(wrapper, model)
             self._saved.append((model, fused))
@@ -209,15 +222,19 @@ def fused_head_models(trainer: Any) -> list[torch.nn.Module]:
 
 # ---------------------------------------------------------------------------------------------- trainer
 class SPPreferenceMixin(SPTrainerMixin):
-    """``SPTrainerMixin`` for TRL's ``DPOTrainer``: whole batches, TRL's own loss (module docstring).
+    """``SPTrainerMixin`` for TRL's ``DPOTrainer``, ``KTOTrainer`` and ``RewardTrainer``: whole batches, TRL's own
+    loss (module docstring).
     The eval step is ``SPTrainerMixin``'s (each rank reports the batch it loaded)."""
+
+    _sp_token_weighted = False
+    """TRL's losses here are per-batch means (``num_items_in_batch`` unused), in training and in eval."""
 
     def _sp_loader(self, loader: Any) -> PreferenceDataLoader:
         handle = self._ulysses_sp
         return PreferenceDataLoader(loader, handle.mesh, pad_token_id=handle.pad_token_id, strict=handle.strict)
 
     def get_batch_samples(self, epoch_iterator: Iterator[Any], num_batches: int, device: torch.device) -> Any:
-        # the Trainer's own: DPO batches carry no labels, its loss is a mean per batch
+        # the Trainer's own: preference batches carry no labels, its loss is a mean per batch
         return super(SPTrainerMixin, self).get_batch_samples(epoch_iterator, num_batches, device)
 
     def compute_loss(self, model: torch.nn.Module, inputs: Mapping[str, Any], return_outputs: bool = False,
@@ -239,5 +256,5 @@ class SPPreferenceMixin(SPTrainerMixin):
         raise ValueError(
             f"precomputing reference log-probs for the {name!r} dataset after prepare() is not supported under "
             "sequence parallelism (its loader gives each rank different batches); pass the dataset as "
-            "eval_dataset when building the DPOTrainer (it is precomputed there, before prepare())"
+            "eval_dataset when building the trainer (it is precomputed there, before prepare())"
         )

@@ -5,13 +5,11 @@ log-likelihood (``transformers.Trainer``'s and TRL ``SFTTrainer``'s ``loss_type=
 trainer whose own class computes another objective would be trained on the wrong loss without a
 word, so ``prepare`` refuses it, naming the class and the reason:
 
-- TRL's reward and distillation trainers and ``KTOTrainer`` (``RewardTrainer``, ``DistillationTrainer``,
-  ...): their losses are functions of whole-sequence
-  quantities (per-sequence summed log-probabilities against a reference model, sequence-level
-  rewards, a teacher's full distribution) built from full-sequence outputs on one rank. Under SP a
-  rank holds ``S/P`` tokens of each sequence; the per-token values would have to be gathered over
-  the SP group before the loss, which none of them does yet. ``DPOTrainer`` (``_preference``),
-  ``GRPOTrainer`` and ``RLOOTrainer`` (``_rl``) have that path and are not checked here.
+- TRL's distillation trainers and ``trl.experimental``'s ``ORPOTrainer`` / ``CPOTrainer``: their
+  losses read the full-sequence ``[B, S, V]`` logits (a teacher's distribution; ORPO/CPO's chosen NLL
+  and log-probs sliced from ``outputs.logits``) on one rank, which SP never gathers (``S/P`` tokens per
+  rank). ``DPOTrainer``, ``KTOTrainer``, ``RewardTrainer`` (``_preference``, ``_reward``),
+  ``GRPOTrainer`` and ``RLOOTrainer`` (``_rl``) gather per-token values instead and are not checked here.
 - any other subclass that defines its own ``compute_loss``: the same reason, for an objective we
   cannot know.
 
@@ -45,10 +43,10 @@ NLL_TRAINERS = ("Trainer", "SFTTrainer", "_BaseTrainer")
 TRL's common base, which defines none of its own)."""
 
 WHY = {
-    "KTOTrainer": "its loss uses each completion's summed log-probability against a reference model; "
-    "under SP each rank holds only part of every sequence",
-    "RewardTrainer": "its loss compares the chosen and rejected sequences' rewards, read at the last "
-    "token, which under SP is on one rank only",
+    "ORPOTrainer": "its loss slices the chosen and rejected log-probs and NLL from the full [B, S, V] logits "
+    "(outputs.logits), which under SP no rank holds",
+    "CPOTrainer": "its loss slices the chosen and rejected log-probs and NLL from the full [B, S, V] logits "
+    "(outputs.logits), which under SP no rank holds",
     "DistillationTrainer": "its loss compares the student's and a teacher's full-sequence distributions",
 }
 
@@ -117,15 +115,21 @@ def check_trl_sp_path(
             f"tiled_loss does not apply to {name}: TRL's fused LM head already computes the log-probabilities "
             "in tiles (no [B, S_l, V] logits); pass tiled_loss=False"
         )
-    peft_config = getattr(trainer.model, "peft_config", None) or {}
-    if any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
-        raise ValueError(
-            f"{name} with a prompt-learning PEFT adapter (virtual tokens before the sequence) is not "
-            "supported under sequence parallelism; use LoRA or another adapter on the weights"
-        )
+    check_prompt_learning(trainer, name)
     for cls in type(trainer).__mro__:
         if cls.__name__ in stop_at:
             break
         own = [m for m in methods if m in vars(cls)]
         if own:
             raise ValueError(f"{name} (through {cls.__module__}.{cls.__name__}) overrides {own}: {why}")
+
+
+def check_prompt_learning(trainer: Any, name: str) -> None:
+    """Refuse a prompt-learning PEFT adapter (prompt / prefix / P-tuning): its virtual tokens go before
+    each rank's shard, not before the sequence, so the step would not be the step without SP."""
+    peft_config = getattr(trainer.model, "peft_config", None) or {}
+    if any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
+        raise ValueError(
+            f"{name} with a prompt-learning PEFT adapter (virtual tokens before the sequence) is not "
+            "supported under sequence parallelism; use LoRA or another adapter on the weights"
+        )

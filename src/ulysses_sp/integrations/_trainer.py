@@ -277,7 +277,8 @@ def eval_tokens_across_ranks(trainer: Any) -> bool:
 
     own_class = trainer._ulysses_sp._trainer_class
     return (
-        own_class.prediction_step is Trainer.prediction_step
+        getattr(trainer, "_sp_token_weighted", True)  # False: a TRL loss that ignores num_items_in_batch
+        and own_class.prediction_step is Trainer.prediction_step
         and bool(getattr(trainer, "model_accepts_loss_kwargs", False))
         and bool(trainer.args.average_tokens_across_devices)
     )

@@ -16,8 +16,9 @@ normalises the model's own, and the Trainer's own DDP or FSDP (through accelerat
 gradients (see ``_trainer``'s module docstring for why that is the sum over SP and the mean over DP).
 A Qwen-VL model (``ulysses_sp.vlm``) gets its language-model hook, and its loaders exchange whole
 batches in the SP round (the merge and the 3-D positions need the full sample). TRL's ``DPOTrainer``
-gets ``SPPreferenceMixin`` instead (``_preference``): whole batches to every rank of the group, its
-fused LM head run on the shard and its per-token outputs gathered, TRL's own loss and metrics. TRL's
+and ``KTOTrainer`` get ``SPPreferenceMixin`` instead (``_preference``): whole batches to every rank of the
+group, the fused LM head run on the shard and its per-token outputs gathered, TRL's own loss and metrics;
+``RewardTrainer`` the same, with the last token's score gathered and routed (``_reward``). TRL's
 ``GRPOTrainer`` / ``RLOOTrainer`` get ``SPRLMixin`` (``_rl``): generation as without SP, each SP group
 computing its ranks' per-token log-probs together, TRL's own loss and metrics on every rank.
 
@@ -29,9 +30,9 @@ Refused, with the fix in the message (``ValueError`` on every rank, before any c
 Trainer with DeepSpeed or with accelerate's own sequence/context/tensor parallelism, single-process
 multi-GPU ``DataParallel``, an attention implementation the SP attention cannot wrap, a model with a
 module that mixes tokens outside the SP attention (``mixers.guard``: a convolution, scan or linear attention),
-a trainer with another objective (TRL's non-SFT trainers but ``DPOTrainer``, ``GRPOTrainer`` and
-``RLOOTrainer``, any subclass with its own ``compute_loss``: ``_support``; the options
-``_preference.check_preference`` and ``_rl.check_rl`` name), Liger kernels on the CPU, a custom
+a trainer with another objective (TRL's non-SFT trainers but ``DPOTrainer``, ``KTOTrainer``,
+``RewardTrainer``, ``GRPOTrainer`` and ``RLOOTrainer``, any subclass with its own ``compute_loss``: ``_support``; the options
+``_preference.check_preference`` and ``_rl.check_rl`` name), Liger kernels on the CPU, a prompt-learning PEFT adapter (virtual tokens), a custom
 ``compute_loss_func``, label smoothing, TRL's ``loss_type="dft"`` or MoE auxiliary loss, ``compute_metrics`` (it needs full-sequence logits, which SP
 never gathers). Collator outputs the adapter cannot shard (left padding, a ``[B, S]`` tensor whose
 batch size differs, ...) raise at the first batch on every rank of the group.
@@ -53,8 +54,14 @@ from ulysses_sp.integrations._preference import (
     fused_head_models,
     is_preference_trainer,
 )
+from ulysses_sp.integrations._reward import RewardHeadPatch, is_reward_trainer, reward_model
 from ulysses_sp.integrations._rl import SPRLMixin, check_rl, is_rl_trainer, reference_model
-from ulysses_sp.integrations._support import check_liger, check_trainer_loss, fsdp_dropped
+from ulysses_sp.integrations._support import (
+    check_liger,
+    check_prompt_learning,
+    check_trainer_loss,
+    fsdp_dropped,
+)
 from ulysses_sp.integrations._trainer import SPTrainerDataLoader, SPTrainerMixin
 from ulysses_sp.integrations.alst import ALSTHandle, ALSTOptions
 from ulysses_sp.mixers.apply import apply_mixers, has_unsharded_mixers
@@ -102,7 +109,7 @@ class SPTrainerHandle:
         self.alst = alst
         """The ALST techniques applied to the model (``integrations.alst``), or ``None``."""
         self.vlm = vlm
-        """A vision-language model's language-model pre-hook (``vlm.shard_vlm``), or ``None``."""
+        """A vision-language model's per-shard merge (``vlm.shard_vlm``), or ``None``."""
         self.preference = preference
         """TRL ``DPOTrainer``: its fused LM heads under SP (``_preference``), or ``None``."""
         self.pad_token_id = pad_token_id
@@ -199,9 +206,10 @@ def prepare(
     heads = head_counts(getattr(model, "config", None))  # none: no attention layers (pure Mamba-2)
     ring = resolve_ring_size_for_layers(sp_size, heads, ring_size)
     preference = is_preference_trainer(trainer)  # TRL's DPOTrainer: its own loss on gathered log-probs
+    reward = reward_model(trainer) if is_reward_trainer(trainer) else None  # RewardTrainer's classifier
     if preference:
-        check_preference(trainer, ring_size=ring, tiled_loss=tiled_loss)
-        for ref in fused_head_models(trainer)[1:]:
+        check_preference(trainer, ring_size=ring, tiled_loss=tiled_loss, dp_size=trainer.args.world_size // sp_size)
+        for ref in [] if reward is not None else fused_head_models(trainer)[1:]:
             check_sequence_mixing(ref, sp_size=sp_size)
     rl = is_rl_trainer(trainer)  # TRL's GRPOTrainer / RLOOTrainer: its own loss on group-computed log-probs
     if rl:
@@ -216,15 +224,18 @@ def prepare(
     )  # fmt: skip
     mixers = apply_mixers(model, mesh) if has_unsharded_mixers(model) else None  # conv / Mamba-2 layers
     fsdp_dropped(trainer)  # accelerate on a CPU: an FSDP config runs as DDP
-    vlm = None  # Qwen-VL: whole batches to every rank, the language model's inputs cut after the merge
+    vlm = None  # Qwen-VL: whole batches to every rank, each rank merges its own shard (frames split)
     if vlm_parts(model) is not None:
         vlm = installed(model) or shard_vlm(
-            model, sp_rank=mesh.sp_rank, sp_size=mesh.sp_size, ring_size=mesh.ring_size, core=core
+            model, sp_rank=mesh.sp_rank, sp_size=mesh.sp_size, ring_size=mesh.ring_size, core=core,
+            split_images_over=mesh.sp_group,
         )
     logger.info("sequence parallelism in %s: %r, core attention %r", type(trainer).__name__, mesh, core)
     alst = options.apply(model) if options != ALSTOptions() else None
     patch = None
-    if preference:
+    if reward is not None:  # RewardTrainer: the last token's score routed (_reward)
+        patch = RewardHeadPatch(reward, mesh, pad_token_id=_pad_token_id(trainer))
+    elif preference:
         models = fused_head_models(trainer)
         for ref in models[1:]:  # a separate reference model runs the SP attention too
             registration.attach(ref)
@@ -278,6 +289,7 @@ def _check_trainer(trainer: Any, core: str) -> None:
     if not own_loss:
         check_trainer_loss(trainer)  # objectives the SP loss does not compute
     check_liger(trainer)
+    check_prompt_learning(trainer, type(trainer).__name__)
     args = trainer.args
     if getattr(trainer, "is_deepspeed_enabled", False) or getattr(args, "deepspeed", None):
         raise ValueError(

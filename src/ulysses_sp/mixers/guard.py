@@ -24,7 +24,7 @@ the module path and class, and why::
     sequence parallelism does not shard
 
 A vision-language model is checked through its language model when ``ulysses_sp.vlm`` admits its
-family (its vision tower runs whole on every rank, so it mixes nothing across shards); any other
+family (its vision tower encodes whole frames on a rank, so it mixes nothing across shards); any other
 model with a vision or audio encoder is refused by name (``vlm.families.multimodal_refusal``).
 
 Runs in ``initialize()`` (the CLI's path too) and in ``integrations.transformers.prepare``.
@@ -152,7 +152,7 @@ def classify_model(model: nn.Module, handlers: Iterable[MixerHandler] = SUPPORTE
     Pure: reads the model's structure and classes, runs nothing; the same answer on every rank.
     """
     handlers = tuple(handlers)
-    parts = vlm_parts(model)  # an admitted VLM: its vision tower runs whole on every rank; check the decoder
+    parts = vlm_parts(model)  # an admitted VLM: its tower encodes whole frames on a rank; check the decoder
     stack, layers = decoder_layers(model if parts is None else parts.language_model)
     mm = multimodal_refusal(model)
     findings = [] if mm is None else [Finding(None, "", type(model).__name__, "refused", mm)]

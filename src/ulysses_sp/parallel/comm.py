@@ -174,13 +174,15 @@ class _AllToAllPacked(torch.autograd.Function):
 
 def exchange_pieces(pieces: Iterable[tuple[torch.Tensor, torch.Tensor]], group: dist.ProcessGroup) -> None:
     """One all-to-all per ``(src, dest)`` pair of ``[P, ...]`` views (``headwise``, not differentiable): ``src``
-    row ``r`` to rank ``r``, rank ``r``'s row into ``dest`` row ``r``; staged where not contiguous."""
-    for src, dest in pieces:
-        send = src.contiguous()  # the piece itself, or a copy
-        recv = dest if dest.is_contiguous() else torch.empty_like(send)
+    row ``r`` to rank ``r``, rank ``r``'s row into ``dest`` row ``r``; staged where not contiguous. ``n < P``
+    rows (un-replicated GQA kv): ``src`` row ``i`` goes to ranks ``[i P/n, (i+1) P/n)``, ``dest`` sums theirs."""
+    p = dist.get_world_size(group)
+    for src, dest in pieces:  # send: the piece itself, or a copy ([n, ...] -> [P, ...]: rows replicated)
+        send = src.contiguous() if src.shape[0] == p else src.repeat_interleave(p // src.shape[0], 0)
+        recv = dest if dest.is_contiguous() and dest.shape[0] == p else torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=group)
-        if recv is not dest:
-            dest.copy_(recv)
+        if recv is not dest:  # [P, ...] -> [n, P/n, ...] -> [n, ...]: the replicas summed (n = P: a copy)
+            dest.copy_(recv.unflatten(0, (dest.shape[0], -1)).sum(1) if dest.shape[0] < p else recv)
         release(*(t for t, own in ((send, src), (recv, dest)) if t is not own))  # our copies only
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ulysses_sp.parallel.exchange_cost import GLOO_SHM, NCCL_IB, NCCL_NVLINK, LinkCost
+
 GB = 10**9
 GiB = 1 << 30
 
@@ -37,6 +39,11 @@ class Hardware:
     """Held back for the runtime context, allocator fragmentation and kernel workspaces."""
     host_to_device_gbps: float = 25.0
     """Achieved host<->device copy bandwidth (activation and model-state offload)."""
+    intra_link: LinkCost = NCCL_NVLINK
+    """One all-to-all's latency and the copy cost inside a node (``parallel/exchange_cost.py``): the
+    attention exchange's choice, packed or head by head, and its latency term."""
+    inter_link: LinkCost = NCCL_IB
+    """The same between nodes."""
 
 
 DEVICES: dict[str, Hardware] = {
@@ -63,6 +70,8 @@ DEVICES: dict[str, Hardware] = {
         gpus_per_node=1 << 20,
         reserve_bytes=0,
         host_to_device_gbps=1e6,
+        intra_link=GLOO_SHM,
+        inter_link=GLOO_SHM,
     ),  # fmt: skip
 }
 
@@ -90,6 +99,11 @@ def device(name: str) -> Hardware:
     if name not in DEVICES:
         raise ValueError(f"unknown device {name!r}; known: {', '.join(DEVICES)}")
     return DEVICES[name]
+
+
+def link_cost(hw: Hardware, group_size: int) -> LinkCost:
+    """The ``LinkCost`` of a collective over ``group_size`` consecutive ranks (as ``link_gbps``)."""
+    return hw.intra_link if group_size <= hw.gpus_per_node else hw.inter_link
 
 
 def link_gbps(hw: Hardware, group_size: int, stride: int = 1) -> float:

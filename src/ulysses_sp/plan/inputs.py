@@ -168,6 +168,9 @@ class Settings:
     head_chunks: int = 1
     """Head groups exchanged and attended one at a time (``--head-chunks``): the attention backward's
     exchange buffers scale by ``1/head_chunks``; one more q/k/v exchange and attention forward."""
+    exchange: str = "auto"
+    """The attention all-to-all: ``packed`` (one collective, a transient buffer of the
+    exchanged q/k/v), ``headwise`` or ``auto`` (packed below the link's per-piece threshold)."""
     device_type: str = "cuda"
     """``cpu``: single-tensor AdamW; accelerators: multi-tensor (whole-shard workspace)."""
 

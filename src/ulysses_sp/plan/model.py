@@ -57,6 +57,8 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from ulysses_sp.plan.attention import attention_terms
+from ulysses_sp.plan.exchange import exchange_latency_s
 from ulysses_sp.plan.hardware import Hardware, link_gbps
 from ulysses_sp.plan.inputs import DTYPE_BYTES, ModelShape, Settings
 from ulysses_sp.plan.mixers import exchange_per_token
@@ -130,29 +132,22 @@ def _states(m: ModelShape, s: Settings) -> tuple[dict[str, int], int, int]:
     )
 
 
-def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
+def _activations(m: ModelShape, s: Settings, hw: Hardware | None = None) -> tuple[dict[str, int], int]:
     """(the step's activation peak by component, host bytes of offloaded activations)."""
     e = DTYPE_BYTES[s.dtype]
     tok = s.micro_batch_size * s.seq_len // s.sp
     h, big_i, v, d = m.hidden, m.intermediate, m.vocab, m.head_dim
     q, kv = m.heads * d, max(m.kv_heads, s.sp) * d
-    # RMSNorm keeps its normalised input and output; in 16-bit it computes in fp32 and keeps the
-    # fp32 input copy, the fp32 normalised input, its 16-bit cast and the output: 12 bytes per h
+    # RMSNorm keeps its normalised input and output; in 16-bit (fp32 compute) its fp32 input copy, the fp32
+    # normalised input, its 16-bit cast and the output: 12 bytes per h
     norm_full = 2 * h if e == 4 else 12 * h // e
-    # recomputed (memory.norms): a layer's norm keeps its output only (its input is the layer input or
-    # the residual sum, held anyway); its backward holds its input gradient h and, for one tile of about
-    # h tokens, its saved set again (fp32: the normalised input; 16-bit: the fp32 input copy and the cast)
-    # next to two fp32 gradient temporaries (and the cast's 16-bit gradient): 12 bytes per h in fp32,
-    # 16 in 16-bit (bench.plan_check)
+    # recomputed (memory.norms): a layer's norm keeps its output only (its input is held anyway); its backward
+    # holds its input gradient h and, for one tile of ~h tokens, its saved set again next to two fp32 gradient
+    # temporaries (and the cast's 16-bit gradient): 12 bytes per h in fp32, 16 in 16-bit (bench.plan_check)
     norm = 0 if s.recompute_norms else norm_full  # recomputed: the projections after it absorb it (memory.norms)
     norm_ws = (h * tok + (12 if e == 4 else 16) * h // e * _tile_tokens(tok, h, None)) if s.recompute_norms else 0
-    # the core's output q: a flash/sdpa kernel writes it token-major, so the o-projection's input is a view of it
-    # the core's output and the o-projection's input: at sp 1 a flash/sdpa kernel writes the output
-    # token-major, so the projection's input is a view of it; with P > 1 the return exchange makes a copy
-    attn_saved = norm + (q + 2 * kv) + (2 * q if s.sp > 1 else q)
-    exchange_in = q + 2 * kv if s.sp > 1 else 0  # see the module docstring
-    if s.attention == "blockwise":
-        attn_saved = norm + q  # q/k/v and the core's output go to the host with the blocks
+    t_attn = attention_terms(m, s, hw, norm)
+    attn_saved, exchange_in = t_attn.saved, t_attn.exchange_in
     mlp_saved = 0 if s.tiled_mlp else 4 * big_i
     ckpt = s.activation_checkpointing
     kept = 0 if s.offload_activations else h
@@ -169,11 +164,7 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
         mlp_ws = 7 * big_i * t
     else:
         mlp_ws = 3 * big_i * tok
-    # attention backward (the MLP's tensors are gone by then): grads of q, k, v and of the output,
-    # and with P > 1 an exchange term of 2 q (of one head group). The plain exchange holds no send and
-    # receive buffers since it goes head by head (parallel/headwise.py), but plan_check's measured peaks
-    # did not move where this term is the high point: kept until that peak is located
-    attn_ws = (2 * q + 2 * kv + (2 * q // s.head_chunks if s.sp > 1 else 0)) * tok
+    attn_ws = t_attn.workspace * tok
     # the gradient flowing down and the residual's; the tiled MLP adds its input gradient, summed
     # over the tiles in a buffer of its own
     grad_flow = (3 if s.tiled_mlp else 2) * h * tok
@@ -182,6 +173,8 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
     for kind in m.kinds():
         mixed = attn_saved * kind.attention  # the input norm rides with the attention's terms
         mix_ws = attn_ws if kind.attention else 0
+        if kind.attention and kind.mixer is None and t_attn.backward:  # its backward's set, whole
+            mix_ws = (t_attn.backward - attn_saved) * tok
         exch = exchange_in if kind.attention else 0
         if kind.mixer is not None:  # measured bytes (plan.mixers), in elements of the model dtype
             saved_b, ws_b = mixer_memory(kind.mixer, s.sp)
@@ -203,8 +196,9 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
         if ckpt and kind.attention and s.sp > 1:  # the attention's recompute: the layer input, the norm's
             # output (the caller's local), the gradient in; q/k/v, their exchanged copies, the core's output,
             # its token-major copy and what the return exchange gives back
-            recompute = max(recompute, (3 * h + (q + 2 * kv) + exchange_in + 3 * q) * tok)
-        here.append(max((layer_full - mlp_grad) * tok + (mlp_ws if kind.mlp else 0) + grad_flow,
+            recompute = max(recompute, (3 * h + (q + 2 * kv) + exchange_in + 3 * q + t_attn.packed) * tok)
+        core = (layer_full - mlp - mlp_grad - mixed + t_attn.core - h) * tok + grad_flow if t_attn.core and kind.attention else 0
+        here.append(max((layer_full - mlp_grad) * tok + (mlp_ws if kind.mlp else 0) + grad_flow, core,
                         (layer_full - mlp - mlp_grad) * tok + mix_ws + grad_flow,
                         norm_here + grad_flow, recompute) + rope * tok)  # fmt: skip
     # gradients made so far: whole layers (stages 0-1) or their shards after each reduce-scatter
@@ -251,7 +245,7 @@ def _activations(m: ModelShape, s: Settings) -> tuple[dict[str, int], int]:
 def memory(m: ModelShape, s: Settings, hw: Hardware | None = None) -> tuple[dict[str, int], int]:
     """``(breakdown, host_bytes)`` of one rank's peak; ``breakdown`` sums to the peak."""
     states, host_states, step_ws = _states(m, s)
-    acts, host_acts = _activations(m, s)
+    acts, host_acts = _activations(m, s, hw)
     during_step = (
         acts["activations"] + acts["logits_loss"] + acts["backward_workspace"] + acts["grads_in_flight"]
     )
@@ -298,6 +292,7 @@ def predict(m: ModelShape, s: Settings, hw: Hardware) -> Prediction:
         # head groups: q/k/v exchanged again in backward
         a2a += (s.head_chunks > 1) * tok * sum((q + 2 * kv) * k.attention for k in m.kinds()) * e * (u - 1) / u
     comm = a2a / (link_gbps(hw, u) * 1e9)
+    comm += exchange_latency_s(m, s, hw, passes)
     if r > 1:  # ring: a hop sends the local K/V (S/R tokens, kv/U heads); forward passes R-1 hops each,
         # backward R-1 K/V hops plus R hops of fp32 dK/dV (counted exactly by bench/ring_bench.py)
         hop = s.micro_batch_size * s.seq_len // r * 2 * kv // u

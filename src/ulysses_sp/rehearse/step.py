@@ -142,7 +142,7 @@ def rehearse_step(
             mesh.fsdp_mesh(partition)
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         mods = ModuleStack()
-        tracker = StepTracker(device.tensor_device, mods)
+        tracker = StepTracker(device.tensor_device, mods, kernels=device.requested)
         reads = HostReads()
         homed = _grads_homed(tracker) if host_states and device.emulated else contextlib.nullcontext()
         with real_submeshes(), mode, reads, mods, tracker, following_resize(tracker.resized), homed:

@@ -90,6 +90,21 @@ class PlaceStats:
     peak_module: str = ""
 
 
+def kernel_workspace(name: str, args: tuple, device_type: str) -> int:
+    """Bytes a CUDA flash-attention backward allocates inside the kernel, which no fake kernel makes:
+    FlashAttention-2's fp32 ``dq`` accumulator ``[B, S_q (to 128), H, D (to 32)]`` and ``softmax_d``
+    ``[B, H, S_q]``, and with fewer kv heads than query heads ``dk``/``dv`` expanded to ``[B, S_k, H, D]``
+    before their sum (``mha_bwd``). 0 for another op or device: a CPU kernel's buffers are per thread."""
+    if device_type != "cuda" or name not in ("_scaled_dot_product_flash_attention_backward",
+                                             "_scaled_dot_product_flash_attention_for_cpu_backward"):  # fmt: skip
+        return 0
+    q, k = args[1], args[2]  # [B, H, S, D], [B, Hkv, S_k, D]
+    b, h, s_q, d = q.shape
+    s_r, d_r = -(-s_q // 128) * 128, -(-d // 32) * 32
+    expanded = 2 * b * k.shape[-2] * h * d * q.element_size() if k.shape[1] != h else 0
+    return 4 * b * s_r * h * (d_r + 1) + expanded
+
+
 class StepTracker(TorchDispatchMode):
     """Counts storages per place during a rehearsed step (see the module docstring).
 
@@ -97,11 +112,15 @@ class StepTracker(TorchDispatchMode):
         device_type: the accelerator's device type, or ``"cpu"``; on ``"cpu"`` host staging is
             known by its ``host_allocations`` mark.
         modules: a ``ModTracker`` (or anything with ``parents``) naming the running module, or ``None``.
+        kernels: the device the step's kernels stand for (default ``device_type``): ``"cuda"`` adds the
+            workspaces of ``kernel_workspace``.
     """
 
-    def __init__(self, device_type: str, modules: Any = None) -> None:
+    def __init__(self, device_type: str, modules: Any = None, kernels: str | None = None) -> None:
         super().__init__()
         self.device_type = device_type
+        self.kernels = kernels or device_type
+        """The device whose kernels' workspaces are modelled (``cuda`` when emulated on CPU tensors)."""
         self.modules = modules
         self.phase = "setup"
         self.places = {"device": PlaceStats(), "host": PlaceStats()}
@@ -245,6 +264,11 @@ class StepTracker(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and (s := storage_of(t)) is not None
         }  # fmt: skip
         self._count_traffic(func, args, out)
+        if ws := kernel_workspace(name.split("::", 1)[-1], args, self.kernels):  # alive with the outputs
+            key = -len(self._finalizers) - 1  # no storage has a negative key
+            self._add(key, Alloc(ws, "device", (ws,), torch.uint8, "kernel workspace (modelled)", self._module(),
+                                 self.phase, lambda: None))  # fmt: skip
+            self._pending_workspace = key
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and (place := self._place(t)) is not None:
                 s = storage_of(t)
@@ -253,6 +277,8 @@ class StepTracker(TorchDispatchMode):
                     local = local_tensor(t)
                     if local.numel() > self.largest[0]:
                         self.largest = (local.numel(), tuple(local.shape), name.split("::", 1)[-1])
+        if (key := self.__dict__.pop("_pending_workspace", None)) is not None:
+            self._free(key)  # the kernel returned: its workspace goes
         return out
 
     def _where(self, t: torch.Tensor) -> str | None:

@@ -17,6 +17,7 @@ from typing import Any
 from ulysses_sp import tasks
 from ulysses_sp.attention.core import CORE_ATTENTIONS, check_blockwise_options
 from ulysses_sp.checks import check_seq_len_divisible, optional_positive_int, positive_int
+from ulysses_sp.parallel.exchange_cost import EXCHANGES
 from ulysses_sp.parallel.mesh_shape import head_counts, resolve_ring_size, resolve_ring_size_for_layers
 from ulysses_sp.run.config import RunConfig
 from ulysses_sp.run.prelaunch import check_attention_available, check_seq_len_fits
@@ -252,6 +253,8 @@ def check_train_options(cfg: RunConfig) -> None:
         )
     check_blockwise_options(cfg.attn, cfg.attn_chunk, cfg.offload_attention)
     positive_int("--head-chunks", cfg.head_chunks)
+    if cfg.exchange not in EXCHANGES:
+        raise ValueError(f"--exchange must be one of {', '.join(EXCHANGES)}, got {cfg.exchange!r}")
     if cfg.zero_partition not in ("auto", "data_parallel", "all"):
         raise ValueError(f"--zero-partition must be auto, data_parallel or all, got {cfg.zero_partition!r}")
     check_report_to(cfg.report_to)

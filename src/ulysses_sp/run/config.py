@@ -152,6 +152,9 @@ class RunConfig(tasks.DataSettings):
     head_chunks: int = 1
     """Head groups the SP attention exchanges and attends one at a time (less peak memory, one more
     q/k/v exchange and attention forward per layer in backward); 1 = all heads at once."""
+    exchange: str = "auto"
+    """The SP attention's all-to-all: ``packed``, ``headwise`` or ``auto`` (packed below the link's per-piece
+    byte threshold, ``parallel/exchange_cost.py``)."""
 
     max_nonfinite_steps: int = 3
     """Optimizer steps in a row with a non-finite loss or gradient norm that are skipped; the next

@@ -169,6 +169,7 @@ def register_attention(cfg: RunConfig, model, model_config: Any, mesh) -> Any:
     return UlyssesSPAttentionHF.register_with_transformers(
         model, cfg.attn, cfg.sp, cfg.micro_batch_size, seq_length=cfg.seq_len, mesh=mesh,
         attn_chunk=cfg.attn_chunk, offload_attention=cfg.offload_attention, head_chunks=cfg.head_chunks,
+        exchange=cfg.exchange,
     )  # fmt: skip
 
 

@@ -1,7 +1,7 @@
 """``ulysses-sp train`` on a local Qwen2.5-VL / Qwen3-VL directory: what differs from a text run.
 
-The model path is ``ulysses_sp.vlm`` (``initialize()`` installs the language model's pre-hook at
-``sp > 1``); this module is the CLI's side of it:
+The model path is ``ulysses_sp.vlm`` (``initialize()`` installs the per-shard merge at ``sp > 1``,
+the vision tower's frames split over the SP group); this module is the CLI's side of it:
 
 - ``is_vlm_config``: whether a model's transformers config is an admitted VLM (``SUPPORTED_VLMS``);
 - ``check_vlm_options``: the options a VLM run does not take, refused by flag with the reason,

@@ -1,23 +1,26 @@
-"""Vision-language models under sequence parallelism: encode, merge, position, then shard.
+"""Vision-language models under sequence parallelism: each rank embeds and merges its own shard.
 
 Where it sits in the step (DESIGN.md): a VLM's own forward encodes the images and video frames
 with its vision tower, scatters the visual embeddings into the token sequence and only then calls
-its language model. Under SP every rank of a group holds the **whole** sample (token ids, pixels,
-grids): the vision tower encodes all of the sample's images on every rank, the merge happens over
-the full sequence, and the 3-D multimodal rotary positions (mrope: temporal, height, width) are
-computed over the full sequence before any sharding. A forward pre-hook on the language model then
-cuts rank ``k``'s tokens out of ``inputs_embeds``, the ``[4, B, S]`` position ids and the per-token
-visual inputs (Qwen3-VL's deepstack features): the language model runs on ``S_l`` tokens with the
-Ulysses attention exactly as for text. Gradients reach the vision tower through the slice; summed
-over the SP group (as every gradient is) they are the full-sequence gradients.
+its language model. Under SP every rank of a group receives the **whole** sample's metadata and
+pixels (token ids, grids), and the 3-D multimodal rotary positions (mrope: temporal, height, width)
+are computed from them over the full sequence before any sharding (``positions``). The model's
+forward is then replaced (``merge``): rank ``k`` embeds only its ``S_l`` tokens, gets only the
+visual rows its placeholders take — the tower's frames split over the group by patch count and
+one all-to-all sending each merged row to the rank that holds its token (``split``) — and runs the
+language model on ``[B, S_l, Hd]`` with the Ulysses attention exactly as for text. No rank builds
+the sample's ``[B, S, Hd]`` embeddings. Gradients reach the vision tower through the rows and the
+inverse exchange; summed over the SP group (as every gradient is) they are the full-sequence ones.
 
 One concern per module:
 
 - ``families``: which VLM families this path is exact for (closed world) and the refusal of the rest;
 - ``positions``: ``vlm_position_ids``, full-sequence ``[4, B, S]`` positions (text row + mrope rows),
   packed documents restarting at 0;
-- ``shard``: ``shard_vlm``, the language model's pre-hook (and the vision tower's own attention);
-- ``split``: optionally, the sample's images split over the SP group and their embeddings summed;
+- ``shard``: ``shard_vlm``, installs the per-shard forward (and the vision tower's own attention);
+- ``merge``: that forward: this rank's embeddings, visual rows, deepstack inputs and positions;
+- ``split``: the tower's frames for a rank (split over the group, or those its shard touches) and
+  the exchange of merged rows;
 - ``batch``: ``prepare_vlm_batch``, one rank's model inputs from a full-sequence VLM batch;
 - ``adapter``: ``VLMDataLoaderAdapter``, the SP group's round over whole VLM batches;
 - ``data``: chat JSONL with local images through the model directory's tokenizer and image processor.

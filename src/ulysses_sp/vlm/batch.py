@@ -9,7 +9,7 @@ inputs whole and cuts only the pre-shifted labels:
      shift_labels [B, S_l]}
 
 ``S`` is padded to a multiple of ``P`` (``data.shard.prepare_batch``: pad ids, labels ``-100``,
-positions continuing). The language model's pre-hook (``shard``) does the cut inside the forward.
+positions continuing). The per-shard forward (``merge``) embeds and merges this rank's tokens only.
 
 Shape legend: ``B`` batch, ``S`` global (padded) sequence, ``S_l = S/P``.
 """

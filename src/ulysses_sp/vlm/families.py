@@ -3,8 +3,8 @@
 Closed world, like the guard (``mixers.guard``): the path of this package relies on what the
 model's own forward does between its vision tower and its language model — it merges the visual
 embeddings into ``inputs_embeds`` over the full sequence, takes (or computes) ``[3|4, B, S]``
-positions, and passes every other per-token input to the language model by keyword, where the
-pre-hook of ``shard`` can cut it. That is read from the model's code for the families below and
+positions, and passes every other per-token input to the language model by keyword, which the
+per-shard forward of ``merge`` rebuilds for one shard. That is read from the model's code for the families below and
 tested against the same model without SP (``tests/test_vlm.py``); any other model with a vision or
 audio encoder is refused by name with the reason, before the first step.
 """
@@ -44,7 +44,7 @@ class VLMParts:
     inner: nn.Module
     """The module whose forward merges and positions (``Qwen2_5_VLModel``; has ``get_rope_index``)."""
     vision: nn.Module
-    """The vision tower: runs whole (every image of the sample) on every rank of the SP group."""
+    """The vision tower: encodes whole frames (split over the SP group, ``split``)."""
     language_model: nn.Module
     """The decoder stack: runs on each rank's ``S_l`` tokens with the Ulysses attention."""
 

@@ -1,82 +1,167 @@
-"""Optional: split the vision tower's images over the SP group instead of encoding them on every rank.
+"""The vision tower's work for one rank: which frames it encodes, and the rows it gets back.
 
-By default (``shard``) every rank of the group encodes all of the sample's images, so the vision
-tower's compute and activations do not shrink with ``P``. ``split_vision`` wraps the tower's
-``forward``: the images (whole images, never a part of one: the tower's attention spans an image)
-are assigned in order to the ranks in contiguous runs of about ``1/P`` of the patches; each rank
-encodes its run, places its merged embeddings at their rows of a zero ``[N_v, Hd]`` tensor, and one
-sum over the group gives every rank all the embeddings (Qwen3-VL's deepstack features the same
-way). Backward: the gradient of the summed tensor is summed over the group (every rank's tokens use
-it), and each rank's rows flow back into its own images; the vision parameters' gradients, summed
-over SP by the engine, are then the full-sequence ones. ``last_hidden_state`` keeps this rank's
-images only (the merge reads ``pooler_output``). A call with fewer images than ranks encodes every
-image on every rank, as without the split.
+Both Qwen-VL towers encode a video of grid ``[t, h, w]`` frame by frame: their attention spans one
+temporal patch (``cu_seqlens`` repeats ``h*w`` ``t`` times, the window index of Qwen2.5-VL is per
+frame) and their position features repeat per frame. So the unit of work here is a **frame**
+(``[1, h, w]``: an image, or one temporal patch of a video), and a frame's merged rows are the same
+whichever other frames share the call.
 
-Shape legend: ``N_p`` patches, ``N_v`` merged visual tokens, ``Hd`` hidden size, ``P`` sp size.
+Two ways to place the work (``plan_frames``), chosen from metadata every rank holds (token ids,
+grids):
+
+- **split** (a group is given and there are at least as many frames as ranks): the frames in order,
+  in contiguous runs of about ``1/P`` of the patches (whole frames, never part of one), one run per
+  rank. Each rank encodes its run; one all-to-all (``_RowExchange``) then sends every merged row to
+  the rank whose shard holds its placeholder token, so a rank receives only its own rows. Backward:
+  the inverse all-to-all brings each row's gradient back to the rank that encoded it.
+- **local** (no group, or fewer frames than ranks): each rank encodes the frames that have a row in
+  its shard (a frame straddling a shard boundary is encoded by both ranks; each uses its own rows),
+  no collective. A rank whose shard holds no visual token encodes the sample's first frame and adds
+  it times zero: every rank then runs the tower whenever the sample has pixels, so the data-parallel
+  engines (DDP, FSDP2's per-module hooks) see the same modules used on every rank.
+
+Either way each rank's tower gradients come from its own rows; summed over the SP group (as every
+gradient is) they are the gradients of the model without SP.
+
+Shape legend: ``B`` batch, ``S`` global sequence, ``S_l`` this rank's tokens, ``N_p`` patches,
+``N_v`` merged rows of the sample (one per placeholder token), ``N_l`` this rank's rows, ``F``
+frames, ``Hd`` hidden size, ``P`` sp size.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ulysses_sp.parallel.comm import all_reduce_sum
+from ulysses_sp.parallel.comm import exchange_bytes
 
 
-class _SumOverGroup(torch.autograd.Function):
-    """All-reduce sum forward; all-reduce sum backward (every rank uses the whole sum)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return all_reduce_sum(x, group)
+class _RowExchange(torch.autograd.Function):
+    """Uneven all-to-all of rows (``send_splits[k]`` rows to rank ``k``, ``recv_splits[k]`` from it)
+    forward; the same all-to-all with the splits swapped backward."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return all_reduce_sum(grad.contiguous(), ctx.group), None
+    def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return _exchange(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _exchange(grad, ctx.recv, ctx.send, ctx.group), None, None, None
 
 
-def image_owners(patches: torch.Tensor, sp_size: int) -> torch.Tensor | None:
-    """``[n_img]`` owning SP rank of each image (contiguous runs, balanced by patch count), or
-    ``None`` when some rank would get no image."""
-    mid = torch.cumsum(patches, 0) - patches / 2  # each image's centre along the patch axis
+def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    # [sum(send), C] -> [sum(recv), C]: rank k's rows after rank k-1's (one all-to-all of the bytes)
+    c = x.shape[1]
+    pieces = [[piece] for piece in x.split(send)]
+    got = exchange_bytes(pieces, [r * c * x.element_size() for r in recv], group, x.device)
+    return got.view(x.dtype).view(-1, c).to(x.device)
+
+
+@dataclass(frozen=True)
+class FramePlan:
+    """One rank's share of one modality's tower work (``plan_frames``)."""
+
+    pixels: torch.Tensor
+    """``[N_p mine]`` long: the rows of ``pixel_values`` this rank encodes."""
+    grid: torch.Tensor
+    """``[F mine, 3]``: their frame grids (``t = 1``)."""
+    take: torch.Tensor
+    """``[n]`` long: rows of the encoded output to keep (local) or to send (split), in order."""
+    send: list[int] | None
+    """Split: rows of ``take`` for each rank; ``None``: local, no exchange."""
+    recv: list[int] | None
+    """Split: rows arriving from each rank."""
+    unused: bool
+    """Local: this rank's shard holds none of the rows (it encodes one frame, used times zero)."""
+
+
+def frames(grid: torch.Tensor, merge: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[F, 3]`` frame grids (``t = 1``), ``[F]`` patches and ``[F]`` merged rows of each frame."""
+    fgrid = grid.repeat_interleave(grid[:, 0], dim=0).clone()  # [N_img, 3] -> [F, 3]
+    fgrid[:, 0] = 1
+    patches = fgrid.prod(dim=-1)
+    return fgrid, patches, patches // merge
+
+
+def frame_owners(patches: torch.Tensor, sp_size: int) -> torch.Tensor | None:
+    """``[F]`` owning SP rank of each frame (contiguous runs, balanced by patch count), or ``None``
+    when some rank would get no frame."""
+    mid = torch.cumsum(patches, 0) - patches / 2  # each frame's centre along the patch axis
     owners = (mid * sp_size / patches.sum()).long().clamp(max=sp_size - 1)
     return owners if len(set(owners.tolist())) == sp_size else None
 
 
-def split_vision(vision: Any, *, group: dist.ProcessGroup, sp_rank: int, sp_size: int, merge: int) -> Any:
-    """Wrap ``vision.forward`` (module docstring); returns the undo function."""
-    original = vision.forward
+def _starts(sizes: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(sizes, 0) - sizes
 
-    def forward(hidden_states: torch.Tensor, grid_thw: torch.Tensor, **kwargs: Any) -> Any:
-        patches = grid_thw.prod(dim=-1)  # [n_img]
-        owners = image_owners(patches, sp_size)
-        if owners is None:
-            return original(hidden_states, grid_thw=grid_thw, **kwargs)
+
+def _ranges(starts: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """``[sum(sizes)]``: ``starts[i] + arange(sizes[i])`` for every ``i``, concatenated."""
+    offsets = torch.repeat_interleave(starts - _starts(sizes), sizes)
+    return offsets + torch.arange(int(sizes.sum()), device=sizes.device)
+
+
+def plan_frames(
+    grid: torch.Tensor, rows_by_rank: list[torch.Tensor], *, sp_rank: int, merge: int, split: bool
+) -> FramePlan:
+    """This rank's frames and the rows it keeps or sends (module docstring).
+
+    Args:
+        grid: ``[N_img, 3]`` the modality's grids, as the processor returns them.
+        rows_by_rank: for each SP rank, ``[N_k]`` the merged rows (of this modality, ascending) its
+            shard's placeholder tokens take, in its local token order.
+        split: a group to exchange over is available (the split is used when every rank gets a frame).
+    """
+    grid = grid.cpu()
+    fgrid, patches, tokens = frames(grid, merge)
+    p_start, t_start = _starts(patches), _starts(tokens)
+    owners = frame_owners(patches, len(rows_by_rank)) if split else None
+    if owners is not None:
         mine = (owners == sp_rank).nonzero().flatten()
-        first, last = int(mine[0]), int(mine[-1]) + 1
-        p_off, t_off = torch.cumsum(patches, 0) - patches, (torch.cumsum(patches, 0) - patches) // merge
-        p0 = int(p_off[first])
-        p1 = int(p_off[last]) if last < len(patches) else hidden_states.shape[0]
-        out = original(hidden_states[p0:p1], grid_thw=grid_thw[first:last], **kwargs)  # [N_p mine, ...]
-        n, t0 = int(patches.sum()) // merge, int(t_off[first])
+        lo, hi = int(t_start[mine[0]]), int(t_start[mine[-1]] + tokens[mine[-1]])  # my rows [lo, hi)
+        parts = [r[(r >= lo) & (r < hi)] - lo for r in rows_by_rank]  # rows each rank gets from me
+        t_end = torch.cumsum(tokens, 0)
+        bounds = [(int(t_start[owners == k][0]), int(t_end[owners == k][-1])) for k in range(len(rows_by_rank))]
+        mine_rows = rows_by_rank[sp_rank]
+        recv = [int(((mine_rows >= a) & (mine_rows < b)).sum()) for a, b in bounds]
+        return FramePlan(_ranges(p_start[mine], patches[mine]), fgrid[mine], torch.cat(parts),
+                         [len(p) for p in parts], recv, False)  # fmt: skip
+    rows = rows_by_rank[sp_rank]
+    frame_of = torch.searchsorted(torch.cumsum(tokens, 0), rows, right=True)  # [N_l] frame of each row
+    mine = torch.unique(frame_of)  # sorted
+    unused = mine.numel() == 0
+    if unused:
+        mine = torch.zeros(1, dtype=torch.long)
+    base = _starts(tokens[mine])  # first output row of each of my frames
+    take = base[torch.searchsorted(mine, frame_of)] + rows - t_start[frame_of]
+    return FramePlan(_ranges(p_start[mine], patches[mine]), fgrid[mine], take, None, None, unused)
 
-        def whole(x: torch.Tensor) -> torch.Tensor:
-            # [N_v mine, Hd] -> [N_v, Hd]: zeros but this rank's rows, then the sum over the group
-            z = torch.cat([x.new_zeros(t0, x.shape[-1]), x, x.new_zeros(n - t0 - x.shape[0], x.shape[-1])])
-            return _SumOverGroup.apply(z, group)
 
-        out.pooler_output = whole(out.pooler_output)
-        if getattr(out, "deepstack_features", None):
-            out.deepstack_features = [whole(f) for f in out.deepstack_features]
-        return out
-
-    vision.forward = forward
-
-    def undo() -> None:
-        if vision.__dict__.get("forward") is forward:
-            del vision.forward
-
-    return undo
+def encode(
+    vision: Any, pixels: list[torch.Tensor], plan: FramePlan, group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """This rank's merged rows ``[N_l, Hd]`` (in the order of its ``rows_by_rank`` entry) and
+    Qwen3-VL's deepstack rows (``[N_l, Hd]`` per deepstack layer; ``[]`` for Qwen2.5-VL).
+    ``pixels``: the ``pixel_values`` the grids of ``plan_frames`` describe, in order (images, then
+    videos). A rank with ``plan.unused`` gets zero rows that still depend on the tower (times zero)."""
+    picked, first = [], 0
+    for p in pixels:  # [N_p, C] each -> [N_p mine, C]: the plan's rows, never the whole concatenation
+        sel = plan.pixels[(plan.pixels >= first) & (plan.pixels < first + p.shape[0])] - first
+        picked.append(p.index_select(0, sel.to(p.device)))
+        first += p.shape[0]
+    x = torch.cat(picked).type(vision.dtype)
+    out = vision(x, grid_thw=plan.grid.to(x.device))
+    feats = [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]  # each [N_v mine, Hd]
+    width = feats[0].shape[-1]
+    rows = torch.cat(feats, dim=-1)  # [N_v mine, (1 + layers) * Hd]: one exchange for all of them
+    if plan.unused:
+        rows = rows[:0] + rows.sum() * 0  # [0, ...], yet the tower is in the graph
+    else:
+        rows = rows.index_select(0, plan.take.to(rows.device))
+        if plan.send is not None:
+            rows = _RowExchange.apply(rows, plan.send, plan.recv, group)  # my rows -> their shards' ranks
+    return rows[:, :width], list(rows[:, width:].split(width, dim=-1))

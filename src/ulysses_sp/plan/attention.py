@@ -1,0 +1,71 @@
+"""The attention layer's terms in the planner's memory model, per local token (``plan.model``).
+
+``attention_terms(m, s, hw, norm)`` gives, in elements of the model dtype per local token
+(``T = B * S_l``; ``q = H D``, ``kv = max(Hkv, P) D``: kv heads replicated when fewer than ``P``):
+
+* ``saved``: what the layer's forward keeps — the input norm's tensors, q/k/v as the core receives
+  them (``q + 2 kv``) and the core's output with the o-projection's input (a view of it at sp 1, a
+  copy made by the return exchange at ``P > 1``); blockwise attention keeps only q on the device.
+* ``exchange_in``: with ``P > 1`` the tensors handed to the all-to-all (kv before replication).
+* ``workspace``: the backward's transient set on top of ``saved`` (grads of q, k, v and the output;
+  with ``P > 1`` an exchange term of ``2 q`` per head group, and the packed exchange's receive buffer
+  of the q/k/v gradients where it exceeds that: plan_check measured the same peaks either way).
+* ``backward``: on CUDA with ``P > 1``, one head group and the head-by-head exchange, the whole set at
+  the backward's exchange of the q/k/v gradients home, read off rehearsals of Llama-3-8B at
+  ``P`` 2, 8, 16 and 32 (``bench.scale_table``'s shapes, 2 layers; within 1.2 %): the core's output
+  and dq, dk, dv as it returns them (``q + 2 kv``); dq home and its running sum (``2 q``); dk, dv home
+  (``2 Hkv D``); with several query heads per rank the core's gradient re-laid out for the exchange
+  (``q``) and a staged ``[P, S_l, D]`` piece each way (``parallel.comm.exchange_pieces``), else one.
+  0 where ``saved + workspace`` stands instead.
+* ``core``: on CUDA, the set while the flash kernel's backward runs, its in-kernel workspace included
+  (``rehearse.tracker.kernel_workspace``: FlashAttention-2's fp32 dq accumulator over the rank's
+  query heads and, with fewer kv heads than query heads on the rank, dk/dv expanded to the query
+  heads): q, k, v, the output, its gradient and dq, dk, dv (``4 q + 4 kv``) + the workspace, divided
+  by the head groups. 0 on other devices (a CPU kernel's buffers are per thread).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ulysses_sp.plan.exchange import packed_exchange
+from ulysses_sp.plan.hardware import Hardware
+from ulysses_sp.plan.inputs import DTYPE_BYTES, ModelShape, Settings
+
+
+@dataclass(frozen=True)
+class AttentionTerms:
+    """Elements of the model dtype per local token (module docstring)."""
+
+    saved: int
+    exchange_in: int
+    workspace: int
+    packed: int
+    """The packed exchange's extra receive buffer (0 head by head)."""
+    backward: int
+    core: int
+
+
+def attention_terms(m: ModelShape, s: Settings, hw: Hardware | None, norm: int) -> AttentionTerms:
+    """The attention's memory terms under ``s`` (``norm``: what its input norm keeps per token)."""
+    e = DTYPE_BYTES[s.dtype]
+    d, p = m.head_dim, s.sp
+    q, kv, kv_pre = m.heads * d, max(m.kv_heads, p) * d, m.kv_heads * d
+    saved = norm + (q + 2 * kv) + (2 * q if p > 1 else q)
+    if s.attention == "blockwise":
+        saved = norm + q  # q/k/v and the core's output go to the host with the blocks
+    is_packed = packed_exchange(m, s, hw)
+    packed = max(0, q + 2 * kv - 2 * q) if is_packed else 0
+    workspace = 2 * q + 2 * kv + (2 * q // s.head_chunks if p > 1 else 0) + packed
+    cuda = s.device_type == "cuda" and s.attention != "blockwise"
+    backward = 0
+    if cuda and p > 1 and s.head_chunks == 1 and not is_packed:
+        several = m.heads > p
+        backward = norm + (5 if several else 4) * q + 2 * kv + 2 * kv_pre
+        backward += (2 if several else 1) * p * d // s.micro_batch_size
+    core = 0
+    if cuda:
+        flash = 4 * m.heads * (-(-d // 32) * 32 + 1) // e + (2 * q if m.heads > max(m.kv_heads, p) else 0)
+        core = norm + 4 * q + 4 * kv + flash // s.head_chunks
+    return AttentionTerms(saved=saved, exchange_in=q + 2 * kv_pre if p > 1 else 0, workspace=workspace,
+                          packed=packed, backward=backward, core=core)  # fmt: skip
