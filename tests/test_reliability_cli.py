@@ -146,6 +146,8 @@ def test_a_stopped_rank_is_named_and_the_run_ends_within_the_timeout(tmp_path):
             proc.kill()
     assert proc.returncode == 1, err[-3000:]
     assert "failed: rank(s) 1 stopped answering: rank(s) 0 waited 10 s (--timeout)" in err, err[-3000:]
-    # the collective timeout, the 3 s shutdown grace and teardown, with room for a loaded machine; the old
-    # behaviour (timeout + 30 s of shutdown grace) took 40 s or more
-    assert took < 10 + 28, took
+    # the stopped rank was ended by the launcher's watch after its 3 s grace, not by the elastic agent's
+    # 30 s stop (the old behaviour: 40 s or more); the bound only catches a hang (a loaded machine's
+    # teardown alone can take 40 s)
+    assert "ended 1 rank process(es) still running 3 s after the failure" in err, err[-3000:]
+    assert took < 300, took

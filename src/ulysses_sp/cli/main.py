@@ -160,6 +160,9 @@ def _launch(command: str, options: Any, nproc: int, timeout_s: float, resolved: 
         except ChildFailedError as e:
             failures = watch.exit_codes({r: exit_code_of(f) for r, f in e.failures.items()})
             print(f"ulysses-sp {command}: failed: {blame(failures, nproc, timeout_s)}", file=sys.stderr)
+            if watch.killed:  # a stopped or hung rank never exits on the launcher's SIGTERM
+                print(f"ulysses-sp {command}: ended {len(watch.killed)} rank process(es) still running "
+                      f"{SHUTDOWN_GRACE_S:g} s after the failure", file=sys.stderr)  # fmt: skip
             sys.exit(1)
     if stopped_by is not None:
         _exit_now(128 + stopped_by)
