@@ -10,7 +10,7 @@ rehearsed device peak (without the reserve), their ratio, host bytes per node (p
 rehearsed, 2 TiB per node available), the verdict, and the projected step time.
 
 ``python -m bench.scale_table [--rows NAME ...] [--out bench/results/scale_table.md]``
-(CPU minutes per row: Llama-3-8B at 1M tokens on one GPU ~4).
+(CPU minutes per row: Llama-3-8B on one GPU ~10 quiet, 25 beside other work).
 """
 
 from __future__ import annotations

@@ -166,9 +166,10 @@ def test_planner_exchange_buffers_scale_by_head_chunks():
     from ulysses_sp.plan.model import max_seq_len, predict
 
     hw = DEVICES["h100"]
-    # fp32 (the CPU runs): the attention backward is the layer's peak, not the norms' fp32 copies
+    # fp32 on the CPU (its terms: CUDA's are read off the rehearsal, below): the attention backward is the
+    # layer's peak, not the norms' fp32 copies
     s = Settings(seq_len=1 << 20, sp=8, dp=1, zero_stage=3, partition="all", dtype="fp32", tiled_mlp=True,
-                 tiled_loss=True, activation_checkpointing=True, offload_activations=True)  # fmt: skip
+                 tiled_loss=True, activation_checkpointing=True, offload_activations=True, device_type="cpu")  # fmt: skip
     one, two = predict(LLAMA_8B, s, hw), predict(LLAMA_8B, replace(s, head_chunks=2), hw)
     tok, q = s.seq_len // s.sp, LLAMA_8B.heads * LLAMA_8B.head_dim
     # the backward's send + receive buffers of q, 2 q per token in fp32: half of them with 2 head groups
@@ -176,6 +177,13 @@ def test_planner_exchange_buffers_scale_by_head_chunks():
     assert 0 < one.breakdown["backward_workspace"] - two.breakdown["backward_workspace"] <= 2 * q * tok * 4 // 2
     assert two.step_s > one.step_s  # one more q/k/v exchange and attention forward per layer
     assert max_seq_len(LLAMA_8B, replace(s, head_chunks=2), hw) > max_seq_len(LLAMA_8B, s, hw)
+    # on CUDA the flash backward's in-kernel workspace (fp32 dq accumulator, GQA-expanded dk/dv) is per
+    # kernel call: each head group's call holds its share
+    from ulysses_sp.plan.attention import attention_terms
+
+    cuda = replace(s, dtype="bf16", device_type="cuda")
+    core = [attention_terms(LLAMA_8B, replace(cuda, head_chunks=n), hw, 0).core for n in (1, 2, 4)]
+    assert core[0] > core[1] > core[2] > 4 * q + 4 * LLAMA_8B.kv_heads * LLAMA_8B.head_dim
 
 
 def _register_refused(chunks):
