@@ -111,7 +111,7 @@ def _states(m: ModelShape, s: Settings) -> tuple[dict[str, int], int, int]:
     host = 0
     if s.offload_states:  # ZeRO-Offload/Infinity style: all states on the host, one layer in flight
         host, opt, grads = opt + grads + params, 0, m.layer_params * e
-        params = 2 * m.layer_params * e + m.vocab * m.hidden * e
+        params = 2 * m.layer_params * e + (1 if m.tied else 2) * m.vocab * m.hidden * e  # + the root's, unsharded
     if s.device_type == "cpu":  # single-tensor AdamW: a few temporaries of the largest tensor
         workspace = 2 * 4 * max(m.vocab * m.hidden, m.hidden * m.intermediate)
     else:  # foreach AdamW: one fp32 temporary list the size of the local shard
