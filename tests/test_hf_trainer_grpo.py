@@ -3,7 +3,8 @@ trainer on a tiny llama, fp32, sampled completions of varied lengths (left-padde
 completions), against the same trainer on the same processes without SP. Every logged value of every step on
 every rank — loss, grad_norm, reward, reward_std, kl, entropy, clip ratios, completion lengths, policy_loss,
 num_tokens — and of ``evaluate()`` agrees to float rounding (measured: loss within 2.3e-8 absolute, grad_norm
-within 1e-7 relative, entropy within 4.8e-7 of 5.5, kl within 9e-8 of 0.023).
+within 1e-7 relative, entropy within 4.8e-7 of 5.5, kl within 9e-8 of 0.023). Also dp 2 x sp 2 against dp 4 under FSDP2, and
+bf16 autocast at bf16's tolerance (``BF16_REL``).
 
 Why the oracle has as many processes as the SP run: TRL seeds sampling per process and hands each process its
 slice of the generation batch, so every rank generates (without SP) exactly what it generates in the run without
@@ -78,9 +79,11 @@ def test_rloo_sp2_equals_two_processes(pool):
 
 
 @pytest.mark.slow
-def test_grpo_dp2_sp2_equals_dp4(pool):
-    """4 processes: dp 2 x sp 2 against dp 4 (DDP), bnpo with a reference model."""
-    _assert_exact(pool, 4, loss_type="bnpo", beta=0.04)
+def test_grpo_fsdp2_dp2_sp2_equals_fsdp2_dp4(pool):
+    """4 processes under accelerate's FSDP2 (``hf_runs.fsdp2_on_cpu``: the policy and the reference model sharded
+    over the 4 ranks): dp 2 x sp 2 against dp 4, bnpo with a reference model."""
+    want = _assert_exact(pool, 4, loss_type="bnpo", beta=0.04, fsdp2=True)
+    assert want[0]["fsdp2"]
 
 
 @pytest.mark.slow
