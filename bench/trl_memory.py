@@ -1,6 +1,7 @@
 """Peak memory per rank and step time of TRL's DPO and GRPO training steps on long sequences vs sp (issue 34).
 
-Run (about 20 minutes on 2 CPU cores, 8K and 16K): ``python -m bench.trl_memory [--lengths 8192 16384 32768] [--sp 1 2 4]``
+Run (2 CPU cores: 8K and 16K about 15 minutes, 32K alone 20):
+``python -m bench.trl_memory [--lengths 8192 16384 32768] [--sp 1 2 4]``
 
 A random Llama (h=64, MLP 2048, 2 layers, 4 heads / 2 kv heads, vocab 8192, fp32, sdpa; a wide MLP so that the
 per-token memory is a model's, not a toy's, at an attention cost a CPU can pay at 16K) trains one optimizer step of

@@ -66,8 +66,8 @@ def rl_train(sp_size: int, *, trainer: str = "grpo", steps: int = 2, lora: bool 
         args = config_cls(
             output_dir=out, use_cpu=True, report_to=[], save_strategy="no", max_steps=steps,
             per_device_train_batch_size=4, per_device_eval_batch_size=4, max_completion_length=8,
-            learning_rate=1e-2, logging_steps=1, seed=0, disable_tqdm=True, dataloader_num_workers=0, bf16=False,
-            model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"}, **config,
+            learning_rate=1e-2, logging_steps=1, seed=0, disable_tqdm=True, dataloader_num_workers=0,
+            bf16=config.pop("bf16", False), model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"}, **config,
         )  # fmt: skip
         trainer_obj = trainer_cls(
             model=model_dir, reward_funcs=lowercase, args=args, processing_class=byte_tokenizer(),

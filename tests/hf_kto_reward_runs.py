@@ -5,11 +5,12 @@ step (and of ``evaluate()``)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import tempfile
 from typing import Any
 
 import torch
-from hf_dpo_runs import preference_rows
+from hf_dpo_runs import on_disk, preference_rows, shared_dir
 from hf_runs import VOCAB, accelerate_env, fsdp2_on_cpu, prepared_run
 from models import tiny_config, tiny_model
 
@@ -27,21 +28,38 @@ def unpaired_rows(n: int, seed: int) -> list[dict[str, Any]]:
     return rows[:n]
 
 
-def kto_train(sp_size: int, *, steps: int = 2, accum: int = 1, evaluate: bool = False, **config: Any) -> dict[str, Any]:
-    """``steps`` optimizer steps of ``KTOTrainer`` (fp32, 2 completions per device batch, a separate reference
-    model, the KL term from mismatched completions); ``sp_size=0``: no ``prepare`` (the oracle)."""
+def kto_train(sp_size: int, *, steps: int = 2, accum: int = 1, evaluate: bool = False, reference: str = "model",
+              **config: Any) -> dict[str, Any]:  # fmt: skip
+    """``steps`` optimizer steps of ``KTOTrainer`` (fp32, 2 completions per device batch, the KL term from
+    mismatched completions unless ``loss_type='apo_zero_unpaired'``); ``sp_size=0``: no ``prepare`` (the oracle).
+    ``reference``: ``model`` (a separate reference model), ``peft`` (a LoRA adapter, the reference is the adapter
+    disabled) or ``precompute`` (the reference's log-probs, KL ones included, computed by a separate model when the
+    trainer is built: before prepare, no SP there)."""
     from datasets import Dataset
     from trl import KTOConfig, KTOTrainer
 
     from ulysses_sp.tasks.tokenizer import byte_tokenizer
 
-    model, ref = tiny_model("llama", seed=0, vocab=VOCAB), tiny_model("llama", seed=3, vocab=VOCAB)
-    with accelerate_env(), tempfile.TemporaryDirectory() as out:
-        args = KTOConfig(output_dir=out, max_steps=steps, gradient_accumulation_steps=accum, **COMMON, **config)
+    model = tiny_model("llama", seed=0, vocab=VOCAB)
+    ref = None if reference == "peft" else tiny_model("llama", seed=3, vocab=VOCAB)
+    peft_config = None
+    if reference == "peft":
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    with accelerate_env(), tempfile.TemporaryDirectory() as out, shared_dir() as data:
+        args = KTOConfig(output_dir=out, max_steps=steps, gradient_accumulation_steps=accum,
+                         precompute_ref_log_probs=reference == "precompute", **COMMON, **config)  # fmt: skip
+
+        def rows(n: int, seed: int, name: str) -> Any:  # precomputing caches next to the dataset's own files
+            if reference == "precompute":
+                return on_disk(unpaired_rows(n, seed), os.path.join(data, name))
+            return Dataset.from_list(unpaired_rows(n, seed))
+
         trainer = KTOTrainer(
             model=model, ref_model=ref, args=args, processing_class=byte_tokenizer(),
-            train_dataset=Dataset.from_list(unpaired_rows(16, seed=1)),
-            eval_dataset=Dataset.from_list(unpaired_rows(8, seed=2)) if evaluate else None,
+            train_dataset=rows(16, 1, "train"), eval_dataset=rows(8, 2, "eval") if evaluate else None,
+            peft_config=peft_config,
         )  # fmt: skip
         return prepared_run(trainer, sp_size, evaluate=evaluate)
 

@@ -63,7 +63,7 @@ def fsdp2_on_cpu() -> Iterator[None]:
     (transformer-layer wrapping, reshard after forward), everything after that is accelerate's code.
     """
     import accelerate.accelerator as acc
-    from accelerate.state import AcceleratorState
+    from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     init = acc.Accelerator.__init__
@@ -76,6 +76,9 @@ def fsdp2_on_cpu() -> Iterator[None]:
             state.fsdp_plugin = FullyShardedDataParallelPlugin(
                 fsdp_version=2, auto_wrap_policy="transformer_based_wrap", reshard_after_forward=True
             )
+            # as AcceleratorState.__init__ ends on GPUs: every later AcceleratorState() (accelerate's
+            # set_seed(device_specific=True), which GRPOTrainer calls) copies PartialState's type back in
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
     acc.Accelerator.__init__ = fsdp_init
     try:

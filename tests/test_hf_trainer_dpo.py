@@ -4,7 +4,8 @@ grad_norm, rewards/chosen, rejected, margins, accuracies, logps/chosen, rejected
 rejected, entropy, mean_token_accuracy, num_tokens, ...) and of ``evaluate()`` agrees to float
 rounding (measured: loss and grad_norm within 5.2e-7 relative, log-probs within 6e-6 absolute = 1e-7
 relative, rewards within 1e-6 absolute) at dp 1 x sp 2 against one process, for the sigmoid loss with a separate reference model, IPO with
-precomputed reference log-probs, and sigmoid + SFT with LoRA (the reference is the adapter disabled).
+precomputed reference log-probs, and the sum of every loss type TRL offers with LoRA (the reference is the adapter
+disabled).
 
 At dp 2 x sp 2 against dp 4 under FSDP2 (gradient accumulation doubled, as for the SFT path) the loss,
 the gradient norm and every per-sequence metric agree; TRL's token-weighted metrics (entropy, logits/*,
@@ -30,6 +31,9 @@ BF16_REL, BF16_ABS = 5e-3, 1e-3
 3.9e-4, logps/chosen 6.1e-6, rewards/margins 2.6e-4 absolute (second step)."""
 TIMING = ("train_runtime", "train_samples_per_second", "train_steps_per_second", "eval_runtime",
           "eval_samples_per_second", "eval_steps_per_second")  # fmt: skip
+ALL_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
+              "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")  # fmt: skip
+"""Every ``loss_type`` TRL 1.16's DPOTrainer offers, summed (``loss_weights``: 1 each; exo_pair needs label_smoothing > 0)."""
 TOKEN_WEIGHTED = ("entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy")
 
 
@@ -66,10 +70,11 @@ def test_dpo_sigmoid_with_a_reference_model_sp2_equals_one_process(pool):
 @pytest.mark.slow
 def test_dpo_ipo_precomputed_and_lora_reference_sp2_equal_one_process(pool):
     """IPO (normalised by completion lengths) with reference log-probs precomputed when the trainer is
-    built (before prepare: no SP there); sigmoid + SFT with a LoRA adapter whose disabled form is the
-    reference (the same wrapped head, called under the adapter's context)."""
+    built (before prepare: no SP there); the sum of every loss type TRL offers (sigmoid, hinge, IPO, EXO, NCA,
+    robust, BCO, SPPO, AOT paired and unpaired, APO zero and down, DiscoPOP, SFT, normalised sigmoid) with a LoRA
+    adapter whose disabled form is the reference (the same wrapped head, called under the adapter's context)."""
     _assert_exact(pool, 1, 1, loss_type=("ipo",), reference="precompute", evaluate=True)
-    got = _assert_exact(pool, 1, 1, loss_type=("sigmoid", "sft"), reference="peft")
+    got = _assert_exact(pool, 1, 1, loss_type=ALL_LOSSES, label_smoothing=1e-3, reference="peft")
     assert got["logs"][0]["rewards/chosen"] != 0  # the LoRA weights start non-zero: policy != reference
 
 

@@ -3,7 +3,8 @@ trainer on a tiny llama, fp32, sampled completions of varied lengths (left-padde
 completions), against the same trainer on the same processes without SP. Every logged value of every step on
 every rank — loss, grad_norm, reward, reward_std, kl, entropy, clip ratios, completion lengths, policy_loss,
 num_tokens — and of ``evaluate()`` agrees to float rounding (measured: loss within 2.3e-8 absolute, grad_norm
-within 1e-7 relative, entropy within 4.8e-7 of 5.5, kl within 9e-8 of 0.023).
+within 1e-7 relative, entropy within 4.8e-7 of 5.5, kl within 9e-8 of 0.023). Also dp 2 x sp 2 against dp 4 under FSDP2, and
+bf16 autocast at bf16's tolerance (``BF16_REL``).
 
 Why the oracle has as many processes as the SP run: TRL seeds sampling per process and hands each process its
 slice of the generation batch, so every rank generates (without SP) exactly what it generates in the run without
@@ -24,6 +25,10 @@ from hf_grpo_runs import refusals, rl_train  # noqa: E402
 
 REL, ABS = 2e-6, 1e-6
 """fp32 rounding; losses near 0 (RLOO's leave-one-out advantages sum to 0 per prompt), hence the absolute part."""
+BF16_REL, BF16_ABS = 5e-3, 2e-5
+"""bf16 rounding (8 bits of mantissa: 4e-3 per operation); measured: grad_norm within 7.7e-4 relative, kl 8.1e-4
+relative (4.3e-6 absolute of 0.0053), entropy 2.8e-6, loss 1.3e-6 (1.8e-7 absolute); the absolute part is for
+step 1's kl of 0 and stays far below a kl off by a factor of 2."""
 TIMING = ("runtime", "per_second", "step_time")
 
 
@@ -74,9 +79,30 @@ def test_rloo_sp2_equals_two_processes(pool):
 
 
 @pytest.mark.slow
-def test_grpo_dp2_sp2_equals_dp4(pool):
-    """4 processes: dp 2 x sp 2 against dp 4 (DDP), bnpo with a reference model."""
-    _assert_exact(pool, 4, loss_type="bnpo", beta=0.04)
+def test_grpo_fsdp2_dp2_sp2_equals_fsdp2_dp4(pool):
+    """4 processes under accelerate's FSDP2 (``hf_runs.fsdp2_on_cpu``: the policy and the reference model sharded
+    over the 4 ranks): dp 2 x sp 2 against dp 4, bnpo with a reference model."""
+    want = _assert_exact(pool, 4, loss_type="bnpo", beta=0.04, fsdp2=True)
+    assert want[0]["fsdp2"]
+
+
+@pytest.mark.slow
+def test_grpo_bf16_sp2_matches_two_processes(pool):
+    """bf16 autocast (TRL's default precision), the default dapo loss with a reference model, dp 1 x sp 2 against
+    the same 2 processes without SP. Generation runs without SP, so completions, rewards and lengths are equal;
+    the log-probs round differently where the SP run's shapes differ (the attention over exchanged heads, the
+    fused head's tiles of ``S/P`` tokens), so loss, grad_norm, kl and entropy get bf16's tolerance (measured: see
+    BF16_REL); a wrong normaliser or a lost gradient share (a factor of 2) is far outside it."""
+    want = pool.run(rl_train, 2, 0, bf16=True, beta=0.04)
+    got = pool.run(rl_train, 2, 2, bf16=True, beta=0.04)
+    for rank, (g_run, w_run) in enumerate(zip(got, want)):
+        assert len(g_run["logs"]) == len(w_run["logs"]) == 2
+        for step, (g, w) in enumerate(zip(g_run["logs"], w_run["logs"])):
+            for key in ("reward", "reward_std", "completions/mean_length", "num_tokens"):
+                assert g[key] == w[key], (rank, step, key, g[key], w[key])
+            for key in ("loss", "grad_norm", "kl", "entropy"):
+                assert math.isclose(g[key], w[key], rel_tol=BF16_REL, abs_tol=BF16_ABS), (rank, step, key, g[key], w[key])
+    assert want[0]["logs"][1]["kl"] > 0
 
 
 def test_grpo_refusals_name_the_option(pool):
