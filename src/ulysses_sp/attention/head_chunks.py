@@ -187,8 +187,8 @@ class _HeadChunkedAttention(torch.autograd.Function):
         # backward writes dq into q's own storage (nothing reads q after this layer: the rotary's backward
         # needs cos/sin only; a second reader would fail autograd's version check, loudly); not for a leaf
         # (the caller's values) or a q sharing its storage with k/v (K/V may also sit in a KV cache)
-        ctx.reuse = not q.is_leaf and q.untyped_storage().data_ptr() not in {
-            t.untyped_storage().data_ptr() for t in (k, v)}  # fmt: skip
+        # (storages compared by identity, not data_ptr: a fake tensor's is 0, and the rehearsal must see the reuse)
+        ctx.reuse = not q.is_leaf and q.untyped_storage()._cdata not in {t.untyped_storage()._cdata for t in (k, v)}
         ctx.save_for_backward(q, k, v)
         return out
 
