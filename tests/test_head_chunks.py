@@ -7,6 +7,7 @@ are refused, and so is ``--head-chunks`` where sp 1 runs transformers' own atten
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -182,6 +183,22 @@ def test_head_chunks_at_sp1_exact_in_process_and_one_group_alive():
     with pytest.raises(ValueError, match="no group for 2 Ulysses ranks"):
         head_chunked_attention(q, k, v, attend=lambda i, q, k, v: sdpa(q, k, v), groups=plan_head_chunks(8, 2, 2, 2),
                                group=None)  # fmt: skip
+
+
+@pytest.mark.parametrize("fake", [False, True])
+def test_head_chunks_dq_reuses_q_storage_on_fake_tensors_too(fake):
+    """dq is written into q's own storage, and the rehearsal (fake tensors, whose data pointers are all 0)
+    must see that too, or it counts one more ``[B, H, S, D]`` per layer than a GPU holds."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() if fake else contextlib.nullcontext():
+        leaf, k, v = (torch.randn(1, n, 64, 16, requires_grad=True) for n in (8, 2, 2))
+        q, seen = leaf * 1, []
+        q.register_hook(lambda g: seen.append(g.untyped_storage()._cdata == q.untyped_storage()._cdata))
+        sdpa = lambda i, q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
+        attend = lambda i, q, k, v: sdpa(i, q, k, v).transpose(1, 2)  # noqa: E731
+        head_chunked_attention(q, k, v, attend=attend, groups=plan_head_chunks(8, 2, 4, 1), group=None).sum().backward()
+    assert seen == [True]
 
 
 def test_head_chunks_at_sp1_checked_and_refused_where_they_would_change_nothing():
