@@ -4,7 +4,7 @@ A thin layer over ``ulysses_sp.plan.model``: it reads the model's config (a pres
 directory, a ``config.json`` file, or a named shape such as ``llama-8b``), enumerates the candidate
 settings (every ``sp`` that divides the GPUs and that the heads allow, ZeRO stages 0-3, a ladder of
 memory techniques, model states on the host with ``--offload-states`` or when nothing fits on the
-devices alone), predicts each one's peak memory per rank and step time, and recommends the fastest
+devices alone; beside each, head groups where they reach longer: ``plan.head_groups``), predicts each one's peak memory per rank and step time, and recommends the fastest
 setting that fits (with ``--max``: the one that allows the longest sequence, capped at the model's
 positions so that ``train`` accepts it) as the exact ``ulysses-sp train`` command line; ``notes``
 say how it was reached. ``--json`` prints one document
