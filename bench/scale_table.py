@@ -54,33 +54,34 @@ def _model_dir(shape: str) -> str:
     return d
 
 
-def _cfg(model_dir: str, gpus: int, seq_len: int):
+def _cfg(model_dir: str, gpus: int, seq_len: int, head_chunks: int = 1):
     from ulysses_sp.run.config import config_from_dict
 
     return config_from_dict(dict(model=model_dir, sp=gpus, seq_len=seq_len, micro_batch_size=1, progress=False,
-                                 **SETTINGS))  # fmt: skip
+                                 head_chunks=head_chunks, **SETTINGS))  # fmt: skip
 
 
-def planner_longest(model_dir: str, gpus: int) -> int:
+def planner_longest(model_dir: str, gpus: int) -> tuple[int, int]:
     """The planner's longest sequence for the row's settings on 80 GB H100s and 2 TiB of host memory
-    per node (rounded down to 64K)."""
+    per node (rounded down to 64K), with the head groups ``plan --max`` would add (1: none)."""
     from ulysses_sp.plan.hardware import DEVICES
+    from ulysses_sp.plan.head_groups import with_head_groups
     from ulysses_sp.plan.model import max_seq_len
     from ulysses_sp.rehearse.run import DEFAULT_HOST_MEMORY
     from ulysses_sp.run.preflight import model_shape, settings_for
     from ulysses_sp.state.model_dir import load_config
 
-    hw, s = DEVICES["h100"], settings_for(_cfg(model_dir, gpus, gpus), gpus, "cuda")
-    longest = max_seq_len(model_shape(load_config(model_dir)), s, hw, host_budget=DEFAULT_HOST_MEMORY,
-                          ranks_per_node=min(gpus, hw.gpus_per_node))  # fmt: skip
-    return max(longest // 65536 * 65536, 65536)
+    hw, s, m = DEVICES["h100"], settings_for(_cfg(model_dir, gpus, gpus), gpus, "cuda"), model_shape(load_config(model_dir))
+    fit = lambda s: max_seq_len(m, s, hw, host_budget=DEFAULT_HOST_MEMORY, ranks_per_node=min(gpus, hw.gpus_per_node))  # noqa: E731
+    s, longest = with_head_groups(m, s, fit, None)[-1]
+    return max(longest // 65536 * 65536, 65536), s.head_chunks
 
 
-def rehearse_row(model_dir: str, gpus: int, seq_len: int) -> dict:
+def rehearse_row(model_dir: str, gpus: int, seq_len: int, head_chunks: int) -> dict:
     """One rehearsal (run in a child process): its JSON document."""
     from ulysses_sp.rehearse.run import rehearse_run
 
-    r = rehearse_run(_cfg(model_dir, gpus, seq_len), gpus=gpus, device="cuda", ranks=(0,))
+    r = rehearse_run(_cfg(model_dir, gpus, seq_len, head_chunks), gpus=gpus, device="cuda", ranks=(0,))
     return r.as_dict()
 
 
@@ -88,18 +89,18 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
     p.add_argument("--out", default="bench/results/scale_table.md")
-    p.add_argument("--child", nargs=3, metavar=("MODEL_DIR", "GPUS", "SEQ_LEN"), help=argparse.SUPPRESS)
+    p.add_argument("--child", nargs=4, metavar=("MODEL_DIR", "GPUS", "SEQ_LEN", "HEADS"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
-        print("JSON" + json.dumps(rehearse_row(a.child[0], int(a.child[1]), int(a.child[2])), default=str))
+        print("JSON" + json.dumps(rehearse_row(a.child[0], *map(int, a.child[1:])), default=str))
         return
     rows, run = [], md.provenance(md.command("bench.scale_table", argv))
     for name in a.rows:
         shape, gpus, tokens = ROWS[name]
         model_dir = _model_dir(shape)
-        seq_len = tokens or planner_longest(model_dir, gpus)
-        print(f"{name}: {shape} on {gpus} GPU(s) at {seq_len:,} tokens ...", file=sys.stderr, flush=True)
-        cmd = [sys.executable, "-m", "bench.scale_table", "--child", model_dir, str(gpus), str(seq_len)]
+        seq_len, heads = (tokens, 1) if tokens else planner_longest(model_dir, gpus)
+        print(f"{name}: {shape} on {gpus} GPU(s) at {seq_len:,} tokens, {heads} head group(s)", file=sys.stderr)
+        cmd = [sys.executable, "-m", "bench.scale_table", "--child", model_dir, str(gpus), str(seq_len), str(heads)]
         res = subprocess.run(cmd, capture_output=True, text=True, check=False)
         line = next((ln for ln in res.stdout.splitlines() if ln.startswith("JSON")), None)
         if line is None:
@@ -109,16 +110,17 @@ def main(argv: list[str] | None = None) -> None:
         planned = r["predicted"]["peak_bytes"] - r["reserve"]
         host_planned = r["predicted"]["host_bytes"] * min(gpus, r["gpus_per_node"])
         t = r["time"]
-        rows.append([shape, gpus, f"{seq_len:,}", "" if tokens is None else "record", f"{planned / GIB:.2f}",
+        rows.append([shape, gpus, f"{seq_len:,}", "" if tokens is None else "record", heads, f"{planned / GIB:.2f}",
                      f"{r['device_peak'] / GIB:.2f}", f"{planned / r['device_peak']:.3f}",
                      f"{host_planned / GIB:,.0f}", f"{r['host_per_node'] / GIB:,.0f}",
                      "fits" if r["fits"] else "does not fit", f"{t['step_s']:,.0f}",
                      f"{t['tokens_per_s_per_gpu']:,.0f}", f"{r['ranks'][0]['seconds']:.0f}"])  # fmt: skip
         print(f"  {rows[-1]}", file=sys.stderr, flush=True)
-    header = ["model", "GPUs", "tokens", "length", "planner peak GiB", "rehearsed peak GiB", "planner / rehearsal",
+    header = ["model", "GPUs", "tokens", "length", "head groups", "planner peak GiB", "rehearsed peak GiB", "planner / rehearsal",
               "planner host GiB/node", "rehearsed host GiB/node", "verdict (80 GB, 6 GB reserve, 2 TiB host)",
               "projected step s", "projected tokens/s/GPU", "rehearsal CPU s"]  # fmt: skip
-    note = ("Settings: " + ", ".join(f"{k} {v}" for k, v in SETTINGS.items()) + "; sp = GPUs. Peaks are rank 0's "
+    note = ("Settings: " + ", ".join(f"{k} {v}" for k, v in SETTINGS.items()) + "; sp = GPUs; head groups (--head-chunks) where "
+            "the planner reaches longer with them. Peaks are rank 0's "
             "device bytes without the planner's 6 GB reserve; the projected time is the rehearsal's FLOPs and bytes "
             "on an H100 table at 40 % of peak FLOP/s (rehearse/timing.py), not a measurement.")  # fmt: skip
     md.page(a.out, "The mission's scale: planner vs rehearsal", md.finish(run), [md.table(header, rows), note])

@@ -1,11 +1,13 @@
 """Head-chunked Ulysses attention (``attention/head_chunks.py``) is exact: per-position logits and every
 gradient equal the unchunked SP run and the model without SP (each packed document on its own), for
 plain causal sdpa with GQA below the Ulysses size, packed documents (the per-document sdpa path), the
-hybrid ring and Ulysses-Offload; overlap on and off give the same bits; the attention layer's peak
-memory falls with the number of head groups (the library's meter); bad head counts are refused."""
+hybrid ring, Ulysses-Offload and sp 1 (one rank, no exchange); overlap on and off give the same bits; the
+attention layer's peak memory falls with the number of head groups (the library's meter); bad head counts
+are refused, and so is ``--head-chunks`` where sp 1 runs transformers' own attention."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 from models import global_batch, tiny_model
 from oracle import assert_grads_close
 
+from ulysses_sp.attention import ulysses
 from ulysses_sp.attention.head_chunks import (
     HeadGroups,
     check_no_sinks,
@@ -50,8 +53,14 @@ def _sp_run(ref, mesh, sp, ring, chunks, ids, pos, weight, ckpt=False, **opts):
     reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1, mesh=mesh, head_chunks=chunks,
                                                           **opts)  # fmt: skip
     cols = torch.cat([torch.arange(a, b) for a, b in shard_spans(ids.shape[1], mesh.sp_rank, sp, ring)])
-    logits = model(input_ids=ids[:, cols], position_ids=pos[:, cols]).logits
-    (logits * weight[:, cols]).sum().backward()
+    grouped, real = [], ulysses.head_chunked_attention  # the layers really run the head groups (at sp 1 too)
+    ulysses.head_chunked_attention = lambda *a, **kw: grouped.append(kw["groups"].n) or real(*a, **kw)
+    try:
+        logits = model(input_ids=ids[:, cols], position_ids=pos[:, cols]).logits
+        (logits * weight[:, cols]).sum().backward()
+    finally:
+        ulysses.head_chunked_attention = real
+    assert set(grouped) == ({chunks} if chunks > 1 else set()), grouped
     for p in model.parameters():  # each rank's share of the gradient, summed over the SP group
         dist.all_reduce(p.grad, group=mesh.sp_group)
     path = reg.attention.last_path
@@ -88,6 +97,8 @@ def _compare(sp, ring, heads, kv, chunks, packed, offload=False, ckpt=False):
         (2, 1, 4, 4, 2, True, False, "segments", False),  # MHA: K/V travel with each group; sdpa per document
         (4, 2, 4, 2, 2, True, False, "ring", False),  # hybrid: 2 Ulysses x 2 ring
         (2, 1, 4, 1, 2, True, True, "blockwise+offload", False),  # MQA, Ulysses-Offload
+        # sp 1 (no exchange: each group's q/k/v are views): GQA 8:2 in 4 groups, two per kv head; packed, checkpointed
+        (1, 1, 8, 2, 4, True, False, "segments", True),
     ],
 )
 def test_head_chunks_equal_unchunked_and_no_sp(pool, sp, ring, heads, kv, chunks, packed, offload, path, ckpt):
@@ -134,6 +145,76 @@ def test_head_chunks_function_exact_overlap_bitwise_and_peak_falls(pool):
     assert peaks[8]["overlap=False"] < peaks[8]["overlap=True"] < plain, peaks
     assert peaks[8]["overlap=False"] < 0.85 * plain, peaks
     assert peaks[8]["overlap=False"] < peaks[2]["overlap=False"], peaks
+
+
+def _eager(q, k, v):
+    """Causal attention as matmuls, ``[B, H, S, D] -> [B, S, H, D]``: autograd keeps ``[B, H, S, S]`` scores."""
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    causal = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).triu(1)
+    return (scores.masked_fill(causal, float("-inf")).softmax(-1) @ v).transpose(1, 2)
+
+
+def test_head_chunks_at_sp1_exact_in_process_and_one_group_alive():
+    """``group=None`` (one rank): the groups in turn over views of q/k/v, no process group; equal to the
+    core over all heads (sdpa and matmuls; GQA, groups sharing a kv head and groups of several kv heads),
+    overlap the same bits; the peak falls with the groups (the matmul core keeps a group's scores)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, n, 128, 16, generator=g, dtype=torch.float64) for n in (8, 2, 2))
+    dout = torch.randn(1, 128, 8, 16, generator=g, dtype=torch.float64)
+    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)  # noqa: E731
+    results = {}
+    for core in (sdpa, _eager):
+        for chunks, overlap in [(1, False), (2, False), (8, False), (8, True)]:
+            fn = core if chunks == 1 else lambda q, k, v, n=chunks, o=overlap, c=core: head_chunked_attention(
+                q, k, v, attend=lambda i, q, k, v: c(q, k, v), groups=plan_head_chunks(8, 2, n, 1), group=None,
+                overlap=o)  # fmt: skip
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            with track_peak_memory("cpu", include=leaves) as mem:
+                out = fn(*(t * 1 for t in leaves))  # non-leaf inputs, as a model's q/k/v (dq reuses q's storage)
+                out.backward(dout)
+            results[(core, chunks, overlap)] = (out.detach(), *(t.grad for t in leaves)), mem.peak_bytes
+        for key in [(core, 2, False), (core, 8, False)]:
+            for a, b in zip(results[key][0], results[(core, 1, False)][0]):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+        assert all(torch.equal(a, b) for a, b in zip(results[(core, 8, True)][0], results[(core, 8, False)][0]))
+    peaks = [results[(_eager, n, False)][1] for n in (1, 2, 8)]
+    assert peaks[2] < peaks[1] < peaks[0] and peaks[2] < 0.5 * peaks[0], peaks
+    with pytest.raises(ValueError, match="no group for 2 Ulysses ranks"):
+        head_chunked_attention(q, k, v, attend=lambda i, q, k, v: sdpa(q, k, v), groups=plan_head_chunks(8, 2, 2, 2),
+                               group=None)  # fmt: skip
+
+
+@pytest.mark.parametrize("fake", [False, True])
+def test_head_chunks_dq_reuses_q_storage_on_fake_tensors_too(fake):
+    """dq is written into q's own storage, and the rehearsal (fake tensors, whose data pointers are all 0)
+    must see that too, or it counts one more ``[B, H, S, D]`` per layer than a GPU holds."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() if fake else contextlib.nullcontext():
+        leaf, k, v = (torch.randn(1, n, 64, 16, requires_grad=True) for n in (8, 2, 2))
+        q, seen = leaf * 1, []
+        q.register_hook(lambda g: seen.append(g.untyped_storage()._cdata == q.untyped_storage()._cdata))
+        sdpa = lambda i, q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
+        attend = lambda i, q, k, v: sdpa(i, q, k, v).transpose(1, 2)  # noqa: E731
+        head_chunked_attention(q, k, v, attend=attend, groups=plan_head_chunks(8, 2, 4, 1), group=None).sum().backward()
+    assert seen == [True]
+
+
+def test_head_chunks_at_sp1_checked_and_refused_where_they_would_change_nothing():
+    from vlm_models import tiny_vlm
+
+    from ulysses_sp.run.config import RunConfig
+    from ulysses_sp.run.model_checks import check_model_run
+
+    llama = tiny_model("llama", heads=8, kv_heads=2, hidden=64)
+    check_model_run(RunConfig(sp=1, head_chunks=4), llama.config, ring_size=1, model=llama)  # accepted at sp 1
+    with pytest.raises(ValueError, match=r"--head-chunks 3: head_chunks 3: .* valid head_chunks for 8 query / 2 kv "
+                       r"heads over 1 Ulysses ranks: \[1, 2, 4, 8\]"):  # fmt: skip
+        check_model_run(RunConfig(sp=1, head_chunks=3), llama.config, ring_size=1, model=llama)
+    vlm = tiny_vlm("qwen2_5_vl")  # at sp 1 a VLM keeps transformers' attention: a silent no-op is refused
+    with pytest.raises(ValueError, match=r"--head-chunks 2: at --sp 1 .* transformers' own attention.*drop"):
+        check_model_run(RunConfig(sp=1, head_chunks=2), vlm.config, ring_size=1, model=vlm)
 
 
 def test_plan_head_chunks():

@@ -23,14 +23,19 @@ def _host_rows(doc: dict) -> list[dict]:
 
 def test_offload_states_on_one_gpu_considers_zero3_with_states_on_the_host(capsys):
     """The CLI guide's "757K tokens on 1 GPU" (428K without norm recompute; the flash backward's workspace
-    counted): this exact command, its full-technique host-state rows."""
+    counted), and 1.10M with 8 head groups at sp 1 (the workspace per group): this exact command, its
+    full-technique host-state rows."""
     argv = ("--model", "llama-8b", "--gpus", "1", "--dtype", "bf16", "--offload-states", "--max")
     doc = _plan(capsys, *argv)
     host = _host_rows(doc)
     assert host and all(c["settings"]["zero_stage"] == 3 and c["settings"]["nproc"] == 1 for c in host)
-    full = {c["settings"].get("recompute_norms", False): c for c in host if c["settings"].get("offload_activations")}
-    assert len(full) == 2 and full[False]["max_seq_len"] // 1000 == 428 and full[False]["fits"]
-    assert full[True]["max_seq_len"] // 1000 == 756 and full[True]["fits"]
+    full = {(c["settings"].get("recompute_norms", False), c["settings"].get("head_chunks", 1)): c
+            for c in host if c["settings"].get("offload_activations")}  # fmt: skip
+    assert full[False, 1]["max_seq_len"] // 1000 == 428 and full[False, 1]["fits"]
+    assert full[True, 1]["max_seq_len"] // 1000 == 756 and full[True, 1]["fits"]
+    # head groups: the fewest that reach the longest (more change nothing: the core is no longer the peak)
+    assert full[True, 8]["max_seq_len"] // 1000 == 1104 and full[True, 8]["fits"]
+    assert full[True, 8]["tokens_per_s"] < full[True, 1]["tokens_per_s"]  # one more attention forward
     best = doc["recommended"]
     assert best["settings"]["cpu_offload"] and best["settings"]["zero_stage"] == 3
     assert doc["offload_states"] == "also"
@@ -38,6 +43,7 @@ def test_offload_states_on_one_gpu_considers_zero3_with_states_on_the_host(capsy
     table = capsys.readouterr().out
     assert "sp 1 zero 3 loss+mlp+ckpt+offload+states->host" in table and "428,482" in table
     assert "sp 1 zero 3 loss+mlp+ckpt+offload+norms+states->host" in table and "756,642" in table
+    assert "sp 1 zero 3 loss+mlp+ckpt+offload+norms+states->host+heads8" in table and "1,104,061" in table
     assert "nothing fits" not in table
 
 

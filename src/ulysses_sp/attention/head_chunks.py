@@ -23,6 +23,11 @@ query heads are free once packed), one group at a time. So in forward *and* back
 exchange buffers and attention activations are alive (two with ``overlap``), for one more q/k/v
 exchange and attention forward per layer (activation checkpointing recomputes the layer anyway).
 
+**One rank** (``group=None``, ``P`` 1: sp 1, where no exchange exists): the same groups in turn, each
+group's q/k/v views of the layer's own (nothing sent or copied), so that one group's attention
+activations and kernel workspace (on CUDA FlashAttention-2's fp32 dq accumulator and GQA-expanded dk/dv,
+``O(S H_c D)`` each) are alive instead of every head's.
+
 **Overlap** (``overlap=True``; off by default: it keeps two groups' buffers alive, and on CPU gloo's
 thread competes with compute for the same cores): the next group's exchange is posted asynchronously
 (``comm.start_exchange``) before the current group's attention and waited after it; each group's
@@ -122,6 +127,14 @@ def _replicated(k: torch.Tensor, hg: HeadGroups) -> torch.Tensor:
     return k.repeat_interleave(hg.repeat, 1) if hg.repeat > 1 else k
 
 
+def _exchange(parts: list[torch.Tensor], dims: list[int | None], group, overlap: bool = True) -> Callable:
+    """``comm.start_exchange`` of ``parts`` (``[P, ...]`` each), or with no group (``P`` 1) the parts as
+    they arrive from the one rank: views, nothing sent or copied."""
+    if group is None:
+        return lambda: tuple(t if d is None else t[0] for t, d in zip(parts, dims))
+    return start_exchange(parts, dims, group, async_op=overlap)
+
+
 def _group_in(q, k, v, dout, hg: HeadGroups, g: int, group, overlap: bool) -> Callable:
     """Group ``g``'s exchange: q ``-> [B, H_c, S, D]``; the kv set it opens, k, v ``-> [B, kvs, S,
     D]``; in backward the output gradient ``[B, S_l, H, D] -> [B, S, H_c, D]``. With ``overlap``: one
@@ -135,9 +148,8 @@ def _group_in(q, k, v, dout, hg: HeadGroups, g: int, group, overlap: bool) -> Ca
         b, s_l, _, d = dout.shape
         pieces.append(([dout.view(b, s_l, hg.p, hg.n, hg.hc, d)[:, :, :, g].movedim(2, 0)], [1]))
     if overlap:
-        return start_exchange([p for parts, _ in pieces for p in parts], [d for _, dims in pieces for d in dims],
-                              group)  # fmt: skip
-    return lambda: tuple(t for parts, dims in pieces for t in start_exchange(parts, dims, group, async_op=False)())
+        return _exchange([p for parts, _ in pieces for p in parts], [d for _, dims in pieces for d in dims], group)
+    return lambda: tuple(t for parts, dims in pieces for t in _exchange(parts, dims, group, False)())
 
 
 class _HeadChunkedAttention(torch.autograd.Function):
@@ -163,7 +175,7 @@ class _HeadChunkedAttention(torch.autograd.Function):
             if back is not None:
                 back = back()  # None: the finished exchange's buffers go before the next is allocated
             # [B, S, H_c, D] -> [P, B, S_l, H_c, D] -> home; arriving [P(src), B, S_l, H_c, D]
-            back = _out_home(start_exchange([o.unflatten(1, (hg.p, -1)).movedim(1, 0)], [None], group), out, hg, g)
+            back = _out_home(_exchange([o.unflatten(1, (hg.p, -1)).movedim(1, 0)], [None], group), out, hg, g)
             del o
             if not overlap:
                 back = back()
@@ -175,8 +187,8 @@ class _HeadChunkedAttention(torch.autograd.Function):
         # backward writes dq into q's own storage (nothing reads q after this layer: the rotary's backward
         # needs cos/sin only; a second reader would fail autograd's version check, loudly); not for a leaf
         # (the caller's values) or a q sharing its storage with k/v (K/V may also sit in a KV cache)
-        ctx.reuse = not q.is_leaf and q.untyped_storage().data_ptr() not in {
-            t.untyped_storage().data_ptr() for t in (k, v)}  # fmt: skip
+        # (storages compared by identity, not data_ptr: a fake tensor's is 0, and the rehearsal must see the reuse)
+        ctx.reuse = not q.is_leaf and q.untyped_storage()._cdata not in {t.untyped_storage()._cdata for t in (k, v)}
         ctx.save_for_backward(q, k, v)
         return out
 
@@ -210,7 +222,7 @@ class _HeadChunkedAttention(torch.autograd.Function):
             if back is not None:
                 back = back()
             parts = [t.unflatten(2, (hg.p, -1)).movedim(2, 0) for t in sending]
-            back = _grads_home(start_exchange(parts, [None] * len(parts), group), (dq, dkr, dvr), hg, g)
+            back = _grads_home(_exchange(parts, [None] * len(parts), group), (dq, dkr, dvr), hg, g)
             del sending, parts
             if g % hg.span == hg.span - 1:
                 kv = dkv = ()
@@ -252,7 +264,7 @@ def head_chunked_attention(
     *,
     attend: Attend,
     groups: HeadGroups,
-    group: dist.ProcessGroup,
+    group: dist.ProcessGroup | None,
     overlap: bool = False,
 ) -> torch.Tensor:
     """Ulysses attention one head group at a time: ``[B, H, S_l, D]`` q and ``[B, Hkv, S_l, D]`` k, v
@@ -262,8 +274,11 @@ def head_chunked_attention(
         attend: the core over the full sequence for one group (``Attend``); called once per group in
             forward and again in backward, so it must be deterministic.
         groups: ``plan_head_chunks(H, Hkv, N, P)``.
-        group: the Ulysses all-to-all group (``P`` ranks).
+        group: the Ulysses all-to-all group (``P`` ranks); ``None`` for one rank (``groups.p`` 1, sp 1):
+            no exchange, each group's q/k/v are views of the inputs.
         overlap: post the next group's exchange before attending the current one (double buffering:
             two groups' exchanges alive); False (default): one at a time, the least memory.
     """
+    if group is None and groups.p != 1:
+        raise ValueError(f"head_chunked_attention: no group for {groups.p} Ulysses ranks (None is one rank)")
     return _HeadChunkedAttention.apply(attend, groups, group, overlap, q, k, v)

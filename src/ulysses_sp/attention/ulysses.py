@@ -183,8 +183,7 @@ class UlyssesSPAttentionHF:
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         sp = not (self.disable_in_eval and not module.training) and self.sp_size > 1
-        b, h, s_local, _ = query.shape
-        hkv = key.shape[1]
+        (b, h, s_local, _), hkv = query.shape, key.shape[1]
         if sp:
             check_heads(h, hkv, self.ulysses_size)
         base = layout = self._seq_layout(kwargs.pop("position_ids", None), s_local, b, query.device, sp)
@@ -199,13 +198,13 @@ class UlyssesSPAttentionHF:
             index = global_token_index(self.sp_group, s_local, layout.seq_len, self.ring_size)
             query = correct_query_temperature(module, query, index)
         layouts, rank = (base, layout, chunk), dist.get_rank(self.ulysses_group) if a2a else 0
-        if sp and self.head_chunks > 1:  # one head group at a time: [B, H*, S_l, D] -> [B, S_l, H, D]
-            check_no_sinks(module, kwargs, self.head_chunks)
-            groups = plan_head_chunks(h, hkv, self.head_chunks, self.ulysses_size)
+        if self.head_chunks > 1 and (sp or self.sp_size == 1):  # one head group at a time (at sp 1 no exchange)
+            check_no_sinks(module, kwargs, self.head_chunks)  # [B, H*, S_l, D] -> [B, S_l, H, D]
+            groups = plan_head_chunks(h, hkv, self.head_chunks, self.ulysses_size if a2a else 1)
             attend = lambda g, q, k, v: self._attend(module, q, k, v, layouts, args, dict(kwargs), h,  # noqa: E731
                                                      rank * groups.n + g)  # fmt: skip
-            return head_chunked_attention(query, key, value, attend=attend, groups=groups, group=self.ulysses_group,
-                                          overlap=self.head_chunk_overlap), None  # fmt: skip
+            return head_chunked_attention(query, key, value, attend=attend, groups=groups, overlap=self.head_chunk_overlap,
+                                          group=self.ulysses_group if a2a else None), None  # fmt: skip
         if a2a:  # P below is the Ulysses size U (= sp size without a ring); S the ring rank's S/R tokens
             packed = packed_exchange(self.exchange, self.ulysses_group, query, key, value)  # by a piece's bytes
             self.last_exchange = "packed" if packed else "headwise"
@@ -324,7 +323,8 @@ class UlyssesSPAttentionHF:
                 split (with a given ``mesh``: the mesh's ring size). Cores ``sdpa``/``eager``.
             head_chunks: exchange and attend the heads in this many groups, one at a time (UPipe;
                 ``attention/head_chunks.py``): exchange buffers and attention activations of one
-                group alive instead of all, for one more q/k/v exchange and attention forward in backward.
+                group alive instead of all, for one more q/k/v exchange and attention forward in backward
+                (at sp 1, no exchange: the core and its kernel workspace per group).
             exchange: q/k/v's and the output's all-to-all: ``packed`` (one collective each way, a buffer of the
                 exchanged size), ``headwise`` (one per batch row and head) or ``auto`` (``parallel/exchange_cost.py``).
 

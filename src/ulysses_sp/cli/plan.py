@@ -4,7 +4,7 @@ A thin layer over ``ulysses_sp.plan.model``: it reads the model's config (a pres
 directory, a ``config.json`` file, or a named shape such as ``llama-8b``), enumerates the candidate
 settings (every ``sp`` that divides the GPUs and that the heads allow, ZeRO stages 0-3, a ladder of
 memory techniques, model states on the host with ``--offload-states`` or when nothing fits on the
-devices alone), predicts each one's peak memory per rank and step time, and recommends the fastest
+devices alone; beside each, head groups where they reach longer: ``plan.head_groups``), predicts each one's peak memory per rank and step time, and recommends the fastest
 setting that fits (with ``--max``: the one that allows the longest sequence, capped at the model's
 positions so that ``train`` accepts it) as the exact ``ulysses-sp train`` command line; ``notes``
 say how it was reached. ``--json`` prints one document
@@ -175,6 +175,8 @@ def train_args(model: str, s: Any, nodes: int, attn: str = "sdpa") -> tuple[dict
         flags["attn"] = attn
     if getattr(s, "ring_size", 1) > 1:
         flags["ring_size"] = s.ring_size
+    if getattr(s, "head_chunks", 1) > 1:
+        flags["head_chunks"] = s.head_chunks
     if s.partition != "data_parallel":
         flags["zero_partition"] = s.partition
     if nodes == 1:
@@ -240,6 +242,7 @@ def _evaluate(ns: argparse.Namespace, shape: Any, hw: Any, offload: str, judge: 
     its longest sequence capped at the model's positions limit. Settings ``train`` refuses before
     launch (``judge``: ``plan_judge.PlanJudge``) are left out, the reason noted."""
     from ulysses_sp.parallel.mesh_shape import resolve_ring_size
+    from ulysses_sp.plan.head_groups import with_head_groups
     from ulysses_sp.plan.inputs import Settings
     from ulysses_sp.plan.model import max_seq_len, predict
 
@@ -255,28 +258,30 @@ def _evaluate(ns: argparse.Namespace, shape: Any, hw: Any, offload: str, judge: 
             multiple = sp * (2 if ring > 1 else 1)
             if ns.seq_len is not None and ns.seq_len % multiple:
                 continue
-            s = Settings(seq_len=ns.seq_len or multiple, micro_batch_size=ns.micro_batch_size, dp=world // sp,
+            base = Settings(seq_len=ns.seq_len or multiple, micro_batch_size=ns.micro_batch_size, dp=world // sp,
                          sp=sp, ring_size=ring, zero_stage=stage, partition=part, dtype=ns.dtype,
                          offload_states=states_on_host, device_type="cpu" if hw.name == "cpu" else "cuda", **tech)  # fmt: skip
-            longest = max_seq_len(shape, s, hw, host_budget=host_limit(hw, ns), ranks_per_node=min(world, hw.gpus_per_node))
-            if ns.seq_len is None:
-                seq_len = max(longest - longest % multiple, multiple)
-                if shape.max_positions is not None:  # train refuses more: cap, "capped" says so
-                    seq_len = min(seq_len, max(shape.max_positions - shape.max_positions % multiple, multiple))
-                s = replace(s, seq_len=seq_len)
-            settings, args = train_args(ns.model, s, ns.nodes, judge.attn)
-            why = judge.refusal(settings)
-            if why is not None:
-                judge.withhold(label({"settings": settings}), why)
-                continue
-            pred = predict(shape, s, hw)
-            out.append({
-                "settings": settings, "train_args": args, "peak_bytes_per_rank": pred.peak_bytes,
-                "breakdown": pred.breakdown, "host_bytes_per_rank": pred.host_bytes,
-                "fits": pred.peak_bytes <= hw.memory_bytes and host_fits(pred.host_bytes, world, hw, ns),
-                "max_seq_len": longest,
-                "tokens_per_s": pred.tokens_per_s, "comm_share": pred.comm_share,
-            })  # fmt: skip
+            fit = lambda s: max_seq_len(shape, s, hw, host_budget=host_limit(hw, ns),  # noqa: E731
+                                        ranks_per_node=min(world, hw.gpus_per_node))  # fmt: skip
+            for s, longest in with_head_groups(shape, base, fit, ns.seq_len):  # and its head-group setting
+                if ns.seq_len is None:
+                    seq_len = max(longest - longest % multiple, multiple)
+                    if shape.max_positions is not None:  # train refuses more: cap, "capped" says so
+                        seq_len = min(seq_len, max(shape.max_positions - shape.max_positions % multiple, multiple))
+                    s = replace(s, seq_len=seq_len)
+                flags, args = train_args(ns.model, s, ns.nodes, judge.attn)
+                why = judge.refusal(flags)
+                if why is not None:
+                    judge.withhold(label({"settings": flags}), why)
+                    continue
+                pred = predict(shape, s, hw)
+                out.append({
+                    "settings": flags, "train_args": args, "peak_bytes_per_rank": pred.peak_bytes,
+                    "breakdown": pred.breakdown, "host_bytes_per_rank": pred.host_bytes,
+                    "fits": pred.peak_bytes <= hw.memory_bytes and host_fits(pred.host_bytes, world, hw, ns),
+                    "max_seq_len": longest,
+                    "tokens_per_s": pred.tokens_per_s, "comm_share": pred.comm_share,
+                })  # fmt: skip
     return out
 
 

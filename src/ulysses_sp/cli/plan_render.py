@@ -19,6 +19,7 @@ def label(c: dict[str, Any]) -> str:
     tech = [n for n, k in (("loss", "tiled_loss"), ("mlp", "tiled_mlp"), ("ckpt", "activation_checkpointing"),
                            ("offload", "offload_activations"), ("norms", "recompute_norms"),
                            ("states->host", "cpu_offload")) if s.get(k)]  # fmt: skip
+    tech += [f"heads{s['head_chunks']}"] if s.get("head_chunks", 1) > 1 else []
     part = "/all" if s.get("zero_partition") == "all" else ""
     ring = f" (ring {s['ring_size']})" if s.get("ring_size", 1) > 1 else ""
     return f"sp {s['sp']}{ring} zero {s['zero_stage']}{part} " + ("+".join(tech) or "plain")

@@ -51,6 +51,7 @@ SETTINGS: Schema = {
     "nproc": ("int", "`--nproc`, on one node only (several nodes: launch with torchrun)"),
     "zero_partition": ("str", "`--zero-partition all`; absent for `data_parallel`"),
     "ring_size": ("int", "`--ring-size`, only when a ring is needed (more sp ranks than the heads split over)"),
+    "head_chunks": ("int", "`--head-chunks`, only where head groups reach a longer sequence (or fit `--seq-len`)"),
     "attn": ("str", "`--attn`, only when not `sdpa` (a model transformers cannot build with sdpa)"),
     "tiled_loss": ("bool", "`--tiled-loss`, only when on"),
     "tiled_mlp": ("bool", "`--tiled-mlp`, only when on"),

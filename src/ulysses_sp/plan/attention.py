@@ -9,7 +9,9 @@
 * ``exchange_in``: with ``P > 1`` the tensors handed to the all-to-all (kv before replication).
 * ``workspace``: the backward's transient set on top of ``saved`` (grads of q, k, v and the output;
   with ``P > 1`` an exchange term of ``2 q`` per head group, and the packed exchange's receive buffer
-  of the q/k/v gradients where it exceeds that: plan_check measured the same peaks either way).
+  of the q/k/v gradients where it exceeds that: plan_check measured the same peaks either way). With
+  head groups at sp 1: the output's gradient, dk and dv (dq is q's storage) and one group's output, dq,
+  dk, dv with the fp32 sums of its kv heads (``q + 2 kv + 2 q / N + 6 Hkv_c D``).
 * ``backward``: on CUDA with ``P > 1``, one head group and the head-by-head exchange, the whole set at
   the backward's exchange of the q/k/v gradients home, read off rehearsals of Llama-3-8B at
   ``P`` 2, 8, 16 and 32 (``bench.scale_table``'s shapes, 2 layers; within 1.2 %): the core's output
@@ -21,7 +23,11 @@
   (``rehearse.tracker.kernel_workspace``: FlashAttention-2's fp32 dq accumulator over the rank's
   query heads and, with fewer kv heads than query heads on the rank, dk/dv expanded to the query
   heads): q, k, v, the output, its gradient and dq, dk, dv (``4 q + 4 kv``) + the workspace, divided
-  by the head groups. 0 on other devices (a CPU kernel's buffers are per thread).
+  by the head groups. With head groups at sp 1 (no exchange: ``attention.head_chunks`` over views of
+  the layer's q/k/v) the layer's q, k, v, the output's gradient and dk, dv (``2 q + 4 kv``; dq is q's
+  own storage) + one group's output and dq, its kv heads' dk, dv and their fp32 sums (``6 Hkv_c D``)
+  and the kernel's workspace for the group's ``H/N`` query heads (expanded dk/dv only where the group
+  has fewer kv heads than query heads). 0 on other devices (a CPU kernel's buffers are per thread).
 """
 
 from __future__ import annotations
@@ -57,6 +63,10 @@ def attention_terms(m: ModelShape, s: Settings, hw: Hardware | None, norm: int) 
     is_packed = packed_exchange(m, s, hw)
     packed = max(0, q + 2 * kv - 2 * q) if is_packed else 0
     workspace = 2 * q + 2 * kv + (2 * q // s.head_chunks if p > 1 else 0) + packed
+    n, d_r = s.head_chunks, -(-d // 32) * 32
+    hc, kvc = m.heads // n, max(1, m.heads // n * m.kv_heads // m.heads)  # a head group's query / kv heads
+    if p == 1 and n > 1:  # head groups at sp 1: dq in q's own storage; one group's output, dq, dk, dv, fp32 sums
+        workspace = q + 2 * kv + 2 * q // n + 6 * kvc * d
     cuda = s.device_type == "cuda" and s.attention != "blockwise"
     backward = 0
     if cuda and p > 1 and s.head_chunks == 1 and not is_packed:
@@ -64,8 +74,11 @@ def attention_terms(m: ModelShape, s: Settings, hw: Hardware | None, norm: int) 
         backward = norm + (5 if several else 4) * q + 2 * kv + 2 * kv_pre
         backward += (2 if several else 1) * p * d // s.micro_batch_size
     core = 0
-    if cuda:
-        flash = 4 * m.heads * (-(-d // 32) * 32 + 1) // e + (2 * q if m.heads > max(m.kv_heads, p) else 0)
-        core = norm + 4 * q + 4 * kv + flash // s.head_chunks
+    if cuda and p == 1 and n > 1:  # one group's core at a time over views of the layer's q/k/v
+        flash = 4 * hc * (d_r + 1) // e + (2 * hc * d if hc > kvc else 0)
+        core = norm + 2 * q + 4 * kv + 2 * q // n + 6 * kvc * d + flash
+    elif cuda:
+        flash = 4 * m.heads * (d_r + 1) // e + (2 * q if m.heads > max(m.kv_heads, p) else 0)
+        core = norm + 4 * q + 4 * kv + flash // n
     return AttentionTerms(saved=saved, exchange_in=q + 2 * kv_pre if p > 1 else 0, workspace=workspace,
                           packed=packed, backward=backward, core=core)  # fmt: skip

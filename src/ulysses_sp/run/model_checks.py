@@ -150,14 +150,18 @@ def _checks(cfg: RunConfig, model_config: Any, ring: int) -> list[Callable[[nn.M
                 TiledCausalLMLoss.check_model(model)
 
     def attention(model: nn.Module) -> None:
-        if not sp_attention_wanted(cfg, model_config) or not any(head_counts(model_config)):
+        if not any(head_counts(model_config)):
+            return
+        if not sp_attention_wanted(cfg, model_config):  # sp 1 on the model's own attention: no head groups there
+            if cfg.head_chunks > 1:
+                raise ValueError(f"--head-chunks {cfg.head_chunks}: at --sp 1 {type(model).__name__} runs transformers' "
+                                 "own attention (a vision-language model, or layers the SP attention does not run "
+                                 "at sp 1), which has no head groups; drop --head-chunks")  # fmt: skip
             return
         with _flag(f"--sp {cfg.sp}" if cfg.head_chunks == 1 else f"--head-chunks {cfg.head_chunks}"):
-            check_sp_attention(model_config, cfg.attn, cfg.sp, ring_size=ring,
-                               attn_chunk=cfg.attn_chunk, offload_attention=cfg.offload_attention,
-                               head_chunks=cfg.head_chunks if cfg.sp > 1 else 1)  # fmt: skip
-            if cfg.sp > 1:
-                check_head_chunk_sinks(model, cfg.head_chunks)
+            check_sp_attention(model_config, cfg.attn, cfg.sp, ring_size=ring, attn_chunk=cfg.attn_chunk,
+                               offload_attention=cfg.offload_attention, head_chunks=cfg.head_chunks)  # fmt: skip
+            check_head_chunk_sinks(model, cfg.head_chunks)
 
     def mixing(model: nn.Module) -> None:
         check_sequence_mixing(model, sp_size=cfg.sp)  # names the layer, the module and the fix itself
