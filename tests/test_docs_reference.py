@@ -113,7 +113,7 @@ def plan_docs(tmp_path_factory):
     Qwen3_5TextConfig(**_COMMON, **HYBRIDS["tiny-qwen3.5"][1]).save_pretrained(tmp)
     cpu = ["--device", "cpu", "--memory", "2GB"]
     runs = [
-        ["--model", "tiny-llama", *cpu, "--gpus", "2", "--seq-len", "4096"],
+        ["--model", "tiny-llama", *cpu, "--gpus", "2", "--max"],  # --max: head_chunks rows
         ["--model", "tiny-llama", "--gpus", "8", "--dtype", "bf16", "--offload-states", "--gpu-memory", "1GB"],
         ["--model", str(tmp / "config.json"), *cpu, "--gpus", "4", "--seq-len", "4096"],
         ["--model", "tiny-llama", *cpu, "--gpus", "2", "--seq-len", "2048", "--rehearse"],
