@@ -201,6 +201,20 @@ def following_resize(on_resize: Callable[[torch.UntypedStorage, int], None]) -> 
         torch.UntypedStorage.resize_ = previous
 
 
+_ALIASING: dict[Any, bool] = {}
+
+
+def _may_alias(func: Any) -> bool:
+    """Whether aten op ``func`` may return a tensor sharing an input's storage (a view, an in-place or
+    ``out=`` op: a return with alias information in its schema); cached per op."""
+    known = _ALIASING.get(func)
+    if known is None:
+        schema = getattr(func, "_schema", None)
+        known = _ALIASING[func] = (schema is None or schema.name == "aten::_unsafe_view"  # a view its schema hides
+                                   or any(r.alias_info is not None for r in schema.returns))  # fmt: skip
+    return known
+
+
 class _StorageTracker(TorchDispatchMode):
     """Counts the bytes of storages created by aten ops on one device type (CPU mechanism)."""
 
@@ -235,11 +249,13 @@ class _StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        # an op whose schema declares no aliased return (most: matmul, add, ...) returns new storages only;
+        # for views, in-place and out= ops, an output sharing an input's storage is not new memory
         inputs = {
             s._cdata
             for t in tree_leaves((args, kwargs))
             if isinstance(t, torch.Tensor) and (s := storage_of(t)) is not None
-        }
+        } if _may_alias(func) else ()  # fmt: skip
         host = _HOST_SIDE.get()
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == self.stats.device.type:
