@@ -155,6 +155,13 @@ def test_plan_json_has_exactly_the_documented_keys_and_types(plan_docs):
         assert not missing, f"documented but never printed ({name}): {sorted(missing)}"
 
 
+def test_plan_rehearse_json_gives_the_recommended_commands_verdict(plan_docs):
+    """``plan --seq-len 2048 --rehearse --json`` (the last plan run): the rehearsal of its recommended command
+    fits, and its first probe is the asked length."""
+    rehearsal = plan_docs[-1]["rehearsal"]
+    assert rehearsal["rehearsal"]["fits"] and rehearsal["probes"][0][:2] == [2048, True]
+
+
 def test_the_plan_page_shows_every_section():
     page = docs_reference.plan_json_reference()
     for _, _, schema in plan_schema.SECTIONS:
