@@ -31,6 +31,28 @@ from ulysses_sp.state.checkpoint import FORMAT_VERSION
 
 
 # ---------------------------------------------------------------- divergence guard
+def test_a_signal_landing_while_a_peers_stop_is_reported_ends_the_rank_as_stopped(monkeypatch, capsys):
+    """Ctrl-C reaches every rank; a rank inside a collective first sees its peer's closed connection, and its
+    own SIGINT handler runs while that error is handled: the rank ends as stopped (exit 130, the stop line),
+    not with a traceback of both exceptions (measured once in CI under load)."""
+    import signal
+
+    from ulysses_sp.run import stops
+
+    def peer_closed():
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:48261")
+
+    def signal_lands(e):  # the handler raising inside the failure's handling
+        raise stops.Stopped(signal.SIGINT)
+
+    monkeypatch.setattr(stops, "_classify", signal_lands)
+    with pytest.raises(SystemExit) as ended:
+        stops.run_reporting(0, peer_closed, report_stop=lambda signum: f"stopped by {signal.Signals(signum).name}")
+    assert ended.value.code == 128 + signal.SIGINT
+    err = capsys.readouterr().err
+    assert "stopped by SIGINT" in err and "Traceback" not in err and "[rank 0]" not in err
+
+
 def test_guard_skips_nonfinite_steps_and_stops_after_n_in_a_row():
     guard = DivergenceGuard(max_consecutive=3)
     assert guard.admit(2.0, 1.0)

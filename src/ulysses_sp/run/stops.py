@@ -181,7 +181,19 @@ def run_reporting(
     launching process's ``FailureWatch``.
     """
     try:
-        return body()
+        try:
+            return body()
+        except Stopped:
+            raise
+        except Exception as e:
+            # A signal can land while this is handled: Ctrl-C reaches every rank, the first to stop closes
+            # its connections, and a rank inside a collective sees "connection closed" before its own
+            # signal handler runs (at the next bytecode, in here). The signal wins (the outer except).
+            code, message = _classify(e)
+            print(f"[rank {rank}] {message}", file=sys.stderr, flush=True)
+            if failed_dir is not None:
+                _report(failed_dir, rank, code)
+            sys.exit(code)
     except Stopped as s:
         if report_stop is not None:
             print(report_stop(s.signum), file=sys.stderr, flush=True)
@@ -190,12 +202,6 @@ def run_reporting(
         if failed_dir is not None and not os.listdir(failed_dir):
             _report(failed_dir, rank, 128 + s.signum)
         sys.exit(128 + s.signum)
-    except Exception as e:
-        code, message = _classify(e)
-        print(f"[rank {rank}] {message}", file=sys.stderr, flush=True)
-        if failed_dir is not None:
-            _report(failed_dir, rank, code)
-        sys.exit(code)
 
 
 def _report(failed_dir: str, rank: int, code: int) -> None:
