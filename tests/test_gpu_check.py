@@ -38,4 +38,7 @@ def test_cpu_smoke_runs_packed_and_head_chunk_tables(tmp_path):
     assert re.fullmatch(r"not used here \(cpu, torch.float32\)", packed["varlen"][6])
     chunked = {r[1]: r for r in _rows(text, "64")}
     assert set(chunked) == {"1", "4"} and chunked["1"][4] == "(reference)", text
-    assert float(chunked["4"][4]) < 1e-5 and chunked["4"][2] == "n/a"  # exact; no CUDA allocator on CPU
+    # the whole attention block per group sums the groups' gradients in fp32: the same rounding as the run itself
+    # (measured at this setting, default-init weights: head_chunks 1 in fp32 is 6.6e-4 from float64, head_chunks 4
+    # 8.3e-4; both equal to 1e-15 in float64)
+    assert float(chunked["4"][4]) < 3e-3 and chunked["4"][2] == "n/a"  # no CUDA allocator on CPU

@@ -43,7 +43,7 @@ import torch
 from ulysses_sp.attention.blockwise import AUTO_CHUNK, AttnStructure, BlockCounts, blockwise_attention
 from ulysses_sp.attention.heads import apply_sinks
 from ulysses_sp.attention.kv_offload import KVOffload
-from ulysses_sp.attention.masks import SeqLayout
+from ulysses_sp.attention.masks import SeqLayout, mask_for
 from ulysses_sp.attention.ring import RingStats, ring_attention
 from ulysses_sp.attention.segments import segment_attention
 from ulysses_sp.attention.varlen import use_varlen, varlen_segment_attention
@@ -249,3 +249,10 @@ def warn_dense(seq_len: int) -> None:
             "(quadratic memory); use 'sdpa' (blockwise for packed documents), flash or flex",
             seq_len,
         )
+
+
+def core_mask(core: str, layout: SeqLayout, dtype: torch.dtype, window: int | None) -> Any:
+    """The mask ``core`` takes for ``layout`` (dense for eager, warned about at long ``S``; ``mask_for``)."""
+    if core == "eager":
+        warn_dense(layout.seq_len)
+    return mask_for(layout, core, dtype, window)

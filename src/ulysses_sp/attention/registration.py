@@ -164,6 +164,8 @@ class SPRegistration(Mpu):
         attention.registration = self
         ALL_ATTENTION_FUNCTIONS[ATTN_NAME] = attention
         self._attached: list[tuple[Any, str | None, list[Any]]] = []
+        self.head_blocks: Any | None = None
+        """The attention modules run as whole blocks per head group (``attention/head_blocks.py``)."""
         self._active = True
         if model is not None:
             self.attach(model)
@@ -180,7 +182,11 @@ class SPRegistration(Mpu):
         if prev_impl != ATTN_NAME:
             model.set_attn_implementation(ATTN_NAME)
         num_layers = num_attention_layers(model.config)
-        hooks = [
+        prepare = getattr(self.attention, "prepare_model", None)  # e.g. the attention block per head group
+        blocks = prepare(model) if prepare is not None else None
+        self.head_blocks = blocks if blocks is not None else self.head_blocks
+        hooks = [blocks] if blocks is not None else []
+        hooks += [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(lambda module, *_: self._after_forward(module, num_layers)),
         ]

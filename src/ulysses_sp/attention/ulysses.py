@@ -46,16 +46,17 @@ from ulysses_sp.attention.core import (
     check_core,
     check_ring_options,
     core_function,
+    core_mask,
     run_blockwise,
     run_ring,
     run_segments,
     structure_for,
-    warn_dense,
 )
+from ulysses_sp.attention.head_blocks import HeadBlockHandle, install_head_blocks
 from ulysses_sp.attention.head_chunks import check_no_sinks, head_chunked_attention, plan_head_chunks
 from ulysses_sp.attention.heads import HeadView, local_view
 from ulysses_sp.attention.kv_offload import KVOffload
-from ulysses_sp.attention.masks import ForwardState, SeqLayout, mask_for, seq_layout
+from ulysses_sp.attention.masks import ForwardState, SeqLayout, seq_layout
 from ulysses_sp.attention.positions import (
     CallPositions,
     correct_query_temperature,
@@ -115,6 +116,8 @@ class UlyssesSPAttentionHF:
         """Head groups exchanged and attended one at a time (``attention/head_chunks.py``); 1 = all at once."""
         self.head_chunk_overlap = False
         """Post the next head group's exchange before attending the current one (two groups in flight)."""
+        self.in_head_block = False
+        """Set while one head group's whole attention block runs (``attention/head_blocks.py``)."""
         self.block_counts = BlockCounts()
         """Blocks computed / skipped and their FLOPs in the blockwise core and the ring (cumulative)."""
         self.ring_stats = RingStats()
@@ -198,7 +201,7 @@ class UlyssesSPAttentionHF:
             index = global_token_index(self.sp_group, s_local, layout.seq_len, self.ring_size)
             query = correct_query_temperature(module, query, index)
         layouts, rank = (base, layout, chunk), dist.get_rank(self.ulysses_group) if a2a else 0
-        if self.head_chunks > 1 and (sp or self.sp_size == 1):  # one head group at a time (at sp 1 no exchange)
+        if self.head_chunks > 1 and not self.in_head_block and (sp or self.sp_size == 1):  # at sp 1 no exchange
             check_no_sinks(module, kwargs, self.head_chunks)  # [B, H*, S_l, D] -> [B, S_l, H, D]
             groups = plan_head_chunks(h, hkv, self.head_chunks, self.ulysses_size if a2a else 1)
             attend = lambda g, q, k, v: self._attend(module, q, k, v, layouts, args, dict(kwargs), h,  # noqa: E731
@@ -246,18 +249,11 @@ class UlyssesSPAttentionHF:
             structure = self._per_forward(base, ("blockwise", window, chunk), lambda: structure_for(layout, window))
             return run_blockwise(view, q, k, v, structure, kwargs, chunk=self.attn_chunk,
                                  offload=self.kv_offload, counts=self.block_counts)  # fmt: skip
-        mask = self._per_forward(
-            base, (q.dtype, window, chunk), lambda: self._dense_or_sparse(layout, q.dtype, window)
-        )
+        mask = self._per_forward(base, (q.dtype, window, chunk), lambda: core_mask(self.core, layout, q.dtype, window))
         if self.core.startswith("flash"):
             kwargs["position_ids"] = layout.positions  # varlen boundaries from the full sequence
         out, _ = core_function(self.core, view._module)(view, q, k, v, mask, *args, is_causal=True, **kwargs)
         return out
-
-    def _dense_or_sparse(self, layout: SeqLayout, dtype: torch.dtype, window: int | None) -> Any:
-        if self.core == "eager":
-            warn_dense(layout.seq_len)
-        return mask_for(layout, self.core, dtype, window)
 
     def _per_forward(self, layout: SeqLayout, key: tuple[Any, ...], build: Callable[[], Any]) -> Any:
         """What ``build`` makes from this forward's layout (a mask, the blockwise structure), built
@@ -268,6 +264,10 @@ class UlyssesSPAttentionHF:
         if key not in state.masks:
             state.masks[key] = build()
         return state.masks[key]
+
+    def prepare_model(self, model: torch.nn.Module) -> HeadBlockHandle | None:
+        """With head groups (not Ulysses-Offload): each attention module's whole block per group."""
+        return install_head_blocks(model, self) if self.head_chunks > 1 and not self.offload_attention else None
 
     def reset_calls(self) -> None:
         """Zero the call counter (the guardrail does this before each checked forward)."""
@@ -303,28 +303,23 @@ class UlyssesSPAttentionHF:
                 ``eager``, ``flash_attention_2``/``_3`` or ``flex_attention``.
             sequence_parallel_size: ``P``; the data-parallel size is ``world_size / P``.
             micro_batch_size, seq_length: hints (eval may use other sizes).
-            seq_length_is_variable: when False, every batch must have ``S == max_length``
-                (or ``seq_length``).
-            disable_in_eval: in ``model.eval()`` run plain attention on the whole local sequence
-                (single-rank evaluation of a model trained with SP).
-            mesh: adopt an existing layout (an ``SPMesh`` from ``init_mesh``, or a
-                ``(data_parallel, sequence_parallel)`` ``DeviceMesh``) instead of
-                ``init_mesh(sp_size=sequence_parallel_size)`` (which reuses a live layout of that shape).
-            attn_chunk: tokens per block of the blockwise core (sdpa with packed documents or a
-                window, or ``offload_attention``); ``None`` = auto. Memory per block is
-                ``B * H_l * attn_chunk^2`` fp32 scores.
-            offload_attention: Ulysses-Offload (sdpa only): every sequence through the blockwise
-                core, the full-sequence K/V kept on the host between forward and backward and
-                streamed back chunk by chunk.
+            seq_length_is_variable: when False, every batch must have ``S == max_length`` (or ``seq_length``).
+            disable_in_eval: in ``model.eval()`` plain attention on the local sequence (one-rank evaluation).
+            mesh: adopt an existing layout (an ``SPMesh`` from ``init_mesh``, or a ``(data_parallel,
+                sequence_parallel)`` ``DeviceMesh``) instead of ``init_mesh(sp_size=sequence_parallel_size)``
+                (which reuses a live layout of that shape).
+            attn_chunk: tokens per block of the blockwise core (sdpa with packed documents or a window,
+                or ``offload_attention``); ``None`` = auto. A block holds ``B * H_l * attn_chunk^2`` fp32 scores.
+            offload_attention: Ulysses-Offload (sdpa only): every sequence through the blockwise core,
+                the full-sequence K/V on the host between forward and backward, streamed back by chunks.
             ring_size: hybrid Ulysses x Ring: the SP axis factors into ``ring_size`` ring groups of
                 ``sequence_parallel_size / ring_size`` Ulysses ranks (K/V passed around the ring,
                 zigzag token layout: the data adapter shards accordingly). ``None``/``"auto"``: 1
                 when the heads allow Ulysses alone, else the smallest ring size that makes them
                 split (with a given ``mesh``: the mesh's ring size). Cores ``sdpa``/``eager``.
-            head_chunks: exchange and attend the heads in this many groups, one at a time (UPipe;
-                ``attention/head_chunks.py``): exchange buffers and attention activations of one
-                group alive instead of all, for one more q/k/v exchange and attention forward in backward
-                (at sp 1, no exchange: the core and its kernel workspace per group).
+            head_chunks: run the attention in this many head groups, one at a time (UPipe): each
+                attention module's whole block per group (``attention/head_blocks.py``), else the
+                exchange and core per group (``attention/head_chunks.py``); one more block forward in backward.
             exchange: q/k/v's and the output's all-to-all: ``packed`` (one collective each way, a buffer of the
                 exchanged size), ``headwise`` (one per batch row and head) or ``auto`` (``parallel/exchange_cost.py``).
 

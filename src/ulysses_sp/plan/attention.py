@@ -28,6 +28,10 @@
   own storage) + one group's output and dq, its kv heads' dk, dv and their fp32 sums (``6 Hkv_c D``)
   and the kernel's workspace for the group's ``H/N`` query heads (expanded dk/dv only where the group
   has fewer kv heads than query heads). 0 on other devices (a CPU kernel's buffers are per thread).
+
+With the whole attention block per head group (``head_blocks``, the default with head groups): the
+layer keeps the block's input; the backward one group's set next to the input's gradient
+(``_block_terms``), read off rehearsals of Llama-3-8B (2 layers) at sp 1 and 8.
 """
 
 from __future__ import annotations
@@ -50,10 +54,41 @@ class AttentionTerms:
     """The packed exchange's extra receive buffer (0 head by head)."""
     backward: int
     core: int
+    recompute: int = 0
+    """The checkpoint recompute's set of the attention block per head group (0: the model's own)."""
+
+
+def block_groups(m: ModelShape, s: Settings) -> tuple[int, int] | None:
+    """With the whole block per head group (``attention/head_blocks.py``): one group's query and kv
+    features per rank before the exchange (``P`` ranks' ``H_c`` query heads and one kv set each: a kv head
+    several groups share is computed and sent once per group); ``None`` without."""
+    n, p = s.head_chunks, s.sp // s.ring_size
+    if n <= 1 or not s.head_blocks or s.attention == "blockwise":
+        return None
+    hc = m.heads // p // n
+    return p * hc * m.head_dim, p * max(1, hc * m.kv_heads // m.heads) * m.head_dim
+
+
+def _block_terms(m: ModelShape, s: Settings, norm: int, gq: int, gkv: int) -> AttentionTerms:
+    """Per local token: the block keeps its input (the norm's output); its backward one group's q, k, v,
+    output and their gradients (``4 gq + 4 gkv``, the full sequence of the rank's ``H_c`` heads) beside the
+    input's gradient; on CUDA the flash kernel's workspace for the group's heads (fp32 dq, GQA-expanded
+    dk/dv); the recompute's forward adds the output's running sum."""
+    h, d, p, e = m.hidden, m.head_dim, s.sp // s.ring_size, DTYPE_BYTES[s.dtype]
+    ws = 4 * gq + 4 * gkv
+    core = 0
+    if s.device_type == "cuda":
+        core = 2 * h + ws + 4 * (gq // d) * (-(-d // 32) * 32 + 1) // e + (2 * gq if gq > gkv else 0)
+    recompute = 4 * h + 2 * (gq + 2 * gkv) + 3 * gq  # + the output's sum; q/k/v (and exchanged), the core's output
+    return AttentionTerms(saved=norm + h, exchange_in=gq + 2 * gkv if p > 1 else 0, workspace=ws, packed=0,
+                          backward=0, core=core, recompute=recompute)  # fmt: skip
 
 
 def attention_terms(m: ModelShape, s: Settings, hw: Hardware | None, norm: int) -> AttentionTerms:
     """The attention's memory terms under ``s`` (``norm``: what its input norm keeps per token)."""
+    blocks = block_groups(m, s)
+    if blocks is not None:
+        return _block_terms(m, s, norm, *blocks)
     e = DTYPE_BYTES[s.dtype]
     d, p = m.head_dim, s.sp
     q, kv, kv_pre = m.heads * d, max(m.kv_heads, p) * d, m.kv_heads * d

@@ -168,6 +168,9 @@ class Settings:
     head_chunks: int = 1
     """Head groups exchanged and attended one at a time (``--head-chunks``): the attention backward's
     exchange buffers scale by ``1/head_chunks``; one more q/k/v exchange and attention forward."""
+    head_blocks: bool = True
+    """With ``head_chunks > 1``: each attention module's whole block per group (``attention/head_blocks.py``);
+    False: the function-level groups (Ulysses-Offload, LoRA-wrapped projections)."""
     exchange: str = "auto"
     """The attention all-to-all: ``packed`` (one collective, a transient buffer of the
     exchanged q/k/v), ``headwise`` or ``auto`` (packed below the link's per-piece threshold)."""

@@ -57,7 +57,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from ulysses_sp.plan.attention import attention_terms
+from ulysses_sp.plan.attention import attention_terms, block_groups
 from ulysses_sp.plan.exchange import exchange_latency_s
 from ulysses_sp.plan.hardware import Hardware, link_gbps
 from ulysses_sp.plan.inputs import DTYPE_BYTES, ModelShape, Settings
@@ -193,7 +193,9 @@ def _activations(m: ModelShape, s: Settings, hw: Hardware | None = None) -> tupl
         # tensor, which a tiled MLP saves after its tiles), so the MLP's output and its input (a recomputed
         # norm's output) are alive at once next to the layer's set and the gradient flowing in
         recompute = (layer_full + (2 * h if kind.mlp else 0) + h) * tok if ckpt else 0
-        if ckpt and kind.attention and s.sp > 1:  # the attention's recompute: the layer input, the norm's
+        if ckpt and kind.attention and t_attn.recompute:  # the block per head group: its forward's set
+            recompute = max(recompute, t_attn.recompute * tok)  # the layer input, the norm's output, the grad in
+        elif ckpt and kind.attention and s.sp > 1:  # the attention's recompute: the layer input, the norm's
             # output (the caller's local), the gradient in; q/k/v, their exchanged copies, the core's output,
             # its token-major copy and what the return exchange gives back
             recompute = max(recompute, (3 * h + (q + 2 * kv) + exchange_in + 3 * q + t_attn.packed) * tok)
@@ -271,6 +273,8 @@ def _flops(m: ModelShape, s: Settings) -> float:
         dense, attn = dense * 4 / 3, attn * 4 / 3
     if s.head_chunks > 1:  # each head group's attention forward again in backward
         attn += attn / (4 if s.activation_checkpointing else 3)
+    if block_groups(m, s) is not None:  # ... and, the whole block per group, its q/k/v/o projections
+        attn += 2 * tokens * (2 * m.heads + 2 * m.kv_heads) * m.head_dim * m.hidden * attn_layers
     return float(dense + attn)
 
 
@@ -283,6 +287,8 @@ def predict(m: ModelShape, s: Settings, hw: Hardware) -> Prediction:
     tok = s.micro_batch_size * s.seq_len // s.sp
     u, r = s.sp // s.ring_size, s.ring_size  # Ulysses ranks (the all-to-all) x ring ranks
     q, kv = m.heads * m.head_dim, max(m.kv_heads, u) * m.head_dim
+    blocks = block_groups(m, s)
+    kv = kv if blocks is None else s.head_chunks * blocks[1]  # the block per group: a shared kv head per group
     passes = 3 if s.activation_checkpointing else 2
     a2a = 0.0
     if u > 1:  # sent per rank per layer per pass: (U-1)/U of q, k, v in and the output back
