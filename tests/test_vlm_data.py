@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from vlm_models import IMAGE, MERGE, save_vlm_dir
+from vlm_models import IMAGE, MERGE, V_END, V_START, save_vlm_dir
 
 from ulysses_sp.vlm import prepare_vlm_batch
 from ulysses_sp.vlm.data import load_vlm_chat
@@ -41,13 +41,13 @@ def _chat(*parts, answer="a cat"):
     }
 
 
-def _load(vlm_dir, records, *, model="model", seq_len=256):
+def _load(vlm_dir, records, *, model="model", seq_len=256, loss_on=None):
     from transformers import AutoConfig
 
     data = vlm_dir / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     config = AutoConfig.from_pretrained(vlm_dir / "model")
-    return load_vlm_chat(str(data), str(vlm_dir / model), config=config, seq_len=seq_len)
+    return load_vlm_chat(str(data), str(vlm_dir / model), config=config, seq_len=seq_len, loss_on=loss_on)
 
 
 def test_chat_with_images_becomes_model_inputs_with_image_tokens_in_the_length(vlm_dir):
@@ -168,6 +168,50 @@ def test_the_cli_reports_a_bad_image_in_one_line_before_launch(vlm_dir, bomb, tm
     assert info.value.code == 2 and "Traceback" not in err, err
     (line,) = err.strip().splitlines()
     assert line.startswith("ulysses-sp train: error: data.jsonl:1 (sample 0): image ") and "15000 x 15000" in line
+
+
+def _dialogue(image: str | None, *, as_parts: bool = True) -> dict:
+    """Two exchanges; ``image`` (if any) opens the second question. ``as_parts=False``: string
+    contents, as text chats have them."""
+
+    def say(role, text, img=None):
+        if not as_parts:
+            return {"role": role, "content": text}
+        return {"role": role, "content": [*([{"type": "image", "image": img}] if img else []),
+                                          {"type": "text", "text": text}]}  # fmt: skip
+
+    return {"messages": [say("system", "be brief"), say("user", "hi"), say("assistant", "hello"),
+                         say("user", "what is this?", image), say("assistant", "a cat")]}  # fmt: skip
+
+
+@pytest.mark.parametrize("loss_on", ["assistant", "completion"])
+def test_assistant_only_labels_are_the_text_chat_segmenting_with_image_tokens_unscored(vlm_dir, loss_on):
+    from transformers import AutoTokenizer
+
+    from ulysses_sp.data.chat import tokenize_record
+
+    tok = AutoTokenizer.from_pretrained(vlm_dir / "model")
+    ids, scored = tokenize_record(_dialogue(None, as_parts=False), fmt="chat", loss_on=loss_on, tokenizer=tok,
+                                  template=tok.chat_template)  # fmt: skip
+    want = [i if k else -100 for i, k in zip(ids, scored)]
+    assert 0 < sum(scored) < len(ids)
+    (plain,) = _load(vlm_dir, [_dialogue(None)], loss_on=loss_on)
+    assert plain["input_ids"][0].tolist() == ids and plain["labels"][0].tolist() == want
+    (s,) = _load(vlm_dir, [_dialogue("a.png")], loss_on=loss_on)
+    vision = torch.isin(s["input_ids"][0], torch.tensor([IMAGE, V_START, V_END]))
+    assert int((s["input_ids"][0] == IMAGE).sum()) == 8 and bool((s["labels"][0][vision] == -100).all())
+    assert s["labels"][0][~vision].tolist() == want  # the image's tokens out: the text chat's labels
+    (every,) = _load(vlm_dir, [_dialogue("a.png")])  # the default: every text token, as before
+    assert int((every["labels"][0] == -100).sum()) == 8
+
+
+def test_assistant_only_loss_on_chats_without_an_assistant_turn_is_refused(vlm_dir):
+    record = {"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}]}]}
+    with pytest.raises(ValueError, match=r"no token is scored, so training would learn nothing \(loss 0\): "
+                                         r"--loss-on assistant found no such tokens"):  # fmt: skip
+        _load(vlm_dir, [record], loss_on="assistant")
+    with pytest.raises(ValueError, match=r"--loss-on must be one of"):
+        _load(vlm_dir, [record], loss_on="assistants")
 
 
 def test_placeholders_that_do_not_match_the_grids_are_refused(vlm_dir):

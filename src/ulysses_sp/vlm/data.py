@@ -4,7 +4,10 @@ A record is one chat (``{"messages": [{"role": ..., "content": [{"type": "image"
 "cat.png"}, {"type": "text", "text": "..."}]}, ...]}``), image paths relative to the JSONL file.
 The chat template renders one ``<|image_pad|>`` per image; each is expanded to the image's merged
 patch count (``grid_t * grid_h * grid_w / merge**2``), as the model's processor does — image
-tokens count toward the sequence length like text tokens.
+tokens count toward the sequence length like text tokens. The loss is on every text token by
+default; ``loss_on="assistant"``/``"completion"`` masks the rest the way text chats are masked
+(``data.chat.turn_segments``: the chat cut at its template's turn boundaries, each segment
+tokenized alone), image tokens always ``-100``.
 
 Why not the model's ``AutoProcessor``: in transformers 5.24 the Qwen-VL processors check their video
 processor class, which needs ``torchvision``; the image side is served without it by
@@ -104,9 +107,9 @@ def _image_parts(record: dict[str, Any], where: str) -> list[tuple[str, dict[str
     video parts and part types this loader does not read are refused (``ValueError``)."""
     out = []
     for m, message in enumerate(record["messages"]):
-        if not isinstance(message, dict):
-            raise ValueError(f"{where}: message {m} is {str(message)[:40]!r}, not an object with 'role' and "
-                             "'content'")  # fmt: skip
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(f"{where}: message {m} is {str(message)[:40]!r}, not an object with a string 'role' "
+                             "and a 'content'")  # fmt: skip
         content = message.get("content")
         for k, part in enumerate(content if isinstance(content, list) else []):
             at = f"message {m}, content part {k}"
@@ -215,16 +218,23 @@ def vlm_chat_sample(
     image_processor: Any,
     config: Any,
     seq_len: int,
+    loss_on: str = "all",
 ) -> dict[str, torch.Tensor]:
-    """One record as model inputs: ``input_ids [1, S]``, ``labels [1, S]`` (placeholders ``-100``),
-    ``mm_token_type_ids [1, S]``, and ``pixel_values [N_p, C*T*p*p]`` + ``image_grid_thw``."""
+    """One record as model inputs: ``input_ids [1, S]``, ``labels [1, S]`` (placeholders ``-100``;
+    ``loss_on`` ``assistant``/``completion``: also every token outside the assistant turns / the
+    last one, segmented as text chats are, ``data.chat``), ``mm_token_type_ids [1, S]``, and
+    ``pixel_values [N_p, C*T*p*p]`` + ``image_grid_thw``."""
     if not isinstance(record, dict) or not isinstance(record.get("messages"), list):
         raise ValueError(
             f"{where}: expected {{'messages': [...]}} (a chat with image parts), got {str(record)[:80]}"
         )
     images = _images(record, where, base_dir, image_processor)
-    ids = tokenizer.apply_chat_template(record["messages"], tokenize=True, return_dict=False)
-    ids = torch.tensor(ids, dtype=torch.long).flatten()
+    if loss_on == "all":  # the chat rendered and tokenized whole, as the model's processor does
+        ids = tokenizer.apply_chat_template(record["messages"], tokenize=True, return_dict=False)
+        ids = torch.tensor(ids, dtype=torch.long).flatten()
+        scored = torch.ones_like(ids, dtype=torch.bool)
+    else:
+        ids, scored = _scored_ids(record["messages"], where, tokenizer, loss_on)
     pad = int(config.image_token_id)
     batch: dict[str, torch.Tensor] = {}
     if images:
@@ -236,11 +246,12 @@ def vlm_chat_sample(
         if len(slots) != len(counts):
             raise ValueError(f"{where}: the rendered chat has {len(slots)} image placeholders for {len(images)} "
                              "images: each image part must render exactly one placeholder (check the chat template)")  # fmt: skip
-        pieces, start = [], 0
+        pieces, flags, start = [], [], 0
         for slot, n in zip(slots, counts):  # [S] -> [S + sum(n - 1)]: one token per merged patch
             pieces += [ids[start:slot], torch.full((n,), pad)]
+            flags += [scored[start:slot], torch.zeros(n, dtype=torch.bool)]
             start = slot + 1
-        ids = torch.cat([*pieces, ids[start:]])
+        ids, scored = torch.cat([*pieces, ids[start:]]), torch.cat([*flags, scored[start:]])
     types = (ids == pad).int() * IMAGE
     try:
         check_placeholders(_Inner(config), types[None], batch.get("image_grid_thw"), None)
@@ -249,8 +260,24 @@ def vlm_chat_sample(
     if ids.numel() > seq_len:
         raise ValueError(f"{where}: {ids.numel()} tokens ({int((ids == pad).sum())} of them image tokens) exceed "
                          f"seq_len {seq_len}; raise the sequence length or lower the image processor's max_pixels")  # fmt: skip
-    labels = ids.masked_fill(types.bool(), -100)
+    labels = ids.masked_fill(types.bool() | ~scored, -100)
     return {"input_ids": ids[None], "labels": labels[None], "mm_token_type_ids": types[None], **batch}
+
+
+def _scored_ids(
+    messages: list[dict[str, Any]], where: str, tokenizer: Any, loss_on: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids [S], scored [S] bool)`` of a chat cut at its turns (``data.chat.turn_segments``)."""
+    from ulysses_sp.data.chat import ChatTemplateError, chat_template_of, score_segments, turn_segments
+
+    try:
+        segments = turn_segments(tokenizer, chat_template_of(tokenizer, None), messages)
+    except ChatTemplateError as e:
+        raise ValueError(f"{where}: the model directory's chat template {e}") from None
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    ids, scored = score_segments(tokenizer, segments, loss_on)
+    return torch.tensor(ids, dtype=torch.long), torch.tensor(scored, dtype=torch.bool)
 
 
 class _Inner:
@@ -260,8 +287,18 @@ class _Inner:
         self.config = config
 
 
-def load_vlm_chat(path: str, model_dir: str, *, config: Any, seq_len: int) -> list[dict[str, torch.Tensor]]:
-    """Every record of the chat JSONL ``path`` as a sample (``vlm_chat_sample``), all checked first."""
+def load_vlm_chat(
+    path: str, model_dir: str, *, config: Any, seq_len: int, loss_on: str | None = None
+) -> list[dict[str, torch.Tensor]]:
+    """Every record of the chat JSONL ``path`` as a sample (``vlm_chat_sample``), all checked first.
+    ``loss_on``: ``all`` (``None``: every text token), ``assistant`` or ``completion`` (``--loss-on``).
+
+    Raises:
+        ValueError: a bad record (named by line), an unknown ``loss_on``, or no token scored at all.
+    """
+    from ulysses_sp.data.chat import resolve_loss_on
+
+    loss_on = "all" if loss_on is None else resolve_loss_on("chat", loss_on)
     tokenizer, image_processor = load_vlm_processor(model_dir)
     base = os.path.dirname(os.path.abspath(path))
     out = []
@@ -275,7 +312,11 @@ def load_vlm_chat(path: str, model_dir: str, *, config: Any, seq_len: int) -> li
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: not valid JSON ({e})") from None
             out.append(vlm_chat_sample(record, where=where, base_dir=base, tokenizer=tokenizer,
-                                       image_processor=image_processor, config=config, seq_len=seq_len))  # fmt: skip
+                                       image_processor=image_processor, config=config, seq_len=seq_len,
+                                       loss_on=loss_on))  # fmt: skip
     if not out:
         raise ValueError(f"{path}: no samples")
+    if all(bool((s["labels"] == -100).all()) for s in out):
+        raise ValueError(f"--data {path!r}: no token is scored, so training would learn nothing (loss 0): "
+                         f"--loss-on {loss_on} found no such tokens; check the data's roles, or --loss-on all")  # fmt: skip
     return out
