@@ -117,6 +117,13 @@ def test_resolve_reads_the_chat_once_with_image_tokens_in_the_length(qwen3_dir):
     )  # 2x2 merge
 
 
+def test_resolve_takes_loss_on_assistant_for_a_vlm_chat(qwen3_dir):
+    run = _resolve(qwen3_dir, loss_on="assistant")
+    for i, s in enumerate(run.dataset):  # the assistant turn: "dots " * (1 + i), then <|im_end|> and "\n"
+        scored = s["labels"][0][s["labels"][0] != -100]
+        assert len(scored) == 5 * (1 + i) + 2 and scored[-2] == 125
+
+
 @pytest.mark.parametrize(
     "kw, records, match",
     [

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from vlm_models import IMAGE, MERGE, save_vlm_dir
+from vlm_models import IMAGE, MERGE, V_END, V_START, save_vlm_dir
 
 from ulysses_sp.vlm import prepare_vlm_batch
 from ulysses_sp.vlm.data import load_vlm_chat
@@ -41,13 +41,13 @@ def _chat(*parts, answer="a cat"):
     }
 
 
-def _load(vlm_dir, records, *, model="model", seq_len=256):
+def _load(vlm_dir, records, *, model="model", seq_len=256, loss_on=None):
     from transformers import AutoConfig
 
     data = vlm_dir / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     config = AutoConfig.from_pretrained(vlm_dir / "model")
-    return load_vlm_chat(str(data), str(vlm_dir / model), config=config, seq_len=seq_len)
+    return load_vlm_chat(str(data), str(vlm_dir / model), config=config, seq_len=seq_len, loss_on=loss_on)
 
 
 def test_chat_with_images_becomes_model_inputs_with_image_tokens_in_the_length(vlm_dir):
@@ -91,6 +91,127 @@ def test_chat_with_images_becomes_model_inputs_with_image_tokens_in_the_length(v
 def test_bad_input_is_refused_naming_the_sample(vlm_dir, records, kwargs, match):
     with pytest.raises(ValueError, match=match):
         _load(vlm_dir, records, **kwargs)
+
+
+def _parts(*parts):
+    return {"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "hi"}]},
+                         {"role": "assistant", "content": [{"type": "text", "text": "ok"}]}]}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "part, match",
+    [
+        ({"type": "image"}, r"data.jsonl:2 \(sample 1\): the image part \(message 0, content part 0\) has no "
+                            r"path; name the file under 'image', 'path' or 'url'"),
+        ({"type": "image", "image": "folder"}, r"sample 1\): image path 'folder' is a directory \(.*folder'\), "
+                                               r"not an image file"),
+        ({"type": "image", "url": "https://x.org/a.png"}, r"sample 1\): image 'https://x.org/a.png' is a URL; "
+                                                          r"ulysses-sp reads local image files only"),
+        ({"type": "image", "image": {"bytes": "..."}}, r"names \"{'bytes': '...'}\" where a file path"),
+        ({"type": "video", "video": "clip.mp4"}, r"sample 1\): message 0, content part 0 is a video part; video "
+                                                 r"parts are not supported yet"),
+        ({"type": "video"}, r"content part 0 is a video part; video parts are not supported yet"),
+        ({"type": "image_url", "image_url": {"url": "a.png"}}, r"content part 0 has type 'image_url', which "
+                                                               r"this loader does not read"),
+        ({"image": "a.png"}, r"content part 0 has an 'image' but no 'type'"),
+        ("a.png", r"content part 0 is 'a.png', not a part such as \{'type': 'text', 'text': \.\.\.\} or"),
+    ],
+    ids=["no-path", "directory", "url", "embedded", "video", "video-no-path", "image-url", "no-type", "string"],
+)
+def test_a_bad_media_part_is_refused_naming_the_line_and_what_is_wrong(vlm_dir, part, match):
+    (vlm_dir / "folder").mkdir(exist_ok=True)
+    with pytest.raises(ValueError, match=match):
+        _load(vlm_dir, [_chat("a.png", "hi"), _parts(part)])
+
+
+def test_the_fingerprint_names_the_local_files_a_chat_names_and_skips_parts_that_name_none(vlm_dir):
+    """``named_files`` (the resume fingerprint) lists every local image and video file, each once; a
+    part with no path or a URL used to enter as ``'None'`` or a URL joined to the directory."""
+    from ulysses_sp.vlm.data import named_files
+
+    data = vlm_dir / "media.jsonl"
+    parts = [{"type": "image", "image": "a.png"}, {"type": "video", "video": "clip.mp4"}, {"type": "image"},
+             {"type": "image", "url": "https://x.org/a.png"}, {"type": "video", "path": "b.jpg"}]  # fmt: skip
+    data.write_text(json.dumps(_parts(*parts)) + "\n")
+    assert named_files(str(data)) == [str(vlm_dir / n) for n in ("a.png", "clip.mp4", "b.jpg")]
+
+
+@pytest.fixture(scope="module")
+def bomb(vlm_dir):
+    """A 15000 x 15000 PNG of ~27 KB: over PIL's decompression-bomb limit (2 x MAX_IMAGE_PIXELS)."""
+    Image.new("1", (15000, 15000)).save(vlm_dir / "bomb.png", optimize=True)
+    assert (vlm_dir / "bomb.png").stat().st_size < 64_000 and 15000**2 > 2 * Image.MAX_IMAGE_PIXELS
+    return "bomb.png"
+
+
+def test_a_decompression_bomb_is_refused_naming_its_size_and_the_fix(vlm_dir, bomb):
+    with pytest.raises(ValueError) as info:
+        _load(vlm_dir, [_chat("a.png", "hi"), _chat(bomb, "hi")])
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"{vlm_dir / 'data.jsonl'}:2 (sample 1): ")
+    limit = 2 * Image.MAX_IMAGE_PIXELS
+    assert (f"image 'bomb.png' is 15000 x 15000 pixels, over PIL's safety limit of {limit} pixels (a "
+            "decompression-bomb guard") in message  # fmt: skip
+    assert "downscale the file (the image processor resizes every image to at most 1024 pixels anyway)" in message
+    assert Image.MAX_IMAGE_PIXELS == 89478485  # PIL's own limit, untouched
+
+
+def test_the_cli_reports_a_bad_image_in_one_line_before_launch(vlm_dir, bomb, tmp_path, monkeypatch, capsys):
+    from ulysses_sp.cli.main import main
+
+    (tmp_path / "data.jsonl").write_text(json.dumps(_chat(str(vlm_dir / bomb), "hi")) + "\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--model", str(vlm_dir / "model"), "--data", "data.jsonl", "--seq-len", "64", "--steps",
+              "1", "--nproc", "1", "--sp", "1", "--output-dir", "out", "--no-progress", "--no-plot"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err, err
+    (line,) = err.strip().splitlines()
+    assert line.startswith("ulysses-sp train: error: data.jsonl:1 (sample 0): image ") and "15000 x 15000" in line
+
+
+def _dialogue(image: str | None, *, as_parts: bool = True) -> dict:
+    """Two exchanges; ``image`` (if any) opens the second question. ``as_parts=False``: string
+    contents, as text chats have them."""
+
+    def say(role, text, img=None):
+        if not as_parts:
+            return {"role": role, "content": text}
+        return {"role": role, "content": [*([{"type": "image", "image": img}] if img else []),
+                                          {"type": "text", "text": text}]}  # fmt: skip
+
+    return {"messages": [say("system", "be brief"), say("user", "hi"), say("assistant", "hello"),
+                         say("user", "what is this?", image), say("assistant", "a cat")]}  # fmt: skip
+
+
+@pytest.mark.parametrize("loss_on", ["assistant", "completion"])
+def test_assistant_only_labels_are_the_text_chat_segmenting_with_image_tokens_unscored(vlm_dir, loss_on):
+    from transformers import AutoTokenizer
+
+    from ulysses_sp.data.chat import tokenize_record
+
+    tok = AutoTokenizer.from_pretrained(vlm_dir / "model")
+    ids, scored = tokenize_record(_dialogue(None, as_parts=False), fmt="chat", loss_on=loss_on, tokenizer=tok,
+                                  template=tok.chat_template)  # fmt: skip
+    want = [i if k else -100 for i, k in zip(ids, scored)]
+    assert 0 < sum(scored) < len(ids)
+    (plain,) = _load(vlm_dir, [_dialogue(None)], loss_on=loss_on)
+    assert plain["input_ids"][0].tolist() == ids and plain["labels"][0].tolist() == want
+    (s,) = _load(vlm_dir, [_dialogue("a.png")], loss_on=loss_on)
+    vision = torch.isin(s["input_ids"][0], torch.tensor([IMAGE, V_START, V_END]))
+    assert int((s["input_ids"][0] == IMAGE).sum()) == 8 and bool((s["labels"][0][vision] == -100).all())
+    assert s["labels"][0][~vision].tolist() == want  # the image's tokens out: the text chat's labels
+    (every,) = _load(vlm_dir, [_dialogue("a.png")])  # the default: every text token, as before
+    assert int((every["labels"][0] == -100).sum()) == 8
+
+
+def test_assistant_only_loss_on_chats_without_an_assistant_turn_is_refused(vlm_dir):
+    record = {"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}]}]}
+    with pytest.raises(ValueError, match=r"no token is scored, so training would learn nothing \(loss 0\): "
+                                         r"--loss-on assistant found no such tokens"):  # fmt: skip
+        _load(vlm_dir, [record], loss_on="assistant")
+    with pytest.raises(ValueError, match=r"--loss-on must be one of"):
+        _load(vlm_dir, [record], loss_on="assistants")
 
 
 def test_placeholders_that_do_not_match_the_grids_are_refused(vlm_dir):

@@ -98,10 +98,11 @@ def labels_for(ids: torch.Tensor) -> torch.Tensor:
     return ids.masked_fill((ids == IMAGE) | (ids == VIDEO) | (ids == V_START) | (ids == V_END), -100)
 
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for c in m['content'] %}{% if c['type'] == 'image' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ c['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
-    "{% endfor %}"
+CHAT_TEMPLATE = (  # Qwen-VL's shape: string or list content, and a generation prompt
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}"
+    "{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIAL = {"<|im_start|>": 124, "<|im_end|>": 125, "<|vision_start|>": V_START, "<|vision_end|>": V_END,
            "<|image_pad|>": IMAGE, "<|video_pad|>": VIDEO, "<|endoftext|>": 0}  # fmt: skip

@@ -94,7 +94,12 @@ def chat_segments(tokenizer, template: str, messages: list[dict[str, Any]]) -> l
             or not isinstance(m.get("content"), str)
         ):
             raise ValueError(f"each message needs string 'role' and 'content', got {m!r}")
-    turns = [{"role": m["role"], "content": m["content"]} for m in messages]
+    return turn_segments(tokenizer, template, [{"role": m["role"], "content": m["content"]} for m in messages])
+
+
+def turn_segments(tokenizer, template: str, turns: list[dict[str, Any]]) -> list[tuple[str, int]]:
+    """``chat_segments`` of already checked ``turns`` (dicts with a ``role``; the content as the
+    template takes it: a string, or a VLM chat's list of text and image parts)."""
     full = _render(tokenizer, template, turns)
     segments, done = [], 0
     for i, m in enumerate(turns):
@@ -136,7 +141,12 @@ def tokenize_record(
         bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
         head, tail = bos + _encode(tokenizer, prompt), _encode(tokenizer, completion) + eos
         return head + tail, [loss_on == "all"] * len(head) + [True] * len(tail)
-    segments = chat_segments(tokenizer, template, record["messages"])
+    return score_segments(tokenizer, chat_segments(tokenizer, template, record["messages"]), loss_on)
+
+
+def score_segments(tokenizer, segments: list[tuple[str, int]], loss_on: str) -> tuple[list[int], list[bool]]:
+    """``(ids, scored)`` of a chat's ``(text, turn)`` segments, each tokenized on its own: ``loss_on``
+    ``all`` scores every token, ``assistant`` every assistant turn's, ``completion`` the last one's."""
     last = max((turn for _, turn in segments), default=-1)
     ids: list[int] = []
     scored: list[bool] = []

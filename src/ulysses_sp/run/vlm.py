@@ -8,7 +8,8 @@ the vision tower's frames split over the SP group); this module is the CLI's sid
   before anything is loaded;
 - ``vlm_dataset``: ``--data`` chat JSONL with local image paths, read once in the launcher with the
   directory's tokenizer and image processor (``vlm.data.load_vlm_chat``: image tokens count toward
-  ``--seq-len``, every bad sample is a ``ValueError`` naming it);
+  ``--seq-len``, ``--loss-on`` masks as for text chats (default ``all``), every bad sample is a
+  ``ValueError`` naming it);
 - ``collate_vlm``: a micro-batch of such samples as one processor-style batch (right-padded).
 
 Shape legend: ``B`` micro-batch, ``S`` the batch's longest sample, ``N_p`` patches of the batch's images.
@@ -52,7 +53,6 @@ def check_vlm_options(cfg: RunConfig) -> None:
                          "Vision-language models)")  # fmt: skip
     settings = {
         "data_format": (cfg.data_format, ("auto", "chat"), "the data is chat JSONL with image parts"),
-        "loss_on": (cfg.loss_on, (None, "all"), "the loss is on every text token (image placeholders -100)"),
         "chat_template": (cfg.chat_template, (None,), "the model directory's chat template renders the images"),
         "packing": (cfg.packing, (None, "none"), "each sample is its own row (packed VLM rows are not built here)"),
         "eval_split": (cfg.eval_split, (0, 0.0), "no held-out split is made from VLM data"),
@@ -72,7 +72,7 @@ def vlm_dataset(cfg: RunConfig, config: Any) -> list[dict[str, torch.Tensor]]:
     """``cfg.data`` read with ``cfg.model``'s tokenizer and image processor (module docstring)."""
     from ulysses_sp.vlm.data import load_vlm_chat
 
-    return load_vlm_chat(cfg.data, cfg.model, config=config, seq_len=cfg.seq_len)
+    return load_vlm_chat(cfg.data, cfg.model, config=config, seq_len=cfg.seq_len, loss_on=cfg.loss_on)
 
 
 def collate_vlm(samples: list[dict[str, torch.Tensor]], *, pad_id: int) -> dict[str, torch.Tensor]:

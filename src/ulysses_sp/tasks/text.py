@@ -115,7 +115,7 @@ class DataSettings:
     data_format: str = "auto"
     """``auto`` (from the columns), ``text``, ``chat`` or ``prompt-completion``."""
     loss_on: str | None = None
-    """``all``, ``assistant`` or ``completion``; ``None``: the format's default."""
+    """``all``, ``assistant`` or ``completion``; ``None``: the format's default (a VLM's chats: ``all``)."""
     chat_template: str | None = None
     """A Jinja chat template file overriding the tokenizer's; ``None``: the tokenizer's own."""
     packing: str | None = None
