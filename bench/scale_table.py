@@ -29,14 +29,14 @@ SHAPES = {  # transformers config fields
     "Qwen3-32B": dict(model_type="qwen3", hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
                       num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=151936),
 }  # fmt: skip
-ROWS = {  # name: (shape, gpus, tokens or None for the planner's longest)
-    "8b-1gpu": ("Llama-3-8B", 1, None),
-    "8b-1gpu-record": ("Llama-3-8B", 1, 1_048_576),  # the record
-    "8b-8gpu-record": ("Llama-3-8B", 8, 8_388_608),
-    "8b-8gpu": ("Llama-3-8B", 8, None),
-    "8b-32gpu": ("Llama-3-8B", 32, None),
-    "32b-8gpu": ("Qwen3-32B", 8, None),
-    "32b-32gpu": ("Qwen3-32B", 32, None),
+ROWS = {  # name: (shape, gpus, tokens or None for the planner's longest, settings over SETTINGS)
+    "8b-1gpu": ("Llama-3-8B", 1, None, {}),
+    "8b-8gpu": ("Llama-3-8B", 8, None, {}),
+    "8b-8gpu-states": ("Llama-3-8B", 8, None, {"cpu_offload": False}),  # states on the device: less host
+    "8b-8gpu-8m": ("Llama-3-8B", 8, 8_388_608, {"cpu_offload": False, "head_chunks": 4}),  # the 8M goal
+    "8b-32gpu": ("Llama-3-8B", 32, None, {}),
+    "32b-8gpu": ("Qwen3-32B", 8, None, {}),
+    "32b-32gpu": ("Qwen3-32B", 32, None, {}),
 }
 SETTINGS = dict(zero_stage=3, zero_partition="all", dtype="bf16", tiled_mlp=True, tiled_loss=True,
                 activation_checkpointing=True, offload_activations=True, recompute_norms=True, cpu_offload=True)  # fmt: skip
@@ -54,14 +54,14 @@ def _model_dir(shape: str) -> str:
     return d
 
 
-def _cfg(model_dir: str, gpus: int, seq_len: int, head_chunks: int = 1):
+def _cfg(model_dir: str, gpus: int, seq_len: int, head_chunks: int = 1, over: dict | None = None):
     from ulysses_sp.run.config import config_from_dict
 
     return config_from_dict(dict(model=model_dir, sp=gpus, seq_len=seq_len, micro_batch_size=1, progress=False,
-                                 head_chunks=head_chunks, **SETTINGS))  # fmt: skip
+                                 **{**SETTINGS, "head_chunks": head_chunks, **(over or {})}))  # fmt: skip
 
 
-def planner_longest(model_dir: str, gpus: int) -> tuple[int, int]:
+def planner_longest(model_dir: str, gpus: int, over: dict | None = None) -> tuple[int, int]:
     """The planner's longest sequence for the row's settings on 80 GB H100s and 2 TiB of host memory
     per node (rounded down to 64K), with the head groups ``plan --max`` would add (1: none)."""
     from ulysses_sp.plan.hardware import DEVICES
@@ -71,17 +71,17 @@ def planner_longest(model_dir: str, gpus: int) -> tuple[int, int]:
     from ulysses_sp.run.preflight import model_shape, settings_for
     from ulysses_sp.state.model_dir import load_config
 
-    hw, s, m = DEVICES["h100"], settings_for(_cfg(model_dir, gpus, gpus), gpus, "cuda"), model_shape(load_config(model_dir))
+    hw, s, m = DEVICES["h100"], settings_for(_cfg(model_dir, gpus, gpus, over=over), gpus, "cuda"), model_shape(load_config(model_dir))
     fit = lambda s: max_seq_len(m, s, hw, host_budget=DEFAULT_HOST_MEMORY, ranks_per_node=min(gpus, hw.gpus_per_node))  # noqa: E731
     s, longest = with_head_groups(m, s, fit, None)[-1]
     return max(longest // 65536 * 65536, 65536), s.head_chunks
 
 
-def rehearse_row(model_dir: str, gpus: int, seq_len: int, head_chunks: int) -> dict:
+def rehearse_row(model_dir: str, gpus: int, seq_len: int, head_chunks: int, over: dict) -> dict:
     """One rehearsal (run in a child process): its JSON document."""
     from ulysses_sp.rehearse.run import rehearse_run
 
-    r = rehearse_run(_cfg(model_dir, gpus, seq_len, head_chunks), gpus=gpus, device="cuda", ranks=(0,))
+    r = rehearse_run(_cfg(model_dir, gpus, seq_len, head_chunks, over), gpus=gpus, device="cuda", ranks=(0,))
     return r.as_dict()
 
 
@@ -89,18 +89,19 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
     p.add_argument("--out", default="bench/results/scale_table.md")
-    p.add_argument("--child", nargs=4, metavar=("MODEL_DIR", "GPUS", "SEQ_LEN", "HEADS"), help=argparse.SUPPRESS)
+    p.add_argument("--child", nargs=5, metavar=("MODEL_DIR", "GPUS", "SEQ_LEN", "HEADS", "OVER"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
-        print("JSON" + json.dumps(rehearse_row(a.child[0], *map(int, a.child[1:])), default=str))
+        print("JSON" + json.dumps(rehearse_row(a.child[0], *map(int, a.child[1:4]), json.loads(a.child[4])), default=str))
         return
     rows, run = [], md.provenance(md.command("bench.scale_table", argv))
     for name in a.rows:
-        shape, gpus, tokens = ROWS[name]
-        model_dir = _model_dir(shape)
-        seq_len, heads = (tokens, 1) if tokens else planner_longest(model_dir, gpus)
+        shape, gpus, tokens, over = ROWS[name]
+        model_dir, over = _model_dir(shape), dict(over)
+        seq_len, heads = (tokens, over.pop("head_chunks", 1)) if tokens else planner_longest(model_dir, gpus, over)
         print(f"{name}: {shape} on {gpus} GPU(s) at {seq_len:,} tokens, {heads} head group(s)", file=sys.stderr)
-        cmd = [sys.executable, "-m", "bench.scale_table", "--child", model_dir, str(gpus), str(seq_len), str(heads)]
+        cmd = [sys.executable, "-m", "bench.scale_table", "--child", model_dir, str(gpus), str(seq_len), str(heads),
+               json.dumps(over)]
         res = subprocess.run(cmd, capture_output=True, text=True, check=False)
         line = next((ln for ln in res.stdout.splitlines() if ln.startswith("JSON")), None)
         if line is None:
@@ -110,13 +111,13 @@ def main(argv: list[str] | None = None) -> None:
         planned = r["predicted"]["peak_bytes"] - r["reserve"]
         host_planned = r["predicted"]["host_bytes"] * min(gpus, r["gpus_per_node"])
         t = r["time"]
-        rows.append([shape, gpus, f"{seq_len:,}", "" if tokens is None else "record", heads, f"{planned / GIB:.2f}",
+        rows.append([shape, gpus, f"{seq_len:,}", ", ".join(f"{k} {v}" for k, v in over.items()) or "", heads, f"{planned / GIB:.2f}",
                      f"{r['device_peak'] / GIB:.2f}", f"{planned / r['device_peak']:.3f}",
                      f"{host_planned / GIB:,.0f}", f"{r['host_per_node'] / GIB:,.0f}",
                      "fits" if r["fits"] else "does not fit", f"{t['step_s']:,.0f}",
                      f"{t['tokens_per_s_per_gpu']:,.0f}", f"{r['ranks'][0]['seconds']:.0f}"])  # fmt: skip
         print(f"  {rows[-1]}", file=sys.stderr, flush=True)
-    header = ["model", "GPUs", "tokens", "length", "head groups", "planner peak GiB", "rehearsed peak GiB", "planner / rehearsal",
+    header = ["model", "GPUs", "tokens", "settings changed", "head groups", "planner peak GiB", "rehearsed peak GiB", "planner / rehearsal",
               "planner host GiB/node", "rehearsed host GiB/node", "verdict (80 GB, 6 GB reserve, 2 TiB host)",
               "projected step s", "projected tokens/s/GPU", "rehearsal CPU s"]  # fmt: skip
     note = ("Settings: " + ", ".join(f"{k} {v}" for k, v in SETTINGS.items()) + "; sp = GPUs; head groups (--head-chunks) where "
