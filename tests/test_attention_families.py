@@ -22,6 +22,7 @@ from models import global_batch, shift, tiny_model
 from oracle import assert_step_close
 
 from ulysses_sp.attention.blockwise import AttnStructure, blockwise_attention
+from ulysses_sp.attention.checks import check_head_chunk_sinks
 from ulysses_sp.attention.core import generic_eager, run_ring
 from ulysses_sp.attention.heads import apply_sinks, local_view
 from ulysses_sp.attention.layer_kinds import check_layer_kinds
@@ -57,7 +58,7 @@ def _reference(ref, ids, pos, labels, oracle):
 def _cases(sp, cases):
     mesh = init_mesh((1, sp))
     done = []
-    for family, core, kv, kind, oracle in cases:
+    for family, core, kv, kind, oracle, *chunks in cases:  # (head groups: the whole block per group)
         build = tiny_model if family == "llama" else family_model
         ref = (
             build(family, attn="eager", kv_heads=kv)
@@ -65,7 +66,10 @@ def _cases(sp, cases):
             else build(family, num_key_value_heads=kv)
         )
         model = copy.deepcopy(ref)
-        reg = UlyssesSPAttentionHF.register_with_transformers(model, core, sp, 1, mesh=mesh)
+        n = chunks[0] if chunks else 1
+        if n > 1:
+            check_head_chunk_sinks(model, n)  # the launcher's check: the block cuts the sinks
+        reg = UlyssesSPAttentionHF.register_with_transformers(model, core, sp, 1, mesh=mesh, head_chunks=n)
         ids, pos = global_batch(3, 1, S), _positions(kind, sp)
         labels = shift(ids)
         labels[0, :-1][pos[0, 1:] == 0] = -100  # no label across a document boundary
@@ -85,7 +89,9 @@ def _cases(sp, cases):
         assert_step_close(
             loss.detach(), {n: p.grad for n, p in model.named_parameters()}, ref_loss.detach(), ref_grads
         )
-        assert reg.attention.calls == model.config.num_hidden_layers
+        # with head groups: every group's block in forward and again in backward
+        assert reg.attention.calls == model.config.num_hidden_layers * (1 if n == 1 else 2 * n)
+        assert n == 1 or (reg.head_blocks.calls == model.config.num_hidden_layers and not reg.head_blocks.skipped)
         reg.remove()
         done.append(case)
     return done
@@ -94,6 +100,7 @@ def _cases(sp, cases):
 SP2 = [
     ("gpt_oss", "eager", 2, "plain", "model"),  # sinks, sliding + full layers
     ("gpt_oss", "sdpa", 2, "docs", "documents"),  # sinks through the blockwise core, documents + window
+    ("gpt_oss", "sdpa", 2, "docs", "documents", 2),  # the same, the attention block per head group: sinks cut
     ("mimo_v2_flash", "sdpa", 2, "plain", "model"),  # sinks in the sliding layer only
     ("llama4_text", "sdpa", 2, "docs", "model"),  # chunks + documents + NoPE temperature
     ("llama4_text", "eager", 2, "edges", "model"),  # documents exactly on the shard edges

@@ -6,9 +6,10 @@ launching process runs (``run.model_checks``) on the model built on the meta dev
   sequence parallelism cannot shard (``layer_kinds``), every layer's heads over ``sp_size`` (with
   the ring size that makes them split), the blockwise and ring options, the head groups of
   ``head_chunks``; returns the ring size;
-- ``check_head_chunk_sinks(model, head_chunks)``: head chunks recompute each group's attention with
-  gradients for q/k/v only, so a model whose attention has per-head sinks is refused (the check the
-  SP attention runs at its first call, ``head_chunks.check_no_sinks``, asked of every module).
+- ``check_head_chunk_sinks(model, head_chunks)``: the function-level head groups recompute each group's
+  attention with gradients for q/k/v only, so an attention module with per-head sinks that the whole
+  block per group cannot cut (``head_blocks.head_block_layout``; that one cuts the sinks too) is refused
+  (the check the SP attention runs at its first call, ``head_chunks.check_no_sinks``).
 
 Pure: reads the config and the modules' attributes; every check raises ``ValueError``.
 """
@@ -20,6 +21,7 @@ from typing import Any
 from torch import nn
 
 from ulysses_sp.attention.core import check_blockwise_options, check_core, check_ring_options
+from ulysses_sp.attention.head_blocks import head_block_layout
 from ulysses_sp.attention.head_chunks import check_no_sinks, plan_head_chunks
 from ulysses_sp.attention.layer_kinds import check_layer_kinds
 from ulysses_sp.parallel.mesh_shape import head_counts, resolve_ring_size_for_layers
@@ -49,9 +51,10 @@ def check_sp_attention(
 
 
 def check_head_chunk_sinks(model: nn.Module, head_chunks: int) -> None:
-    """Raise ``ValueError`` when ``head_chunks > 1`` and some attention module of ``model`` has
-    per-head sinks (``head_chunks.check_no_sinks``)."""
+    """Raise ``ValueError`` when ``head_chunks > 1`` and some attention module of ``model`` that the
+    whole block per head group cannot cut has per-head sinks (``head_chunks.check_no_sinks``)."""
     if head_chunks <= 1:
         return
     for module in model.modules():
-        check_no_sinks(module, {}, head_chunks)
+        if not (hasattr(module, "layer_idx") and not isinstance(head_block_layout(module), str)):
+            check_no_sinks(module, {}, head_chunks)
