@@ -75,11 +75,16 @@ def test_chat_without_a_template_names_the_flag():
                         template=cache_mod.chat_template_of(chat_tokenizer(None), None))  # fmt: skip
 
 
-def test_template_that_rewrites_earlier_turns_is_refused():
+def test_template_that_rewrites_earlier_turns_is_refused_unless_every_token_is_scored():
     odd = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ messages | length }}"
-    with pytest.raises(ValueError, match="turn 2 \\(assistant\\) as a prefix"):
-        tokenize_record({"messages": MSGS}, fmt="chat", loss_on="assistant", tokenizer=chat_tokenizer(odd),
-                        template=odd)  # fmt: skip
+    for loss_on in ("assistant", "completion"):
+        with pytest.raises(ValueError, match="turn 2 \\(assistant\\) as a prefix.*or --loss-on all"):
+            tokenize_record({"messages": MSGS}, fmt="chat", loss_on=loss_on, tokenizer=chat_tokenizer(odd),
+                            template=odd)  # fmt: skip
+    # the fix the message names works: --loss-on all scores the conversation rendered whole
+    tok = chat_tokenizer(odd)
+    ids, scored = tokenize_record({"messages": MSGS}, fmt="chat", loss_on="all", tokenizer=tok, template=odd)
+    assert tok.decode(ids) == "".join(m["content"] for m in MSGS) + str(len(MSGS)) and all(scored)
 
 
 def test_prompt_completion_scores_the_completion_and_eos():

@@ -64,6 +64,11 @@ class ChatTemplateError(ValueError):
     """The chat template failed to render a sample: a Jinja syntax error, or its ``raise_exception``."""
 
 
+class TurnPrefixError(ValueError):
+    """The chat template does not render an assistant turn as a prefix of the conversation, so its
+    tokens cannot be told apart (only ``loss_on="all"`` can score such a chat: rendered whole)."""
+
+
 def template_name(path: str | None) -> str:
     """How messages name the template chat data is rendered with: its file, or the tokenizer's."""
     return f"the chat template {path}" if path else "the tokenizer's chat template"
@@ -108,7 +113,7 @@ def turn_segments(tokenizer, template: str, turns: list[dict[str, Any]]) -> list
         start = _render(tokenizer, template, turns[:i], generation_prompt=True)
         end = _render(tokenizer, template, turns[: i + 1])
         if not (full.startswith(start) and full.startswith(end) and done <= len(start) <= len(end)):
-            raise ValueError(
+            raise TurnPrefixError(
                 f"the chat template does not render turn {i} (assistant) as a prefix of the conversation, "
                 "so its tokens cannot be told apart; use a template that keeps earlier turns as they are "
                 "(--chat-template FILE), or --loss-on all"
@@ -141,7 +146,15 @@ def tokenize_record(
         bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
         head, tail = bos + _encode(tokenizer, prompt), _encode(tokenizer, completion) + eos
         return head + tail, [loss_on == "all"] * len(head) + [True] * len(tail)
-    return score_segments(tokenizer, chat_segments(tokenizer, template, record["messages"]), loss_on)
+    try:
+        segments = chat_segments(tokenizer, template, record["messages"])
+    except TurnPrefixError:
+        if loss_on != "all":
+            raise
+        # every token scored: the conversation rendered whole, nothing to tell apart
+        segments = [(_render(tokenizer, template, [{"role": m["role"], "content": m["content"]}
+                                                   for m in record["messages"]]), -1)]  # fmt: skip
+    return score_segments(tokenizer, segments, loss_on)
 
 
 def score_segments(tokenizer, segments: list[tuple[str, int]], loss_on: str) -> tuple[list[int], list[bool]]:
