@@ -7,7 +7,7 @@ norm recompute, model states on the host). The length is the planner's longest f
 on 80 GB H100s (``plan.model.max_seq_len``, rounded down to 64K), or the record being judged. Each
 rehearsal runs in its own process (the fake process group), rank 0 only. The table: predicted and
 rehearsed device peak (without the reserve), their ratio, host bytes per node (predicted and
-rehearsed, 2 TiB per node available), the verdict, and the projected step time.
+rehearsed, 2 TB = 2,048 GB per node available), the verdict, and the projected step time.
 
 ``python -m bench.scale_table [--rows NAME ...] [--out bench/results/scale_table.md]``
 (CPU minutes per row: Llama-3-8B on one GPU ~10 quiet, 25 beside other work).
@@ -62,7 +62,7 @@ def _cfg(model_dir: str, gpus: int, seq_len: int, head_chunks: int = 1, over: di
 
 
 def planner_longest(model_dir: str, gpus: int, over: dict | None = None) -> tuple[int, int]:
-    """The planner's longest sequence for the row's settings on 80 GB H100s and 2 TiB of host memory
+    """The planner's longest sequence for the row's settings on 80 GB H100s and 2 TB of host memory
     per node (rounded down to 64K), with the head groups ``plan --max`` would add (1: none)."""
     from ulysses_sp.plan.hardware import DEVICES
     from ulysses_sp.plan.head_groups import with_head_groups
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
                      f"{t['tokens_per_s_per_gpu']:,.0f}", f"{r['ranks'][0]['seconds']:.0f}"])  # fmt: skip
         print(f"  {rows[-1]}", file=sys.stderr, flush=True)
     header = ["model", "GPUs", "tokens", "settings changed", "head groups", "planner peak GiB", "rehearsed peak GiB", "planner / rehearsal",
-              "planner host GiB/node", "rehearsed host GiB/node", "verdict (80 GB, 6 GB reserve, 2 TiB host)",
+              "planner host GiB/node", "rehearsed host GiB/node", "verdict (80 GB, 6 GB reserve, 2 TB host)",
               "projected step s", "projected tokens/s/GPU", "rehearsal CPU s"]  # fmt: skip
     note = ("Settings: " + ", ".join(f"{k} {v}" for k, v in SETTINGS.items()) + "; sp = GPUs; head groups (--head-chunks) where "
             "the planner reaches longer with them. Peaks are rank 0's "

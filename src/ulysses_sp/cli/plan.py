@@ -72,7 +72,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reserve", default=None,
                    help="memory per device kept back for the runtime, e.g. 4GB (default: the device table's)")  # fmt: skip
     p.add_argument("--host-memory", default=None,
-                   help="host memory of one node, e.g. 2TiB (default: 2 TiB, a DGX H100-class node, which one GPU "
+                   help="host memory of one node, e.g. 2TiB (default: 2 TB = 2,048 GB, a DGX H100-class node, which one GPU "
                         "may use whole); a setting whose host bytes per node exceed it does not fit")  # fmt: skip
     p.add_argument("--rehearse", action="store_true",
                    help="rehearse the recommended train command (one step on fake tensors); with --max "
@@ -213,7 +213,7 @@ def _layouts(sps: list[int], world: int, offload: str):
 
 
 def host_limit(hw: Any, ns: argparse.Namespace) -> int | None:
-    """Host bytes of one node (``--host-memory``, default 2 TiB); ``None`` on a CPU "device" (the host)."""
+    """Host bytes of one node (``--host-memory``, default 2 TB = 2,048 GB); ``None`` on a CPU "device" (the host)."""
     from ulysses_sp.plan.hardware import parse_bytes
     from ulysses_sp.rehearse.run import DEFAULT_HOST_MEMORY
 

@@ -30,7 +30,7 @@ from ulysses_sp.run.config import RunConfig
 logger = logging.getLogger(__name__)
 
 DEFAULT_HOST_MEMORY = 2 * 1024 * GB
-"""A DGX H100-class node's host memory (2 TiB), which a single GPU may use whole."""
+"""A DGX H100-class node's host memory (2 TB = 2,048 GB: 1.86 TiB), which a single GPU may use whole."""
 
 
 @dataclass
