@@ -3,7 +3,8 @@
 ``attention_terms(m, s, hw, norm)`` gives, in elements of the model dtype per local token
 (``T = B * S_l``; ``q = H D``, ``kv = max(Hkv, P) D``: kv heads replicated when fewer than ``P``):
 
-* ``saved``: what the layer's forward keeps — the input norm's tensors, q/k/v as the core receives
+* ``saved``: what the layer's forward keeps — the input norm's tensors, q/k norms' inputs (the q and k
+  projections' outputs, ``m.qk_norm``: read off Qwen3-32B rehearsals), q/k/v as the core receives
   them (``q + 2 kv``) and the core's output with the o-projection's input (a view of it at sp 1, a
   copy made by the return exchange at ``P > 1``); blockwise attention keeps only q on the device.
 * ``exchange_in``: with ``P > 1`` the tensors handed to the all-to-all (kv before replication).
@@ -75,7 +76,7 @@ def _block_terms(m: ModelShape, s: Settings, norm: int, gq: int, gkv: int) -> At
     input's gradient; on CUDA the flash kernel's workspace for the group's heads (fp32 dq, GQA-expanded
     dk/dv); the recompute's forward adds the output's running sum."""
     h, d, p, e = m.hidden, m.head_dim, s.sp // s.ring_size, DTYPE_BYTES[s.dtype]
-    ws = 4 * gq + 4 * gkv
+    ws = 4 * gq + 4 * gkv + (gq + gkv if m.qk_norm else 0)  # (q/k norms keep the group's projections' outputs)
     core = 0
     if s.device_type == "cuda":
         core = 2 * h + ws + 4 * (gq // d) * (-(-d // 32) * 32 + 1) // e + (2 * gq if gq > gkv else 0)
@@ -92,7 +93,8 @@ def attention_terms(m: ModelShape, s: Settings, hw: Hardware | None, norm: int) 
     e = DTYPE_BYTES[s.dtype]
     d, p = m.head_dim, s.sp
     q, kv, kv_pre = m.heads * d, max(m.kv_heads, p) * d, m.kv_heads * d
-    saved = norm + (q + 2 * kv) + (2 * q if p > 1 else q)
+    qn = q + kv_pre if m.qk_norm else 0  # q/k norms keep the projections' outputs
+    saved = norm + qn + (q + 2 * kv) + (2 * q if p > 1 else q)
     if s.attention == "blockwise":
         saved = norm + q  # q/k/v and the core's output go to the host with the blocks
     is_packed = packed_exchange(m, s, hw)
@@ -106,14 +108,14 @@ def attention_terms(m: ModelShape, s: Settings, hw: Hardware | None, norm: int) 
     backward = 0
     if cuda and p > 1 and s.head_chunks == 1 and not is_packed:
         several = m.heads > p
-        backward = norm + (5 if several else 4) * q + 2 * kv + 2 * kv_pre
+        backward = norm + qn + (5 if several else 4) * q + 2 * kv + 2 * kv_pre
         backward += (2 if several else 1) * p * d // s.micro_batch_size
     core = 0
     if cuda and p == 1 and n > 1:  # one group's core at a time over views of the layer's q/k/v
         flash = 4 * hc * (d_r + 1) // e + (2 * hc * d if hc > kvc else 0)
-        core = norm + 2 * q + 4 * kv + 2 * q // n + 6 * kvc * d + flash
+        core = norm + qn + 2 * q + 4 * kv + 2 * q // n + 6 * kvc * d + flash
     elif cuda:
         flash = 4 * m.heads * (d_r + 1) // e + (2 * q if m.heads > max(m.kv_heads, p) else 0)
-        core = norm + 4 * q + 4 * kv + flash // n
+        core = norm + qn + 4 * q + 4 * kv + flash // n
     return AttentionTerms(saved=saved, exchange_in=q + 2 * kv_pre if p > 1 else 0, workspace=workspace,
                           packed=packed, backward=backward, core=core)  # fmt: skip

@@ -77,6 +77,9 @@ class ModelShape:
     """One per layer (hybrid models); empty: every layer attention + MLP (Llama)."""
     param_count: int | None = None
     """The model's exact parameter count when known (a built model); ``None``: the Llama formula."""
+    qk_norm: bool = False
+    """Norms on q and k after their projections (Qwen3, Gemma 3, OLMo 2): they keep the projections'
+    outputs for their backward (``q + Hkv D`` per token)."""
 
     @classmethod
     def from_hf_config(cls, config: Any, *, max_positions: int | None = None) -> ModelShape:

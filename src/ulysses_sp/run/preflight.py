@@ -76,6 +76,7 @@ def model_shape(config: Any, *, max_positions: int | None = None) -> ModelShape:
     except Exception as e:  # noqa: BLE001 - best effort: a model it cannot read is planned as Llama layers
         logger.info("planner: layer kinds not read (%s: %s); planned as attention + MLP layers", type(e).__name__, e)
         return shape
+    shape = replace(shape, qk_norm=any(hasattr(mod, "q_norm") and hasattr(mod, "q_proj") for mod in model.modules()))
     if all(k["attention"] and k["mlp"] and k["mixer"] is None for k in kinds):
         return shape
     widths = [k["mlp_width"] for k in kinds if k["mlp"] and k["mlp_width"]]
