@@ -123,8 +123,9 @@ def _states(m: ModelShape, s: Settings) -> tuple[dict[str, int], int, int]:
     elif s.zero_stage == 2:
         buffers = 0  # parameters stay unsharded through the step: counted in params
         params = n * e
-    else:
-        buffers = 2 * m.layer_params * e  # one layer unsharded + the next prefetched
+    else:  # one layer unsharded + the next prefetched; FSDP2 keeps the root module (embedding, output matrix)
+        # unsharded from its forward to the end of the backward (read off rehearsals: Llama-3-8B at sp 8)
+        buffers = 2 * m.layer_params * e + (1 if m.tied else 2) * m.vocab * m.hidden * e
     return (
         {"parameters": params, "gradients": grads, "optimizer_state": opt, "comm_buffers": buffers},
         host,
@@ -205,7 +206,8 @@ def _activations(m: ModelShape, s: Settings, hw: Hardware | None = None) -> tupl
                         norm_here + grad_flow, recompute) + rope * tok)  # fmt: skip
     # gradients made so far: whole layers (stages 0-1) or their shards after each reduce-scatter
     layer_grads = m.layer_params * e if s.zero_stage < 2 else m.layer_params * e // s.shard
-    head_grads = (m.vocab * h + h) * e // (s.shard if s.zero_stage >= 2 else 1)
+    # the root's gradients are reduce-scattered when its backward ends: unsharded through the layers' at ZeRO 3
+    head_grads = (m.vocab * h + h) * e // (s.shard if s.zero_stage == 2 else 1)
     grads_end = 0 if s.offload_states else None
     # forward end / loss backward: every layer's kept activations + the head + the loss workspace
     saved = (sum(per_layer) + head_saved + rope) * tok
