@@ -73,15 +73,18 @@ STEPS8 = ("--steps", "8", "--zero-stage", "3")
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The sp=1 reference (reporting to TensorBoard, with loss.png) and the sp=2 run: dp=1, ZeRO 3 (the
-    partition auto: all ranks), 8 steps, the sp=2 one saving every 2."""
+    partition auto: all ranks), 8 steps, the sp=2 one saving every 2, its attention block in 2 head groups
+    (each rank's 2 heads one at a time: ``attention/head_blocks.py`` under FSDP2)."""
     root = tmp_path_factory.mktemp("cli")
     train_here(root / "sp1", "--sp", "1", *STEPS8, "--report-to", "tensorboard", "--plot")
-    train(root / "sp2", "--sp", "2", "--nproc", "2", *STEPS8, "--save-every", "2")
+    proc = train(root / "sp2", "--sp", "2", "--nproc", "2", *STEPS8, "--save-every", "2", "--head-chunks", "2")
+    (root / "sp2.log").write_text(proc.stderr + proc.stdout)
     return root
 
 
 def test_sp2_matches_sp1_at_dp1_and_metrics_schema(runs):
     ref, sp2 = metrics(runs / "sp1"), metrics(runs / "sp2")
+    assert "head groups 2: the whole attention block per group in 2 attention modules\n" in (runs / "sp2.log").read_text()
     assert [m["step"] for m in sp2] == list(range(1, 9))
     for m in sp2:
         assert set(m) == METRIC_KEYS
@@ -178,7 +181,7 @@ def test_kill_9_one_rank_then_resume_is_exact_zero3(runs, tmp_path):
     # so resuming also exercises the skip inside a round; saving does not change the losses
     # a collective timeout of 600 s (the last --timeout wins over TINY's 60): the launcher must end the run
     # on the rank's exit, not when the survivor's collective times out
-    args = ("--sp", "2", "--nproc", "2", *STEPS8, "--save-every", "3", "--timeout", "600")
+    args = ("--sp", "2", "--nproc", "2", *STEPS8, "--save-every", "3", "--timeout", "600", "--head-chunks", "2")
     run = tmp_path / "killed"
     cmd = [sys.executable, "-m", "ulysses_sp.cli.main", "train", *TINY, "--output-dir", str(run), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

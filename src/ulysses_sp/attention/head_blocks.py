@@ -204,6 +204,14 @@ class HeadBlockHandle:
     calls: int = 0
     """Grouped block calls (every layer's forward and its checkpoint recompute)."""
 
+    def describe(self, groups: int) -> str:
+        """One line for a run's summary: which attention modules run per head group, and how."""
+        text = f"  head groups {groups}: the whole attention block per group in {len(self.modules)} attention modules"
+        reasons = sorted(set(self.skipped.values()))
+        if reasons:
+            text += f"; exchange and core per group in {len(self.skipped)} ({reasons[0]}{' ...' if len(reasons) > 1 else ''})"
+        return text
+
     def remove(self) -> None:
         for m in self.modules:
             m.__dict__.pop("forward", None)

@@ -146,7 +146,9 @@ def _run(resolved: ResolvedRun, stop: Any, held: ExitStack) -> dict[str, Any]:
         vlm=engine.module if is_vlm_config(resolved.model_config) else None,
     )  # fmt: skip
     if rank == 0:
-        logger.info(startup_summary(cfg, engine, model, dataset, resume_dir) + "\n" + predicted)
+        blocks = getattr(mpu, "head_blocks", None)  # --head-chunks: which attention modules run per group, how
+        logger.info(startup_summary(cfg, engine, model, dataset, resume_dir) + "\n" + predicted
+                    + ("\n" + blocks.describe(cfg.head_chunks) if blocks is not None else ""))  # fmt: skip
         if unpartitioned_warning(cfg, world):
             logger.warning(unpartitioned_warning(cfg, world))
     try:
