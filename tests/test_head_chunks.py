@@ -160,6 +160,42 @@ def test_head_blocks_peak_falls_with_the_groups_below_the_function_level_groups(
     assert blocks[2] < 0.3 * none and blocks[0] < 0.65 * none, peaks
 
 
+def _qk_norms_recomputed(chunks):
+    """Qwen3 (q/k norms over ``head_dim``, shared by every head) with every RMSNorm recomputing in its own
+    backward (``memory.norms``: the norm reads its weight again in backward, after the group's call): logits
+    and every gradient against the model without SP."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ulysses_sp.memory.norms import apply_norm_recompute
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model("qwen3", vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=8, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)  # fmt: skip
+    ref = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.2)
+    ids, weight = global_batch(5, 1, 32), torch.randn(1, 32, 64, generator=torch.Generator().manual_seed(7))
+    (ref(input_ids=ids, use_cache=False).logits * weight).sum().backward()
+    model = copy.deepcopy(ref)
+    model.zero_grad()
+    norms = apply_norm_recompute(model)
+    reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 1, 1, mesh=init_mesh((1, 1)), head_chunks=chunks)
+    logits = model(input_ids=ids, use_cache=False).logits
+    (logits * weight).sum().backward()
+    assert reg.head_blocks.calls == 2 and not reg.head_blocks.skipped
+    reg.remove()
+    norms.remove()
+    torch.testing.assert_close(logits, ref(input_ids=ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
+    assert_grads_close({n: p.grad for n, p in model.named_parameters()},
+                       {n: p.grad for n, p in ref.named_parameters()}, atol_cap=math.inf)  # fmt: skip
+    return True
+
+
+def test_head_blocks_with_qk_norms_that_recompute_in_backward_equal_no_sp(pool):
+    assert pool.run(_qk_norms_recomputed, 1, 4) == [True]
+
+
 def test_head_block_layout_cuts_per_head_and_names_what_it_cannot():
     from transformers.models.llama.modeling_llama import LlamaAttention
 

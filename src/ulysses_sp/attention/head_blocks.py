@@ -161,10 +161,8 @@ class _HeadBlocks(torch.autograd.Function):
         for g in range(ctx.groups):
             index = _indices(layout, ctx.ulysses, ctx.groups, g, x.device)
             leaves = _others(layout, params, index, other)
-            with torch.enable_grad():
-                y = ctx.run(g, x.detach().requires_grad_(), leaves, grads, None)  # [B, S_l, h] placeholder
-                torch.autograd.backward(y, dout)
-            del y
+            with torch.enable_grad():  # back-propagated inside the group's call (``run``'s ``dout``)
+                ctx.run(g, x.detach().requires_grad_(), leaves, grads, None, dout)
             for n, cut in zip(layout.names, layout.cuts):
                 if other.get(n) is not None and leaves[n].grad is not None:
                     _add_grad(other[n], leaves[n].grad, cut, index)
@@ -246,11 +244,27 @@ def install_head_blocks(model: torch.nn.Module, attention: Any) -> HeadBlockHand
 
 def _grouped_forward(module: torch.nn.Module, layout: BlockLayout, attention: Any, handle: HeadBlockHandle, p: int):
     orig = type(module).forward.__get__(module)
+    backprop: list[Any] = [None, None]  # while a group runs in backward: its o_proj stand-in, the output gradient
+
+    def group_call(*args: Any, **kwargs: Any):
+        """One group's module forward (inside ``functional_call``, its parameters in place); in backward
+        also its back-propagation, in the same scope (a norm that recomputes in its own backward,
+        ``memory.norms``, reads its module's weight then: the group's, not the module's)."""
+        res = orig(*args, **kwargs)
+        out = res[0] if isinstance(res, tuple) else res
+        if out is not backprop[0].placeholder:
+            raise ValueError(f"head_chunks: {type(module).__name__} changes o_proj's output before returning it, "
+                             "so its attention block cannot run one head group at a time; use head_chunks 1")  # fmt: skip
+        if backprop[1] is not None:
+            torch.autograd.backward(out, backprop[1])
+        return res
 
     def forward(*args: Any, **kwargs: Any):
         named = "hidden_states" in kwargs
         others = (args, {k: v for k, v in kwargs.items() if k != "hidden_states"}) if named else (args[1:], kwargs)
         extra = [t for t in torch.utils._pytree.tree_leaves(others) if isinstance(t, torch.Tensor)]
+        if backprop[0] is not None:
+            return group_call(*args, **kwargs)
         if (attention.in_head_block or any(kwargs.get(k) is not None for k in CACHE_KWARGS)
                 or any(t.requires_grad for t in extra)
                 or (module.training and float(getattr(module, "attention_dropout", 0.0) or 0.0) > 0)):  # fmt: skip
@@ -258,12 +272,14 @@ def _grouped_forward(module: torch.nn.Module, layout: BlockLayout, attention: An
         x = kwargs.pop("hidden_states") if named else args[0]
         rest = args if named else args[1:]
 
-        def run(g: int, x_: torch.Tensor, params: dict, grads: BlockGrads | None, out: torch.Tensor | None):
+        def run(g: int, x_: torch.Tensor, params: dict, grads: BlockGrads | None, out: torch.Tensor | None,
+                dout: torch.Tensor | None = None):  # fmt: skip
             index = _indices(layout, p, attention.head_chunks, g, x_.device)
             swapped = {n: GroupProj(getattr(module, n), n, index[COLS_Q if n == "o_proj" else ROWS_Q if n == "q_proj"
                                     else ROWS_KV], out=out, grads=grads, first=g == 0) for n in PROJS}  # fmt: skip
             saved = {n: module._modules[n] for n in PROJS}
             prev, attention.in_head_block = attention.in_head_block, True
+            backprop[:] = [swapped["o_proj"], dout]
             try:
                 module._modules.update(swapped)
                 call_args, call_kwargs = (rest, {**kwargs, "hidden_states": x_}) if named else ((x_, *rest), kwargs)
@@ -271,11 +287,8 @@ def _grouped_forward(module: torch.nn.Module, layout: BlockLayout, attention: An
             finally:
                 module._modules.update(saved)
                 attention.in_head_block = prev
-            res = res[0] if isinstance(res, tuple) else res
-            if res is not swapped["o_proj"].placeholder:
-                raise ValueError(f"head_chunks: {type(module).__name__} changes o_proj's output before returning it, "
-                                 "so its attention block cannot run one head group at a time; use head_chunks 1")  # fmt: skip
-            return res
+                backprop[:] = [None, None]
+            return res[0] if isinstance(res, tuple) else res
 
         handle.calls += 1
         named_params = dict(module.named_parameters())
