@@ -34,6 +34,7 @@ ROWS = {  # name: (shape, gpus, tokens or None for the planner's longest, settin
     "8b-8gpu": ("Llama-3-8B", 8, None, {}),
     "8b-8gpu-states": ("Llama-3-8B", 8, None, {"cpu_offload": False}),  # states on the device: less host
     "8b-8gpu-8m": ("Llama-3-8B", 8, 8_388_608, {"cpu_offload": False, "head_chunks": 4}),  # the 8M goal
+    "8b-8gpu-8m-host": ("Llama-3-8B", 8, 8_388_608, {"head_chunks": 4, "host_memory": "2.5TB"}),  # a bigger node
     "8b-32gpu": ("Llama-3-8B", 32, None, {}),
     "32b-8gpu": ("Qwen3-32B", 8, None, {}),
     "32b-32gpu": ("Qwen3-32B", 32, None, {}),
@@ -81,7 +82,8 @@ def rehearse_row(model_dir: str, gpus: int, seq_len: int, head_chunks: int, over
     """One rehearsal (run in a child process): its JSON document."""
     from ulysses_sp.rehearse.run import rehearse_run
 
-    r = rehearse_run(_cfg(model_dir, gpus, seq_len, head_chunks, over), gpus=gpus, device="cuda", ranks=(0,))
+    host = over.pop("host_memory", None)  # per node (default: rehearse_run's, 2 TB)
+    r = rehearse_run(_cfg(model_dir, gpus, seq_len, head_chunks, over), gpus=gpus, device="cuda", ranks=(0,), host_memory=host)
     return r.as_dict()
 
 
