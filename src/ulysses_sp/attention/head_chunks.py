@@ -217,15 +217,18 @@ class _HeadChunkedAttention(torch.autograd.Function):
             dkv[0].add_(gk)
             dkv[1].add_(gv)
             # [B, H*_c, S, D] -> [P, B, H*_c, S_l, D] -> home; arriving [P(src), B, H*_c, S_l, D]
-            sending = [gq] + (list(dkv) if g % hg.span == hg.span - 1 else [])
+            closing = g % hg.span == hg.span - 1
+            # the set's fp32 sums sent in k/v's dtype (they land in dkr/dvr of that dtype anyway: the same
+            # bits) and freed before the exchange, not held beside its buffers
+            sending = [gq] + ([t.to(kr.dtype) for t in dkv] if closing else [])
             del gq, gk, gv
+            if closing:
+                kv = dkv = ()
             if back is not None:
                 back = back()
             parts = [t.unflatten(2, (hg.p, -1)).movedim(2, 0) for t in sending]
             back = _grads_home(_exchange(parts, [None] * len(parts), group), (dq, dkr, dvr), hg, g)
             del sending, parts
-            if g % hg.span == hg.span - 1:
-                kv = dkv = ()
             if not ctx.overlap:
                 back = back()
             if pending is None and g + 1 < hg.n:
