@@ -202,7 +202,7 @@ def headline() -> list[tuple[str, str]]:
             f"**{one['tokens']} tokens** of {one['model']} rehearsed to fit one 80 GB GPU "
             f"({one['rehearsed peak GiB']} GiB peak, {one.get('verdict (80 GB, 6 GB reserve, 2 TB host)') or one['verdict (80 GB, 6 GB reserve, 2 TiB host)']}): "
             "every ALST technique, model states on the host"
-            + (f", attention in {one['head groups']} head groups" if one.get("head groups", "1") != "1" else "")
+            + (f", the attention block in {one['head groups']} head groups" if one.get("head groups", "1") != "1" else "")
             + " — a rehearsal on fake tensors, not yet a run",
             "scale_table.md",
         )
