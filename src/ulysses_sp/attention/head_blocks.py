@@ -129,9 +129,10 @@ def _indices(layout: BlockLayout, ulysses: int, groups: int, g: int, device) -> 
 CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")
 """Keyword arguments carrying a KV cache (a call that updates one runs the module whole)."""
 
-Run = Callable[[int, torch.Tensor, dict[str, torch.Tensor], "BlockGrads | None", "torch.Tensor | None"], torch.Tensor]
-"""``run(g, x [B, S_l, h], others, grads, out)``: group ``g``'s block with ``others`` (the parameters that are
-not projections) in place of the module's; in forward ``out`` accumulates, in backward ``grads``."""
+Run = Callable[..., torch.Tensor]
+"""``run(g, x [B, S_l, h], others, grads, out, dout=None)``: group ``g``'s block with ``others`` (the parameters
+that are not projections) in place of the module's; in forward ``out`` accumulates, in backward ``grads`` (the
+group's output back-propagated with ``dout`` inside the call)."""
 
 
 class _HeadBlocks(torch.autograd.Function):
