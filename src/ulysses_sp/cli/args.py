@@ -167,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--attn-chunk", type=_attn_chunk, default=s, metavar="N|auto",
                    help="tokens per block of the blockwise attention core (sdpa; default auto)")  # fmt: skip
     t.add_argument("--head-chunks", type=int, default=s, metavar="N",
-                   help="SP attention in N head groups, one at a time (sp 1 too): less peak memory, more compute (default 1)")  # fmt: skip
+                   help="the attention block (projections, exchange, core) in N head groups, one at a time (sp 1 too): "
+                   "less peak memory, one more attention forward per layer (default 1)")  # fmt: skip
     t.add_argument("--exchange", choices=("auto", "packed", "headwise"), default=s,
                    help="SP attention all-to-all: one collective (packed), one per head (headwise), or auto: packed "
                    "below a per-piece byte threshold of the backend (default auto)")  # fmt: skip
