@@ -71,16 +71,16 @@ def head_block_layout(module: torch.nn.Module) -> BlockLayout | str:
     if not all(isinstance(p, torch.nn.Linear) for p in projs) or not isinstance(d, int):
         return (f"{type(module).__name__} has no q_proj/k_proj/v_proj/o_proj linear layers and head_dim "
                 "(adapters such as LoRA wrap them: the function-level head groups run instead)")  # fmt: skip
-    rows = {n: _out_features(getattr(module, n)) for n in ("q_proj", "k_proj", "v_proj")}
-    o_in = getattr(module.o_proj, "in_features", None)
-    if None in rows.values() or rows["q_proj"] % d or rows["k_proj"] % d or rows["k_proj"] != rows["v_proj"]:
+    rows = {n: getattr(module, n).out_features for n in ("q_proj", "k_proj", "v_proj")}
+    o_in = module.o_proj.in_features
+    if rows["q_proj"] % d or rows["k_proj"] % d or rows["k_proj"] != rows["v_proj"]:
         return f"{type(module).__name__}'s q/k/v projections are not whole heads of head_dim {d}"
     if o_in != rows["q_proj"]:  # e.g. a gated q projection ([q, gate] per head)
         return f"{type(module).__name__}'s q_proj gives {rows['q_proj']} features and o_proj takes {o_in}"
     h, hkv = rows["q_proj"] // d, rows["k_proj"] // d
     names, cuts = [], []
     for name, p in module.named_parameters():
-        cut = _cut(name, p, h, hkv, d)
+        cut = _cut(name, p, h, d)
         if cut is None:
             return f"{type(module).__name__}'s parameter {name} {tuple(p.shape)} is not per head or shared by all heads"
         names.append(name)
@@ -88,12 +88,7 @@ def head_block_layout(module: torch.nn.Module) -> BlockLayout | str:
     return BlockLayout(tuple(names), tuple(cuts), d, h, hkv)
 
 
-def _out_features(proj: torch.nn.Module) -> int | None:
-    n = getattr(proj, "out_features", None)
-    return n if isinstance(n, int) else None
-
-
-def _cut(name: str, p: torch.Tensor, h: int, hkv: int, d: int) -> str | None:
+def _cut(name: str, p: torch.Tensor, h: int, d: int) -> str | None:
     top, _, rest = name.partition(".")
     if top in ("q_proj", "k_proj", "v_proj"):  # nn.Linear: weight [n, h], bias [n]
         return ROWS_Q if top == "q_proj" else ROWS_KV
@@ -130,7 +125,8 @@ CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")
 """Keyword arguments carrying a KV cache (a call that updates one runs the module whole)."""
 
 Run = Callable[..., torch.Tensor]
-"""``run(g, x [B, S_l, h], others, grads, out, dout=None)``: group ``g``'s block with ``others`` (the parameters
+"""``run(g, index, x [B, S_l, h], others, grads, out, dout=None)``: group ``g``'s block (``index``: its
+``_indices``) with ``others`` (the parameters
 that are not projections) in place of the module's; in forward ``out`` accumulates, in backward ``grads`` (the
 group's output back-propagated with ``dout`` inside the call)."""
 
@@ -145,7 +141,7 @@ class _HeadBlocks(torch.autograd.Function):
         out = x.new_zeros(x.shape)  # [B, S_l, h]
         for g in range(groups):
             index = _indices(layout, ulysses, groups, g, x.device)
-            run(g, x, _others(layout, params, index, None), None, out)
+            run(g, index, x, _others(layout, params, index, None), None, out)
         ctx.run, ctx.layout, ctx.ulysses, ctx.groups = run, layout, ulysses, groups
         ctx.save_for_backward(x, *params)
         return out
@@ -163,7 +159,7 @@ class _HeadBlocks(torch.autograd.Function):
             index = _indices(layout, ctx.ulysses, ctx.groups, g, x.device)
             leaves = _others(layout, params, index, other)
             with torch.enable_grad():  # back-propagated inside the group's call (``run``'s ``dout``)
-                ctx.run(g, x.detach().requires_grad_(), leaves, grads, None, dout)
+                ctx.run(g, index, x.detach().requires_grad_(), leaves, grads, None, dout)
             for n, cut in zip(layout.names, layout.cuts):
                 if other.get(n) is not None and leaves[n].grad is not None:
                     _add_grad(other[n], leaves[n].grad, cut, index)
@@ -261,11 +257,11 @@ def _grouped_forward(module: torch.nn.Module, layout: BlockLayout, attention: An
         return res
 
     def forward(*args: Any, **kwargs: Any):
+        if backprop[0] is not None:
+            return group_call(*args, **kwargs)
         named = "hidden_states" in kwargs
         others = (args, {k: v for k, v in kwargs.items() if k != "hidden_states"}) if named else (args[1:], kwargs)
         extra = [t for t in torch.utils._pytree.tree_leaves(others) if isinstance(t, torch.Tensor)]
-        if backprop[0] is not None:
-            return group_call(*args, **kwargs)
         if (attention.in_head_block or any(kwargs.get(k) is not None for k in CACHE_KWARGS)
                 or any(t.requires_grad for t in extra)
                 or (module.training and float(getattr(module, "attention_dropout", 0.0) or 0.0) > 0)):  # fmt: skip
@@ -273,9 +269,8 @@ def _grouped_forward(module: torch.nn.Module, layout: BlockLayout, attention: An
         x = kwargs.pop("hidden_states") if named else args[0]
         rest = args if named else args[1:]
 
-        def run(g: int, x_: torch.Tensor, params: dict, grads: BlockGrads | None, out: torch.Tensor | None,
-                dout: torch.Tensor | None = None):  # fmt: skip
-            index = _indices(layout, p, attention.head_chunks, g, x_.device)
+        def run(g: int, index: dict[str, torch.Tensor], x_: torch.Tensor, params: dict, grads: BlockGrads | None,
+                out: torch.Tensor | None, dout: torch.Tensor | None = None):  # fmt: skip
             swapped = {n: GroupProj(getattr(module, n), n, index[COLS_Q if n == "o_proj" else ROWS_Q if n == "q_proj"
                                     else ROWS_KV], out=out, grads=grads, first=g == 0) for n in PROJS}  # fmt: skip
             saved = {n: module._modules[n] for n in PROJS}
