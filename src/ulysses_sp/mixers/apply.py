@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from ulysses_sp.mixers import gated_delta, kda, mamba1, mamba2, short_conv
+from ulysses_sp.mixers import gated_delta, kda, learned_positions, mamba1, mamba2, short_conv
 from ulysses_sp.mixers._kernels import is_sharded
 from ulysses_sp.mixers.base import MixerHandle, MixerHandler, claimed_by, shard_mixers
 
@@ -21,7 +21,7 @@ __all__ = ["HANDLERS", "apply_mixers", "has_unsharded_mixers", "is_sharded", "us
 from ulysses_sp.mixers.documents import PositionTracker
 
 HANDLERS: tuple[MixerHandler, ...] = (
-    short_conv.HANDLER, mamba2.HANDLER, mamba1.HANDLER, gated_delta.HANDLER, kda.HANDLER
+    short_conv.HANDLER, mamba2.HANDLER, mamba1.HANDLER, gated_delta.HANDLER, kda.HANDLER, learned_positions.HANDLER
 )
 """The mixers this package shards (for ``claimed_by``; ``apply_mixers`` binds fresh ones)."""
 
@@ -29,6 +29,12 @@ HANDLERS: tuple[MixerHandler, ...] = (
 def has_mixers(model: nn.Module, handlers: tuple[MixerHandler, ...] = HANDLERS) -> bool:
     """True when some module of ``model`` is a sequence mixer these handlers claim."""
     return any(claimed_by(m, handlers) is not None for m in model.modules())
+
+
+def needs_plain_layout(model: nn.Module) -> bool:
+    """True when a mixer of ``model`` exchanges heads for tokens (every handler but a lookup's, such as
+    learned positions): those need the plain Ulysses token order, not the ring's zigzag."""
+    return any(getattr(h, "plain_layout_only", True) for m in model.modules() if (h := claimed_by(m, HANDLERS)))
 
 
 def has_unsharded_mixers(model: nn.Module) -> bool:
@@ -40,13 +46,13 @@ def has_unsharded_mixers(model: nn.Module) -> bool:
 
 def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
     """Shard every short-convolution, Mamba-2, Mamba-1, gated delta-net and KDA mixer of ``model``
-    over ``mesh``'s SP group.
+    over ``mesh``'s SP group (and hold learned position embeddings to the shard's global position ids).
 
     Checks every mixer before changing any (``ValueError`` listing each that cannot be sharded at
     ``mesh.sp_size``). Call before FSDP/DDP wrapping or after: only the mixers' ``forward`` changes.
     Returns the handle whose ``remove()`` restores the model.
     """
-    if getattr(mesh, "ring_size", 1) > 1:
+    if getattr(mesh, "ring_size", 1) > 1 and needs_plain_layout(model):
         raise ValueError(
             f"sequence mixers need the plain Ulysses layout (ring_size 1), but at sp_size {mesh.sp_size} this "
             f"model's attention heads only split with ring_size {mesh.ring_size}; use an sp size whose ranks "
@@ -59,6 +65,7 @@ def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
         mamba1.Mamba1Handler(positions),
         gated_delta.GatedDeltaNetHandler(positions),
         kda.KimiDeltaAttentionHandler(positions),
+        learned_positions.LearnedPositionsHandler(positions),
     )
     handle = shard_mixers(model, mesh, handlers)
     handle._undo.insert(0, positions.install(model))  # removed last

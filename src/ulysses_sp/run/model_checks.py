@@ -130,7 +130,7 @@ def _checks(cfg: RunConfig, model_config: Any, ring: int) -> list[Callable[[nn.M
     from ulysses_sp.attention.checks import check_head_chunk_sinks, check_sp_attention
     from ulysses_sp.memory.tiling import TiledCausalLMLoss
     from ulysses_sp.mixers._kernels import check_layout
-    from ulysses_sp.mixers.apply import HANDLERS, has_mixers
+    from ulysses_sp.mixers.apply import HANDLERS, has_mixers, needs_plain_layout
     from ulysses_sp.mixers.base import check_mixers
     from ulysses_sp.mixers.guard import check_sequence_mixing
     from ulysses_sp.parallel.mesh_shape import head_counts
@@ -167,7 +167,7 @@ def _checks(cfg: RunConfig, model_config: Any, ring: int) -> list[Callable[[nn.M
         check_sequence_mixing(model, sp_size=cfg.sp)  # names the layer, the module and the fix itself
         if has_mixers(model):
             with _flag(f"--sp {cfg.sp}"):
-                if ring > 1:
+                if ring > 1 and needs_plain_layout(model):
                     check_layout(_Layout(ring), type(model).__name__)
                 check_mixers(model, cfg.sp, HANDLERS)
 
