@@ -3,11 +3,14 @@
 One subprocess per module (the rehearsal starts PyTorch's fake process group, which must not meet
 another process group of the test session) runs every rehearsal below and prints them as JSON:
 
-* Llama-3-8B shapes (32 layers, h 4096, GQA 32/8, vocab 128,256) at 1,048,576 tokens on 8 ranks
-  (sp 8, ZeRO 3 over all ranks, bf16, tiled MLP and loss, checkpointing): the step runs through the
-  real engine; its parameter and optimizer-state bytes equal the model's count over 8 shards; no
-  tensor of ``S^2/P`` elements or more exists anywhere in the step.
-* Bamba-9B's shapes (a Mamba-2 hybrid) at 262,144 tokens on 8 ranks: near the planner, no ``S^2/P`` tensor.
+* Llama-3-8B's shapes (h 4096, GQA 32/8, vocab 128,256; 8 of its 32 layers: every layer has the same
+  shapes, and the depth only multiplies the run time here, ~44 s for 32 layers against ~13 s) at
+  1,048,576 tokens on 8 ranks (sp 8, ZeRO 3 over all ranks, bf16, tiled MLP and loss, checkpointing):
+  the step runs through the real engine; its parameter and optimizer-state bytes equal the model's
+  count over 8 shards; no tensor of ``S^2/P`` elements or more exists anywhere in the step. The full
+  32-layer model at 1M-8M tokens is rehearsed by ``bench/scale_table.py`` and ``bench/rehearse_check.py``.
+* Bamba-9B's shapes (a Mamba-2 hybrid; 8 layers, attention in one) at 262,144 tokens on 8 ranks: near
+  the planner, no ``S^2/P`` tensor.
 * a tiny preset at sp 2 with packed documents through the CLI: exit 0 and the report; ``plan --rehearse``.
 """
 
@@ -27,7 +30,7 @@ from ulysses_sp.run.config import config_from_dict
 from ulysses_sp.rehearse.run import rehearse_run
 
 d = tempfile.mkdtemp()
-LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=8, num_attention_heads=32,
             num_key_value_heads=8, vocab_size=128256, max_position_embeddings=1 << 21, rope_theta=500000.0,
             tie_word_embeddings=False).save_pretrained(d)
 cfg = config_from_dict(dict(model=d, sp=8, seq_len=1 << 20, micro_batch_size=1, zero_stage=3, zero_partition="all",
@@ -37,7 +40,7 @@ print("JSON" + json.dumps(r.as_dict(), default=str))
 
 from transformers import BambaConfig
 d = tempfile.mkdtemp()
-BambaConfig(attn_layer_indices=[9, 18, 27], max_position_embeddings=1 << 22, tie_word_embeddings=False).save_pretrained(d)
+BambaConfig(num_hidden_layers=8, attn_layer_indices=[3], max_position_embeddings=1 << 22, tie_word_embeddings=False).save_pretrained(d)
 cfg = config_from_dict(dict(model=d, sp=8, seq_len=1 << 18, micro_batch_size=1, zero_stage=3, zero_partition="all",
                             dtype="bf16", tiled_mlp=True, tiled_loss=True, activation_checkpointing=True))
 r = rehearse_run(cfg, gpus=8, device="cuda", ranks=(0,))
@@ -63,7 +66,7 @@ def llama8b(rehearsals) -> dict:
 
 
 def test_a_hybrid_at_its_real_size_rehearses_near_the_planner(rehearsals):
-    """Bamba-9B's shapes (Mamba-2 mixers, 3 attention layers) at 262,144 tokens on 8 ranks (sp 8): the
+    """Bamba-9B's shapes (Mamba-2 mixers; 8 layers, one of them attention) at 262,144 tokens on 8 ranks (sp 8): the
     mixers' SP handlers run on fake tensors (their PyTorch path: the CUDA kernels need real memory),
     the planner's peak is within 10 % of the rehearsal's, and no tensor has S^2/P elements."""
     r = rehearsals["HYBRID"]
@@ -77,17 +80,17 @@ def test_a_hybrid_at_its_real_size_rehearses_near_the_planner(rehearsals):
 def test_llama_8b_at_1m_tokens_on_8_ranks_rehearses_one_real_step(llama8b):
     rank = llama8b["ranks"][0]
     assert {"forward", "backward", "optimizer"} <= set(rank["phase_peaks"])
-    assert rank["flops"] > 1e15  # 6 N T over 131,072 local tokens and 8B parameters is ~6e15
+    assert rank["flops"] > 1e16  # 6 N T over 131,072 local tokens and 2.8B parameters is ~2e15, attention ~3e16
     assert rank["collectives"]["alltoall_base"]["count"] > 0  # the attention exchange ran
     assert rank["device_peak"] > 0 and llama8b["fits"] in (True, False)
     planned = llama8b["predicted"]["peak_bytes"] - llama8b["reserve"]
-    assert planned == pytest.approx(rank["device_peak"], rel=0.05)  # the planner held to the rehearsal (0.97)
+    assert planned == pytest.approx(rank["device_peak"], rel=0.05)  # the planner held to the rehearsal (0.99)
     t = llama8b["time"]  # projected from the rehearsal's counts: compute dominates, the exchange is exposed
     assert t["step_s"] >= t["compute_s"] + t["all_to_all_s"] > 0 and t["tokens_per_s_per_gpu"] > 0
 
 
 def test_model_states_are_counted_as_the_shards_of_8_ranks(llama8b):
-    params = 8_030_261_248  # Llama-3-8B without tied embeddings
+    params = 8 * 218_112_000 + 2 * 128_256 * 4_096 + 4_096  # 8 of Llama-3-8B's layers, untied embeddings, final norm
     at_peak = llama8b["ranks"][0]["breakdown"]
     # fp32 master weights and two AdamW moments, each 1/8 of the model on this rank (FSDP2 pads the
     # shards to a multiple of 8 rows: within 0.1 %)
