@@ -59,8 +59,8 @@ SHRINK = dict(
     vocab_size_per_layer_input=128, hidden_size_per_layer_input=16,
 )  # fmt: skip
 """Config fields shrunk where the config class has them (others keep their defaults)."""
-LAYER_TYPES = {"lfm2": ["conv", "full_attention"], "lfm2_moe": ["conv", "full_attention"]}
-"""Where the defaults hold one layer type only although the family has two (LFM2: all attention)."""
+OVERRIDES = json.loads(Path(__file__).with_name("model_sweep_overrides.json").read_text())
+"""Per family, fields set over the shrink (a sub-config as a dict) where the shrunk defaults do not build."""
 
 
 def families() -> list[str]:
@@ -71,9 +71,9 @@ def families() -> list[str]:
 
 
 def tiny_config(model_type: str) -> Any:
-    """The config class's defaults, shrunk (``SHRINK``), with every default layer type in its layers."""
-    cls = CONFIG_MAPPING[model_type]
-    defaults = cls().to_dict()
+    """The config class's defaults, shrunk (``SHRINK``), every default layer type in its layers, ``OVERRIDES`` last."""
+    cls, over = CONFIG_MAPPING[model_type], {k: v for k, v in OVERRIDES.get(model_type, {}).items() if k != "_why"}
+    defaults = cls(**over).to_dict()
     # a per-layer input embedding (Gemma 3n/4) is shrunk where the family has one (default 0: it has none)
     kw = {k: v for k, v in SHRINK.items() if k in defaults and not (k.endswith("_per_layer_input") and not defaults[k])}
     for key, token in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
@@ -83,12 +83,12 @@ def tiny_config(model_type: str) -> Any:
         kw["head_dim"] = kw["qk_rope_head_dim"]  # MLA: the rotary part of the head is "head_dim"
     if "kv_lora_rank" in kw and "num_key_value_heads" in kw:
         kw["num_key_value_heads"] = kw["num_attention_heads"]  # MLA: one key per query head
-    types = LAYER_TYPES.get(model_type) or defaults.get("layer_types") or []
+    types = defaults.get("layer_types") or []
     n = max([2] + [i + 1 for i, t in enumerate(types) if t not in types[:i]])  # every type has appeared by then
     if types:
         kw["layer_types"] = list(types[:n])
     kw["num_hidden_layers"] = n
-    return cls(**kw)
+    return cls(**{**kw, **over})
 
 
 def build(model_type: str, seed: int = 0) -> Any:
