@@ -2,16 +2,15 @@
 
     python -m bench.model_sweep [--only llama,lfm2]  # all -> bench/results/model_sweep.md; a few: printed only
 
-The families come from transformers' own auto registry (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` minus the
-encoder-decoder and masked-LM registries), not from a list kept here. Each gets a tiny config shrunk from its
-config class's defaults (hidden 64, 4 heads / 2 kv heads, 4 experts, vocab 128, layers enough to hold every
-layer type of the defaults, 2 at least), random weights large enough that one wrong position shows, fp32. Two
-gloo ranks each build it from the same seed and run one step: the plain model on the whole sequence (the
-oracle) and the same model at sp=2 (the closed-world guard first, then Ulysses attention, ``S_l = S/2`` tokens
-per rank, the SP loss). The verdict: **exact** (every position's logits and every gradient, summed over the SP
-group, equal the oracle's at ``rtol 1e-4``), **refused** (the guard's reason), **wrong** (no refusal, a
-mismatch: a bug), **skipped** (the tiny config cannot be built, with why) or **crash** (an error, a time-out
-or the memory cap: every model runs in its own processes under ``RLIMIT_AS``).
+The families come from transformers' auto registry (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` minus the encoder-decoder
+and masked-LM registries), not from a list kept here. Each gets a tiny config shrunk from its config class's defaults
+(hidden 64, 4 heads / 2 kv heads, 4 experts, vocab 128, layers enough to hold every layer type of the defaults, 2 at
+least; ``model_sweep_overrides.json`` per family where that does not build), random weights large enough that one
+wrong position shows, fp32. Two gloo ranks build it from the same seed and run one step: the plain model on the whole
+sequence (the oracle) and the same model at sp=2 (the closed-world guard first, then Ulysses attention, ``S_l = S/2``
+tokens per rank, the SP loss). The verdict: **exact** (every position's logits and every gradient, summed over the SP
+group, equal the oracle's at ``rtol 1e-4``), **refused** (the guard's reason), **wrong** (no refusal, a mismatch: a
+bug), **skipped** (no tiny config builds, with why) or **crash** (an error, a time-out or the per-rank memory cap).
 """
 
 from __future__ import annotations
@@ -59,8 +58,7 @@ SHRINK = dict(
     vocab_size_per_layer_input=128, hidden_size_per_layer_input=16,
 )  # fmt: skip
 """Config fields shrunk where the config class has them (others keep their defaults)."""
-LAYER_TYPES = {"lfm2": ["conv", "full_attention"], "lfm2_moe": ["conv", "full_attention"]}
-"""Where the defaults hold one layer type only although the family has two (LFM2: all attention)."""
+OVERRIDES = json.loads(Path(__file__).with_name("model_sweep_overrides.json").read_text())  # set last (see its "_why"s)
 
 
 def families() -> list[str]:
@@ -71,9 +69,12 @@ def families() -> list[str]:
 
 
 def tiny_config(model_type: str) -> Any:
-    """The config class's defaults, shrunk (``SHRINK``), with every default layer type in its layers."""
-    cls = CONFIG_MAPPING[model_type]
-    defaults = cls().to_dict()
+    """The config class's defaults, shrunk (``SHRINK``), every default layer type in its layers, ``OVERRIDES`` last."""
+    spec = OVERRIDES.get(model_type, {})  # "_why": a comment; "_config": the causal LM's own config class (Musicgen)
+    cls, over = CONFIG_MAPPING[spec.get("_config", model_type)], {k: v for k, v in spec.items() if k[0] != "_"}
+    if "_config" in spec:  # not an auto key: registered for the class the causal-LM registry names
+        AutoModelForCausalLM.register(cls, getattr(transformers, auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]), exist_ok=True)
+    defaults = cls(**over).to_dict()
     # a per-layer input embedding (Gemma 3n/4) is shrunk where the family has one (default 0: it has none)
     kw = {k: v for k, v in SHRINK.items() if k in defaults and not (k.endswith("_per_layer_input") and not defaults[k])}
     for key, token in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
@@ -83,19 +84,18 @@ def tiny_config(model_type: str) -> Any:
         kw["head_dim"] = kw["qk_rope_head_dim"]  # MLA: the rotary part of the head is "head_dim"
     if "kv_lora_rank" in kw and "num_key_value_heads" in kw:
         kw["num_key_value_heads"] = kw["num_attention_heads"]  # MLA: one key per query head
-    types = LAYER_TYPES.get(model_type) or defaults.get("layer_types") or []
+    types = defaults.get("layer_types") or []
     n = max([2] + [i + 1 for i, t in enumerate(types) if t not in types[:i]])  # every type has appeared by then
     if types:
         kw["layer_types"] = list(types[:n])
     kw["num_hidden_layers"] = n
-    return cls(**kw)
+    return cls(**{**kw, **over})
 
 
 def build(model_type: str, seed: int = 0) -> Any:
     """The tiny fp32 model with random weights (matrices N(0, 0.2), vectors 1 + N(0, 0.1)), eval mode."""
     torch.manual_seed(seed)
-    config = tiny_config(model_type)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type), attn_implementation="eager").float()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2) if p.dim() >= 2 else p.normal_(1.0, 0.1)
@@ -124,7 +124,7 @@ def compare(model: Any, *, guard: bool = True, seed: int = 1) -> dict[str, Any]:
             lines = str(err).splitlines()  # the guard's: a header, one line per module, a hint
             return {"verdict": "refused", "detail": " | ".join(x.strip() for x in lines[1:-1] or lines)}
     ref = copy.deepcopy(model)
-    vocab = model.get_output_embeddings().weight.shape[0]
+    vocab = next(model.get_output_embeddings().parameters()).shape[0]  # its weight (Musicgen: one head per codebook)
     ids = torch.randint(0, vocab, (1, SEQ), generator=torch.Generator().manual_seed(seed))
     labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)  # [B, S], shifted
     try:
@@ -178,7 +178,7 @@ def compare_packed(model: Any, ref: Any, sp_verdict: str, route: bool = True) ->
         check_document_mixing(model)
     except ValueError:
         return {"sp1": "refused", **out}
-    vocab = ref.get_output_embeddings().weight.shape[0]
+    vocab = next(ref.get_output_embeddings().parameters()).shape[0]  # its weight (Musicgen: one head per codebook)
     ids = torch.randint(0, vocab, (1, SEQ), generator=torch.Generator().manual_seed(2))
     want = torch.cat([ref(input_ids=d, use_cache=False).logits for d in ids.split(DOCS, dim=1)], dim=1)
     pos = torch.cat([torch.arange(n) for n in DOCS])[None]  # [1, S]
