@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from harness import WorkerError
 from models import global_batch, reference_loss, shift, tiny_model
 from oracle import assert_step_close
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
 from ulysses_sp.memory.offload import enable_activation_checkpointing
@@ -162,6 +163,9 @@ def _bad_input(kind):
         model.set_attn_implementation("sdpa")
     ids = global_batch(0, B, s_l * sp)[:, :s_l]
     pos = torch.arange(s_l)[None] + rank * s_l
+    if kind == "cross":  # keys of another length than the queries: cross-attention to an encoder's states
+        q, kv = torch.randn(B, heads, s_l, 12), torch.randn(B, heads, 5, 12)
+        ALL_ATTENTION_FUNCTIONS["ulysses_sp"](model.model.layers[0].self_attn, q, kv, kv, None, position_ids=pos)
     model(input_ids=ids, position_ids=None if kind == "local_pos" else pos)
 
 
@@ -180,6 +184,8 @@ def _bad_input(kind):
             r"the model was called without position_ids on SP rank\(s\) \[0, 1, 2, 3\] of a sequence-parallel forward",
         ),
         ("bypass", r"sequence-parallel attention ran in 0 of 2 attention layers.*attn_implementation='sdpa'"),
+        ("cross", r"LlamaAttention: 5 keys for 8 queries on this rank: cross-attention \(to an encoder's states\) or a "
+         r"cache; sequence parallelism shards self-attention over the same tokens only"),
     ],
 )
 def test_bad_input_fails_every_rank_with_clear_message(pool, kind, match):

@@ -102,15 +102,15 @@ SP2 = [
     ("gpt_oss", "sdpa", 2, "docs", "documents"),  # sinks through the blockwise core, documents + window
     ("gpt_oss", "sdpa", 2, "docs", "documents", 2),  # the same, the attention block per head group: sinks cut
     ("mimo_v2_flash", "sdpa", 2, "plain", "model"),  # sinks in the sliding layer only
-    ("llama4_text", "sdpa", 2, "docs", "model"),  # chunks + documents + NoPE temperature
-    ("llama4_text", "eager", 2, "edges", "model"),  # documents exactly on the shard edges
+    ("llama4_text", "sdpa", 2, "docs", "documents"),  # chunks + documents + NoPE temperature (per document)
+    ("llama4_text", "eager", 2, "edges", "documents"),  # documents exactly on the shard edges
     ("llama", "sdpa", 4, "edges", "documents"),
     ("longcat_flash", "sdpa", 4, "plain", "model"),  # MLA twice per layer, identity experts
 ]
 SP4 = [
     ("gpt_oss", "eager", 2, "docs", "documents"),  # kv heads 2 < sp 4: replicated, sinks per query head
     ("gpt_oss", "sdpa", 2, "plain", "model"),
-    ("llama4_text", "eager", 2, "docs", "model"),
+    ("llama4_text", "eager", 2, "docs", "documents"),
 ]  # fmt: skip
 
 

@@ -52,6 +52,10 @@ def test_classic_families_pass_with_one_sp_attention_per_layer(family):
         ("minimax", r"layer 1: MiniMaxDecoderLayer is a 'linear_attention' layer.*MiniMaxLightningAttention"),
         ("doge", r"layer 0: self_attn \(DogeAttention\) .*dispatches through a registry of its own"),
         ("bloom", r"layer 0: self_attention \(BloomAttention\) .*computes token-to-token scores itself"),
+        ("musicgen", r"decoder stack: embed_positions \(MusicgenSinusoidalPositionalEmbedding\) .*numbers the tokens "
+         r"it is given 0..S-1 itself"),  # a sinusoidal table of arange(S_l): every shard would start at 0
+        ("fuyu", r"FuyuForCausalLM is a multimodal model \(fuyu: its forward takes pixel_values, image_patches into "
+         r"model.vision_embed_tokens\)"),
         (
             "phimoe",
             r"layer 0: self_attn \(PhimoeAttention\) applies its sliding window \(config.sliding_window = 8\) "
@@ -65,6 +69,14 @@ def test_families_sp_would_get_wrong_are_refused_naming_the_cause(family, expect
         check_sequence_mixing(model, sp_size=2, handlers=())  # no mixer handler registered
     assert "attn_implementation" not in str(err.value)  # not the old, misleading reason
     check_sequence_mixing(model, sp_size=1)  # no SP: nothing to refuse
+
+
+def test_cross_attention_layers_are_not_counted_as_layers_the_sp_attention_runs_in():
+    """Mllama's text model skips its cross-attention layers on text-only input; with images the SP
+    attention refuses them (keys of another length than the rank's queries: ``test_attention``)."""
+    from transformers import MllamaTextConfig
+
+    assert num_attention_layers(MllamaTextConfig(num_hidden_layers=5, cross_attention_layers=[1, 3])) == 3
 
 
 def test_falcon_h1_is_refused_in_every_layer_although_each_has_an_sp_attention():

@@ -142,17 +142,22 @@ def global_token_index(sp_group: Any, s_local: int, seq_len: int, ring_size: int
 
 
 def correct_query_temperature(
-    module: torch.nn.Module, query: torch.Tensor, global_index: torch.Tensor
+    module: torch.nn.Module, query: torch.Tensor, positions: torch.Tensor, global_index: torch.Tensor | None
 ) -> torch.Tensor:
-    """Llama 4's NoPE layers scale queries by ``log1p(floor((i+1)/floor_scale))*attn_scale + 1``
-    with ``i = arange`` over the tokens the model was given: the shard's ``0..S_l-1`` under SP. Rescale
-    ``query [B, H, S_l, D]`` to the global token index ``global_index [S_l]`` (the factor is >= 1)."""
+    """Llama 4's NoPE layers scale queries by ``log1p(floor((i+1)/floor_scale))*attn_scale + 1`` with
+    ``i = arange`` over the tokens the model was given: under SP the shard's ``0..S_l-1``, and in a
+    packed row the token's index in the row, not in its document. Rescale ``query [B, H, S_l, D]`` to
+    each token's position in its own document: ``positions [B|1, S]`` (the forward's full-sequence
+    position ids) at ``global_index [S_l]`` (this rank's tokens; ``None``: all of them, no SP). Without
+    packing that is the global token index (what the model computes without SP); with packing each
+    document is scaled as it is alone (as chunked attention's chunks restart at documents)."""
     if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
         return query
     local = torch.arange(query.shape[-2], device=query.device, dtype=torch.float32)
+    own = positions if global_index is None else positions[:, global_index.to(positions.device)]  # [B|1, S_l]
 
     def factor(i: torch.Tensor) -> torch.Tensor:
         return torch.log1p(torch.floor((i + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
 
-    ratio = factor(global_index.to(query.device, torch.float32)) / factor(local)  # [S_l]
-    return (query * ratio.view(1, 1, -1, 1)).to(query.dtype)
+    ratio = factor(own.to(query.device, torch.float32)) / factor(local)  # [B|1, S_l]
+    return (query * ratio[:, None, :, None]).to(query.dtype)

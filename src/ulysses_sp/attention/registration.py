@@ -95,7 +95,8 @@ def num_attention_layers(config: Any) -> int:
     types = getattr(config, "layer_types", None)
     if types:
         return sum(1 for t in map(str, types) if layer_kind(t) == "attention" or t == "hybrid")
-    return int(config.num_hidden_layers)
+    # cross-attention layers (Mllama's, to the vision states) are skipped on text-only input and refused under SP
+    return int(config.num_hidden_layers) - len(getattr(config, "cross_attention_layers", None) or ())
 
 
 def attach_registered(model: Any) -> None:

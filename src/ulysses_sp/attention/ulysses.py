@@ -189,6 +189,10 @@ class UlyssesSPAttentionHF:
         (b, h, s_local, _), hkv = query.shape, key.shape[1]
         if sp:
             check_heads(h, hkv, self.ulysses_size)
+            if key.shape[2] != s_local:  # shapes only: no device read
+                raise ValueError(f"{type(module).__name__}: {key.shape[2]} keys for {s_local} queries on this rank: "
+                                 "cross-attention (to an encoder's states) or a cache; sequence parallelism shards "
+                                 "self-attention over the same tokens only (train it with sp 1, or text-only)")  # fmt: skip
         base = layout = self._seq_layout(kwargs.pop("position_ids", None), s_local, b, query.device, sp)
         self.calls += 1
         self.last_seq_len = layout.seq_len
@@ -197,9 +201,9 @@ class UlyssesSPAttentionHF:
         if chunk is not None:  # chunked attention: segments end at documents and chunk boundaries
             layout = self._per_forward(base, ("chunked", chunk), lambda: base.split_at_chunks(chunk))
         a2a = sp and self.ulysses_size > 1
-        if sp:  # the model's token-index query scale used the shard's 0..S_l-1
-            index = global_token_index(self.sp_group, s_local, layout.seq_len, self.ring_size)
-            query = correct_query_temperature(module, query, index)
+        # the model's token-index query scale used the shard's 0..S_l-1 (the row's, packed): each document's own
+        index = global_token_index(self.sp_group, s_local, layout.seq_len, self.ring_size) if sp else None
+        query = correct_query_temperature(module, query, base.positions, index)
         layouts, rank = (base, layout, chunk), dist.get_rank(self.ulysses_group) if a2a else 0
         if self.head_chunks > 1 and not self.in_head_block and (sp or self.sp_size == 1):  # at sp 1 no exchange
             check_no_sinks(module, kwargs, self.head_chunks)  # [B, H*, S_l, D] -> [B, S_l, H, D]

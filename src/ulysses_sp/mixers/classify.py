@@ -166,6 +166,9 @@ def _leaf_verdict(module: nn.Module, names: set[str]) -> Verdict:
         if not names & RESHAPE_OPS:
             return Verdict(POSITION_WISE)  # an elementwise activation
     if not dims and ("inv_freq" in names or "polar" in names or names >= {"cos", "sin"}):
+        if _numbers_tokens_itself(type(module)):  # Musicgen's sinusoidal table: arange(S) of its own input
+            return Verdict(MIXER, "it numbers the tokens it is given 0..S-1 itself (arange in its forward, no "
+                           "position ids taken): on a shard every rank would start at position 0")  # fmt: skip
         return Verdict(POSITION_WISE)  # rotary table: cos/sin of each token's own position id
     return Verdict(
         UNKNOWN,
@@ -173,6 +176,13 @@ def _leaf_verdict(module: nn.Module, names: set[str]) -> Verdict:
         "or expert shape); if it acts on every token alone, declare it with "
         f"ulysses_sp.declare_position_wise({type(module).__name__})",
     )
+
+
+def _numbers_tokens_itself(cls: type) -> bool:
+    """Whether ``cls.forward`` builds positions with ``arange`` and takes none (no parameter naming positions)."""
+    forward = inspect.unwrap(cls.forward)
+    names = {n for code in _code_objects(forward.__code__) for n in code.co_names}
+    return "arange" in names and not any("position" in p for p in inspect.signature(forward).parameters)
 
 
 def _torch_verdict(module: nn.Module) -> Verdict:

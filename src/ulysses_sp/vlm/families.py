@@ -11,6 +11,7 @@ audio encoder is refused by name with the reason, before the first step.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +76,13 @@ def _encoders(model: nn.Module) -> list[str]:
     return [k for k in subs if k in _ENCODER_KEYS or k.endswith(("vision_config", "audio_config"))]
 
 
+MEDIA_INPUTS = ("pixel_values", "pixel_values_videos", "image_patches", "input_features", "audio_values")
+MEDIA_WORDS = ("vision", "image", "audio", "patch")
+"""Module names of a model's media path (Fuyu's ``vision_embed_tokens``): with ``MEDIA_INPUTS`` in its forward,
+a multimodal model even where its config has no vision/audio sub-config (a model whose towers are off holds
+no such module: text-only, not refused)."""
+
+
 def multimodal_refusal(model: nn.Module) -> str | None:
     """Why SP refuses ``model``'s multimodal path, or ``None`` (a text model, or an admitted VLM).
 
@@ -90,6 +98,10 @@ def multimodal_refusal(model: nn.Module) -> str | None:
         name.split(".")[-1] in ("visual", "vision_tower", "vision_model", "audio_tower", "vision_encoder")
         for name, _ in model.named_modules()
     )
+    media = [p for p in MEDIA_INPUTS if p in inspect.signature(type(model).forward).parameters]
+    media_modules = [n for n, _ in model.named_modules() if any(w in n.rsplit(".", 1)[-1] for w in MEDIA_WORDS)]
+    if media and media_modules and not (encoders and has_encoder):  # no vision sub-config, images taken (Fuyu)
+        encoders, has_encoder = [f"its forward takes {', '.join(media)} into {media_modules[0]}"], True
     if not encoders or not has_encoder:
         return None
     admitted = ", ".join(sorted(SUPPORTED_VLMS))
