@@ -174,17 +174,12 @@ def _rehearse_rank(cfg: RunConfig, config: Any, batch: dict[str, torch.Tensor], 
         return empty_model_from_config(config, attn_implementation=cfg.attn), mesh
 
     def make_engine(model, mesh):
-        from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
         from ulysses_sp.engine import initialize
-        from ulysses_sp.run.model_checks import apply_techniques, sp_attention_wanted
+        from ulysses_sp.run.loop import register_attention
+        from ulysses_sp.run.model_checks import apply_techniques
 
         _, loss_fn = apply_techniques(cfg, model)
-        mpu = None
-        if sp_attention_wanted(cfg, config):
-            mpu = UlyssesSPAttentionHF.register_with_transformers(
-                model, cfg.attn, cfg.sp, cfg.micro_batch_size, seq_length=cfg.seq_len, mesh=mesh,
-                attn_chunk=cfg.attn_chunk, offload_attention=cfg.offload_attention, head_chunks=cfg.head_chunks,
-            )  # fmt: skip
+        mpu = register_attention(cfg, model, config, mesh)  # train's own registration (--exchange included)
         engine, _, _, _ = initialize(model, cfg.training_config(gpus), mpu=mpu or mesh.mpu, loss_fn=loss_fn)
         return engine
 
