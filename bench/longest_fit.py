@@ -39,11 +39,10 @@ DEEPSPEED = ("UlyssesSPAttentionHF (sdpa), TiledMLP, TiledFusedLogitsLoss, HF ch
              "context (on; skips every tensor on CPU)")
 SYSTEMS = [("DeepSpeed", "deepspeed", {}),
            ("ulysses-sp, same techniques", "ours", {"causal": "ckpt,mlp", "packed": "ckpt,mlp"}),
-           ("ulysses-sp, all techniques", "ours", {"causal": "ckpt,offload,mlp,kv_offload,norms", "packed": "ckpt,offload,mlp,norms"})]
+           ("ulysses-sp, all techniques", "ours", {"causal": "ckpt,offload,mlp,norms,heads2", "packed": "ckpt,offload,mlp,norms,heads2"})]
 """``(name, impl, {data: --tech})``: what section 7 runs. All techniques: the set that holds the longest S per data
-(2026-11-25, after the head-by-head exchange): causal with Ulysses-Offload (14336 vs 11264 without); packed
-without it (the per-document sdpa path needs no K/V stash); head chunks in neither (``heads2`` raised the S 8192
-peak, 21.4 vs 17.6 MiB: its per-group packed exchange and saved q/k/v outweigh what it saves)."""
+(2026-11-27, the whole attention block per head group): ``heads2`` (one head per group at sp 2) holds 16896 causal
+(14336 with Ulysses-Offload instead, which keeps the function-level groups) and 15872 packed (11264 without it)."""
 START = {"deepspeed": {"causal": 8192, "packed": 5120}, "ours": {"causal": 10240, "packed": 9216}}  # near the fits
 
 

@@ -192,7 +192,8 @@ def headline() -> list[tuple[str, str]]:
         (
             f"**{causal.replace('x', '×')} causal, {packed.replace('x', '×')} packed documents**: the "
             "longest sequence in one memory budget against DeepSpeed Ulysses/ALST, all techniques on "
-            "(CPU, a tiny Llama, sp 2, the same meter on both sides)",
+            "(CPU, a tiny Llama, sp 2, the same meter on both sides; DeepSpeed's own causal fit varies by one "
+            "512-token step between runs, see Performance)",
             "longest_fit.md",
         )
     )
