@@ -6,7 +6,7 @@ after a warm-up), ``torch.cuda.max_memory_allocated``, the loss or the exception
 26): 19 packed documents through the per-document sdpa and the varlen path (``attention/varlen.py``), bf16, vs a
 dense block-diagonal fp32 reference (output and q/k/v gradients), time, peak. ``head-chunks`` (issue 26): 2 ranks
 (NCCL on 2 GPUs, else one GPU over gloo), a 2-layer Llama, 4 packed documents, ``head_chunks`` 1 vs 4: the
-difference and each one's peak. Writes ``bench/results/gpu_check.md``.
+difference and each one's peak, the exchanges packed and head by head (issue 37). Writes ``bench/results/gpu_check.md``.
 
 Run on a CUDA machine (~10 minutes): ``python -m bench.gpu_check [--only packed head-chunks]``; ``--device cpu``
 runs ``packed`` and ``head-chunks`` small in fp32 (a smoke; varlen is CUDA-only). Benchmark code may name CUDA.
@@ -118,7 +118,7 @@ def packed_rows(seq: int, device: str, dtype: torch.dtype) -> list[list]:
 
 
 def head_chunk_rows(seq: int, device: str) -> list:
-    """A rank of 2: fwd+bwd with ``head_chunks`` 1 and 4 (rank 0's peak and time; the max difference over ranks)."""
+    """A rank of 2: fwd+bwd, ``head_chunks`` 1 (packed, head-by-head exchange) and 4 (the block per group); rank 0's peak/time."""
     cuda = device == "cuda"
     if cuda:  # NCCL with a GPU per rank; else both ranks on GPU 0 over gloo (it stages CUDA tensors on the host)
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
@@ -127,12 +127,12 @@ def head_chunk_rows(seq: int, device: str) -> list:
     ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0)).to(device)
     pos, cols = (torch.arange(seq, device=device) % (seq // 4))[None], slice(mesh.sp_rank * seq // 2, (mesh.sp_rank + 1) * seq // 2)
     runs = []
-    for chunks in (1, 4):
+    for chunks, exchange in (cases := ((1, "packed"), (1, "headwise"), (4, "auto"))):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device, torch.bfloat16 if cuda else torch.float32)
         model.gradient_checkpointing_enable()
         model.lm_head = torch.nn.Identity()  # "logits" = the last hidden states: the peak is the layers'
-        reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, 1, mesh=mesh, head_chunks=chunks)
+        reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, 1, mesh=mesh, head_chunks=chunks, exchange=exchange)  # fmt: skip
 
         def step(m=model):
             (x := m(input_ids=ids[:, cols], position_ids=pos[:, cols]).logits).float().square().mean().backward()
@@ -140,9 +140,10 @@ def head_chunk_rows(seq: int, device: str) -> list:
 
         runs.append(_timed(device, step))
         reg.remove()
-    diff = torch.tensor(_rel(runs[1][0], runs[0][0]), device=device)
-    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
-    return [[seq, c, peak, f"{sec:.2f} s", f"{diff.item():.1e}" if c > 1 else "(reference)"] for c, (_, sec, peak) in zip((1, 4), runs)]
+    diffs = torch.tensor([_rel(r[0], runs[0][0]) for r in runs], device=device)
+    dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
+    return [[seq, c, x, peak, f"{sec:.2f} s", f"{d:.1e}" if i else "(reference)"]
+            for i, ((c, x), (_, sec, peak), d) in enumerate(zip(cases, runs, diffs.tolist()))]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -185,10 +186,10 @@ def main(argv: list[str] | None = None) -> None:
         try:
             rows = run_worker("bench.gpu_check", 2, ["--device", args.device])[0]
         except WorkerFailed as e:
-            rows = [["", "", "", "", f"failed: {str(e)[-300:]}"]]
+            rows = [["", "", "", "", "", f"failed: {str(e)[-300:]}"]]
         body += ["Head chunks: 2 ranks, sp 2, 2-layer Llama, 4 packed documents, activation checkpointing; rank 0's peak "
                  "and time, the difference from head_chunks 1 (hidden states, gradients) the max over ranks.",
-                 md.table(["tokens", "head_chunks", "peak above the start", "fwd+bwd", "rel. diff"], rows)]  # fmt: skip
+                 md.table(["tokens", "head_chunks", "exchange", "peak above the start", "fwd+bwd", "rel. diff"], rows)]  # fmt: skip
     md.page(args.out, "gpu_check: states, packed documents, head chunks on a GPU", run, body)
 
 

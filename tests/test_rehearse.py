@@ -112,12 +112,12 @@ def test_cli_rehearses_a_packed_sp2_run_and_reports_the_verdict(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "verdict: fits" in out.stdout and "largest tensors alive at the peak" in out.stdout
     assert "rank 1: forward and backward" in out.stderr  # a progress line per phase
+    small = subprocess.run([*cmd, "--gpu-memory", "1MB", "--exchange", "headwise"], capture_output=True, text=True,
+                           check=False, cwd=tmp_path)  # fmt: skip
+    assert small.returncode == 1 and "DOES NOT FIT" in small.stdout
     # the run's --exchange is rehearsed: head by head, more all-to-alls than the packed default at 512 tokens
     count = lambda text: int(re.search(r"alltoall_base x(\d+)", text).group(1))  # noqa: E731
-    headwise = subprocess.run([*cmd, "--exchange", "headwise"], capture_output=True, text=True, check=False, cwd=tmp_path)
-    assert count(headwise.stdout) > count(out.stdout) > 0, (headwise.stdout[-2000:], out.stdout[-2000:])
-    small = subprocess.run([*cmd, "--gpu-memory", "1MB"], capture_output=True, text=True, check=False, cwd=tmp_path)
-    assert small.returncode == 1 and "DOES NOT FIT" in small.stdout
+    assert count(small.stdout) > count(out.stdout) > 0, (small.stdout[-2000:], out.stdout[-2000:])
     ddp_cmd = [*cmd]
     ddp_cmd[ddp_cmd.index("--zero-stage") + 1] = "0"
     ddp = subprocess.run(ddp_cmd, capture_output=True, text=True, check=False, cwd=tmp_path)
