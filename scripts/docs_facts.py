@@ -95,6 +95,7 @@ LIMITS = {
     "moe": _ATTN + "; no MoE aux loss",
     "mamba2": "Mamba heads % sp = 0; no ring",
     "mamba1": "`intermediate_size` % sp = 0; no ring",
+    "mamba1_heads": "channels per Mamba head % sp = 0; no ring",
     "conv": "conv channels % sp = 0; no ring",
     "gdn": "value heads % sp = 0; no ring",
     "vlm": _ATTN + "; images encoded whole",
@@ -103,6 +104,7 @@ LIMITS = {
 # (family as users name it, the sweep's model_type(s), mixer kind). The verdicts are the sweep's.
 FAMILIES = [
     ("Llama 3.x", ["llama"], "attention"),
+    ("Llama 4 (text)", ["llama4_text"], "moe"),
     ("Qwen2 / Qwen2.5", ["qwen2"], "attention"),
     ("Qwen3", ["qwen3"], "attention"),
     ("Qwen3-MoE", ["qwen3_moe"], "moe"),
@@ -124,6 +126,8 @@ FAMILIES = [
     ("LFM2", ["lfm2"], "conv"),
     ("Jamba", ["jamba"], "mamba1"),
     ("Mamba / Falcon-Mamba", ["mamba", "falcon_mamba"], "mamba1"),
+    ("Zamba", ["zamba"], "mamba1_heads"),
+    ("OPT / BioGPT", ["opt", "biogpt"], "attention"),
 ]
 VLM_NAMES = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL"}
 

@@ -16,7 +16,7 @@ def hybrid_config(
     arch: str, *, mamba_heads: int = 4, groups: int = 2, kv_heads: int = 2, vocab: int = V, **overrides
 ):
     """A tiny config of ``arch`` (``lfm2``, ``nemotron_h``, ``falcon_h1``, ``granitemoehybrid``, ``bamba``,
-    ``mamba2``, ``mamba``, ``falcon_mamba``, ``jamba``, ``opt``, ``biogpt``); ``overrides`` go to the config's constructor."""
+    ``mamba2``, ``mamba``, ``falcon_mamba``, ``jamba``, ``zamba``, ``opt``, ``biogpt``); ``overrides`` go to the config's constructor."""
     import transformers as tf
 
     common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_attention_heads=4,
@@ -56,6 +56,11 @@ def hybrid_config(
         return tf.JambaConfig(num_hidden_layers=2, attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=1,
                               expert_layer_period=2, num_experts=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
                               mamba_dt_rank=4, **common)  # fmt: skip
+    if arch == "zamba":  # Mamba-1 with 2 heads of 32 channels (per-head x_proj/dt_proj), a shared attention block
+        return tf.ZambaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                              num_key_value_heads=4, n_mamba_heads=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+                              mamba_dt_rank=4, num_hidden_layers=3, max_position_embeddings=512,
+                              layers_block_type=["linear_attention", "hybrid", "hybrid"], tie_word_embeddings=False)  # fmt: skip
     if arch == "opt":  # learned positions from a cumulative sum of the mask, unless position_ids are given
         return tf.OPTConfig(vocab_size=vocab, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
                             max_position_embeddings=512, word_embed_proj_dim=32, tie_word_embeddings=False, dropout=0.0)  # fmt: skip

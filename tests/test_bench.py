@@ -64,10 +64,11 @@ def test_bench_stays_lean():
     by issue 31 item 3's bench/rehearse_check.py (the rehearsal against real CPU steps, plan_check's settings at
     ZeRO 2-3); to 3,400 by issue 31 item 4's bench/scale_table.py (the mission's scale: planner vs rehearsal); to
     3,530 by issue 34 item 3's bench/trl_memory.py (TRL's DPO and GRPO steps on long sequences vs sp: a real
-    trainer per row, which no existing script builds)."""
+    trainer per row, which no existing script builds); to 3,545 by issue 36's sweep judging a family whose fp32
+    gradients carry more rounding than the fixed tolerance against a float64 run of the same model (Zamba)."""
     lines = {p.name: len(p.read_text().splitlines()) for p in (ROOT / "bench").glob("*.py")}
     biggest = sorted(lines.items(), key=lambda kv: -kv[1])[:5]
-    assert sum(lines.values()) <= 3530, f"bench/*.py has {sum(lines.values())} lines (cap 3,530); biggest: {biggest}"
+    assert sum(lines.values()) <= 3545, f"bench/*.py has {sum(lines.values())} lines (cap 3,545); biggest: {biggest}"
 
 
 def test_a_cycle_is_found_by_the_check():

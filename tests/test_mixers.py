@@ -1,4 +1,4 @@
-"""Short-convolution and Mamba-2 mixers under Ulysses SP equal the same model without SP.
+"""Short-convolution, Mamba-2 and Mamba-1 mixers (and learned positions) under Ulysses SP equal the same model without SP.
 
 LFM2 (short conv), Nemotron-H, Falcon-H1 (Mamba-2 beside attention in every layer), Granite-4
 hybrid, Bamba and Mamba-2 alone at sp 2 and 4: every position's logits and every parameter's gradient (of a
@@ -69,13 +69,14 @@ def _exact(sp: int, cases: list[tuple[str, bool, dict]]) -> list[str]:
         checkpointing = kw.pop("checkpointing", False)  # the mixers re-run in backward: same exchanges
         pad = kw.pop("right_pad", 0)  # row 1's last tokens padding: only the last rank's mask is not all ones
         docs = kw.pop("docs", DOCS)
-        ref = hybrid_model(arch, **kw)
+        dtype = kw.pop("dtype", torch.float32)  # float64: a model whose fp32 gradients round above the tolerance
+        ref = hybrid_model(arch, **kw).to(dtype)
         if checkpointing:
             ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             ref.train()
         model = copy.deepcopy(ref)
         ids = global_batch(3, B, S, vocab=V)
-        proj = torch.randn(B, S, V, generator=torch.Generator().manual_seed(4))
+        proj = torch.randn(B, S, V, generator=torch.Generator().manual_seed(4)).to(dtype)
         mask = torch.ones(B, S, dtype=torch.long)
         mask[1, S - pad :] = 0
         proj = proj * mask[..., None]  # the padded positions' logits carry no loss
@@ -152,11 +153,15 @@ CASES_MAMBA1 = {
         ("mamba", True, {"docs": EDGES}),  # Mamba-1 alone; doc [15, 24) spans the sp-2 boundary at 16
         ("falcon_mamba", True, {}),  # its B, C, dt norms; DOCS: starts inside shards, documents across them
         ("jamba", True, {}),  # Mamba-1 beside attention and experts
+        # Zamba: per-head x_proj/dt_proj, one scan call per head; in float64 (its fp32 gradients round at 4e-5 of their
+        # scale with or without SP; the model casts A, D and dt's bias to fp32 itself, so float64 is exact to ~3e-7)
+        ("zamba", True, {"dtype": torch.float64}),
         ("mamba", False, {"right_pad": 5}),
     ],
     4: [
         ("mamba", True, {"docs": EDGES, "checkpointing": True}),
         ("jamba", False, {"kv_heads": 4}),
+        ("zamba", False, {"dtype": torch.float64, "checkpointing": True}),
     ],
 }
 
@@ -175,7 +180,7 @@ def test_mamba1_mixers_equal_no_sp(pool):
 def test_every_mixer_is_claimed_and_nothing_else():
     claimed = {}
     for arch in ("lfm2", "nemotron_h", "falcon_h1", "granitemoehybrid", "bamba", "mamba2", "mamba", "falcon_mamba",
-                 "jamba", "opt", "biogpt"):  # fmt: skip
+                 "jamba", "zamba", "opt", "biogpt"):  # fmt: skip
         model = hybrid_model(arch)
         claimed[arch] = sorted(
             {(type(m).__name__, h.name) for m in model.modules() if (h := claimed_by(m, HANDLERS))}
@@ -191,6 +196,7 @@ def test_every_mixer_is_claimed_and_nothing_else():
         "mamba": [("MambaMixer", "mamba1")],
         "falcon_mamba": [("FalconMambaMixer", "mamba1")],
         "jamba": [("JambaMambaMixer", "mamba1")],
+        "zamba": [("ZambaMambaMixer", "mamba1_heads")],
         "opt": [("OPTLearnedPositionalEmbedding", "learned_positions")],
         "biogpt": [("BioGptLearnedPositionalEmbedding", "learned_positions")],
     }
@@ -214,6 +220,8 @@ def test_every_mixer_is_claimed_and_nothing_else():
             r"FalconH1Mixer \(6 heads, 2 B/C groups\): sp_size 3 neither divides the groups",
         ),
         ("lfm2", {}, 3, r"Lfm2ShortConv: 32 convolution channels are not divisible by sp_size 3"),
+        ("zamba", {}, 3, r"ZambaMambaMixer \(Mamba-1, 2 heads of 32 channels\): a head's channels are not divisible by "
+         r"sp_size 3 \(each head's scan is sharded by channel\); sp sizes that divide them: 2, 4, 8, 16, 32"),
         ("jamba", {}, 5, r"JambaMambaMixer \(Mamba-1, 64 channels\): the channels are not divisible by sp_size 5 "
          r"\(its selective scan is sharded by channel\); sp sizes that divide them: 2, 4, 8, 16, 32, 64"),
     ],

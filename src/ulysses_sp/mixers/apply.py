@@ -21,7 +21,8 @@ __all__ = ["HANDLERS", "apply_mixers", "has_unsharded_mixers", "is_sharded", "us
 from ulysses_sp.mixers.documents import PositionTracker
 
 HANDLERS: tuple[MixerHandler, ...] = (
-    short_conv.HANDLER, mamba2.HANDLER, mamba1.HANDLER, gated_delta.HANDLER, kda.HANDLER, learned_positions.HANDLER
+    short_conv.HANDLER, mamba2.HANDLER, mamba1.HANDLER, mamba1.HEADS_HANDLER, gated_delta.HANDLER, kda.HANDLER,
+    learned_positions.HANDLER,
 )
 """The mixers this package shards (for ``claimed_by``; ``apply_mixers`` binds fresh ones)."""
 
@@ -63,6 +64,7 @@ def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
         short_conv.ShortConvHandler(positions),
         mamba2.Mamba2Handler(positions),
         mamba1.Mamba1Handler(positions),
+        mamba1.MultiHeadMamba1Handler(positions),
         gated_delta.GatedDeltaNetHandler(positions),
         kda.KimiDeltaAttentionHandler(positions),
         learned_positions.LearnedPositionsHandler(positions),

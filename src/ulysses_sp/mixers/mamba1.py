@@ -1,5 +1,5 @@
 """Sequence parallelism for Mamba-1 mixers: Mamba's ``MambaMixer``, Falcon-Mamba's
-``FalconMambaMixer`` and Jamba's ``JambaMambaMixer``.
+``FalconMambaMixer``, Jamba's ``JambaMambaMixer`` and Zamba's multi-head ``ZambaMambaMixer``.
 
 The mixer (transformers' unfused path): ``x, z = in_proj(h)`` (``I`` channels each); a depthwise
 causal conv over the ``x`` channels with an activation; ``dt_r, B, C = x_proj(x)`` — a projection of
@@ -136,5 +136,42 @@ class Mamba1Handler(LinearAttentionHandler):
                                      what=self.what(module), state=_SelectiveScan, fused_fns=fused)  # fmt: skip
 
 
+class MultiHeadMamba1Handler(Mamba1Handler):
+    """Zamba's Mamba-1 with ``H`` independent heads of ``I_h = I/H`` channels: per-head ``x_proj_weight
+    [H, R+2N, I_h]`` and ``dt_proj_weight [H, I_h, R]`` (on the local tokens, position-wise), and the model's
+    scan called once per head (``x, dt, z [B, I_h, S_l]``, that head's ``B, C``). Each call is cut as above:
+    its ``I_h`` channels over the ranks, its ``B, C`` to every rank; so ``I_h`` must divide by the sp size."""
+
+    name = "mamba1_heads"
+    label = "Mamba-1, per-head projections"
+    attrs = ("conv1d", "in_proj", "x_proj_weight", "dt_proj_weight", "out_proj", "A_log", "D", "intermediate_size",
+             "ssm_state_size", "time_step_rank", "n_mamba_heads", "mamba_head_dim")  # fmt: skip
+
+    def matches(self, module: nn.Module) -> bool:
+        if not LinearAttentionHandler.matches(self, module):
+            return False
+        i, n, r, h, d = (module.intermediate_size, module.ssm_state_size, module.time_step_rank, module.n_mamba_heads,
+                         module.mamba_head_dim)  # fmt: skip
+        conv = module.conv1d
+        return (
+            all(isinstance(v, int) for v in (i, n, r, h, d)) and h * d == i
+            and conv.groups == conv.in_channels == conv.out_channels == i
+            and tuple(module.x_proj_weight.shape) == (h, r + 2 * n, d)
+            and tuple(module.dt_proj_weight.shape) == (h, d, r)
+            and tuple(module.A_log.shape) == (h, d, n)
+        )  # fmt: skip
+
+    def check(self, module: nn.Module, sp_size: int) -> None:
+        h, d = module.n_mamba_heads, module.mamba_head_dim
+        if d % sp_size:
+            raise ValueError(
+                f"{type(module).__name__} (Mamba-1, {h} heads of {d} channels): a head's channels are not divisible "
+                f"by sp_size {sp_size} (each head's scan is sharded by channel); sp sizes that divide them: "
+                f"{usable_sizes(d)}"
+            )
+
+
 HANDLER = Mamba1Handler()
 """An unbound instance for ``claimed_by`` (the closed-world guard); ``apply_mixers`` binds its own."""
+HEADS_HANDLER = MultiHeadMamba1Handler()
+"""The same for Zamba's multi-head Mamba-1."""

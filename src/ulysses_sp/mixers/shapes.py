@@ -45,8 +45,8 @@ def mixer_sizes(module: nn.Module, kind: str) -> dict[str, Any]:
                 "chunk": _chunk(module, gated_delta.SCAN_FN)}  # fmt: skip
     if kind == "short_conv":
         return {"kind": kind, "channels": module.conv.in_channels}
-    if kind == "mamba1":
-        return {"kind": kind, "channels": module.intermediate_size, "state": module.ssm_state_size}
+    if kind in ("mamba1", "mamba1_heads"):  # per-head projections: the same channels and state for the planner
+        return {"kind": "mamba1", "channels": module.intermediate_size, "state": module.ssm_state_size}
     if kind == "kimi_delta_attention":
         return {"kind": kind, "heads": module.num_heads, "head_dim": module.head_dim,
                 "chunk": _chunk(module, kda.SCAN_FN)}  # fmt: skip
