@@ -68,9 +68,9 @@ def _init_process_group(timeout_s: float, *, single: bool) -> None:
 
     if (kind := default_device_type()) != "cpu":  # one accelerator per local rank
         torch.get_device_module(kind).set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    else:  # one core per local rank: CPU ranks sharing a machine must not oversubscribe it
+    else:  # one core per local rank: CPU ranks sharing a machine must not oversubscribe it (OMP_NUM_THREADS wins)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // local)))
     timeout = timedelta(seconds=timeout_s)
     if single:
         dist.init_process_group(
