@@ -9,8 +9,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check src tests bench scripts
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet   # seconds; a broken link or page fails CI
-# One compute thread per process: the workers (and the runs they start in-process or as one-process
-# subprocesses) would each take every core, and OpenMP threads spinning against each other on 2 cores made the
-# CPU-heavy tests 2.5x slower (measured: the two learning tests side by side, 152 s -> 60 s).
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 .venv/bin/python -m pytest -q -n "${ULYSSES_SP_TEST_JOBS:-2}" --dist loadfile --durations=15 "$@"
