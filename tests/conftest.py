@@ -7,6 +7,14 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# Under pytest-xdist (``scripts/test.sh``: 2 workers) the workers share the machine's cores: each
+# worker's in-process training, and the processes it launches, get cores / workers compute threads
+# (the CLI honours OMP_NUM_THREADS). Two workers running 2-thread OpenMP work on 2 cores stall each
+# other far beyond 2x (measured: the two in-process learning tests side by side, 152 s -> 60 s).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+
 from harness import WorkerPool  # noqa: E402
 
 # ``--quick`` (``scripts/test.sh --quick``): the suite without its end-to-end runs, for the edit-test

@@ -169,6 +169,8 @@ def test_train_and_eval_share_their_checks():
         validate(RunConfig(seq_len=1.5), 2)
     with pytest.raises(ValueError, match=r"--save-every must be >= 0, got -1"):
         validate(RunConfig(save_every=-1), 2)
+    with pytest.raises(ValueError, match=r"--memory-every must be >= 1, got 0"):
+        validate(RunConfig(memory_every=0), 2)
 
 
 def test_positive_int_vocabulary():

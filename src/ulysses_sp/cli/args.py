@@ -187,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--profile-comm", action="store_true", default=s,
                    help="time collectives (device syncs): comm_s, dp_comm_s, compute_s per metrics line")  # fmt: skip
+    t.add_argument("--memory-every", type=int, default=s, metavar="N",
+                   help="measure peak_mem_bytes on steps 1-3, the last and every N-th (default: every step on a "
+                        "GPU, every 25th on CPU, where measuring doubles a small model's step time)")  # fmt: skip
     t.add_argument("--zero-partition", choices=("auto", "data_parallel", "all"), default=s,
                    help="ZeRO partitions over the DP axis (data_parallel) or all dp*sp ranks (all); auto: all "
                         "where dp is 1 (a DP axis of one rank partitions nothing), else data_parallel")  # fmt: skip

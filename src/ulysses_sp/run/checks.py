@@ -235,6 +235,8 @@ def check_train_options(cfg: RunConfig) -> None:
         positive_int(_flag(name), getattr(cfg, name))
     positive_int("--save-every", cfg.save_every, minimum=0)
     positive_int("--max-nonfinite-steps", cfg.max_nonfinite_steps)
+    if cfg.memory_every is not None:
+        positive_int("--memory-every", cfg.memory_every)
     if not _is_number(cfg.save_on_signal) or cfg.save_on_signal < 0:
         raise ValueError(f"--save-on-signal must be a number of seconds >= 0, got {cfg.save_on_signal!r}")
     if cfg.zero_stage not in (0, 1, 2, 3):

@@ -125,6 +125,10 @@ class RunConfig(tasks.DataSettings):
     """Start even when the planner predicts the run does not fit (warn instead of refusing)."""
     profile_comm: bool = False
     """Time collectives (device syncs): ``comm_s``, ``dp_comm_s``, ``compute_s`` in the metrics."""
+    memory_every: int | None = None
+    """Measure ``peak_mem_bytes`` on steps 1-3, the last step and every ``memory_every``-th; ``None``:
+    every step on an accelerator (its allocator counts for free), every 25th on CPU (where the count
+    runs every op through Python: about twice a small model's step time)."""
     zero_partition: str = "auto"
     """ZeRO partitions span the DP axis (``data_parallel``) or all dp*sp ranks (``all``); ``auto``:
     ``all`` where the DP axis is one rank at ZeRO >= 1 (it would partition nothing), else

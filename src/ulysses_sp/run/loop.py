@@ -38,6 +38,7 @@ import os
 import time
 from contextlib import ExitStack
 from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -208,6 +209,16 @@ def _comm_fields(times, dt: float) -> dict[str, Any]:
             "comm_share": (comm_s + dp_s) / dt if dt > 0 else 0.0}  # fmt: skip
 
 
+_UNMEASURED = SimpleNamespace(peak_bytes=0)
+"""Stands in for ``track_peak_memory``'s result on a step whose peak is not measured."""
+
+
+def _measures_memory(cfg: RunConfig, device: torch.device, step: int) -> bool:
+    """Whether step ``step`` (1-based) measures its peak memory (``RunConfig.memory_every``)."""
+    every = cfg.memory_every if cfg.memory_every is not None else (25 if device.type == "cpu" else 1)
+    return step <= 3 or step == cfg.steps or step % every == 0
+
+
 def _last_good(cfg: RunConfig) -> str:
     found = ckpt.list_checkpoints(cfg.output_dir)
     return found[-1][1] if found else "none (no checkpoint was saved yet)"
@@ -232,7 +243,9 @@ def _loop(cfg, engine, stream, state, tokenizer, manifest, track_peak_memory, st
             t0 = time.perf_counter()
             lr = engine.get_lr()[0]
             profile = comm_timing.record_comm_times(engine.device) if cfg.profile_comm else contextlib.nullcontext()  # fmt: skip
-            with track_peak_memory(engine.device) as mem, profile as times:
+            measured = _measures_memory(cfg, engine.device, step + 1)
+            tracker = track_peak_memory(engine.device) if measured else contextlib.nullcontext(_UNMEASURED)
+            with tracker as mem, profile as times:
                 for _ in range(cfg.grad_accum):
                     micro_step(engine, next(batches))
                     try:
@@ -249,8 +262,8 @@ def _loop(cfg, engine, stream, state, tokenizer, manifest, track_peak_memory, st
             dt = time.perf_counter() - t0
             record = {
                 "step": step, "loss": loss, "grad_norm": engine.get_global_grad_norm(), "lr": lr,
-                "tokens": tokens, "tokens_per_s": tokens_per_step / dt, "peak_mem_bytes": int(flags[0]),
-                **_comm_fields(times, comm_dt),
+                "tokens": tokens, "tokens_per_s": tokens_per_step / dt,
+                **({"peak_mem_bytes": int(flags[0])} if measured else {}), **_comm_fields(times, comm_dt),
             }  # fmt: skip
             if engine.loss_scaler is not None:  # fp16: the scale and the overflowing steps skipped so far
                 record.update(loss_scale=engine.loss_scaler.scale, skipped_steps=engine.skipped_steps)
