@@ -4,7 +4,7 @@ The bf16 tolerance (``BF16_RTOL``): bf16 keeps 8 significant bits (relative roun
 per op); an SP run sums its ranks' partial gradients in a different order and with different
 rounding than one rank computing the whole sequence, so the loss and the global gradient norm of
 the two runs differ by about that much. ``BF16_RTOL = 3%`` admits that and still fails a gradient
-off by 1.1x (10%) or 2x; ``test_bf16_tolerance_fails_wrong_gradients`` checks it does on the
+off by 1.1x (10%) or 2x; ``test_bf16_computes_in_bf16_and_tolerance_fails_wrong_gradients`` checks it does on the
 measured numbers.
 """
 
