@@ -193,6 +193,18 @@ def test_vlm_engine_step_equals_no_sp_with_ddp_and_fsdp2(pool):
     assert all(m > 1e-3 for ranks in pool.run(_engine_steps, 2, 2, (0, 3)) for m in ranks)
 
 
+def test_zero3_shards_a_vlm_block_by_block_never_the_whole_language_model():
+    """FSDP2's units of a VLM are its vision blocks and decoder layers (before this, the whole
+    ``model.model`` was one unit: ZeRO 3 gathered every language-model weight at once)."""
+    from ulysses_sp.engine.sharding import fsdp_units
+
+    for family, layers in (("qwen2_5_vl", 2), ("qwen3_vl", 3)):
+        model = tiny_vlm(family)
+        units = {n for n, m in model.named_modules() if any(m is u for u in fsdp_units(model))}
+        assert units == {"model.visual.blocks.0", "model.visual.blocks.1",
+                         *(f"model.language_model.layers.{i}" for i in range(layers))}, (family, units)  # fmt: skip
+
+
 def _trainer_run(sp_size: int, accum: int, lr: float = 1e-2) -> dict:
     """Two steps of ``transformers.Trainer`` on Qwen3-VL samples (batch 1 per rank), eval once;
     ``sp_size=0``: no ``prepare`` (the oracle, data parallel over the same 2 processes). Unpacked

@@ -89,10 +89,23 @@ def apply_ddp(model: nn.Module, mesh: SPMesh) -> DistributedDataParallel:
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
     """The modules to shard one by one before the root: the transformer blocks of an HF model
-    (``model.model.layers``), otherwise the direct children that hold parameters."""
+    (``model.model.layers``); where there is no such list (a vision-language model: its decoder layers
+    under ``model.model.language_model``, its vision tower's blocks under ``model.model.visual``), every
+    outermost ``GradientCheckpointingLayer`` (transformers' base class of both), so that ZeRO 3 gathers
+    one block's parameters at a time, never the whole language model; otherwise the direct children
+    that hold parameters."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
     layers = getattr(getattr(model, "model", None), "layers", None)
     if isinstance(layers, nn.ModuleList):
         return list(layers)
+    blocks, inside = [], set()
+    for name, module in model.named_modules():
+        if isinstance(module, GradientCheckpointingLayer) and not any(name.startswith(f"{o}.") for o in inside):
+            blocks.append(module)
+            inside.add(name)
+    if blocks:
+        return blocks
     return [child for child in model.children() if next(child.parameters(), None) is not None]
 
 
