@@ -205,6 +205,27 @@ def test_zero3_shards_a_vlm_block_by_block_never_the_whole_language_model():
                          *(f"model.language_model.layers.{i}" for i in range(layers))}, (family, units)  # fmt: skip
 
 
+def test_the_planner_counts_the_vision_tower_in_the_model_states():
+    """``train``'s fit check and ``plan`` see a VLM's vision tower: its parameters join the language
+    model's in the states (parameters, gradients, AdamW state), exactly the tower's count."""
+    from ulysses_sp.plan.hardware import DEVICES
+    from ulysses_sp.plan.inputs import ModelShape
+    from ulysses_sp.plan.model import predict
+    from ulysses_sp.run.config import RunConfig
+    from ulysses_sp.run.preflight import settings_for, vision_params, vlm_shape
+
+    settings = settings_for(RunConfig(seq_len=64, sp=1, zero_stage=0), 1, "cpu")
+    for family in ("qwen2_5_vl", "qwen3_vl"):
+        model = tiny_vlm(family)
+        tower = sum(p.numel() for p in model.model.visual.parameters())
+        assert vision_params(model.config) == tower and vision_params(model.config.get_text_config()) == 0
+        alone = ModelShape.from_hf_config(model.config.get_text_config())
+        with_tower = predict(vlm_shape(model.config, alone), settings, DEVICES["cpu"]).breakdown
+        without = predict(alone, settings, DEVICES["cpu"]).breakdown
+        assert with_tower["parameters"] - without["parameters"] == 4 * tower  # fp32
+        assert with_tower["optimizer_state"] - without["optimizer_state"] == 8 * tower  # AdamW's two moments
+
+
 def _trainer_run(sp_size: int, accum: int, lr: float = 1e-2) -> dict:
     """Two steps of ``transformers.Trainer`` on Qwen3-VL samples (batch 1 per rank), eval once;
     ``sp_size=0``: no ``prepare`` (the oracle, data parallel over the same 2 processes). Unpacked

@@ -86,13 +86,15 @@ def load_shape(model: str, config: Any = None):
     when already read (``plan_judge.read_config``)."""
     from ulysses_sp.cli.plan_judge import read_config
     from ulysses_sp.plan.inputs import SHAPES
-    from ulysses_sp.run.preflight import model_shape
+    from ulysses_sp.run.preflight import model_shape, vlm_shape
     from ulysses_sp.run.prelaunch import max_trained_length
 
     if model in SHAPES:
         return SHAPES[model]
-    config = (read_config(model) if config is None else config).get_text_config()  # a VLM: its language model
-    return model_shape(config, max_positions=max_trained_length(config)[0])
+    config = read_config(model) if config is None else config
+    text = config.get_text_config()  # a VLM: its language model, with its vision tower's parameters
+    shape = model_shape(text, max_positions=max_trained_length(text)[0])
+    return shape if text is config else vlm_shape(config, shape)
 
 
 def mixers_shard(shape, sp: int, ring: int) -> bool:

@@ -77,6 +77,9 @@ class ModelShape:
     """One per layer (hybrid models); empty: every layer attention + MLP (Llama)."""
     param_count: int | None = None
     """The model's exact parameter count when known (a built model); ``None``: the Llama formula."""
+    extra_params: int = 0
+    """Parameters besides the language model's (a vision-language model's vision tower and merger):
+    in the model states (sharded as the rest), in no decoder layer."""
     qk_norm: bool = False
     """Norms on q and k after their projections (Qwen3, Gemma 3, OLMo 2): they keep the projections'
     outputs for their backward (``q + Hkv D`` per token)."""
@@ -116,9 +119,10 @@ class ModelShape:
         """Parameter count (``param_count``, or the Llama layout: no biases; Qwen2's q/k/v biases are
         ignored, < 0.1 %)."""
         if self.param_count is not None:
-            return self.param_count
+            return self.param_count + self.extra_params
         return (
             self.layers * self.layer_params + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+            + self.extra_params
         )
 
 

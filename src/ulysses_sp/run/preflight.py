@@ -87,12 +87,33 @@ def model_shape(config: Any, *, max_positions: int | None = None) -> ModelShape:
         for k in kinds))  # fmt: skip
 
 
+def vision_params(config: Any) -> int:
+    """The parameters of a vision-language model outside its language model (the vision tower and
+    its merger), counted on the model built on the ``meta`` device; 0 for a text model."""
+    if config.get_text_config() is config:
+        return 0
+    from ulysses_sp.state.model_dir import auto_model_class
+
+    with torch.device("meta"):
+        model = auto_model_class(config).from_config(config)
+    out = model.get_output_embeddings()
+    text = {id(p) for part in (model.get_decoder(), out) if part is not None for p in part.parameters()}
+    return sum(p.numel() for p in model.parameters() if id(p) not in text)
+
+
+def vlm_shape(config: Any, shape: ModelShape) -> ModelShape:
+    """``shape`` (the language model's) with a vision-language model's tower in its states."""
+    extra = vision_params(config)
+    return replace(shape, extra_params=extra) if extra else shape
+
+
 def prediction(cfg: RunConfig, world_size: int, model_config: Any, device: torch.device) -> Prediction:
     """The planner's prediction for this run (reserve 0 on CPU, the table's on accelerators). For a
-    vision-language model it is its language model's: the vision tower is not in the prediction."""
+    vision-language model: its language model's, with the vision tower's parameters in the states
+    (``vlm_shape``; the tower's activations are not in the prediction)."""
     hw: Hardware = DEVICES["cpu" if device.type == "cpu" else "h100"]
     text = model_config.get_text_config()  # a text model's own config
-    shape = model_shape(text) if text is model_config else ModelShape.from_hf_config(text)
+    shape = model_shape(text) if text is model_config else vlm_shape(model_config, ModelShape.from_hf_config(text))
     return predict(shape, settings_for(cfg, world_size, device.type), hw)
 
 
