@@ -192,8 +192,10 @@ def test_call_capture_sees_keyword_and_positional_position_ids():
 
 
 SPARSE = {
-    "deepseek_v32": (dict(index_topk=6), r"layer 0: 'indexed_attention' \(DeepseekV32Config\).*keeps each query's top 6 keys"),
-    "glm_moe_dsa": (dict(index_topk=6), r"layer 0: 'indexed_attention' \(GlmMoeDsaConfig\)"),
+    "qwen4_exp_text": (
+        dict(layer_types=["linear_attention", "indexed_attention"]),
+        r"layer 1: 'indexed_attention' \(Qwen4ExpTextConfig\).*keeps each query's top k keys",
+    ),
     "deepseek_v4": (
         dict(layer_types=["heavily_compressed_attention", "compressed_sparse_attention"],
              compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}),
@@ -213,6 +215,21 @@ def test_sparse_and_compressed_attention_refused_before_any_step_naming_why(fami
     ):
         check_layer_kinds(config, 2)
     check_layer_kinds(config, 1)  # without SP the model runs as it is
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_dsa_indexed_attention_is_accepted_on_sdpa_and_eager_without_a_ring(family):
+    from transformers import AutoConfig
+
+    from ulysses_sp.attention.checks import check_sp_attention
+
+    config = AutoConfig.for_model(family, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)
+    for core in ("sdpa", "eager"):
+        assert check_sp_attention(config, core, 2) == 1  # DSA: exact under SP (attention/indexer.py)
+    for core, ring in (("flex_attention", None), ("sdpa", 2)):
+        with pytest.raises(ValueError, match=rf"'indexed_attention' layers attend to each query's top 2048 keys.*"
+                           rf"got core '{core}', ring_size {ring or 1}"):  # fmt: skip
+            check_sp_attention(config, core, 2, ring_size=ring)
 
 
 def test_local_view_slices_sinks_to_the_rank_heads_and_refuses_per_query_inputs():
