@@ -25,6 +25,7 @@ from ulysses_sp.attention.blockwise import AttnStructure, blockwise_attention
 from ulysses_sp.attention.checks import check_head_chunk_sinks
 from ulysses_sp.attention.core import generic_eager, run_ring
 from ulysses_sp.attention.heads import apply_sinks, local_view
+from ulysses_sp.attention.indexed import IndexedStructure
 from ulysses_sp.attention.layer_kinds import check_layer_kinds
 from ulysses_sp.attention.positions import capture_call, split_at_chunks
 from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
@@ -96,6 +97,7 @@ def _cases(sp, cases):
         assert reg.attention.calls == model.config.num_hidden_layers * (1 if n == 1 else 2 * n)
         assert n == 1 or (reg.head_blocks.calls == model.config.num_hidden_layers and not reg.head_blocks.skipped)
         reg.remove()
+        assert not any("forward" in m.__dict__ or m._forward_pre_hooks for m in model.modules())  # indexers undone
         done.append(case)
     return done
 
@@ -174,6 +176,28 @@ def test_blockwise_with_sinks_equals_eager_softmax_with_a_sink_column(kv):
     grads = [torch.autograd.grad((t * w).sum(), (q, k, v, sinks)) for t in (got.transpose(1, 2), want)]
     for a, b in zip(*grads):
         assert b.abs().max() > 0
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_blockwise_over_picked_keys_equals_a_dense_mask_of_the_picks():
+    """DSA's picks in the blockwise core (``attention/indexed.py``): picked, causal and in-document keys only;
+    ``-1`` (a short document's padding) and picks of future or other-document keys count for nothing."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 24, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 2, 24, 8, generator=g, requires_grad=True) for _ in range(2))
+    picks = torch.randint(0, 24, (2, 24, 5), generator=g, dtype=torch.int32)
+    picks[:, :, 0], picks[:, :, -1] = torch.arange(24, dtype=torch.int32), -1  # itself; a padding slot
+    docs = torch.tensor([[0] * 9 + [1] * 15])
+    got = blockwise_attention(q, k, v, structure=IndexedStructure.of(AttnStructure.build(docs, None), picks), chunk=5)
+    picked = torch.zeros(2, 24, 25, dtype=torch.bool).scatter_(-1, torch.where(picks < 0, 24, picks).long(), True)
+    i = torch.arange(24)
+    allowed = picked[..., :24] & (i[None] <= i[:, None]) & (docs[0][:, None] == docs[0][None])  # [2, 24, 24]
+    assert allowed.sum(-1).min() >= 1 and (allowed.sum(-1) < (i + 1)).any()  # the picks leave keys out
+    want, _ = generic_eager(torch.nn.Module(), q, k, v, torch.where(allowed[:, None], 0.0, float("-inf")),
+                            scaling=8**-0.5)  # fmt: skip
+    torch.testing.assert_close(got.transpose(1, 2), want, rtol=1e-5, atol=1e-6)
+    w = torch.randn(want.shape, generator=g)
+    for a, b in zip(*[torch.autograd.grad((t * w).sum(), (q, k, v)) for t in (got.transpose(1, 2), want)]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
