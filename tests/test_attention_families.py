@@ -191,7 +191,11 @@ def test_blockwise_over_picked_keys_equals_a_dense_mask_of_the_picks():
     picks = torch.randint(0, 24, (2, 24, 5), generator=g, dtype=torch.int32)
     picks[:, :, 0], picks[:, :, -1] = torch.arange(24, dtype=torch.int32), -1  # itself; a padding slot
     docs = torch.tensor([[0] * 9 + [1] * 15])
-    got = blockwise_attention(q, k, v, structure=IndexedStructure.of(AttnStructure.build(docs, None), picks), chunk=5)
+    packed = []  # the picks are saved through autograd (activation checkpointing drops them), not held by the core
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        structure = IndexedStructure.of(AttnStructure.build(docs, None), picks)
+        got = blockwise_attention(q, k, v, structure=structure, chunk=5)
+    assert any(t is picks for t in packed)
     picked = torch.zeros(2, 24, 25, dtype=torch.bool).scatter_(-1, torch.where(picks < 0, 24, picks).long(), True)
     i = torch.arange(24)
     allowed = picked[..., :24] & (i[None] <= i[:, None]) & (docs[0][:, None] == docs[0][None])  # [2, 24, 24]

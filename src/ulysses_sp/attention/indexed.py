@@ -47,6 +47,13 @@ class IndexedStructure(AttnStructure):
         """``base`` (documents, window) with the picks ``indices [B, S, topk]`` on top."""
         return cls(base.doc_ids, base.window, base.doc_starts, indices)
 
+    def saved(self) -> tuple[tuple[torch.Tensor, ...], AttnStructure]:
+        """The picks go through ``save_for_backward`` (checkpointing drops them), not the saved structure."""
+        return (self.indices,), IndexedStructure(self.doc_ids, self.window, self.doc_starts)  # picks: None
+
+    def restored(self, tensors: list[torch.Tensor]) -> IndexedStructure:
+        return IndexedStructure.of(self, tensors[0])
+
     def block_kind(self, q0: int, q1: int, k0: int, k1: int) -> str:
         """The structure's ``"empty"``, else ``"partial"`` (which keys are picked is not known on the host)."""
         kind = super().block_kind(q0, q1, k0, k1)
