@@ -5,13 +5,16 @@ indices of the keys its indexer picked (``attention/indexer.py`` makes them the 
 After the Ulysses all-to-all a rank holds every query of its heads, so it needs every query's picks:
 ``gather_indices`` all-gathers them over the SP group, ``[B, S, topk]`` int32 — the one tensor here that
 does not shrink with ``P`` (``4 S topk`` bytes per row: at 1M tokens and topk 2048, 8 GiB per rank for
-the layer that runs; held until its backward, so use activation checkpointing at such lengths).
+the layer that runs). The core saves it through ``save_for_backward`` (``IndexedStructure.saved``), so
+activation checkpointing drops it between a layer's forward and its backward; without checkpointing
+every layer's picks stay until its backward.
 
 ``IndexedStructure`` is the blockwise core's structure (causal, packed documents) with the picks on top:
 a key counts only if it is picked **and** visible (the model's indexer may pick masked keys when fewer
 than ``topk`` are visible; its eager/sdpa path drops them with the causal mask, so does this). Each
 partial ``[bq, bk]`` block builds its mask from the block's queries' picks (``[B, bq, topk]`` int64 and a
-``[B, bq, bk + 1]`` bool, never ``S x S``); blocks the structure masks entirely are still skipped.
+``[B, bq, bk + 1]`` bool, never ``S x S``: 16 MiB + 1 MiB per row at blocks of 1024 and topk 2048, at any
+``S``); blocks the structure masks entirely are still skipped.
 The FLOPs are the blockwise core's (the causal half of ``S x S``), not ``S x topk``: exact, not faster.
 
 Shape legend: ``B`` batch, ``S`` full sequence, ``S_l = S/P``, ``bq``/``bk`` query/key block lengths.
