@@ -188,12 +188,10 @@ def install_indexers(model: nn.Module, attention: Any) -> IndexerHandle | None:
     """Wrap every DSA indexer of ``model`` (``sp_indexer_forward``) and give its attention module a
     stand-in mask; ``None`` when the model has none."""
     handle = IndexerHandle()
-    for module in model.modules():
-        indexer = getattr(module, "indexer", None)
-        if isinstance(indexer, nn.Module) and is_indexer(indexer):
-            handle.hooks.append(module.register_forward_pre_hook(_stand_in_mask, with_kwargs=True))
-    for module in model.modules():
+    for name, module in model.named_modules():
         if is_indexer(module):
             module.forward = sp_indexer_forward(module.forward, module, attention)
             handle.wrapped.append(module)
+            parent = model.get_submodule(name.rpartition(".")[0])  # the attention module that calls it
+            handle.hooks.append(parent.register_forward_pre_hook(_stand_in_mask, with_kwargs=True))
     return handle if handle.wrapped else None
