@@ -39,6 +39,19 @@ FAMILIES = {
         num_layers=1, n_routed_experts=4, moe_topk=2, zero_expert_num=2, expert_ffn_hidden_size=32,
         q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8, v_head_dim=16,
     ),
+    # DeepSeek Sparse Attention: MLA + an indexer keeping each query's top 4 of up to 32 keys (4 index heads)
+    "deepseek_v32": dict(
+        num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=16, index_topk=4, index_n_heads=4, index_head_dim=16, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1,
+    ),
+    # GLM-5: layer 1 reuses layer 0's picks (prev_topk_indices); interleaved rotary in the indexer
+    "glm_moe_dsa": dict(
+        num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, index_topk=4, index_n_heads=4, index_head_dim=16, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1,
+        indexer_types=["full", "shared", "full"], mlp_layer_types=["dense", "sparse", "sparse"],
+    ),
 }  # fmt: skip
 
 

@@ -24,7 +24,9 @@ from oracle import assert_step_close
 from ulysses_sp.attention.blockwise import AttnStructure, blockwise_attention
 from ulysses_sp.attention.checks import check_head_chunk_sinks
 from ulysses_sp.attention.core import generic_eager, run_ring
+from ulysses_sp.attention.head_blocks import head_block_layout
 from ulysses_sp.attention.heads import apply_sinks, local_view
+from ulysses_sp.attention.indexed import IndexedStructure
 from ulysses_sp.attention.layer_kinds import check_layer_kinds
 from ulysses_sp.attention.positions import capture_call, split_at_chunks
 from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
@@ -79,20 +81,26 @@ def _cases(sp, cases):
         out = model(input_ids=ids[:, cols], position_ids=pos[:, cols], use_cache=False)
         loss = sp_causal_lm_loss(out.logits, labels[:, cols], mesh.sp_group)
         loss.backward()
-        for p in model.parameters():
+        for name, p in model.named_parameters():
+            if ".indexer." in name:  # DSA's indexer runs under no_grad: no gradient, with or without SP
+                assert p.grad is None and dict(ref.named_parameters())[name].grad is None, name
+                continue
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad  # an expert no local token picked
             dist.all_reduce(p.grad)
         case = (family, core, kv, kind)
         torch.testing.assert_close(
             out.logits, ref_logits[:, cols], rtol=1e-5, atol=1e-5, msg=lambda m, c=case: f"{c}: {m}"
         )
-        ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-        assert_step_close(
-            loss.detach(), {n: p.grad for n, p in model.named_parameters()}, ref_loss.detach(), ref_grads
-        )
-        # with head groups: every group's block in forward and again in backward
-        assert reg.attention.calls == model.config.num_hidden_layers * (1 if n == 1 else 2 * n)
-        assert n == 1 or (reg.head_blocks.calls == model.config.num_hidden_layers and not reg.head_blocks.skipped)
+        ref_grads = {n: p.grad for n, p in ref.named_parameters() if ".indexer." not in n}
+        grads = {n: p.grad for n, p in model.named_parameters() if ".indexer." not in n}
+        assert_step_close(loss.detach(), grads, ref_loss.detach(), ref_grads)
+        # with head groups: every group's block in forward and again in backward; MLA (no q/k/v/o projections):
+        # the function-level head groups (one call per layer)
+        blocks = n > 1 and not isinstance(head_block_layout(model.model.layers[0].self_attn), str)
+        assert reg.attention.calls == model.config.num_hidden_layers * (2 * n if blocks else 1)
+        assert not blocks or (reg.head_blocks.calls == model.config.num_hidden_layers and not reg.head_blocks.skipped)
         reg.remove()
+        assert not any("forward" in m.__dict__ or m._forward_pre_hooks for m in model.modules())  # indexers undone
         done.append(case)
     return done
 
@@ -174,6 +182,32 @@ def test_blockwise_with_sinks_equals_eager_softmax_with_a_sink_column(kv):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+def test_blockwise_over_picked_keys_equals_a_dense_mask_of_the_picks():
+    """DSA's picks in the blockwise core (``attention/indexed.py``): picked, causal and in-document keys only;
+    ``-1`` (a short document's padding) and picks of future or other-document keys count for nothing."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 24, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 2, 24, 8, generator=g, requires_grad=True) for _ in range(2))
+    picks = torch.randint(0, 24, (2, 24, 5), generator=g, dtype=torch.int32)
+    picks[:, :, 0], picks[:, :, -1] = torch.arange(24, dtype=torch.int32), -1  # itself; a padding slot
+    docs = torch.tensor([[0] * 9 + [1] * 15])
+    packed = []  # the picks are saved through autograd (activation checkpointing drops them), not held by the core
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        structure = IndexedStructure.of(AttnStructure.build(docs, None), picks)
+        got = blockwise_attention(q, k, v, structure=structure, chunk=5)
+    assert any(t is picks for t in packed)
+    picked = torch.zeros(2, 24, 25, dtype=torch.bool).scatter_(-1, torch.where(picks < 0, 24, picks).long(), True)
+    i = torch.arange(24)
+    allowed = picked[..., :24] & (i[None] <= i[:, None]) & (docs[0][:, None] == docs[0][None])  # [2, 24, 24]
+    assert allowed.sum(-1).min() >= 1 and (allowed.sum(-1) < (i + 1)).any()  # the picks leave keys out
+    want, _ = generic_eager(torch.nn.Module(), q, k, v, torch.where(allowed[:, None], 0.0, float("-inf")),
+                            scaling=8**-0.5)  # fmt: skip
+    torch.testing.assert_close(got.transpose(1, 2), want, rtol=1e-5, atol=1e-6)
+    w = torch.randn(want.shape, generator=g)
+    for a, b in zip(*[torch.autograd.grad((t * w).sum(), (q, k, v)) for t in (got.transpose(1, 2), want)]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_chunk_segments_restart_at_documents_and_chunk_multiples():
     pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 5, 6]])
     assert split_at_chunks(pos, 3).tolist() == [[0, 1, 2, 0, 1, 2, 0, 0, 1, 2, 0, 1, 2, 0]]
@@ -189,8 +223,10 @@ def test_call_capture_sees_keyword_and_positional_position_ids():
 
 
 SPARSE = {
-    "deepseek_v32": (dict(index_topk=6), r"layer 0: 'indexed_attention' \(DeepseekV32Config\).*keeps each query's top 6 keys"),
-    "glm_moe_dsa": (dict(index_topk=6), r"layer 0: 'indexed_attention' \(GlmMoeDsaConfig\)"),
+    "qwen4_exp_text": (
+        dict(layer_types=["linear_attention", "indexed_attention"]),
+        r"layer 1: 'indexed_attention' \(Qwen4ExpTextConfig\).*keeps each query's top k keys",
+    ),
     "deepseek_v4": (
         dict(layer_types=["heavily_compressed_attention", "compressed_sparse_attention"],
              compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}),
@@ -210,6 +246,21 @@ def test_sparse_and_compressed_attention_refused_before_any_step_naming_why(fami
     ):
         check_layer_kinds(config, 2)
     check_layer_kinds(config, 1)  # without SP the model runs as it is
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_dsa_indexed_attention_is_accepted_on_sdpa_and_eager_without_a_ring(family):
+    from transformers import AutoConfig
+
+    from ulysses_sp.attention.checks import check_sp_attention
+
+    config = AutoConfig.for_model(family, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)
+    for core in ("sdpa", "eager"):
+        assert check_sp_attention(config, core, 2) == 1  # DSA: exact under SP (attention/indexer.py)
+    for core, ring in (("flex_attention", None), ("sdpa", 2)):
+        with pytest.raises(ValueError, match=rf"'indexed_attention' layers attend to each query's top 2048 keys.*"
+                           rf"got core '{core}', ring_size {ring or 1}"):  # fmt: skip
+            check_sp_attention(config, core, 2, ring_size=ring)
 
 
 def test_local_view_slices_sinks_to_the_rank_heads_and_refuses_per_query_inputs():
@@ -262,3 +313,18 @@ def test_packed_documents_stay_apart_at_sp1_where_the_model_s_own_forward_leaks(
     them apart as at sp > 1."""
     own, sp = pool.run(_sp1_packed_gap, 1, "gpt_oss")[0]
     assert own > 0.1 and sp < 1e-4, (own, sp)
+
+
+DSA_SP2 = [
+    ("deepseek_v32", "sdpa", 4, "plain", "model"),  # top 4 of up to 32 keys: the picks decide the logits
+    ("glm_moe_dsa", "eager", 4, "docs", "documents"),  # picks within each document; layer 1 reuses layer 0's
+    ("deepseek_v32", "sdpa", 4, "docs", "documents", 2),  # the attention in two head groups: picks gathered once
+]
+DSA_SP4 = [("deepseek_v32", "sdpa", 4, "docs", "documents"), ("glm_moe_dsa", "sdpa", 4, "plain", "model")]
+
+
+@pytest.mark.parametrize("sp, cases", [(2, DSA_SP2), (4, DSA_SP4)], ids=["sp2", "sp4"])
+def test_dsa_indexed_attention_equals_no_sp(pool, sp, cases):
+    """DeepSeek Sparse Attention (issue 36): each query's top-k over the whole sequence (the indexer's
+    keys gathered), the attention over those keys only; per-position logits and every gradient."""
+    assert pool.run(_cases, sp, sp, cases)[0] == [c[:4] for c in cases]

@@ -1,23 +1,20 @@
 """Exact attention in query x key blocks with an online softmax: memory linear in the sequence.
 
-The core that replaces a dense ``[B, H_l, S, S]`` score tensor (and the ``[B|1, 1, S, S]`` mask in
-front of it) when the full-sequence attention has structure sdpa's ``is_causal`` cannot express:
-packed documents (position ids restart) and sliding windows. Where it sits in the step: inside
-``UlyssesSPAttentionHF`` (DESIGN.md step 4) between the q/k/v all-to-all and the output all-to-all;
-ring attention reuses the per-chunk functions with each ring step's K/V chunk and its global offset.
+The core that replaces a dense ``[B, H_l, S, S]`` score tensor (and the ``[B|1, 1, S, S]`` mask in front
+of it) when the full-sequence attention has structure sdpa's ``is_causal`` cannot express: packed
+documents (position ids restart), sliding windows, DSA's picked keys (``attention/indexed.py``). Where it
+sits in the step: inside ``UlyssesSPAttentionHF`` (DESIGN.md step 4) between the q/k/v all-to-all and the
+output all-to-all; ring attention reuses the per-chunk functions with each ring step's K/V chunk.
 
 The scheme is FlashAttention's: keys are taken a chunk at a time; for every query block the chunk's
-partial result (normalised output and log-sum-exp) is merged into the running one with
-``merge_partials``; backward recomputes each block's probabilities from the saved LSE, so nothing of
-size ``S x S`` is ever saved or built. Blocks the structure masks out entirely (a key block after
-the query block, before its document, or outside its window) are **never computed**; blocks the
-structure leaves entirely visible run without a mask tensor. ``BlockCounts`` counts both.
-
-GQA: the ``G = H/Hkv`` query heads sharing a kv head are folded into the query rows
-(``[B, Hkv, G*bq, D] @ [B, Hkv, D, bk]``), so K/V are never expanded to ``H`` heads.
-
-Numerics: scores, softmax and accumulators in fp32 (fp64 for fp64 inputs; bf16/fp16 inputs are
-upcast per block); outputs in the input dtype. No dropout.
+partial result (normalised output and log-sum-exp) is merged into the running one with ``merge_partials``;
+backward recomputes each block's probabilities from the saved LSE, so nothing of size ``S x S`` is ever
+saved or built. Blocks the structure masks out entirely (a key block after the query block, before its
+document, or outside its window) are **never computed**; blocks the structure leaves entirely visible
+run without a mask tensor. ``BlockCounts`` counts both. GQA: the ``G = H/Hkv`` query heads sharing a kv
+head are folded into the query rows (``[B, Hkv, G*bq, D] @ [B, Hkv, D, bk]``), so K/V are never expanded.
+Numerics: scores, softmax and accumulators in fp32 (fp64 for fp64 inputs; bf16/fp16 inputs are upcast
+per block); outputs in the input dtype. No dropout.
 
 Shape legend: ``B`` batch, ``S`` (full) query/key length, ``H`` query heads (``H_l`` under SP),
 ``Hkv`` kv heads, ``G = H/Hkv``, ``D`` head dim, ``bq``/``bk`` query/key block lengths.
@@ -41,10 +38,9 @@ block at most, independent of ``S``."""
 @dataclass(frozen=True)
 class AttnStructure:
     """Which keys each query may see: causal (``k <= q``), within its document, within a window.
-
     Indices are global sequence positions, so a chunk of keys (ring attention, offload) is described
-    by its offset alone.
-    """
+    by its offset alone. ``saved``/``restored``: tensors the core saves for backward through autograd
+    (activation checkpointing drops them; ``attention/indexed.py``'s picks), none here."""
 
     doc_ids: torch.Tensor | None = None
     """``[B|1, S]`` non-decreasing document index per token (packed documents), or ``None``."""
@@ -59,6 +55,12 @@ class AttnStructure:
         if doc_ids is not None and doc_starts is None:  # [B|1, S]: a new document where the id changes
             doc_starts = [[0, *((r[1:] != r[:-1]).nonzero().flatten() + 1).tolist()] for r in doc_ids.cpu()]
         return cls(doc_ids, window, None if doc_ids is None else tuple(map(tuple, doc_starts)))
+
+    def saved(self) -> tuple[tuple[torch.Tensor, ...], AttnStructure]:
+        return (), self
+
+    def restored(self, tensors: list[torch.Tensor]) -> AttnStructure:
+        return self
 
     def block_kind(self, q0: int, q1: int, k0: int, k1: int) -> str:
         """``"empty"`` (no query of ``[q0, q1)`` sees a key of ``[k0, k1)``), ``"full"`` (every
@@ -246,13 +248,8 @@ def attend_chunk_backward(q, k, v, dout, lse, delta, dq, dk, dv, *, q_offset: in
 
 def check_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Raise ``ValueError`` naming the shapes unless q/k/v fit ``[B, H, S, D]``/``[B, Hkv, S, D]``."""
-    if (
-        q.dim() != 4
-        or k.shape != v.shape
-        or k.shape[0] != q.shape[0]
-        or k.shape[-1] != q.shape[-1]
-        or q.shape[1] % k.shape[1]
-    ):
+    bad = q.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1]
+    if bad or q.shape[1] % k.shape[1]:
         raise ValueError(
             f"blockwise attention needs q [B, H, S, D] and k, v [B, Hkv, S, D] with Hkv dividing H; "
             f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
@@ -280,22 +277,23 @@ class _BlockwiseAttention(torch.autograd.Function):
         for a, e in kv_spans:  # [B, Hkv, S, D] -> one chunk [B, Hkv, c, D] at a time
             attend_chunk(q, k[:, :, a:e], v[:, :, a:e], out, lse, q_offset=0, k_offset=a, scale=scale,
                          structure=structure, block=chunk, counts=counts)  # fmt: skip
-        out = out.to(q.dtype)
-        ctx.meta = (structure, scale, chunk, offload, counts, len(kv_spans), k.shape)
+        out, (extra, bare) = out.to(q.dtype), structure.saved()
+        ctx.meta = (bare, scale, chunk, offload, counts, len(kv_spans), k.shape, len(extra))
         if offload is None:
-            ctx.save_for_backward(q, out, lse, k, v)
+            ctx.save_for_backward(q, out, lse, k, v, *extra)
         else:  # q and the output too (whole): nothing of the layer's S-long tensors stays on the device
             host = offload.stash(k, kv_spans) + offload.stash(v, kv_spans)
             q_out = [offload.stash_whole(t) for t in (q, out)]
             offload.settle(q.device)
             # Through save_for_backward, so activation checkpointing drops and recomputes them too.
-            ctx.save_for_backward(*q_out, lse, *host)
+            ctx.save_for_backward(*q_out, lse, *host, *extra)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        structure, scale, chunk, offload, counts, n, kv_shape = ctx.meta
+        structure, scale, chunk, offload, counts, n, kv_shape, n_extra = ctx.meta
         q, out, lse, *kv = ctx.saved_tensors
+        kv, structure = kv[: len(kv) - n_extra], structure.restored(kv[len(kv) - n_extra :])
         if offload is not None:
             q, out = (offload.restore(t, dout.device) for t in (q, out))
         dout = dout.contiguous()

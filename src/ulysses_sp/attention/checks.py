@@ -23,7 +23,7 @@ from torch import nn
 from ulysses_sp.attention.core import check_blockwise_options, check_core, check_ring_options
 from ulysses_sp.attention.head_blocks import head_block_layout
 from ulysses_sp.attention.head_chunks import check_no_sinks, plan_head_chunks
-from ulysses_sp.attention.layer_kinds import check_layer_kinds
+from ulysses_sp.attention.layer_kinds import check_indexed_options, check_layer_kinds
 from ulysses_sp.parallel.mesh_shape import head_counts, resolve_ring_size_for_layers
 
 
@@ -45,6 +45,7 @@ def check_sp_attention(
     ring = resolve_ring_size_for_layers(sp_size, heads, ring_size)
     check_blockwise_options(core, attn_chunk, offload_attention)
     check_ring_options(core, ring, offload_attention)
+    check_indexed_options(config, core, ring)
     for num_heads, num_kv in heads:  # every layer's heads split into the head groups
         plan_head_chunks(num_heads, num_kv, head_chunks, sp_size // ring)
     return ring

@@ -87,13 +87,15 @@ def check_ring_options(core: str, ring_size: int, offload_attention: bool) -> No
 
 def attention_path(
     core: str, layout: SeqLayout, sliding_window: int | None, offload: bool, *, sinks: bool = False,
-    attn_chunk: int | None = None,
+    attn_chunk: int | None = None, indexed: bool = False,
 ) -> str:
     """The path that runs for ``core`` on this layout: ``"segments"`` (sdpa per document),
     ``"blockwise"``, ``"blockwise+offload"``, ``"sdpa"`` (is_causal), ``"eager"`` (dense), ``"flash"``
     or ``"flex"``. Attention sinks on sdpa (which has no sink input) run through the blockwise core,
     which applies them exactly; so do windows and an explicit ``attn_chunk`` (the blockwise core's
-    block size: asking for it asks for that core)."""
+    block size: asking for it asks for that core); so do DSA's picked keys (``indexed``, sdpa or eager)."""
+    if core in ("sdpa", "eager") and indexed:
+        return "blockwise+offload" if offload else "blockwise"
     if core == "sdpa":
         windowed = _windowed(layout, sliding_window)
         if offload:

@@ -10,6 +10,12 @@ sequence (DeepSeek-V4 ``compressed_sparse_attention`` / ``heavily_compressed_att
 sequence shard those see only the rank's own tokens: refused before the first step
 (``check_layer_kinds``, called by ``register_with_transformers``), naming the layer and why.
 
+Except DeepSeek Sparse Attention's ``indexed_attention`` (``dsa_indexed``: a config with ``index_topk``,
+``index_n_heads`` and ``index_head_dim`` — DeepSeek-V3.2, GLM-5, Hunyuan-V4, A.X-K2, dots3-note): its
+indexer scores each query against the whole sequence's index keys (``attention/indexer.py``) and the
+blockwise core attends to the picked keys (``attention/indexed.py``), on cores ``sdpa``/``eager`` without
+a ring (``check_indexed_options``). Other indexers (Qwen4-Exp's block top-k) stay refused.
+
 Judged from the config's layer types and the numbers that make the structure matter, not from the
 model's name.
 """
@@ -37,6 +43,32 @@ REASONS = {
 """Attention layer kinds that mix tokens before the attention function, and why SP cannot shard them."""
 
 
+DSA_CONFIG = ("index_topk", "index_n_heads", "index_head_dim")
+"""Config fields of DeepSeek Sparse Attention's per-token top-k indexer."""
+
+
+def dsa_indexed(config: Any) -> bool:
+    """Whether ``config``'s ``indexed_attention`` layers are DSA's, which sequence parallelism makes exact."""
+    return all(hasattr(config, name) for name in DSA_CONFIG)
+
+
+def refused_kind(config: Any, kind: str) -> bool:
+    """Whether layers of ``kind`` in ``config``'s model are refused under sequence parallelism."""
+    return kind in REASONS and not (kind == "indexed_attention" and dsa_indexed(config))
+
+
+def check_indexed_options(config: Any, core: str, ring_size: int) -> None:
+    """Raise ``ValueError`` when DSA layers meet a core or a ring the picked keys do not run on."""
+    types = getattr(config, "layer_types", None) or ()
+    if "indexed_attention" in types and dsa_indexed(config) and (core not in ("sdpa", "eager") or ring_size > 1):
+        raise ValueError(
+            f"{type(config).__name__}'s 'indexed_attention' layers attend to each query's top "
+            f"{config.index_topk} keys, which run in the blockwise core for cores 'sdpa'/'eager' without a "
+            f"ring; got core {core!r}, ring_size {ring_size}. Use core 'sdpa' and ring_size 1 (the heads must "
+            "split over the sp size)"
+        )
+
+
 def plain_attention_layers(config: Any) -> bool:
     """Whether every attention layer of ``config`` is one the SP attention runs exactly (no sparse or
     compressed kind): then ``train`` routes sp 1 through it too (no ``[S, S]`` mask, documents kept
@@ -51,7 +83,7 @@ def check_layer_kinds(config: Any, sp_size: int) -> None:
     if sp_size <= 1:
         return
     for i, kind in enumerate(types):
-        if kind not in REASONS:
+        if not refused_kind(config, kind):
             continue
         rates = getattr(config, "compress_rates", None) or {}
         why = REASONS[kind].format(index_topk=getattr(config, "index_topk", "k"), rate=rates.get(kind, "n"))

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ulysses_sp.attention.indexer import install_indexers
 from ulysses_sp.attention.positions import CallPositions, capture_call
 from ulysses_sp.parallel.mesh import Mpu, SPMesh, as_sp_mesh, init_mesh
 from ulysses_sp.parallel.mesh_shape import head_counts, resolve_ring_size_for_layers
@@ -187,6 +188,9 @@ class SPRegistration(Mpu):
         blocks = prepare(model) if prepare is not None else None
         self.head_blocks = blocks if blocks is not None else self.head_blocks
         hooks = [blocks] if blocks is not None else []
+        # DSA indexers (attention/indexer.py): each query's top-k over the whole sequence
+        indexers = install_indexers(model, self.attention) if hasattr(self.attention, "_seq_layout") else None
+        hooks += [indexers] if indexers is not None else []
         hooks += [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(lambda module, *_: self._after_forward(module, num_layers)),

@@ -8,18 +8,18 @@ the heads), run the **unmodified** core attention (``sdpa``, ``eager``, flash/fl
 causally over the full sequence, and all-to-all the output back to ``[B, S_l, H, D]``. Everything
 else in the model (embeddings, norms, MLPs, projections) is token-local and needs no change.
 
-Masks: transformers builds its causal mask for the *local* shard, which is wrong for the full
-sequence, so we never use it. The full sequence's layout comes with the batch from the data adapter as
-host values attached to ``position_ids`` (``parallel/doc_layout.py``: no collective, no device sync);
-without it (a direct call) we gather the ``position_ids`` over the SP group once per forward. Then the
-path ``attention/core.py`` picks runs: plain causal through the kernel's own
-causal mode; packed documents (position ids restart at 0) and sliding windows through the blockwise
-core for sdpa (no ``S x S`` tensor), varlen for flash, a ``BlockMask`` for flex, a dense mask for eager.
+Masks: transformers builds its causal mask for the *local* shard, which is wrong for the full sequence,
+so we never use it. The full sequence's layout comes with the batch from the data adapter as host values
+attached to ``position_ids`` (``parallel/doc_layout.py``: no collective, no device sync); without it (a
+direct call) we gather the ``position_ids`` over the SP group once per forward. Then the path
+``attention/core.py`` picks runs: plain causal through the kernel's own causal mode; packed documents
+(position ids restart at 0) and sliding windows through the blockwise core for sdpa (no ``S x S``
+tensor), varlen for flash, a ``BlockMask`` for flex, a dense mask for eager. DeepSeek Sparse Attention's
+picked keys (``indices``): gathered, then the blockwise core (``attention/indexed.py``, ``indexer.py``).
 q, k and v (and the output) cross the SP group packed (one collective each way) below a per-piece byte
 threshold, head by head above (no whole-tensor buffers): ``parallel/headwise.py``, ``exchange_cost.py``.
 Where the positions come from, chunked attention layers and NoPE layers' query temperature:
 ``attention/positions.py``; per-head parameters (attention sinks) cut to the rank's heads: ``attention/heads.py``.
-
 GQA/MQA: kv heads split over ranks like query heads when ``Hkv % P == 0``; when ``Hkv < P`` each kv head goes
 to the ``P/Hkv`` ranks whose queries use it (``headwise.py``): each rank receives the one it needs, no more.
 
@@ -55,6 +55,7 @@ from ulysses_sp.attention.core import (
 from ulysses_sp.attention.head_blocks import HeadBlockHandle, install_head_blocks
 from ulysses_sp.attention.head_chunks import check_no_sinks, head_chunked_attention, plan_head_chunks
 from ulysses_sp.attention.heads import HeadView, local_view
+from ulysses_sp.attention.indexed import IndexedStructure, gather_indices
 from ulysses_sp.attention.kv_offload import KVOffload
 from ulysses_sp.attention.masks import ForwardState, SeqLayout, seq_layout
 from ulysses_sp.attention.positions import (
@@ -78,11 +79,9 @@ class UlyssesSPAttentionHF:
     """The sequence-parallel core-attention function registered with transformers.
 
     Instances are callables with the signature transformers gives attention functions:
-    ``fn(module, query, key, value, attention_mask, *, dropout, scaling, **kwargs)`` with q/k/v of
-    shape ``[B, H, S_l, D]``, returning ``(output [B, S_l, H, D], None)``.
-
-    Use ``UlyssesSPAttentionHF.register_with_transformers(...)``; it builds the mesh, registers an
-    instance, points the model at it, and returns an ``mpu``.
+    ``fn(module, query, key, value, attention_mask, *, dropout, scaling, **kwargs)`` with q/k/v of shape
+    ``[B, H, S_l, D]``, returning ``(output [B, S_l, H, D], None)``. Use ``register_with_transformers(...)``:
+    it builds the mesh, registers an instance, points the model at it, and returns an ``mpu``.
     """
 
     def __init__(
@@ -194,15 +193,15 @@ class UlyssesSPAttentionHF:
                                  "cross-attention (to an encoder's states) or a cache; sequence parallelism shards "
                                  "self-attention over the same tokens only (train it with sp 1, or text-only)")  # fmt: skip
         base = layout = self._seq_layout(kwargs.pop("position_ids", None), s_local, b, query.device, sp)
-        self.calls += 1
-        self.last_seq_len = layout.seq_len
-        kwargs.pop("is_causal", None)
+        self.calls, self.last_seq_len, _ = self.calls + 1, layout.seq_len, kwargs.pop("is_causal", None)
         chunk = layer_chunk(module)
         if chunk is not None:  # chunked attention: segments end at documents and chunk boundaries
             layout = self._per_forward(base, ("chunked", chunk), lambda: base.split_at_chunks(chunk))
         a2a = sp and self.ulysses_size > 1
         # the model's token-index query scale used the shard's 0..S_l-1 (the row's, packed): each document's own
         index = global_token_index(self.sp_group, s_local, layout.seq_len, self.ring_size) if sp else None
+        if kwargs.get("indices") is not None:  # DSA picks [B, S_l, topk] -> [B, S, topk] (attention/indexed.py)
+            kwargs["indices"] = gather_indices(kwargs["indices"], self.ulysses_group if a2a else None)
         query = correct_query_temperature(module, query, base.positions, index)
         layouts, rank = (base, layout, chunk), dist.get_rank(self.ulysses_group) if a2a else 0
         if self.head_chunks > 1 and not self.in_head_block and (sp or self.sp_size == 1):  # at sp 1 no exchange
@@ -243,14 +242,15 @@ class UlyssesSPAttentionHF:
         """The core attention over the full sequence: ``[B, H_l, S, D] -> [B, S, H_l, D]``.
         ``layouts``: the forward's layout, this layer's (chunked or the same) and its chunk."""
         base, layout, chunk = layouts
-        window = kwargs.get("sliding_window")
-        path = self.last_path = attention_path(self.core, layout, window, self.offload_attention,
-                                               sinks=kwargs.get("s_aux") is not None, attn_chunk=self.attn_chunk)  # fmt: skip
+        window, indices = kwargs.get("sliding_window"), kwargs.pop("indices", None)  # DSA picks: the blockwise core
+        path = self.last_path = attention_path(self.core, layout, window, self.offload_attention, sinks=kwargs.get(
+            "s_aux") is not None, attn_chunk=self.attn_chunk, indexed=indices is not None)  # fmt: skip
         if path == "segments":  # documents' lengths: host ints, once per forward
             lengths = self._per_forward(base, ("segments", chunk), layout.doc_lengths)
             return run_segments(view, q, k, v, lengths, kwargs)
         if path.startswith("blockwise"):
             structure = self._per_forward(base, ("blockwise", window, chunk), lambda: structure_for(layout, window))
+            structure = structure if indices is None else IndexedStructure.of(structure, indices)
             return run_blockwise(view, q, k, v, structure, kwargs, chunk=self.attn_chunk,
                                  offload=self.kv_offload, counts=self.block_counts)  # fmt: skip
         mask = self._per_forward(base, (q.dtype, window, chunk), lambda: core_mask(self.core, layout, q.dtype, window))
