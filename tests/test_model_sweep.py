@@ -44,7 +44,7 @@ def test_packed_documents_stay_apart_at_sp_1_and_2_or_are_refused(pool):
     """Every family ``train`` packs for: the packed row equals each document run alone, at sp 1 (the
     SP attention registered there, the mixer handlers applied) and sp 2; Bloom (its own attention
     scores) is refused at both; gpt-oss's own forward (sinks) leaks, which is why sp 1 is routed."""
-    for family in ("llama", "gpt_oss", "lfm2", "bamba"):
+    for family in ("llama", "gpt_oss", "lfm2", "bamba", "deepseek_v32"):  # DSA: its picks per document
         assert pool.run(_packed, 2, family) == [{"sp1": "exact", "sp2": "exact"}] * 2, family
     assert pool.run(_packed, 2, "bloom") == [{"sp1": "refused", "sp2": "refused"}] * 2
     own = pool.run(_packed, 2, "gpt_oss", False)
@@ -54,14 +54,19 @@ def test_packed_documents_stay_apart_at_sp_1_and_2_or_are_refused(pool):
 
 def test_packed_rows_are_refused_at_sp_1_where_a_module_mixes_the_whole_row():
     from ulysses_sp.mixers.guard import check_document_mixing
+    from ulysses_sp.run.config import config_from_dict
+    from ulysses_sp.run.model_checks import sp_attention_wanted
 
-    for family in ("llama", "lfm2", "qwen3_next"):
+    for family in ("llama", "lfm2", "qwen3_next", "deepseek_v32"):
         check_document_mixing(model_sweep.build(family))  # documents kept apart: no error
+    dsa = model_sweep.build("deepseek_v32").config  # at sp 1 through the SP attention where its picks run
+    assert sp_attention_wanted(config_from_dict({"model": "tiny-llama", "sp": 1}), dsa)
+    assert not sp_attention_wanted(config_from_dict({"model": "tiny-llama", "sp": 1, "attn": "flash"}), dsa)
     with pytest.raises(ValueError, match=r"(?s)packed documents cannot be kept apart in BloomForCausalLM.*"
                        r"self_attention \(BloomAttention\).*--packing none"):  # fmt: skip
         check_document_mixing(model_sweep.build("bloom"))
-    with pytest.raises(ValueError, match="layer 0: 'indexed_attention' attention picks its keys from the whole row"):
-        check_document_mixing(model_sweep.build("deepseek_v32"))
+    with pytest.raises(ValueError, match="layer 0: 'heavily_compressed_attention' attention picks its keys from the whole row"):
+        check_document_mixing(model_sweep.build("deepseek_v4"))
 
 
 def _hidden(kind: str, guard: bool = True, declare: bool = False) -> dict:

@@ -73,7 +73,7 @@ def plain_attention_layers(config: Any) -> bool:
     """Whether every attention layer of ``config`` is one the SP attention runs exactly (no sparse or
     compressed kind): then ``train`` routes sp 1 through it too (no ``[S, S]`` mask, documents kept
     apart by their positions, the same path as sp > 1)."""
-    return not any(kind in REASONS for kind in getattr(config, "layer_types", None) or ())
+    return not any(refused_kind(config, kind) for kind in getattr(config, "layer_types", None) or ())
 
 
 def check_layer_kinds(config: Any, sp_size: int) -> None:

@@ -76,7 +76,10 @@ def sp_attention_wanted(cfg: RunConfig, model_config: Any) -> bool:
         return False
     if cfg.sp > 1 or cfg.offload_attention or cfg.attn_chunk is not None:
         return True
-    return not is_vlm_config(model_config) and plain_attention_layers(model_config.get_text_config())
+    text = model_config.get_text_config()
+    if "indexed_attention" in (getattr(text, "layer_types", None) or ()) and cfg.attn not in ("sdpa", "eager"):
+        return False  # DSA's picks run in the SP attention's blockwise core only: other cores keep the model's path
+    return not is_vlm_config(model_config) and plain_attention_layers(text)
 
 
 def built_attn(cfg: RunConfig, model_config: Any) -> str:
