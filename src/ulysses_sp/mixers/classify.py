@@ -111,6 +111,8 @@ def code_names(cls: type, depth: int = 2) -> set[str]:
                 target = getattr(fn, "__globals__", {}).get(name)
                 if isinstance(target, types.FunctionType) and not _is_torch(target.__module__):
                     todo.append((inspect.unwrap(target), level + 1))
+                elif _is_function_class(target):  # a custom autograd op (BLOOM's GeLU): its forward and backward
+                    todo += [(target.forward, level + 1), (target.backward, level + 1)]
     return names
 
 
@@ -223,6 +225,12 @@ def _own_registry(cls: type) -> bool:
 def _is_linear_like_library(cls: type) -> bool:
     """transformers' ``pytorch_utils.Conv1D`` is a linear layer (GPT-2's naming), not a convolution."""
     return cls.__module__ == "transformers.pytorch_utils" and cls.__name__ == "Conv1D"
+
+
+def _is_function_class(target: Any) -> bool:
+    import torch
+
+    return isinstance(target, type) and issubclass(target, torch.autograd.Function) and not _is_torch(target.__module__)
 
 
 def _is_torch(module_name: str) -> bool:
