@@ -68,15 +68,46 @@ def hybrid_config(
         return tf.BioGptConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                num_attention_heads=4, max_position_embeddings=512, scale_embedding=True,
                                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+    own = _own_scores_config(arch, vocab, overrides)
+    if own is not None:
+        return own
     raise ValueError(arch)
+
+
+OWN_SCORES = ("bloom", "falcon", "gpt_neo", "mpt")
+"""Attention that computes its own scores (the head-parallel fallback, ``mixers/own_scores.py``): eager only."""
+
+
+def _own_scores_config(arch: str, vocab: int, overrides: dict):
+    """4 heads of 8, 2 layers, no dropout: BLOOM (ALiBi, fused [H, 3, D] qkv), Falcon (rotary; multi-query by
+    default, ``new_decoder_architecture`` + ``num_kv_heads``: grouped), GPT-Neo (a global and a local layer,
+    window 8), MPT (ALiBi position bias, fused [3, H, D] Wqkv)."""
+    import transformers as tf
+
+    if arch == "bloom":
+        return tf.BloomConfig(vocab_size=vocab, hidden_size=32, n_layer=2, n_head=4, hidden_dropout=0.0,
+                              attention_dropout=0.0, tie_word_embeddings=False, **overrides)  # fmt: skip
+    if arch == "falcon":
+        return tf.FalconConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                               hidden_dropout=0.0, attention_dropout=0.0, max_position_embeddings=512,
+                               tie_word_embeddings=False, **overrides)  # fmt: skip
+    if arch == "gpt_neo":
+        return tf.GPTNeoConfig(vocab_size=vocab, hidden_size=32, num_layers=2, num_heads=4, window_size=8,
+                               attention_types=[[["global", "local"], 1]], max_position_embeddings=512,
+                               embed_dropout=0.0, attention_dropout=0.0, resid_dropout=0.0, **overrides)  # fmt: skip
+    if arch == "mpt":
+        return tf.MptConfig(vocab_size=vocab, d_model=32, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=512,
+                            resid_pdrop=0.0, emb_pdrop=0.0, **overrides)  # fmt: skip
+    return None
 
 
 def hybrid_model(arch: str, seed: int = 0, **kw):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    attn = "eager" if arch in PURE else "sdpa"  # no attention layers: transformers refuses sdpa
-    model = AutoModelForCausalLM.from_config(hybrid_config(arch, **kw), attn_implementation=attn)
+    attn = "eager" if arch in PURE + OWN_SCORES else "sdpa"  # no attention layers: transformers refuses sdpa
+    config = _own_scores_config(arch, V, kw) if arch in OWN_SCORES else hybrid_config(arch, **kw)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2)

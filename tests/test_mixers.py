@@ -177,10 +177,45 @@ def test_mamba1_mixers_equal_no_sp(pool):
         assert pool.run(_mamba1, sp, sp)[0] == [f"{a}{' packed' if p else ''}" for a, p, _ in cases]
 
 
+F64 = {"dtype": torch.float64}
+FALCON_GQA = {"new_decoder_architecture": True, "num_kv_heads": 2, "dtype": torch.float64}  # fused [Hkv, H/Hkv+2, D]
+CASES_OWN_SCORES = {
+    1: [("bloom", True, F64), ("gpt_neo", True, F64)],  # sp 1: the packed row's documents kept apart
+    2: [
+        ("bloom", True, F64),  # ALiBi for the rank's heads, fused [H, 3, D] query_key_value, residual inside
+        ("falcon", True, F64),  # rotary gathered, multi-query [H + 2, D]: the shared k/v rows on both ranks
+        ("gpt_neo", True, F64),  # a local layer (window 8) from its own buffer, documents from the mask
+        ("mpt", False, F64),  # ALiBi position bias cut by head, fused [3, H, D] Wqkv, a boolean mask
+    ],
+    4: [("falcon", True, FALCON_GQA), ("bloom", False, {**F64, "checkpointing": True})],  # 2 kv heads < sp 4
+}
+
+
+def _own_scores(sp: int) -> list[str]:
+    return _exact(sp, CASES_OWN_SCORES[sp])
+
+
+def test_attention_computing_its_own_scores_equals_no_sp(pool):
+    """The head-parallel fallback (BLOOM, Falcon, GPT-Neo, MPT) at sp 1, 2 and 4 in one test: per-position
+    logits and every gradient against the plain model (float64), packed documents against each one alone."""
+    for sp, cases in CASES_OWN_SCORES.items():
+        assert pool.run(_own_scores, sp, sp)[0] == [f"{a}{' packed' if p else ''}" for a, p, _ in cases]
+
+
+def test_attention_computing_its_own_scores_refuses_heads_that_do_not_divide():
+    model = hybrid_model("bloom")
+    mesh = SimpleNamespace(sp_size=3, sp_rank=0, ring_size=1)
+    with pytest.raises(ValueError, match=r"transformer\.h\.0\.self_attention: BloomAttention runs head-parallel under "
+                       r"sequence parallelism, but its 4 attention heads do not divide by sp_size 3; use an sp_size "
+                       r"that divides its heads \(2, 4\)"):  # fmt: skip
+        shard_mixers(model, mesh, HANDLERS)
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
 def test_every_mixer_is_claimed_and_nothing_else():
     claimed = {}
     for arch in ("lfm2", "nemotron_h", "falcon_h1", "granitemoehybrid", "bamba", "mamba2", "mamba", "falcon_mamba",
-                 "jamba", "zamba", "opt", "biogpt"):  # fmt: skip
+                 "jamba", "zamba", "opt", "biogpt", "bloom", "gpt_neo"):  # fmt: skip
         model = hybrid_model(arch)
         claimed[arch] = sorted(
             {(type(m).__name__, h.name) for m in model.modules() if (h := claimed_by(m, HANDLERS))}
@@ -199,6 +234,8 @@ def test_every_mixer_is_claimed_and_nothing_else():
         "zamba": [("ZambaMambaMixer", "mamba1_heads")],
         "opt": [("OPTLearnedPositionalEmbedding", "learned_positions")],
         "biogpt": [("BioGptLearnedPositionalEmbedding", "learned_positions")],
+        "bloom": [("BloomAttention", "own_scores")],
+        "gpt_neo": [("GPTNeoSelfAttention", "own_scores")],
     }
     assert not needs_plain_layout(hybrid_model("opt")) and needs_plain_layout(hybrid_model("jamba"))
     assert not has_unsharded_mixers(tiny_model("llama"))

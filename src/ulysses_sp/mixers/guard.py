@@ -52,6 +52,8 @@ from ulysses_sp.mixers.classify import (
     code_names,
     verdict,
 )
+from ulysses_sp.mixers.own_scores import own_attention
+from ulysses_sp.mixers.own_scores import refusal as own_refusal
 from ulysses_sp.vlm.families import multimodal_refusal, vlm_parts
 
 SUPPORTED_MIXERS: tuple[MixerHandler, ...] = HANDLERS
@@ -242,6 +244,8 @@ def _walk(
             if v.kind == MIXER
             else f"is {text}"
         )
+        if v.kind == MIXER and own_attention(root) and (reason := own_refusal(root)):
+            why = f"computes its own attention scores ({v.why}), and its heads cannot run apart: {reason}"
         return [Finding(layer, prefix, type(root).__name__, "refused", why)]
     out = [Finding(layer, prefix, type(root).__name__, ATTENTION)] if v.kind == ATTENTION else []
     if v.kind in (ATTENTION, COMPOSITE):

@@ -58,8 +58,25 @@ def _linear(m: object) -> bool:
 
 def head_cut(module: nn.Module) -> HeadCut | str:
     """The module's ``HeadCut``, or why its parameters do not split by head (a sentence)."""
+    cut = _projections(module)
+    if isinstance(cut, str):
+        return cut
+    width = cut.heads * cut.head_dim
+    for name, p in module.named_parameters():
+        top, _, rest = name.partition(".")
+        if top in (*cut.qkv, cut.out) and rest in ("weight", "bias"):
+            continue
+        # shared by every head (a norm over head_dim), or a bias the module returns to be added once
+        if p.dim() == 1 and (p.shape[0] == cut.head_dim or (name.endswith("bias") and p.shape[0] != width)):
+            continue
+        return f"{type(module).__name__}'s parameter {name} {tuple(p.shape)} is neither cut by head nor shared by all heads"
+    return cut
+
+
+def _projections(module: nn.Module) -> HeadCut | str:
     what = type(module).__name__
-    heads = next((getattr(module, a) for a in HEAD_ATTRS if isinstance(getattr(module, a, None), int)), None)
+    heads = next((getattr(module, a) for a in HEAD_ATTRS if isinstance(getattr(module, a, None), int)),
+                 getattr(getattr(module, "config", None), "num_attention_heads", None))  # fmt: skip
     out = next((n for n in OUT_NAMES if _linear(getattr(module, n, None))), None)
     if heads is None or out is None:
         return f"{what} has no head count ({'/'.join(HEAD_ATTRS)}) or no output projection ({'/'.join(OUT_NAMES)})"
@@ -156,10 +173,15 @@ def local_params(module: nn.Module, cut: HeadCut, sp_size: int, sp_rank: int) ->
     return out
 
 
-def local_attrs(module: nn.Module, cut: HeadCut, sp_size: int) -> dict[str, int]:
-    """The head-count and width attributes the module's forward reads, at ``H_l`` heads."""
-    out = {a: getattr(module, a) // sp_size for a in HEAD_ATTRS + WIDTH_ATTRS if isinstance(getattr(module, a, None), int)}
+def local_attrs(module: nn.Module, cut: HeadCut, sp_size: int) -> dict[tuple[nn.Module, str], int]:
+    """``{(module, attribute): value}``: the head-count and width attributes the module's forward reads
+    at ``H_l`` heads, and a ``Conv1D`` projection's output width ``nf`` (its forward reshapes by it)."""
+    out = {(module, a): getattr(module, a) // sp_size for a in HEAD_ATTRS + WIDTH_ATTRS
+           if isinstance(getattr(module, a, None), int)}  # fmt: skip
     kv = getattr(module, "num_kv_heads", None)
     if isinstance(kv, int) and kv > 1:  # Falcon's kv heads (one shared head stays one)
-        out["num_kv_heads"] = cut.kv_per_rank(sp_size)
+        out[(module, "num_kv_heads")] = cut.kv_per_rank(sp_size)
+    if cut.conv1d:  # [3, H, D] -> [3, H_l, D] output features
+        proj = getattr(module, cut.qkv[0])
+        out[(proj, "nf")] = proj.nf // sp_size
     return out

@@ -95,21 +95,7 @@ class OwnScoresHandler:
         self.positions = positions
 
     def matches(self, module: nn.Module) -> bool:
-        v = verdict(module)
-        if v.kind != MIXER or not any(w in v.why for w in ("scores itself", "tril", "scaled_dot_product", "registry")):
-            return False
-        params = inspect.signature(type(module).forward).parameters
-        return "attention_mask" in params and not isinstance(head_cut(module), str) and self._refusal(module) is None
-
-    @staticmethod
-    def _refusal(module: nn.Module) -> str | None:
-        """Why this module cannot run head-parallel at any sp size (``None``: it can)."""
-        params = inspect.signature(type(module).forward).parameters
-        if getattr(getattr(module, "config", None), "alibi", False) and "alibi" in params:
-            return "its ALiBi bias is folded into the model's attention mask"
-        if any(p in params for p in ("mems", "target_mapping", "relative_position")):
-            return "its attention is relative to memory/two-stream state"
-        return None
+        return own_attention(module) and refusal(module) is None
 
     def check(self, module: nn.Module, sp_size: int) -> None:
         cut = head_cut(module)
@@ -151,6 +137,34 @@ class OwnScoresHandler:
         return replace_forward(module, forward)
 
 
+def own_attention(module: nn.Module) -> bool:
+    """Whether ``module`` is attention that computes its own scores (the guard's verdict, by its code)."""
+    v = verdict(module)
+    return v.kind == MIXER and any(w in v.why for w in ("scores itself", "tril", "scaled_dot_product", "registry"))
+
+
+def refusal(module: nn.Module) -> str | None:
+    """Why the head-parallel fallback cannot run ``module`` at any sp size (``None``: it can), by structure."""
+    params = list(inspect.signature(type(module).forward).parameters)[1:]
+    if {"mems", "target_mapping", "seg_mat"} & set(params):
+        return ("it is two-stream attention over relative position encodings, a segment matrix and memory "
+                "(mems) that its model builds for the tokens it is given; no head-parallel split of those is built")  # fmt: skip
+    if len(params) > 1 and params[1].startswith("hidden"):
+        return (f"its keys and values come from a second input ({params[1]}) with a per-pair position bias its "
+                "model builds for the tokens it is given")  # fmt: skip
+    if "attention_mask" not in params:
+        return "it takes no attention_mask to hold it to the full sequence's causal order"
+    if getattr(getattr(module, "config", None), "alibi", False) and "alibi" in params:
+        return "its ALiBi bias is folded into the model's attention mask (Falcon with alibi)"
+    local = set(inspect.unwrap(type(module).forward).__code__.co_varnames)
+    if local & {"embed_dim", "hidden_size", "split_size"}:
+        width = sorted(local & {"embed_dim", "hidden_size", "split_size"})[0]
+        return (f"its forward reads the heads' output width from its input ({width} = the hidden size), so it "
+                "cannot run on a share of its heads")  # fmt: skip
+    cut = head_cut(module)
+    return cut if isinstance(cut, str) else None
+
+
 def _head_parallel(module: nn.Module, cut: HeadCut, mesh: Any, layout: Any, x_name: str, call: dict, form: str) -> Any:
     """The module's own forward on this rank's heads over the full sequence (module docstring, 1-3)."""
     what, p, group = type(module).__name__, mesh.sp_size, mesh.sp_group
@@ -187,16 +201,16 @@ def _head_parallel(module: nn.Module, cut: HeadCut, mesh: Any, layout: Any, x_na
         kwargs[name] = value
     params = local_params(module, cut, p, mesh.sp_rank) if p > 1 else {}
     attrs = local_attrs(module, cut, p) if p > 1 else {}
-    saved = {a: getattr(module, a) for a in attrs}
+    saved = {(m, a): getattr(m, a) for m, a in attrs}
     wrapped = vars(module).pop("forward")  # the module's own forward inside (this wrapper is the instance's)
     try:
-        for a, v in attrs.items():
-            setattr(module, a, v)
+        for (m, a), v in attrs.items():
+            setattr(m, a, v)
         res = functional_call(module, params, (), kwargs, strict=False, tie_weights=False)
     finally:
         module.forward = wrapped
-        for a, v in saved.items():
-            setattr(module, a, v)
+        for (m, a), v in saved.items():
+            setattr(m, a, v)
     first = res[0] if isinstance(res, (tuple, list)) else res
     if p > 1:
         out = scatter_seq(first, group, p)  # [B, S, h] partial sums -> [B, S_l, h]
