@@ -112,7 +112,7 @@ def test_prepare_refuses_liger_kernels_on_cpu(single_process, tmp_path):
 
 def test_prepare_at_sp_1_refuses_packed_sequences_a_module_would_mix_across_documents(single_process, tmp_path):
     """TRL's padding-free packing at sp 1: documents stay apart only through the SP attention and the
-    mixer handlers; Bloom's attention computes its own scores over the whole row, so it is refused."""
+    mixer handlers; Doge's attention builds its own dynamic mask over the whole row, so it is refused."""
     import sys
     from pathlib import Path
 
@@ -126,10 +126,10 @@ def test_prepare_at_sp_1_refuses_packed_sequences_a_module_would_mix_across_docu
     args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no",
                      packing=True, padding_free=True, max_length=16)  # fmt: skip
     data = Dataset.from_list([{"input_ids": r["input_ids"]} for r in token_rows(4, (8,), seed=0)])
-    model = build("bloom").train()
+    model = build("doge").train()
     trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=byte_tokenizer())
     with pytest.raises(ValueError, match=r"(?s)packed sequences \(SFTConfig packing / padding_free\) cannot be "
-                       r"kept apart in BloomForCausalLM.*BloomAttention"):  # fmt: skip
+                       r"kept apart in DogeForCausalLM.*DogeAttention"):  # fmt: skip
         prepare(trainer, sp_size=1)
 
 

@@ -39,7 +39,13 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from ulysses_sp.mixers._kernels import check_layout, model_function, refuse_cache, replace_forward, require_positions
+from ulysses_sp.mixers._kernels import (
+    check_layout,
+    model_function,
+    refuse_cache,
+    replace_forward,
+    require_positions,
+)
 from ulysses_sp.mixers.classify import MIXER, code_names, verdict
 from ulysses_sp.mixers.head_cuts import HeadCut, head_cut, local_attrs, local_params, sp_problem
 from ulysses_sp.parallel.comm import all_gather_seq, heads_to_seq

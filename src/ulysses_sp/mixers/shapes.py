@@ -69,7 +69,10 @@ def layer_kinds(model: nn.Module) -> list[dict[str, Any]]:
             if module in owned:
                 continue
             handler = claimed_by(module, HANDLERS)
-            if handler is not None and mixer is None:
+            if handler is not None and handler.name == "own_scores":  # softmax attention, run head-parallel
+                attention = True
+                owned.update(module.modules())
+            elif handler is not None and mixer is None:
                 mixer = mixer_sizes(module, handler.name)
                 owned.update(module.modules())
             elif handler is None and verdict(module).kind == ATTENTION and not attention:
