@@ -145,8 +145,11 @@ class OwnScoresHandler:
 
 def own_attention(module: nn.Module) -> bool:
     """Whether ``module`` is attention that computes its own scores (the guard's verdict, by its code)."""
-    v = verdict(module)
-    return v.kind == MIXER and any(w in v.why for w in ("scores itself", "tril", "scaled_dot_product", "registry"))
+    if verdict(module).kind != MIXER:
+        return False
+    names = code_names(type(module))
+    scores = names & {"softmax", "scaled_dot_product_attention", "ALL_ATTENTION_FUNCTIONS"}
+    return bool(scores) and not names & {"cumsum", "conv1d", "causal_conv1d_fn"}  # not a scan or a convolution
 
 
 def refusal(module: nn.Module) -> str | None:
