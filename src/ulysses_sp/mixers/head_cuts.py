@@ -61,13 +61,14 @@ def head_cut(module: nn.Module) -> HeadCut | str:
     cut = _projections(module)
     if isinstance(cut, str):
         return cut
-    width = cut.heads * cut.head_dim
+    out_width = getattr(module, cut.out).weight.shape[1 if cut.conv1d else 0]
     for name, p in module.named_parameters():
         top, _, rest = name.partition(".")
         if top in (*cut.qkv, cut.out) and rest in ("weight", "bias"):
             continue
-        # shared by every head (a norm over head_dim), or a bias the module returns to be added once
-        if p.dim() == 1 and (p.shape[0] == cut.head_dim or (name.endswith("bias") and p.shape[0] != width)):
+        # shared by every head (a norm over head_dim), or an output bias the module returns for its caller to add
+        # once (GPT-NeoX-Japanese's dense_bias; checked at the call: ``returned_biases``)
+        if p.dim() == 1 and (p.shape[0] == cut.head_dim or (name.endswith("bias") and p.shape[0] == out_width)):
             continue
         return f"{type(module).__name__}'s parameter {name} {tuple(p.shape)} is neither cut by head nor shared by all heads"
     return cut
@@ -107,6 +108,12 @@ def _projections(module: nn.Module) -> HeadCut | str:
             return HeadCut(heads, heads, d, layout, (name,), out, conv1d=type(fused).__name__ == "Conv1D")
         return f"{what}'s fused {name} gives {n} features, a layout of {heads} heads of {d} it does not know"
     return f"{what} has no q/k/v projections it knows (q_proj/k_proj/v_proj, query_key_value, Wqkv, c_attn)"
+
+
+def returned_biases(module: nn.Module, cut: HeadCut) -> list[str]:
+    """The 1-D output-width biases outside the projections, which the module must return (not add)."""
+    return [n for n, p in module.named_parameters() if "." not in n and n.endswith("bias") and p.dim() == 1
+            and n not in (*cut.qkv, cut.out)]  # fmt: skip
 
 
 def sp_problem(cut: HeadCut, sp_size: int) -> str | None:

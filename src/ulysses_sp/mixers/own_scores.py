@@ -47,7 +47,14 @@ from ulysses_sp.mixers._kernels import (
     require_positions,
 )
 from ulysses_sp.mixers.classify import MIXER, code_names, verdict
-from ulysses_sp.mixers.head_cuts import HeadCut, head_cut, local_attrs, local_params, sp_problem
+from ulysses_sp.mixers.head_cuts import (
+    HeadCut,
+    head_cut,
+    local_attrs,
+    local_params,
+    returned_biases,
+    sp_problem,
+)
 from ulysses_sp.parallel.comm import all_gather_seq, heads_to_seq
 
 CACHE_ARGS = ("layer_past", "cache", "past_key_values", "past_key_value")
@@ -221,6 +228,11 @@ def _head_parallel(module: nn.Module, cut: HeadCut, mesh: Any, layout: Any, x_na
         for (m, a), v in saved.items():
             setattr(m, a, v)
     first = res[0] if isinstance(res, (tuple, list)) else res
+    rest = list(res[1:]) if isinstance(res, (tuple, list)) else []
+    for name in returned_biases(module, cut) if p > 1 else ():
+        if not any(t is getattr(module, name) for t in rest):  # added inside: P times in the partial sums
+            raise ValueError(f"{what} adds its parameter {name} inside its heads' output, so it cannot run "
+                             "head-parallel; train it with sp_size 1")  # fmt: skip
     if p > 1:
         out = scatter_seq(first, group, p)  # [B, S, h] partial sums -> [B, S_l, h]
         bias = getattr(module, cut.out).bias
@@ -231,7 +243,7 @@ def _head_parallel(module: nn.Module, cut: HeadCut, mesh: Any, layout: Any, x_na
         out = out + residual
     if not isinstance(res, (tuple, list)):
         return out
-    rest = [None if isinstance(t, torch.Tensor) and t.dim() == 4 else t for t in res[1:]]  # this rank's weights: dropped
+    rest = [None if isinstance(t, torch.Tensor) and t.dim() == 4 else t for t in rest]  # this rank's weights: dropped
     return type(res)([out, *rest]) if isinstance(res, list) else (out, *rest)
 
 
