@@ -24,7 +24,10 @@ same path (no collective) with the per-document mask, since its own mask would a
 ``[B, H/P, S, S]`` score tensor (and an ``[B, 1, S, S]`` mask): the S x S memory of the model's own
 eager attention, divided by P. Refused: a KV cache at sp > 1, cross-attention (``key_value_states``:
 TrOCR's ``encoder_attn``) at sp > 1, dropout in training (a dropout of partial sums is not the model's),
-Falcon's ALiBi (folded into the model's mask), and keyword tensors it does not know.
+Falcon's ALiBi (folded into the model's mask), and keyword tensors it does not know. As in the SP
+attention, the mask comes from positions alone: a padding ``attention_mask`` is not applied (right
+padding is harmless under a causal mask; its labels are ``-100``). Each call counts as one run of
+the SP attention for the registration's guardrail (every attention layer must run through SP).
 
 Shape legend: ``B`` batch, ``S`` global sequence, ``S_l = S/P``, ``H``/``H_l = H/P`` heads, ``h`` hidden.
 """
