@@ -64,13 +64,13 @@ def layer_kinds(model: nn.Module) -> list[dict[str, Any]]:
     width = getattr(getattr(model, "config", None), "hidden_size", 0) or 0
     out = []
     for layer in layers:
-        mixer, attention, owned = None, False, set()
+        mixer, attention, own_scores, owned = None, False, False, set()
         for _, module in layer.named_modules():
             if module in owned:
                 continue
             handler = claimed_by(module, HANDLERS)
             if handler is not None and handler.name == "own_scores":  # softmax attention, run head-parallel
-                attention = True
+                attention = own_scores = True
                 owned.update(module.modules())
             elif handler is not None and mixer is None:
                 mixer = mixer_sizes(module, handler.name)
@@ -82,6 +82,6 @@ def layer_kinds(model: nn.Module) -> list[dict[str, Any]]:
         left = sum(p.numel() for m in rest for p in m.parameters(recurse=False))
         widths = [m.out_features for m in rest if isinstance(m, nn.Linear) and m.in_features == width]
         # what is left beyond the mixer, the attention and a few norm vectors is an MLP (dense or experts)
-        out.append({"attention": attention, "mlp": left > 4 * width, "mixer": mixer,
+        out.append({"attention": attention, "mlp": left > 4 * width, "mixer": mixer, "own_scores": own_scores,
                     "mlp_width": max(widths) if widths else None})  # fmt: skip
     return out

@@ -47,6 +47,9 @@ class LayerKind:
     attention: bool = True
     mlp: bool = True
     mixer: MixerShape | None = None
+    own_scores: bool = False
+    """The attention computes its own ``[B, H/P, S, S]`` scores (BLOOM, Falcon, MPT, ...: run head-parallel,
+    ``mixers.own_scores``): quadratic in ``S``, not the fused core's O(S) workspace."""
 
 
 @dataclass(frozen=True, kw_only=True)

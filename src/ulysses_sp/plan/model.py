@@ -181,6 +181,11 @@ def _activations(m: ModelShape, s: Settings, hw: Hardware | None = None) -> tupl
             saved_b, ws_b = mixer_memory(kind.mixer, s.sp)
             mixed += saved_b / e + (0 if kind.attention else norm)
             mix_ws = max(mix_ws, ws_b / e * tok)
+        if kind.attention and kind.own_scores:  # per local token: its fp32 probabilities [B, H/P, S, S] (H S),
+            # the gathered input [B, S, h] (P h) and the [B, 1, S, S] bool mask (P S bytes)
+            probs, gathered = m.heads * s.seq_len * 4 // e, s.sp * h + s.sp * s.seq_len // e
+            mixed += probs + gathered
+            mix_ws = max(mix_ws, (2 * probs + gathered) * tok)  # the scores' and probabilities' gradients
         mlp = (h + norm + mlp_saved) if kind.mlp else 0
         layer_full = h + mixed + mlp  # the layer input included
         full.append(layer_full)

@@ -77,13 +77,14 @@ def model_shape(config: Any, *, max_positions: int | None = None) -> ModelShape:
         logger.info("planner: layer kinds not read (%s: %s); planned as attention + MLP layers", type(e).__name__, e)
         return shape
     shape = replace(shape, qk_norm=any(hasattr(mod, "q_norm") and hasattr(mod, "q_proj") for mod in model.modules()))
-    if all(k["attention"] and k["mlp"] and k["mixer"] is None for k in kinds):
+    if all(k["attention"] and k["mlp"] and k["mixer"] is None and not k["own_scores"] for k in kinds):
         return shape
     widths = [k["mlp_width"] for k in kinds if k["mlp"] and k["mlp_width"]]
     intermediate = max(widths) if widths else shape.intermediate  # the MLP as built (LFM2 rounds it up)
     return replace(shape, intermediate=intermediate, param_count=sum(p.numel() for p in model.parameters()),
                    layer_kinds=tuple(
-        LayerKind(attention=k["attention"], mlp=k["mlp"], mixer=MixerShape(**k["mixer"]) if k["mixer"] else None)
+        LayerKind(attention=k["attention"], mlp=k["mlp"], mixer=MixerShape(**k["mixer"]) if k["mixer"] else None,
+                  own_scores=k["own_scores"])
         for k in kinds))  # fmt: skip
 
 
