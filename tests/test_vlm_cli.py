@@ -61,6 +61,21 @@ def _same(one: list[dict], two: list[dict], steps: int) -> None:
         assert a["grad_norm"] > 0.1  # large weights: one wrong token would show
 
 
+def _real_tokens(cwd, args: list[str], steps: int) -> list[int]:
+    """The cumulative real (unpadded) tokens of the first ``steps`` steps of ``train args`` (dp 1, the
+    default seed, one micro-step a step): the samples' lengths in the sampler's order."""
+    from ulysses_sp.data import sp_dataloader
+
+    flag = lambda name: args[args.index(name) + 1]  # noqa: E731
+    mbs = int(flag("--micro-batch-size"))
+    cfg = RunConfig(model=str(cwd / flag("--model")), data=str(cwd / flag("--data")),
+                    seq_len=int(flag("--seq-len")), output_dir=str(cwd / "unused"), sp=1)  # fmt: skip
+    samples = resolve_run(cfg, 1).dataset
+    order = sp_dataloader(range(len(samples)), batch_size=mbs, dp_size=1, sp_size=1, dp_rank=0, sp_rank=0)
+    per_step = [sum(samples[int(i)]["input_ids"].shape[1] for i in batch) for batch in order][:steps]
+    return np.cumsum(per_step).tolist()
+
+
 def _chat(images: list[str], text: str, answer: str) -> dict:
     parts = [{"type": "image", "image": p} for p in images] + [{"type": "text", "text": text}]
     return {"messages": [{"role": "user", "content": parts},
@@ -89,6 +104,9 @@ def test_readme_vlm_cli_example_trains_at_sp2_as_at_sp1(tmp_path):
     two = _train(tmp_path, args, "sp2")  # as documented: --sp 2 --nproc 2, micro-batches of 2 (padded)
     one = _train(tmp_path, args, "sp1", sp=1, nproc=1)
     _same(one, two, steps=3)
+    # tokens: the samples' real tokens, padding (micro-batches of 2 padded to the longer) not counted
+    real = _real_tokens(tmp_path, args, steps=3)
+    assert [m["tokens"] for m in one] == [m["tokens"] for m in two] == real and real[-1] < 3 * 2 * 128
 
 
 def test_cli_trains_qwen3_vl_at_zero3_with_checkpointing_at_sp2_as_at_sp1(qwen3_dir):

@@ -17,7 +17,8 @@ group initialised) then builds and trains:
    processes the same global batches as ``sp = 1`` with the same ``dp``;
 4. per optimizer step: ``grad_accum`` micro-steps of ``engine.backward(engine(**batch).loss)`` (the
    output and its logits freed before the backward: ``micro_step``) / ``step``,
-   a metrics line (``run.report``: ``metrics.jsonl``, and TensorBoard / W&B with ``--report-to``;
+   a metrics line (``tokens``/``tokens_per_s``: real tokens, padding not counted, ``run.stream``;
+   ``run.report``: ``metrics.jsonl``, and TensorBoard / W&B with ``--report-to``;
    ``loss.png`` when the run ends), and every ``save_every`` steps an atomic checkpoint (``state/checkpoint.py``, through
    ``rundir.checked_save``: finite weights, free space).
 
@@ -218,7 +219,7 @@ def _loop(cfg, engine, stream, state, tokenizer, manifest, track_peak_memory, st
 
     rank = dist.get_rank()
     step, tokens = state["step"], state["tokens"]
-    tokens_per_step = engine.batch_sizes.train_batch_size * cfg.seq_len
+    dp_rank, dp_size = engine.mesh.dp_rank, engine.mesh.dp_size
     batches = iter(stream)
     engine.train()
     bar = tqdm(
@@ -241,15 +242,21 @@ def _loop(cfg, engine, stream, state, tokenizer, manifest, track_peak_memory, st
                         raise DivergenceError(f"{e} Last good checkpoint: {_last_good(cfg)}.",
                                               step=e.step, bad_steps=e.bad_steps) from None  # fmt: skip
                 comm_dt = time.perf_counter() - t0  # the step's metric reductions are not in it
-            step, tokens = step + 1, tokens + tokens_per_step
-            # one reduction: the busiest rank's peak memory, and whether any rank was asked to stop
-            flags = [mem.peak_bytes, int(stop is not None and stop.is_set())]
+            # one reduction: the busiest rank's peak memory, whether any rank was asked to stop, and each
+            # DP replica's real tokens in its own slot (the max of one value and zeros is that value;
+            # the SP ranks of a replica hold the same count), so the sum of the slots needs no second
+            # collective: dp int64 more in the tensor the step reduces anyway
+            real = [0] * dp_size
+            real[dp_rank] = stream.take_real_tokens()  # host ints from the data path, no device read
+            flags = [mem.peak_bytes, int(stop is not None and stop.is_set()), *real]
             flags = all_reduce_max(torch.tensor(flags, dtype=torch.int64, device=engine.device),
                                    engine.mesh.reduce_group).tolist()  # fmt: skip
+            step_tokens = int(sum(flags[2:]))
+            step, tokens = step + 1, tokens + step_tokens
             dt = time.perf_counter() - t0
             record = {
                 "step": step, "loss": loss, "grad_norm": engine.get_global_grad_norm(), "lr": lr,
-                "tokens": tokens, "tokens_per_s": tokens_per_step / dt, "peak_mem_bytes": int(flags[0]),
+                "tokens": tokens, "tokens_per_s": step_tokens / dt, "peak_mem_bytes": int(flags[0]),
                 **_comm_fields(times, comm_dt),
             }  # fmt: skip
             if engine.loss_scaler is not None:  # fp16: the scale and the overflowing steps skipped so far

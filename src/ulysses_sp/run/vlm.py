@@ -77,7 +77,8 @@ def vlm_dataset(cfg: RunConfig, config: Any) -> list[dict[str, torch.Tensor]]:
 
 def collate_vlm(samples: list[dict[str, torch.Tensor]], *, pad_id: int) -> dict[str, torch.Tensor]:
     """``[1, S_i]`` samples -> ``input_ids``/``labels``/``mm_token_type_ids [B, S]`` right-padded
-    (pad id, ``-100``, ``0``: causal attention keeps pads out of the real tokens) and the images'
+    (pad id, ``-100``, ``0``: causal attention keeps pads out of the real tokens), ``attention_mask [B, S]``
+    (``False`` on the padding: the adapter counts the real tokens from it, then drops it) and the images'
     ``pixel_values [N_p, C*T*p*p]`` / ``image_grid_thw`` concatenated in sample order."""
     width = max(s["input_ids"].shape[1] for s in samples)
     fills = {"input_ids": pad_id, "labels": -100, "mm_token_type_ids": 0}
@@ -87,6 +88,8 @@ def collate_vlm(samples: list[dict[str, torch.Tensor]], *, pad_id: int) -> dict[
         )
         for key, fill in fills.items()
     }
+    lengths = torch.tensor([s["input_ids"].shape[1] for s in samples])
+    out["attention_mask"] = torch.arange(width)[None] < lengths[:, None]  # [B, S] bool: False on the padding
     for key in ("pixel_values", "image_grid_thw"):
         parts = [s[key] for s in samples if key in s]
         if parts:

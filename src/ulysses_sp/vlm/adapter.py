@@ -5,7 +5,8 @@ group's batches. A VLM batch cannot be cut before the model (``batch``'s docstri
 ``VLMDataLoaderAdapter`` keeps the adapter's round (each of the ``P`` ranks loads one batch; the
 group works through the ``P`` batches one by one) but exchanges whole batches — token ids, pixels,
 grids: one ``all_gather_object`` per round — and yields ``prepare_vlm_batch``'s inputs: the whole
-sample and this rank's ``shift_labels [B, S_l]``. A bad batch on any rank raises on every rank.
+sample and this rank's ``shift_labels [B, S_l]``; ``last_real_tokens`` counts each batch's real
+tokens as the text adapter does (``data.adapter.real_tokens``). A bad batch on any rank raises on every rank.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from ulysses_sp.data.adapter import UlyssesSPDataLoaderAdapter
+from ulysses_sp.data.adapter import REAL_TOKENS, UlyssesSPDataLoaderAdapter, real_tokens
 from ulysses_sp.parallel.comm import all_gather_object, raise_if_any_rank_failed
 from ulysses_sp.vlm.batch import prepare_vlm_batch
 
@@ -24,9 +25,12 @@ def vlm_round(
     """One round of ``adapter`` over VLM batches: this rank's inputs for each rank's batch (rank
     order), or ``None`` when every loader is exhausted."""
     batch, error = next(it, None), None
-    prepare = lambda b: prepare_vlm_batch(  # noqa: E731
-        model, b, sp_rank=adapter.sp_rank, sp_size=adapter.sp_world_size, ring_size=adapter.ring_size,
-        pad_token_id=adapter.pad_token_id)  # fmt: skip
+
+    def prepare(b: dict[str, Any]) -> dict[str, Any]:
+        out = prepare_vlm_batch(model, b, sp_rank=adapter.sp_rank, sp_size=adapter.sp_world_size,
+                                ring_size=adapter.ring_size, pad_token_id=adapter.pad_token_id)  # fmt: skip
+        return {**out, REAL_TOKENS: real_tokens(b)}  # the adapter's round pops it (last_real_tokens)
+
     if batch is not None:
         try:
             batch = {k: v.cpu() if hasattr(v, "cpu") else v for k, v in dict(batch).items()}
