@@ -113,8 +113,10 @@ def test_cli_trains_qwen3_vl_at_zero3_with_checkpointing_at_sp2_as_at_sp1(qwen3_
     args = ["train", "--model", "qwen3", "--data", "chat.jsonl", "--seq-len", "96", "--steps", "2",
             "--micro-batch-size", "1"]  # fmt: skip
     one = _train(qwen3_dir, args, "z0sp1", sp=1, nproc=1)
-    three = _train(qwen3_dir, [*args, "--activation-checkpointing"], "z3sp2", sp=2, nproc=2,
-                   zero_stage=3)  # weights loaded shard by shard  # fmt: skip
+    # weights loaded shard by shard; --split-images off: each rank encodes the frames its shard touches (the
+    # README run above splits them over the group: auto, every micro-batch of two samples has >= 2 frames)
+    three = _train(qwen3_dir, [*args, "--activation-checkpointing", "--split-images", "off"], "z3sp2", sp=2,
+                   nproc=2, zero_stage=3)  # fmt: skip
     _same(one, three, steps=2)
 
 
@@ -150,8 +152,11 @@ def test_resolve_takes_loss_on_assistant_for_a_vlm_chat(qwen3_dir):
         ({"packing": "best-fit"}, None, r"vision-language model: --packing 'best-fit' is not supported"),
         ({"tiled_loss": True}, None, r"vision-language model: --tiled-loss computes the loss"),
         ({"data": "recall"}, None, r"--data recall is a text task"),
+        ({"split_images": "on"}, None, r"--split-images on: --data .*chat.jsonl', sample 0, has 1 frame\(s\) "
+                                       r"\(patches \[24\]\), which cannot give each of the 2 SP ranks a whole frame"),
+        ({"split_images": "sometimes"}, None, r"--split-images must be auto, on or off, got 'sometimes'"),
     ],
-    ids=["missing-image", "too-long", "packing", "tiled-loss", "recall"],
+    ids=["missing-image", "too-long", "packing", "tiled-loss", "recall", "split-on-one-image", "split-bad"],
 )
 def test_bad_input_and_options_refused_before_launch(qwen3_dir, tmp_path, kw, records, match):
     if records is not None:
@@ -159,6 +164,15 @@ def test_bad_input_and_options_refused_before_launch(qwen3_dir, tmp_path, kw, re
         (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     with pytest.raises(ValueError, match=match):
         _resolve(tmp_path if records is not None else qwen3_dir, **kw)
+
+
+def test_split_images_is_refused_where_there_is_nothing_to_split(qwen3_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"--split-images on splits the vision tower's frames over the SP group, "
+                                         r"and --sp 1 has none"):  # fmt: skip
+        resolve_run(RunConfig(model=str(qwen3_dir / "qwen3"), data=str(qwen3_dir / "chat.jsonl"), seq_len=96, sp=1,
+                              split_images="on", output_dir=str(tmp_path / "o")), 1)  # fmt: skip
+    with pytest.raises(ValueError, match=r"--split-images off: --model 'tiny-llama' is not a vision-language model"):
+        resolve_run(RunConfig(model="tiny-llama", split_images="off", output_dir=str(tmp_path / "o")), 2)
 
 
 def test_eval_refuses_a_vlm_dir(qwen3_dir):
@@ -188,3 +202,19 @@ def test_a_vlm_resume_after_an_image_changed_is_refused_naming_the_image(qwen3_d
     with pytest.raises(ValueError, match=r"the data changed since the checkpoint was saved \(files differing in "
                                          r"size or content: \['p2.png'\]\)"):  # fmt: skip
         _resolve(tmp_path, output_dir=str(tmp_path / "run"), resume="latest")
+
+
+def test_split_images_on_checks_each_micro_batch_by_its_frames():
+    import torch
+
+    from ulysses_sp.vlm.split import check_split
+
+    two = {"image_grid_thw": torch.tensor([[1, 4, 4]]), "video_grid_thw": torch.tensor([[2, 2, 2]])}
+    check_split(two, 2)  # an image and a 2-frame video: 3 frames, one run each side
+    check_split({"image_grid_thw": torch.tensor([[1, 2, 2], [1, 2, 2], [1, 2, 4]])}, 3)
+    # 3 frames for 3 ranks, but the last frame's patches take the middle of the run: no frame for rank 2
+    with pytest.raises(ValueError, match=r"a micro-batch has 3 frame\(s\) \(patches \[4, 4, 400\]\), which cannot "
+                                         r"give each of the 3 SP ranks a whole frame"):  # fmt: skip
+        check_split({"image_grid_thw": torch.tensor([[1, 2, 2], [1, 2, 2], [1, 20, 20]])}, 3)
+    with pytest.raises(ValueError, match=r"has 0 frame\(s\)"):  # text only
+        check_split({"input_ids": torch.zeros(1, 4)}, 2)

@@ -255,6 +255,8 @@ def check_train_options(cfg: RunConfig) -> None:
     positive_int("--head-chunks", cfg.head_chunks)
     if cfg.exchange not in EXCHANGES:
         raise ValueError(f"--exchange must be one of {', '.join(EXCHANGES)}, got {cfg.exchange!r}")
+    if cfg.split_images not in ("auto", "on", "off"):
+        raise ValueError(f"--split-images must be auto, on or off, got {cfg.split_images!r}")
     if cfg.zero_partition not in ("auto", "data_parallel", "all"):
         raise ValueError(f"--zero-partition must be auto, data_parallel or all, got {cfg.zero_partition!r}")
     check_report_to(cfg.report_to)

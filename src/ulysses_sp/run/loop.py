@@ -55,7 +55,7 @@ from ulysses_sp.run.report import MetricsReport
 from ulysses_sp.run.resolve import ResolvedRun, resolve_run
 from ulysses_sp.run.rundir import checked_save, prepare_output_dir
 from ulysses_sp.run.stream import DataStream
-from ulysses_sp.run.vlm import is_vlm_config
+from ulysses_sp.run.vlm import is_vlm_config, vlm_shard
 from ulysses_sp.state import checkpoint as ckpt
 from ulysses_sp.state.precision import DTYPES
 
@@ -134,6 +134,7 @@ def _run(resolved: ResolvedRun, stop: Any, held: ExitStack) -> dict[str, Any]:
                                   config=resolved.model_config)  # fmt: skip
     handles, loss_fn = apply_techniques(cfg, model)
     mpu = register_attention(cfg, model, resolved.model_config, mesh)
+    handles += vlm_shard(cfg, model, mesh)  # --split-images off: installed here, initialize() keeps it
     engine, _, _, _ = initialize(model, cfg.training_config(), mpu=mpu or mesh.mpu, loss_fn=loss_fn)
     state = {"step": 0, "tokens": 0, "data": {"epoch": 0, "offset": 0}}
     if resume_dir:  # model (fp32 master weights) + optimizer resharded to this layout
@@ -144,7 +145,7 @@ def _run(resolved: ResolvedRun, stop: Any, held: ExitStack) -> dict[str, Any]:
     stream = DataStream(
         dataset, engine, micro_batch_size=cfg.micro_batch_size, seed=cfg.seed,
         shuffle=cfg.data != tasks.RECALL, pad_id=tokenizer.pad_token_id or 0, **state["data"],
-        vlm=engine.module if is_vlm_config(resolved.model_config) else None,
+        vlm=engine.module if is_vlm_config(resolved.model_config) else None, require_split=cfg.split_images == "on",
     )  # fmt: skip
     if rank == 0:
         blocks = getattr(mpu, "head_blocks", None)  # --head-chunks: which attention modules run per group, how

@@ -9,7 +9,9 @@ the vision tower's frames split over the SP group); this module is the CLI's sid
 - ``vlm_dataset``: ``--data`` chat JSONL with local image paths, read once in the launcher with the
   directory's tokenizer and image processor (``vlm.data.load_vlm_chat``: image tokens count toward
   ``--seq-len``, ``--loss-on`` masks as for text chats (default ``all``), every bad sample is a
-  ``ValueError`` naming it);
+  ``ValueError`` naming it; ``--split-images on`` at ``--micro-batch-size 1``: a sample whose frames
+  cannot be split over the SP group too);
+- ``vlm_shard``: ``--split-images off``'s per-shard merge, installed before ``initialize()``;
 - ``collate_vlm``: a micro-batch of such samples as one processor-style batch (right-padded).
 
 Shape legend: ``B`` micro-batch, ``S`` the batch's longest sample, ``N_p`` patches of the batch's images.
@@ -63,16 +65,36 @@ def check_vlm_options(cfg: RunConfig) -> None:
             raise ValueError(
                 f"{where}: {flag} {value!r} is not supported ({why}); use {allowed[-1]!r} or drop it"
             )
+    if cfg.split_images == "on" and cfg.sp == 1:
+        raise ValueError(f"{where}: --split-images on splits the vision tower's frames over the SP group, and "
+                         "--sp 1 has none (one rank encodes every frame); drop the flag or raise --sp")  # fmt: skip
     if cfg.long_samples != "truncate":
         raise ValueError(f"{where}: --long-samples {cfg.long_samples!r} is not supported: a sample longer than "
                          "--seq-len is refused by name (its images cannot be cut); drop the flag")  # fmt: skip
+
+
+def vlm_shard(cfg: RunConfig, model: Any, mesh: Any) -> list[Any]:
+    """``--split-images off`` at ``sp > 1``: the per-shard merge installed without a group to split the
+    tower's frames over (``vlm.shard_vlm(split_images_over=None)``), which ``initialize()`` then keeps;
+    its handle in a list (else ``[]``: ``initialize()`` installs it with the SP group, ``auto``/``on``)."""
+    from ulysses_sp.vlm import shard_vlm, vlm_parts
+
+    if cfg.split_images != "off" or cfg.sp == 1 or vlm_parts(model) is None:
+        return []
+    return [shard_vlm(model, sp_rank=mesh.sp_rank, sp_size=mesh.sp_size, ring_size=mesh.ring_size)]
 
 
 def vlm_dataset(cfg: RunConfig, config: Any) -> list[dict[str, torch.Tensor]]:
     """``cfg.data`` read with ``cfg.model``'s tokenizer and image processor (module docstring)."""
     from ulysses_sp.vlm.data import load_vlm_chat
 
-    return load_vlm_chat(cfg.data, cfg.model, config=config, seq_len=cfg.seq_len, loss_on=cfg.loss_on)
+    samples = load_vlm_chat(cfg.data, cfg.model, config=config, seq_len=cfg.seq_len, loss_on=cfg.loss_on)
+    if cfg.split_images == "on" and cfg.micro_batch_size == 1:  # a micro-batch is one sample: check them all now
+        from ulysses_sp.vlm.split import check_split
+
+        for i, sample in enumerate(samples):
+            check_split(sample, cfg.sp, where=f"--data {cfg.data!r}, sample {i},")
+    return samples  # at --micro-batch-size > 1 the data round checks each micro-batch (VLMDataLoaderAdapter)
 
 
 def collate_vlm(samples: list[dict[str, torch.Tensor]], *, pad_id: int) -> dict[str, torch.Tensor]:

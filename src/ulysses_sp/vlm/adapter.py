@@ -17,6 +17,7 @@ from typing import Any
 from ulysses_sp.data.adapter import REAL_TOKENS, UlyssesSPDataLoaderAdapter, real_tokens
 from ulysses_sp.parallel.comm import all_gather_object, raise_if_any_rank_failed
 from ulysses_sp.vlm.batch import prepare_vlm_batch
+from ulysses_sp.vlm.split import check_split
 
 
 def vlm_round(
@@ -34,6 +35,8 @@ def vlm_round(
     if batch is not None:
         try:
             batch = {k: v.cpu() if hasattr(v, "cpu") else v for k, v in dict(batch).items()}
+            if getattr(adapter, "require_split", False):  # VLMDataLoaderAdapter(require_split=True)
+                check_split(batch, adapter.sp_world_size)
             prepare(batch)  # every check before the exchange
         except (ValueError, TypeError) as e:
             error = str(e)
@@ -53,14 +56,19 @@ def vlm_round(
 
 
 class VLMDataLoaderAdapter(UlyssesSPDataLoaderAdapter):
-    """``UlyssesSPDataLoaderAdapter`` for a VLM (module docstring); ``model`` computes the positions."""
+    """``UlyssesSPDataLoaderAdapter`` for a VLM (module docstring); ``model`` computes the positions;
+    ``require_split``: every batch's frames must split over the group (``split.check_split``)."""
 
     def __init__(self, dl: Any, sp_rank: int, sp_group: Any, sp_world_size: int, device: Any, *,
-                 model: Any, pad_token_id: int = 0, ring_size: int | None = None) -> None:  # fmt: skip
+                 model: Any, pad_token_id: int = 0, ring_size: int | None = None,
+                 require_split: bool = False) -> None:  # fmt: skip
         super().__init__(
             dl, sp_rank, sp_group, sp_world_size, device, pad_token_id=pad_token_id, ring_size=ring_size
         )
         self.model = model
+        self.require_split = require_split
+        """Refuse (on every rank of the group) a batch whose frames cannot be split over the group
+        (``split.check_split``: ``--split-images on``)."""
 
     def _refill(self, it: Iterator[Any]) -> list[dict[str, Any]] | None:
         return vlm_round(self, it, self.model)
