@@ -76,7 +76,9 @@ def sp_attention_wanted(cfg: RunConfig, model_config: Any) -> bool:
         return False
     if cfg.sp > 1 or cfg.offload_attention or cfg.attn_chunk is not None:
         return True
-    return not is_vlm_config(model_config) and plain_attention_layers(model_config.get_text_config())
+    if is_vlm_config(model_config):  # packed VLM rows at sp 1: the SP path keeps the documents apart
+        return cfg.packing == "best-fit"
+    return plain_attention_layers(model_config.get_text_config())
 
 
 def built_attn(cfg: RunConfig, model_config: Any) -> str:
