@@ -232,14 +232,36 @@ def test_split_images_is_refused_where_there_is_nothing_to_split(qwen3_dir, tmp_
         resolve_run(RunConfig(model="tiny-llama", split_images="off", output_dir=str(tmp_path / "o")), 2)
 
 
-def test_eval_refuses_a_vlm_dir(qwen3_dir):
+def _eval(cwd, out: str, *args: str) -> dict:
+    args = ["eval", "--model", "qwen3", "--data", "chat.jsonl", "--seq-len", "160", "--micro-batch-size", "1",
+            "--output-json", out, "--plot", "none", *args]  # fmt: skip
+    if "--nproc" not in args:  # one process: in this one
+        with contextlib.chdir(cwd):
+            main([*args, "--sp", "1", "--nproc", "1"])
+    else:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=400, cwd=cwd, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((cwd / out).read_text())["results"][0]
+
+
+def test_eval_of_a_vlm_packed_at_sp2_equals_each_sample_alone_at_sp1_per_position(qwen3_dir):
+    # the oracle: one sample a row at sp 1, transformers' own forward; against packed rows at sp 2
+    one = _eval(qwen3_dir, "eval1.json")
+    two = _eval(qwen3_dir, "eval2.json", "--packing", "best-fit", "--sp", "2", "--nproc", "2")
+    assert one["tokens"] == two["tokens"] > 200 and abs(one["loss"] - two["loss"]) <= 1e-5 * one["loss"]
+    bins = [(a, b) for a, b in zip(one["per_position"], two["per_position"]) if a["tokens"]]
+    assert len(bins) > 10 and all(a["tokens"] == b["tokens"] for a, b in bins)
+    assert all(abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"] for a, b in bins), bins  # position by position
+
+
+def test_eval_refuses_vlm_and_text_models_together(qwen3_dir):
     from ulysses_sp.run.checks import check_run
 
-    with pytest.raises(
-        ValueError, match=r"vision-language model \(qwen3_vl\): `ulysses-sp eval` scores text"
-    ):
-        check_run(2, sp=2, seq_len=96, sizes={}, attn="sdpa", models=[str(qwen3_dir / "qwen3")], tokenizer=None,
-                  data=str(qwen3_dir / "chat.jsonl"), seed=0)  # fmt: skip
+    with pytest.raises(ValueError, match=r"qwen3' is a vision-language model and 'tiny-llama' is not; they read "
+                                         r"different data, evaluate them one by one"):  # fmt: skip
+        check_run(2, sp=2, seq_len=96, sizes={}, attn="sdpa", models=[str(qwen3_dir / "qwen3"), "tiny-llama"],
+                  tokenizer=None, data=str(qwen3_dir / "chat.jsonl"), seed=0)  # fmt: skip
 
 
 def test_a_vlm_resume_after_an_image_changed_is_refused_naming_the_image(qwen3_dir, tmp_path):
