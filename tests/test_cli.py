@@ -160,6 +160,8 @@ def test_sp2_matches_sp1_at_dp2_with_alst_techniques_zero0_under_torchrun_and_pr
     for a, b in zip(metrics(tmp_path / "sp1"), metrics(tmp_path / "sp2"), strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        # both DP replicas' tokens (full recall rows: micro-batch 2 x 32 each), each once, whatever sp
+        assert a["tokens"] == b["tokens"] == a["step"] * 2 * 2 * 32
         assert b["comm_s"] > 0 and b["dp_comm_s"] > 0 and b["compute_s"] > 0  # every line has comm times
         assert b["comm_share"] == pytest.approx((b["comm_s"] + b["dp_comm_s"]) / (
             b["comm_s"] + b["dp_comm_s"] + b["compute_s"]), rel=1e-6)  # fmt: skip

@@ -144,6 +144,17 @@ def test_adapter_without_group_yields_prepared_batches_and_logs_padding_once(cap
     assert len(list(ad)) == 3  # a second pass (epoch) starts over
 
 
+def test_adapter_counts_the_real_tokens_of_each_batch_from_its_attention_mask():
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0]])
+    batches = [{"input_ids": _ids(2, 5), "attention_mask": mask}, {"input_ids": _ids(1, 5)}]
+    ad = UlyssesSPDataLoaderAdapter(batches, 0, None, 1, "cpu")
+    seen = []
+    for out in ad:
+        assert "attention_mask" not in out and not any(k.startswith("__") for k in out)  # never to the model
+        seen.append(ad.last_real_tokens)
+    assert seen == [7, 5]  # the mask's ones; without a mask, every token
+
+
 def test_adapter_without_group_rejects_sp_size():
     with pytest.raises(ValueError, match=r"sp_group is None but sp_world_size=2"):
         UlyssesSPDataLoaderAdapter([], 0, None, 2, "cpu")

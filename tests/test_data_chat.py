@@ -241,6 +241,10 @@ def test_packed_rows_restart_positions_and_mask_unscored_tokens(tmp_path):
     st = ds.stats()
     assert st["real_tokens"] == corpus.lengths.sum() and 0 < st["scored_share"] < st["efficiency"] <= 1
     assert sum(int((ds[i]["labels"] != IGNORE_INDEX).sum()) for i in range(len(ds))) == st["scored_tokens"]
+    # the attention_mask marks the real tokens (the adapter's tokens/s counts them): right padding only
+    masks = [ds[i]["attention_mask"] for i in range(len(ds))]
+    assert sum(int(m.sum()) for m in masks) == st["real_tokens"] < len(ds) * 128
+    assert all(torch.equal(m, torch.arange(128) < int(m.sum())) for m in masks)
 
 
 def test_eval_split_is_deterministic_disjoint_and_complete(tmp_path):

@@ -97,6 +97,25 @@ def test_a_chat_run_builds_its_token_cache_once_and_ranks_get_it_by_path(tmp_pat
     assert counted["tokenize_cache"] == 1  # resolving again read the cache
 
 
+def test_tokens_per_s_counts_the_real_tokens_not_the_padding(tmp_path):
+    from ulysses_sp.data import sp_dataloader
+
+    data = _chats(tmp_path / "chat.jsonl", n=12)
+    (tmp_path / "t.jinja").write_text(CHATML)
+    # --packing none: each chat its own row of --seq-len 512, right-padded
+    out = _train_in_process(tmp_path, data, "--chat-template", str(tmp_path / "t.jinja"), "--packing", "none",
+                            "--seq-len", "512")  # fmt: skip
+    cfg = RunConfig(data=data, seq_len=512, chat_template=str(tmp_path / "t.jinja"), output_dir=str(tmp_path / "o"),
+                    data_cache=str(tmp_path / "cache"), packing="none", sp=1)  # fmt: skip
+    rows = resolve_run(cfg, 1).dataset
+    order = sp_dataloader(range(len(rows)), batch_size=2, dp_size=1, sp_size=1, dp_rank=0, sp_rank=0, seed=0)
+    real = [sum(int(rows[int(i)]["attention_mask"].sum()) for i in batch) for batch in order][:2]
+    metrics = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert [m["tokens"] for m in metrics] == [real[0], real[0] + real[1]]  # exactly the real tokens
+    assert metrics[-1]["tokens"] < 2 * 2 * 512  # fewer than rows x seq_len: the padding is not counted
+    assert all(m["tokens_per_s"] > 0 for m in metrics)
+
+
 def _cfg(tmp_path, data: str, **kw) -> RunConfig:
     return RunConfig(data=data, seq_len=kw.pop("seq_len", 64), output_dir=str(tmp_path / "out"),
                        data_cache=str(tmp_path / "cache"), data_workers=1, **kw)  # fmt: skip

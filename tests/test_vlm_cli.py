@@ -1,7 +1,8 @@
 """``ulysses-sp train`` on a local vision-language model directory with chat JSONL with images
 (issue 24): at sp 2 exactly as at sp 1 (per-step losses and gradient norms, fp32), for the README's
-tiny Qwen2.5-VL run as documented and for a Qwen3-VL loaded shard by shard at ZeRO 3 with
-activation checkpointing; bad input
+tiny Qwen2.5-VL run as documented (the frames split over the group) and for a Qwen3-VL on packed rows
+(each document's first-step loss as alone) loaded shard by shard at ZeRO 3 with activation
+checkpointing and --split-images off; real tokens counted; bad input
 and options that do not apply are refused before launch, naming the sample or the flag."""
 
 from __future__ import annotations
@@ -61,6 +62,21 @@ def _same(one: list[dict], two: list[dict], steps: int) -> None:
         assert a["grad_norm"] > 0.1  # large weights: one wrong token would show
 
 
+def _real_tokens(cwd, args: list[str], steps: int) -> list[int]:
+    """The cumulative real (unpadded) tokens of the first ``steps`` steps of ``train args`` (dp 1, the
+    default seed, one micro-step a step): the samples' lengths in the sampler's order."""
+    from ulysses_sp.data import sp_dataloader
+
+    flag = lambda name: args[args.index(name) + 1]  # noqa: E731
+    mbs = int(flag("--micro-batch-size"))
+    cfg = RunConfig(model=str(cwd / flag("--model")), data=str(cwd / flag("--data")),
+                    seq_len=int(flag("--seq-len")), output_dir=str(cwd / "unused"), sp=1)  # fmt: skip
+    samples = resolve_run(cfg, 1).dataset
+    order = sp_dataloader(range(len(samples)), batch_size=mbs, dp_size=1, sp_size=1, dp_rank=0, sp_rank=0)
+    per_step = [sum(samples[int(i)]["input_ids"].shape[1] for i in batch) for batch in order][:steps]
+    return np.cumsum(per_step).tolist()
+
+
 def _chat(images: list[str], text: str, answer: str) -> dict:
     parts = [{"type": "image", "image": p} for p in images] + [{"type": "text", "text": text}]
     return {"messages": [{"role": "user", "content": parts},
@@ -89,14 +105,52 @@ def test_readme_vlm_cli_example_trains_at_sp2_as_at_sp1(tmp_path):
     two = _train(tmp_path, args, "sp2")  # as documented: --sp 2 --nproc 2, micro-batches of 2 (padded)
     one = _train(tmp_path, args, "sp1", sp=1, nproc=1)
     _same(one, two, steps=3)
+    # tokens: the samples' real tokens, padding (micro-batches of 2 padded to the longer) not counted
+    real = _real_tokens(tmp_path, args, steps=3)
+    assert [m["tokens"] for m in one] == [m["tokens"] for m in two] == real and real[-1] < 3 * 2 * 128
 
 
-def test_cli_trains_qwen3_vl_at_zero3_with_checkpointing_at_sp2_as_at_sp1(qwen3_dir):
-    args = ["train", "--model", "qwen3", "--data", "chat.jsonl", "--seq-len", "96", "--steps", "2",
-            "--micro-batch-size", "1"]  # fmt: skip
+def _documents_alone_loss(path, seq_len: int) -> float:
+    """The first step's loss by the model's own forward (no SP, no packing) on each document of the
+    first packed row alone: the token mean over the row's documents (the oracle of a packed run)."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForImageTextToText
+
+    from ulysses_sp.data import sp_dataloader
+    from ulysses_sp.data.bestfit import plan_blocks
+
+    cfg = RunConfig(model=str(path / "qwen3"), data=str(path / "chat.jsonl"), seq_len=seq_len, sp=1,
+                    output_dir=str(path / "unused"))  # fmt: skip
+    samples = resolve_run(cfg, 1).dataset  # unpacked: one sample a row
+    plan = plan_blocks(np.array([s["input_ids"].shape[1] for s in samples]), seq_len, packing="best-fit",
+                       long_samples="truncate")  # fmt: skip
+    first = int(next(iter(sp_dataloader(range(len(plan)), batch_size=1, dp_size=1, sp_size=1, dp_rank=0,
+                                        sp_rank=0)))[0])  # fmt: skip
+    model = AutoModelForImageTextToText.from_pretrained(str(path / "qwen3"), attn_implementation="sdpa")
+    total, count = 0.0, 0
+    for i in plan.sample[plan.offsets[first] : plan.offsets[first + 1]]:
+        doc = samples[int(i)]
+        with torch.no_grad():
+            logits = model(**{k: v for k, v in doc.items() if k != "labels"}, use_cache=False).logits
+        target = F.pad(doc["labels"][:, 1:], (0, 1), value=-100)
+        total += float(F.cross_entropy(logits[0], target[0], ignore_index=-100, reduction="sum"))
+        count += int((target != -100).sum())
+    assert len(plan) < len(samples) and int(np.diff(plan.offsets)[first]) > 1  # the row packs documents
+    return total / count
+
+
+def test_cli_trains_packed_qwen3_vl_at_zero3_with_checkpointing_at_sp2_as_at_sp1(qwen3_dir):
+    args = ["train", "--model", "qwen3", "--data", "chat.jsonl", "--seq-len", "160", "--steps", "2",
+            "--micro-batch-size", "1", "--packing", "best-fit"]  # fmt: skip
     one = _train(qwen3_dir, args, "z0sp1", sp=1, nproc=1)
-    three = _train(qwen3_dir, [*args, "--activation-checkpointing"], "z3sp2", sp=2, nproc=2,
-                   zero_stage=3)  # weights loaded shard by shard  # fmt: skip
+    # packed rows at sp 1 go through the SP path (transformers' own forward would mix the documents): its
+    # first loss is that of each document alone through the model's own forward
+    assert abs(one[0]["loss"] - _documents_alone_loss(qwen3_dir, 160)) <= 1e-5 * one[0]["loss"]
+    # weights loaded shard by shard; --split-images off: each rank encodes the frames its shard touches (the
+    # README run above splits them over the group: auto, every micro-batch of two samples has >= 2 frames)
+    three = _train(qwen3_dir, [*args, "--activation-checkpointing", "--split-images", "off"], "z3sp2", sp=2,
+                   nproc=2, zero_stage=3)  # fmt: skip
     _same(one, three, steps=2)
 
 
@@ -117,6 +171,30 @@ def test_resolve_reads_the_chat_once_with_image_tokens_in_the_length(qwen3_dir):
     )  # 2x2 merge
 
 
+def test_packing_puts_whole_samples_in_rows_with_positions_restarting(qwen3_dir):
+    import torch
+    from vlm_models import tiny_vlm
+
+    from ulysses_sp.vlm import prepare_vlm_batch
+
+    samples = _resolve(qwen3_dir, seq_len=160).dataset
+    rows = _resolve(qwen3_dir, seq_len=160, packing="best-fit").dataset
+    assert len(rows) < len(samples)
+    seen = []
+    for row in rows:  # each row: whole samples (tokens, labels, images in order), positions from 0 at each
+        starts = (row["position_ids"][0] == 0).nonzero().flatten().tolist() + [row["input_ids"].shape[1]]
+        docs = [next(j for j, s in enumerate(samples) if j not in seen and s["input_ids"].shape[1] == hi - lo
+                     and torch.equal(s["input_ids"][0], row["input_ids"][0, lo:hi])) for lo, hi in zip(starts, starts[1:])]  # fmt: skip
+        seen += docs
+        for key in ("labels", "image_grid_thw", "pixel_values"):
+            assert torch.equal(row[key], torch.cat([samples[j][key] for j in docs], dim=1 if key == "labels" else 0))
+    assert sorted(seen) == list(range(len(samples)))
+    # a row of 96 tokens, as wide as a patch's pixel features (3 x 2 x 4 x 4): not taken for a per-token tensor
+    row = next(r for r in rows if r["input_ids"].shape[1] == r["pixel_values"].shape[1] == 96)
+    inputs = prepare_vlm_batch(tiny_vlm("qwen3_vl"), row, sp_rank=0, sp_size=2)
+    assert torch.equal(inputs["pixel_values"], row["pixel_values"]) and inputs["position_ids"].shape == (4, 1, 96)
+
+
 def test_resolve_takes_loss_on_assistant_for_a_vlm_chat(qwen3_dir):
     run = _resolve(qwen3_dir, loss_on="assistant")
     for i, s in enumerate(run.dataset):  # the assistant turn: "dots " * (1 + i), then <|im_end|> and "\n"
@@ -129,11 +207,13 @@ def test_resolve_takes_loss_on_assistant_for_a_vlm_chat(qwen3_dir):
     [
         ({}, [_chat(["gone.png"], "hi", "x")], r"chat.jsonl:1 \(sample 0\): image file 'gone.png' not found"),
         ({"seq_len": 32}, None, r"sample 0\): \d+ tokens \(6 of them image tokens\) exceed seq_len 32"),
-        ({"packing": "best-fit"}, None, r"vision-language model: --packing 'best-fit' is not supported"),
         ({"tiled_loss": True}, None, r"vision-language model: --tiled-loss computes the loss"),
         ({"data": "recall"}, None, r"--data recall is a text task"),
+        ({"split_images": "on"}, None, r"--split-images on: --data .*chat.jsonl', sample 0, has 1 frame\(s\) "
+                                       r"\(patches \[24\]\), which cannot give each of the 2 SP ranks a whole frame"),
+        ({"split_images": "sometimes"}, None, r"--split-images must be auto, on or off, got 'sometimes'"),
     ],
-    ids=["missing-image", "too-long", "packing", "tiled-loss", "recall"],
+    ids=["missing-image", "too-long", "tiled-loss", "recall", "split-on-one-image", "split-bad"],
 )
 def test_bad_input_and_options_refused_before_launch(qwen3_dir, tmp_path, kw, records, match):
     if records is not None:
@@ -143,14 +223,45 @@ def test_bad_input_and_options_refused_before_launch(qwen3_dir, tmp_path, kw, re
         _resolve(tmp_path if records is not None else qwen3_dir, **kw)
 
 
-def test_eval_refuses_a_vlm_dir(qwen3_dir):
+def test_split_images_is_refused_where_there_is_nothing_to_split(qwen3_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"--split-images on splits the vision tower's frames over the SP group, "
+                                         r"and --sp 1 has none"):  # fmt: skip
+        resolve_run(RunConfig(model=str(qwen3_dir / "qwen3"), data=str(qwen3_dir / "chat.jsonl"), seq_len=96, sp=1,
+                              split_images="on", output_dir=str(tmp_path / "o")), 1)  # fmt: skip
+    with pytest.raises(ValueError, match=r"--split-images off: --model 'tiny-llama' is not a vision-language model"):
+        resolve_run(RunConfig(model="tiny-llama", split_images="off", output_dir=str(tmp_path / "o")), 2)
+
+
+def _eval(cwd, out: str, *args: str) -> dict:
+    args = ["eval", "--model", "qwen3", "--data", "chat.jsonl", "--seq-len", "160", "--micro-batch-size", "1",
+            "--output-json", out, "--plot", "none", *args]  # fmt: skip
+    if "--nproc" not in args:  # one process: in this one
+        with contextlib.chdir(cwd):
+            main([*args, "--sp", "1", "--nproc", "1"])
+    else:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=400, cwd=cwd, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((cwd / out).read_text())["results"][0]
+
+
+def test_eval_of_a_vlm_packed_at_sp2_equals_each_sample_alone_at_sp1_per_position(qwen3_dir):
+    # the oracle: one sample a row at sp 1, transformers' own forward; against packed rows at sp 2
+    one = _eval(qwen3_dir, "eval1.json")
+    two = _eval(qwen3_dir, "eval2.json", "--packing", "best-fit", "--sp", "2", "--nproc", "2")
+    assert one["tokens"] == two["tokens"] > 200 and abs(one["loss"] - two["loss"]) <= 1e-5 * one["loss"]
+    bins = [(a, b) for a, b in zip(one["per_position"], two["per_position"]) if a["tokens"]]
+    assert len(bins) > 10 and all(a["tokens"] == b["tokens"] for a, b in bins)
+    assert all(abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"] for a, b in bins), bins  # position by position
+
+
+def test_eval_refuses_vlm_and_text_models_together(qwen3_dir):
     from ulysses_sp.run.checks import check_run
 
-    with pytest.raises(
-        ValueError, match=r"vision-language model \(qwen3_vl\): `ulysses-sp eval` scores text"
-    ):
-        check_run(2, sp=2, seq_len=96, sizes={}, attn="sdpa", models=[str(qwen3_dir / "qwen3")], tokenizer=None,
-                  data=str(qwen3_dir / "chat.jsonl"), seed=0)  # fmt: skip
+    with pytest.raises(ValueError, match=r"qwen3' is a vision-language model and 'tiny-llama' is not; they read "
+                                         r"different data, evaluate them one by one"):  # fmt: skip
+        check_run(2, sp=2, seq_len=96, sizes={}, attn="sdpa", models=[str(qwen3_dir / "qwen3"), "tiny-llama"],
+                  tokenizer=None, data=str(qwen3_dir / "chat.jsonl"), seed=0)  # fmt: skip
 
 
 def test_a_vlm_resume_after_an_image_changed_is_refused_naming_the_image(qwen3_dir, tmp_path):
@@ -170,3 +281,19 @@ def test_a_vlm_resume_after_an_image_changed_is_refused_naming_the_image(qwen3_d
     with pytest.raises(ValueError, match=r"the data changed since the checkpoint was saved \(files differing in "
                                          r"size or content: \['p2.png'\]\)"):  # fmt: skip
         _resolve(tmp_path, output_dir=str(tmp_path / "run"), resume="latest")
+
+
+def test_split_images_on_checks_each_micro_batch_by_its_frames():
+    import torch
+
+    from ulysses_sp.vlm.split import check_split
+
+    two = {"image_grid_thw": torch.tensor([[1, 4, 4]]), "video_grid_thw": torch.tensor([[2, 2, 2]])}
+    check_split(two, 2)  # an image and a 2-frame video: 3 frames, one run each side
+    check_split({"image_grid_thw": torch.tensor([[1, 2, 2], [1, 2, 2], [1, 2, 4]])}, 3)
+    # 3 frames for 3 ranks, but the last frame's patches take the middle of the run: no frame for rank 2
+    with pytest.raises(ValueError, match=r"a micro-batch has 3 frame\(s\) \(patches \[4, 4, 400\]\), which cannot "
+                                         r"give each of the 3 SP ranks a whole frame"):  # fmt: skip
+        check_split({"image_grid_thw": torch.tensor([[1, 2, 2], [1, 2, 2], [1, 20, 20]])}, 3)
+    with pytest.raises(ValueError, match=r"has 0 frame\(s\)"):  # text only
+        check_split({"input_ids": torch.zeros(1, 4)}, 2)

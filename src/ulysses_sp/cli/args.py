@@ -172,6 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--exchange", choices=("auto", "packed", "headwise"), default=s,
                    help="SP attention all-to-all: one collective (packed), one per head (headwise), or auto: packed "
                    "below a per-piece byte threshold of the backend (default auto)")  # fmt: skip
+    t.add_argument("--split-images", choices=("auto", "on", "off"), default=s,
+                   help="VLM: split the vision tower's frames over the SP group (one all-to-all of the merged rows); "
+                   "auto: for each micro-batch with a whole frame for every rank, off: each rank encodes the frames "
+                   "its shard touches, on: refuse a micro-batch that cannot be split (default auto)")  # fmt: skip
     t.add_argument("--offload-attention", action="store_true", default=s,
                    help="Ulysses-Offload: attention K/V on the host between forward and backward (sdpa)")  # fmt: skip
     t.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=s,

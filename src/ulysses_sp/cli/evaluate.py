@@ -13,6 +13,7 @@ all-reduce gives the per-position curve over the whole context. Unset, the data 
 ``--seq-len``, ``--seed``, ``--micro-batch-size``, ``--attn`` and ``--sp`` are the training run's (``eval_options``:
 the manifest of the first ``--model`` that has one). Output: a JSON report (stdout and
 ``--output-json``) and a PNG plot (``--plot``; needs matplotlib, ``pip install 'ulysses-sp[plot]'``).
+A Qwen-VL directory is scored on its chat JSONL with images, every sample (``cli.evaluate_vlm``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from ulysses_sp.cli.evaluate_vlm import eval_run_config, model_inputs, vlm_eval_dataset
 from ulysses_sp.cli.flags import LAUNCH_KEYS, add_data_args
 from ulysses_sp.state import checkpoint as ckpt
 from ulysses_sp.tasks import DataSettings
@@ -130,6 +132,7 @@ def validate_eval(cfg: EvalConfig, world_size: int) -> list[tuple[Any, int]]:
     from ulysses_sp.mixers.guard import check_sequence_mixing
     from ulysses_sp.run.checks import check_run
     from ulysses_sp.run.model_checks import built_attn
+    from ulysses_sp.run.vlm import is_vlm_config
     from ulysses_sp.state.loading import empty_model_from_config
 
     sizes = {"num_samples": cfg.num_samples, "micro_batch_size": cfg.micro_batch_size, "bins": cfg.bins}
@@ -137,6 +140,9 @@ def validate_eval(cfg: EvalConfig, world_size: int) -> list[tuple[Any, int]]:
         world_size, sp=cfg.sp, seq_len=cfg.seq_len, sizes=sizes, attn=cfg.attn, models=cfg.models,
         tokenizer=cfg.tokenizer, data=cfg.data, seed=cfg.seed, held_out=True, data_settings=cfg.data_settings(),
     )  # fmt: skip
+    for model, (config, _) in zip(cfg.models, found):  # a VLM's chats read now: a bad sample stops the launch
+        if is_vlm_config(config):
+            vlm_eval_dataset(cfg, model, config)
     if cfg.sp > 1:  # the verdict depends on the modules only: no weights needed
         for config, _ in found:
             attn = built_attn(cfg, config)  # eager for a model without attention layers (Mamba-2)
@@ -175,29 +181,30 @@ def _evaluate_model(cfg: EvalConfig, model_name: str, model_config: Any, ring: i
     from ulysses_sp.mixers.guard import check_sequence_mixing
     from ulysses_sp.parallel.comm import all_reduce_sum
     from ulysses_sp.parallel.mesh import init_mesh
-    from ulysses_sp.run.config import RunConfig
     from ulysses_sp.run.loop import register_attention
     from ulysses_sp.run.model_checks import built_attn
+    from ulysses_sp.run.vlm import is_vlm_config, vlm_shard
 
     mesh = init_mesh(sp_size=cfg.sp, ring_size=ring)  # train's layout: dp = nproc / sp
     tokenizer = tasks.run_tokenizer(cfg.tokenizer, model_name)
-    dataset = tasks.build_dataset(cfg.data, tokenizer=tokenizer, seq_len=cfg.seq_len, seed=cfg.seed,
-                                  num_samples=cfg.num_samples, held_out=True, settings=cfg.data_settings())  # fmt: skip
+    vlm = is_vlm_config(model_config)  # chat JSONL with images, every sample (cli.evaluate_vlm)
+    dataset = vlm_eval_dataset(cfg, model_name, model_config) if vlm else tasks.build_dataset(
+        cfg.data, tokenizer=tokenizer, seq_len=cfg.seq_len, seed=cfg.seed, num_samples=cfg.num_samples,
+        held_out=True, settings=cfg.data_settings())  # fmt: skip
     if len(dataset) == 0:
         raise ValueError(f"--data {cfg.data!r}: no held-out sequences to evaluate (--eval-split)")
     attn = built_attn(cfg, model_config)  # eager for a model without attention layers (Mamba-2)
     model = tasks.build_model(model_name, vocab_size=len(tokenizer), seed=cfg.seed, attn_implementation=attn,
                               config=model_config)  # fmt: skip
     check_finite_model(model.state_dict(), model_name)  # the same full weights on every rank
-    forward = RunConfig(model=model_name, sp=cfg.sp, attn=attn, seq_len=cfg.seq_len,
-                        micro_batch_size=cfg.micro_batch_size)  # the training run whose forward this is  # fmt: skip
-    handles = [register_attention(forward, model, model_config, mesh)]
+    forward = eval_run_config(cfg, model_name, attn=attn)  # the training run whose forward this is
+    handles = [register_attention(forward, model, model_config, mesh), *vlm_shard(forward, model, mesh)]
     try:
         check_sequence_mixing(model, sp_size=cfg.sp)  # as initialize(): the closed-world guard, then the mixers
         handles.extend(shard_model(model, mesh))
         model.to(mesh.device).eval()
         filled = _EveryOnce(dataset, mesh.dp_size * mesh.sp_size * cfg.micro_batch_size)
-        stats = _score(cfg, model, filled, mesh, pad_id=tokenizer.pad_token_id or 0)
+        stats = _score(cfg, model, filled, mesh, pad_id=tokenizer.pad_token_id or 0, vlm=vlm)
     finally:
         for handle in reversed(handles):
             if handle is not None:
@@ -207,7 +214,7 @@ def _evaluate_model(cfg: EvalConfig, model_name: str, model_config: Any, ring: i
     return _report(cfg, model_name, stats.cpu())
 
 
-def _score(cfg: EvalConfig, model, dataset, mesh, *, pad_id: int):
+def _score(cfg: EvalConfig, model, dataset, mesh, *, pad_id: int, vlm: bool = False):
     """Per position bin ``[loss sum, valid tokens, correct]`` (float64) of this rank's shards."""
     import torch
     import torch.nn.functional as F
@@ -216,11 +223,12 @@ def _score(cfg: EvalConfig, model, dataset, mesh, *, pad_id: int):
     from ulysses_sp.run.stream import epoch_batches
 
     stats = torch.zeros(cfg.bins, 3, dtype=torch.float64, device=mesh.device)
-    batches = epoch_batches(dataset, mesh, micro_batch_size=cfg.micro_batch_size, pad_id=pad_id, shuffle=False)
+    batches = epoch_batches(dataset, mesh, micro_batch_size=cfg.micro_batch_size, pad_id=pad_id, shuffle=False,
+                            vlm=model if vlm else None)  # fmt: skip
     with torch.no_grad():
         for batch in batches:
-            ids, pos = batch["input_ids"], batch["position_ids"]  # no cache: packed documents stay apart
-            logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+            inputs, pos = model_inputs(batch, mesh, vlm=vlm)  # pos [B, S_l]: each token's place in its document
+            logits = model(**inputs, use_cache=False).logits  # no cache: packed documents stay apart
             labels = batch["shift_labels"]  # [B, S_l]
             valid = labels != IGNORE_INDEX
             token_loss = F.cross_entropy(  # [B*S_l, V] -> [B, S_l]

@@ -29,6 +29,20 @@ logger = logging.getLogger(__name__)
 
 _LAYOUT = "__ulysses_sp_layout__"
 """The prepared batch's ``HostLayout`` (exchanged with the round's metadata; never yielded as a key)."""
+REAL_TOKENS = "__ulysses_sp_real_tokens__"
+"""The loaded batch's ``real_tokens`` (a host int, exchanged with the round's metadata like ``_LAYOUT``;
+never yielded as a key: ``last_real_tokens`` holds it)."""
+
+
+def real_tokens(batch: Mapping[str, Any]) -> int:
+    """The real (non-padding) tokens of one loaded batch, from host metadata: the ones of its
+    ``attention_mask [B, S]`` (right padding marked ``0``, as collators and ``PackedDataset`` mark it),
+    else all ``B * S`` tokens of ``input_ids``. The padding ``prepare_batch`` adds (``S`` to a
+    multiple of ``P``) is never counted. Read in the data path, before the batch reaches the device."""
+    mask = batch.get("attention_mask")
+    if torch.is_tensor(mask):
+        return int(mask.count_nonzero())
+    return int(batch["input_ids"].numel())
 
 
 def _describe(batch: Mapping[str, Any]) -> dict[str, tuple]:
@@ -61,7 +75,9 @@ class UlyssesSPDataLoaderAdapter:
     ``S`` may differ between ranks and steps. The full sequence's document layout
     (``parallel/doc_layout.py``) travels with the round's metadata and is attached to the yielded
     ``position_ids``: the SP attention and the mixers take it from there, with no collective and no
-    host read of a device value inside the model. Each yielded shard is moved to ``device`` when it is
+    host read of a device value inside the model. ``last_real_tokens`` is the real (non-padding) token
+    count of the batch the last yielded shard belongs to (``real_tokens``; the same on every rank of
+    the group), for an honest tokens/s. Each yielded shard is moved to ``device`` when it is
     yielded; the other shards of the round wait on CPU. ``len(adapter) == len(dl) * sp_world_size``.
 
     Exchange: each rank prepares its own batch locally (shift, pad, positions: the full sequence
@@ -111,6 +127,8 @@ class UlyssesSPDataLoaderAdapter:
         self.strict = strict
         self._default_pass: Iterator[dict[str, Any]] | None = None
         self._logged_padding = False
+        self.last_real_tokens = 0
+        """Real tokens of the whole batch whose shard was yielded last (``real_tokens``: host int)."""
         self._check_group()
         self.ring_size = ring_size_of(sp_group) if ring_size is None else positive_int("ring_size", ring_size)
         """Ring groups of the hybrid layout: ``> 1`` shards each sequence in zigzag order."""
@@ -154,6 +172,7 @@ class UlyssesSPDataLoaderAdapter:
             while current:
                 shard = current.popleft()
                 layout = shard.pop(_LAYOUT, None)
+                self.last_real_tokens = shard.pop(REAL_TOKENS, 0)
                 out = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in shard.items()}
                 if layout is not None:  # on the tensor the model gets (after the move)
                     attach_layout(out["position_ids"], layout)
@@ -172,6 +191,7 @@ class UlyssesSPDataLoaderAdapter:
                 prepared = prepare_batch(batch, self.sp_world_size, pad_token_id=self.pad_token_id,
                                          strict=self.strict, ring_size=self.ring_size)  # fmt: skip
                 prepared[_LAYOUT] = host_layout(prepared["position_ids"])  # the group gets it with the metadata
+                prepared[REAL_TOKENS] = real_tokens(batch)  # so does the count (an object of the metadata)
             except ValueError as e:
                 error = str(e)
         if self.sp_group is None:  # no sequence parallelism: nothing to exchange

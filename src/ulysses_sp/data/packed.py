@@ -3,11 +3,12 @@
 ``packed_dataset(corpus, seq_len=..., ...)`` splits the samples into train / eval (deterministic
 by ``seed``, at the sample level, so a conversation is never in both), plans the blocks of the
 requested split (``bestfit.plan_blocks``) and returns a ``PackedDataset``: a map-style dataset of
-``{"input_ids", "labels", "position_ids"}`` rows of exactly ``seq_len`` tokens. In a row each
+``{"input_ids", "labels", "position_ids", "attention_mask"}`` rows of exactly ``seq_len`` tokens. In a row each
 segment is its own document (``position_ids`` restart at 0, so the document-causal masking keeps
 attention inside it and ``make_shift_labels`` does not predict across it); ``labels`` are the ids
 where the loss scores them and ``-100`` elsewhere; the tail is padding (``pad_id``, ``-100``,
-positions continuing). Rows are built on access from the memory-mapped cache.
+positions continuing, ``attention_mask`` ``False``: the adapter counts real tokens from it and
+``prepare_batch`` drops it). Rows are built on access from the memory-mapped cache.
 
 Shape legend: ``S`` = ``seq_len``.
 """
@@ -65,8 +66,10 @@ class PackedDataset(Dataset):
             ids = torch.tensor(c.ids[lo:hi], dtype=torch.long)  # a copy out of the memory map
             scored = torch.tensor(c.scored[lo:hi], dtype=torch.bool)
             docs.append({"input_ids": ids, "labels": ids.masked_fill(~scored, IGNORE_INDEX)})
-        row = self.collate(docs)  # [1, S] each
-        return {k: v[0] for k, v in row.items()}
+        row = {k: v[0] for k, v in self.collate(docs).items()}  # [1, S] -> [S] each
+        real = min(sum(d["input_ids"].numel() for d in docs), self.seq_len)
+        row["attention_mask"] = torch.arange(self.seq_len) < real  # [S] bool: the tail padding is False
+        return row
 
     def packs_documents(self) -> bool:
         """Whether some row holds more than one document (segment) of the corpus."""

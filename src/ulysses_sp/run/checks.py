@@ -213,17 +213,21 @@ def check_run(
     ring_size: int | str | None = None,
 ) -> list[tuple[Any, int]]:
     """The checks ``eval`` runs before launch (``train``'s are ``run.resolve.resolve_run``'s): the
-    layout, each model with its tokenizer, and the data (probed: its first sample tokenized).
-    Returns each model's ``(transformers config, ring size)`` (``check_model``'s)."""
+    layout, each model with its tokenizer, and text data (probed: its first sample tokenized; a
+    vision-language model's chat JSONL with images is read by ``eval`` itself, and its models are
+    VLMs only). Returns each model's ``(transformers config, ring size)`` (``check_model``'s)."""
     check_layout(world_size, sp=sp, seq_len=seq_len, sizes=sizes, attn=attn)
     configs, first = [], None
     for model in models:
         tok = tasks.run_tokenizer(tokenizer, model)
         first = first or tok
         configs.append(check_model(model, tok, sp=sp, seq_len=seq_len, ring_size=ring_size))
-        if getattr(configs[-1][0], "model_type", None) in SUPPORTED_VLMS:
-            raise ValueError(f"{model!r} is a vision-language model ({configs[-1][0].model_type}): `ulysses-sp eval` "
-                             "scores text models only; evaluate it from Python (README, Vision-language models)")  # fmt: skip
+    vlm = [getattr(c, "model_type", None) in SUPPORTED_VLMS for c, _ in configs]
+    if any(vlm) and not all(vlm):
+        raise ValueError(f"--model {' '.join(models)}: {models[vlm.index(True)]!r} is a vision-language model and "
+                         f"{models[vlm.index(False)]!r} is not; they read different data, evaluate them one by one")  # fmt: skip
+    if any(vlm):
+        return configs
     tasks.build_dataset(data, tokenizer=first, seq_len=seq_len, seed=seed, num_samples=1, held_out=held_out,
                         settings=data_settings, probe=True)  # fmt: skip
     return configs
@@ -257,6 +261,8 @@ def check_train_options(cfg: RunConfig) -> None:
     positive_int("--head-chunks", cfg.head_chunks)
     if cfg.exchange not in EXCHANGES:
         raise ValueError(f"--exchange must be one of {', '.join(EXCHANGES)}, got {cfg.exchange!r}")
+    if cfg.split_images not in ("auto", "on", "off"):
+        raise ValueError(f"--split-images must be auto, on or off, got {cfg.split_images!r}")
     if cfg.zero_partition not in ("auto", "data_parallel", "all"):
         raise ValueError(f"--zero-partition must be auto, data_parallel or all, got {cfg.zero_partition!r}")
     check_report_to(cfg.report_to)

@@ -160,6 +160,11 @@ class RunConfig(tasks.DataSettings):
     """The SP attention's all-to-all: ``packed``, ``headwise`` or ``auto`` (packed below the link's per-piece
     byte threshold, ``parallel/exchange_cost.py``)."""
 
+    split_images: str = "auto"
+    """A VLM's vision tower over the SP group (``vlm.split``): ``auto`` splits a micro-batch's frames when
+    every rank gets a whole one (decided per micro-batch from its grids), ``off`` never (each rank encodes
+    the frames its shard touches), ``on`` requires the split (a micro-batch that cannot is refused)."""
+
     max_nonfinite_steps: int = 3
     """Optimizer steps in a row with a non-finite loss or gradient norm that are skipped; the next
     one stops the run (the divergence guard)."""

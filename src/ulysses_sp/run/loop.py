@@ -17,7 +17,8 @@ group initialised) then builds and trains:
    processes the same global batches as ``sp = 1`` with the same ``dp``;
 4. per optimizer step: ``grad_accum`` micro-steps of ``engine.backward(engine(**batch).loss)`` (the
    output and its logits freed before the backward: ``micro_step``) / ``step``,
-   a metrics line (``run.report``: ``metrics.jsonl``, and TensorBoard / W&B with ``--report-to``;
+   a metrics line (``tokens``/``tokens_per_s``: real tokens, padding not counted, ``run.stream``;
+   ``run.report``: ``metrics.jsonl``, and TensorBoard / W&B with ``--report-to``;
    ``loss.png`` when the run ends), and every ``save_every`` steps an atomic checkpoint (``state/checkpoint.py``, through
    ``rundir.checked_save``: finite weights, free space).
 
@@ -55,7 +56,7 @@ from ulysses_sp.run.report import MetricsReport
 from ulysses_sp.run.resolve import ResolvedRun, resolve_run
 from ulysses_sp.run.rundir import checked_save, prepare_output_dir
 from ulysses_sp.run.stream import DataStream
-from ulysses_sp.run.vlm import is_vlm_config
+from ulysses_sp.run.vlm import is_vlm_config, vlm_shard
 from ulysses_sp.state import checkpoint as ckpt
 from ulysses_sp.state.precision import DTYPES
 
@@ -134,6 +135,7 @@ def _run(resolved: ResolvedRun, stop: Any, held: ExitStack) -> dict[str, Any]:
                                   config=resolved.model_config)  # fmt: skip
     handles, loss_fn = apply_techniques(cfg, model)
     mpu = register_attention(cfg, model, resolved.model_config, mesh)
+    handles += vlm_shard(cfg, model, mesh)  # --split-images off: installed here, initialize() keeps it
     engine, _, _, _ = initialize(model, cfg.training_config(), mpu=mpu or mesh.mpu, loss_fn=loss_fn)
     state = {"step": 0, "tokens": 0, "data": {"epoch": 0, "offset": 0}}
     if resume_dir:  # model (fp32 master weights) + optimizer resharded to this layout
@@ -144,7 +146,7 @@ def _run(resolved: ResolvedRun, stop: Any, held: ExitStack) -> dict[str, Any]:
     stream = DataStream(
         dataset, engine, micro_batch_size=cfg.micro_batch_size, seed=cfg.seed,
         shuffle=cfg.data != tasks.RECALL, pad_id=tokenizer.pad_token_id or 0, **state["data"],
-        vlm=engine.module if is_vlm_config(resolved.model_config) else None,
+        vlm=engine.module if is_vlm_config(resolved.model_config) else None, require_split=cfg.split_images == "on",
     )  # fmt: skip
     if rank == 0:
         blocks = getattr(mpu, "head_blocks", None)  # --head-chunks: which attention modules run per group, how
@@ -229,7 +231,7 @@ def _loop(cfg, engine, stream, state, tokenizer, manifest, track_peak_memory, st
 
     rank = dist.get_rank()
     step, tokens = state["step"], state["tokens"]
-    tokens_per_step = engine.batch_sizes.train_batch_size * cfg.seq_len
+    dp_rank, dp_size = engine.mesh.dp_rank, engine.mesh.dp_size
     batches = iter(stream)
     engine.train()
     bar = tqdm(
@@ -254,15 +256,21 @@ def _loop(cfg, engine, stream, state, tokenizer, manifest, track_peak_memory, st
                         raise DivergenceError(f"{e} Last good checkpoint: {_last_good(cfg)}.",
                                               step=e.step, bad_steps=e.bad_steps) from None  # fmt: skip
                 comm_dt = time.perf_counter() - t0  # the step's metric reductions are not in it
-            step, tokens = step + 1, tokens + tokens_per_step
-            # one reduction: the busiest rank's peak memory, and whether any rank was asked to stop
-            flags = [mem.peak_bytes, int(stop is not None and stop.is_set())]
+            # one reduction: the busiest rank's peak memory, whether any rank was asked to stop, and each
+            # DP replica's real tokens in its own slot (the max of one value and zeros is that value;
+            # the SP ranks of a replica hold the same count), so the sum of the slots needs no second
+            # collective: dp int64 more in the tensor the step reduces anyway
+            real = [0] * dp_size
+            real[dp_rank] = stream.take_real_tokens()  # host ints from the data path, no device read
+            flags = [mem.peak_bytes, int(stop is not None and stop.is_set()), *real]
             flags = all_reduce_max(torch.tensor(flags, dtype=torch.int64, device=engine.device),
                                    engine.mesh.reduce_group).tolist()  # fmt: skip
+            step_tokens = int(sum(flags[2:]))
+            step, tokens = step + 1, tokens + step_tokens
             dt = time.perf_counter() - t0
             record = {
                 "step": step, "loss": loss, "grad_norm": engine.get_global_grad_norm(), "lr": lr,
-                "tokens": tokens, "tokens_per_s": tokens_per_step / dt,
+                "tokens": tokens, "tokens_per_s": step_tokens / dt,
                 **({"peak_mem_bytes": int(flags[0])} if measured else {}), **_comm_fields(times, comm_dt),
             }  # fmt: skip
             if engine.loss_scaler is not None:  # fp16: the scale and the overflowing steps skipped so far

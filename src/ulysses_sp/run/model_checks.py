@@ -79,7 +79,9 @@ def sp_attention_wanted(cfg: RunConfig, model_config: Any) -> bool:
     text = model_config.get_text_config()
     if "indexed_attention" in (getattr(text, "layer_types", None) or ()) and cfg.attn not in ("sdpa", "eager"):
         return False  # DSA's picks run in the SP attention's blockwise core only: other cores keep the model's path
-    return not is_vlm_config(model_config) and plain_attention_layers(text)
+    if is_vlm_config(model_config):  # packed VLM rows at sp 1: the SP path keeps the documents apart
+        return cfg.packing == "best-fit"
+    return plain_attention_layers(text)
 
 
 def built_attn(cfg: RunConfig, model_config: Any) -> str:

@@ -78,6 +78,9 @@ def resolve_run(cfg: RunConfig, world_size: int, *, progress: bool | None = None
     vlm = is_vlm_config(mcfg)
     if vlm:
         check_vlm_options(cfg)
+    elif cfg.split_images != "auto":
+        raise ValueError(f"--split-images {cfg.split_images}: --model {cfg.model!r} is not a vision-language model "
+                         "(no vision tower to split); drop the flag")  # fmt: skip
     meta = build_meta_model(mcfg, built_attn(cfg, mcfg), name=repr(cfg.model))
     check_model_run(cfg, mcfg, ring_size=ring, model=meta)  # the model on the meta device: what the ranks would refuse
     manifest = manifest_for(cfg, world_size, mcfg)

@@ -9,8 +9,11 @@ the vision tower's frames split over the SP group); this module is the CLI's sid
 - ``vlm_dataset``: ``--data`` chat JSONL with local image paths, read once in the launcher with the
   directory's tokenizer and image processor (``vlm.data.load_vlm_chat``: image tokens count toward
   ``--seq-len``, ``--loss-on`` masks as for text chats (default ``all``), every bad sample is a
-  ``ValueError`` naming it);
-- ``collate_vlm``: a micro-batch of such samples as one processor-style batch (right-padded).
+  ``ValueError`` naming it; ``--split-images on`` at ``--micro-batch-size 1``: a sample whose frames
+  cannot be split over the SP group too);
+- ``packs_vlm``/``vlm_shard``: ``--packing best-fit`` (``vlm.batch.pack_vlm_samples``: whole samples in rows
+  of ``--seq-len``, documents apart, at sp 1 through the SP path too) and ``--split-images off``;
+- ``collate_vlm``: a micro-batch of such samples (or rows) as one processor-style batch (right-padded).
 
 Shape legend: ``B`` micro-batch, ``S`` the batch's longest sample, ``N_p`` patches of the batch's images.
 """
@@ -54,7 +57,6 @@ def check_vlm_options(cfg: RunConfig) -> None:
     settings = {
         "data_format": (cfg.data_format, ("auto", "chat"), "the data is chat JSONL with image parts"),
         "chat_template": (cfg.chat_template, (None,), "the model directory's chat template renders the images"),
-        "packing": (cfg.packing, (None, "none"), "each sample is its own row (packed VLM rows are not built here)"),
         "eval_split": (cfg.eval_split, (0, 0.0), "no held-out split is made from VLM data"),
     }  # fmt: skip
     for name, (value, allowed, why) in settings.items():
@@ -63,22 +65,56 @@ def check_vlm_options(cfg: RunConfig) -> None:
             raise ValueError(
                 f"{where}: {flag} {value!r} is not supported ({why}); use {allowed[-1]!r} or drop it"
             )
+    if cfg.split_images == "on" and cfg.sp == 1:
+        raise ValueError(f"{where}: --split-images on splits the vision tower's frames over the SP group, and "
+                         "--sp 1 has none (one rank encodes every frame); drop the flag or raise --sp")  # fmt: skip
     if cfg.long_samples != "truncate":
         raise ValueError(f"{where}: --long-samples {cfg.long_samples!r} is not supported: a sample longer than "
                          "--seq-len is refused by name (its images cannot be cut); drop the flag")  # fmt: skip
+
+
+def packs_vlm(cfg: RunConfig) -> bool:
+    """``--packing best-fit`` for a VLM run: whole samples packed into rows (``None``/``none``: one a row)."""
+    return cfg.packing == "best-fit"
+
+
+def vlm_shard(cfg: RunConfig, model: Any, mesh: Any) -> list[Any]:
+    """The per-shard merge installed before ``initialize()`` (which keeps it), its handle in a list:
+    ``--split-images off`` at ``sp > 1`` (no group to split the tower's frames over:
+    ``vlm.shard_vlm(split_images_over=None)``), and packed rows at ``sp 1`` (transformers' own VLM forward
+    does not keep packed documents apart; the SP path on one rank does, with the SP attention
+    ``model_checks.sp_attention_wanted`` registers). Else ``[]``: ``initialize()`` installs it with the SP group."""
+    from ulysses_sp.vlm import shard_vlm, vlm_parts
+
+    wanted = (cfg.split_images == "off" and cfg.sp > 1) or (cfg.sp == 1 and packs_vlm(cfg))
+    if not wanted or vlm_parts(model) is None:
+        return []
+    return [shard_vlm(model, sp_rank=mesh.sp_rank, sp_size=mesh.sp_size, ring_size=mesh.ring_size)]
 
 
 def vlm_dataset(cfg: RunConfig, config: Any) -> list[dict[str, torch.Tensor]]:
     """``cfg.data`` read with ``cfg.model``'s tokenizer and image processor (module docstring)."""
     from ulysses_sp.vlm.data import load_vlm_chat
 
-    return load_vlm_chat(cfg.data, cfg.model, config=config, seq_len=cfg.seq_len, loss_on=cfg.loss_on)
+    samples = load_vlm_chat(cfg.data, cfg.model, config=config, seq_len=cfg.seq_len, loss_on=cfg.loss_on)
+    if packs_vlm(cfg):  # whole samples into rows of --seq-len, documents apart (vlm.batch.pack_vlm_samples)
+        from ulysses_sp.vlm.batch import pack_vlm_samples
+
+        samples = pack_vlm_samples(samples, cfg.seq_len)
+    if cfg.split_images == "on" and cfg.micro_batch_size == 1:  # a micro-batch is one sample: check them all now
+        from ulysses_sp.vlm.split import check_split
+
+        for i, sample in enumerate(samples):
+            check_split(sample, cfg.sp, where=f"--data {cfg.data!r}, {'row' if packs_vlm(cfg) else 'sample'} {i},")
+    return samples  # at --micro-batch-size > 1 the data round checks each micro-batch (VLMDataLoaderAdapter)
 
 
 def collate_vlm(samples: list[dict[str, torch.Tensor]], *, pad_id: int) -> dict[str, torch.Tensor]:
     """``[1, S_i]`` samples -> ``input_ids``/``labels``/``mm_token_type_ids [B, S]`` right-padded
-    (pad id, ``-100``, ``0``: causal attention keeps pads out of the real tokens) and the images'
-    ``pixel_values [N_p, C*T*p*p]`` / ``image_grid_thw`` concatenated in sample order."""
+    (pad id, ``-100``, ``0``: causal attention keeps pads out of the real tokens), ``attention_mask [B, S]``
+    (``False`` on the padding: the adapter counts the real tokens from it, then drops it) and the images'
+    ``pixel_values [N_p, C*T*p*p]`` / ``image_grid_thw`` concatenated in sample order; packed rows'
+    ``position_ids [B, S]`` (restarting at each document) padded with positions continuing."""
     width = max(s["input_ids"].shape[1] for s in samples)
     fills = {"input_ids": pad_id, "labels": -100, "mm_token_type_ids": 0}
     out = {
@@ -87,6 +123,12 @@ def collate_vlm(samples: list[dict[str, torch.Tensor]], *, pad_id: int) -> dict[
         )
         for key, fill in fills.items()
     }
+    lengths = torch.tensor([s["input_ids"].shape[1] for s in samples])
+    out["attention_mask"] = torch.arange(width)[None] < lengths[:, None]  # [B, S] bool: False on the padding
+    if any("position_ids" in s for s in samples):  # packed rows: documents restart at 0; padding continues
+        pos = [s.get("position_ids", torch.arange(n)[None]) for s, n in zip(samples, lengths.tolist())]
+        out["position_ids"] = torch.cat([torch.cat([p, p[:, -1:] + torch.arange(1, width - p.shape[1] + 1)], dim=1)
+                                         for p in pos])  # fmt: skip
     for key in ("pixel_values", "image_grid_thw"):
         parts = [s[key] for s in samples if key in s]
         if parts:

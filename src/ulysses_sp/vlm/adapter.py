@@ -5,7 +5,8 @@ group's batches. A VLM batch cannot be cut before the model (``batch``'s docstri
 ``VLMDataLoaderAdapter`` keeps the adapter's round (each of the ``P`` ranks loads one batch; the
 group works through the ``P`` batches one by one) but exchanges whole batches — token ids, pixels,
 grids: one ``all_gather_object`` per round — and yields ``prepare_vlm_batch``'s inputs: the whole
-sample and this rank's ``shift_labels [B, S_l]``. A bad batch on any rank raises on every rank.
+sample and this rank's ``shift_labels [B, S_l]``; ``last_real_tokens`` counts each batch's real
+tokens as the text adapter does (``data.adapter.real_tokens``). A bad batch on any rank raises on every rank.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from ulysses_sp.data.adapter import UlyssesSPDataLoaderAdapter
+from ulysses_sp.data.adapter import REAL_TOKENS, UlyssesSPDataLoaderAdapter, real_tokens
 from ulysses_sp.parallel.comm import all_gather_object, raise_if_any_rank_failed
 from ulysses_sp.vlm.batch import prepare_vlm_batch
+from ulysses_sp.vlm.split import check_split
 
 
 def vlm_round(
@@ -24,12 +26,17 @@ def vlm_round(
     """One round of ``adapter`` over VLM batches: this rank's inputs for each rank's batch (rank
     order), or ``None`` when every loader is exhausted."""
     batch, error = next(it, None), None
-    prepare = lambda b: prepare_vlm_batch(  # noqa: E731
-        model, b, sp_rank=adapter.sp_rank, sp_size=adapter.sp_world_size, ring_size=adapter.ring_size,
-        pad_token_id=adapter.pad_token_id)  # fmt: skip
+
+    def prepare(b: dict[str, Any]) -> dict[str, Any]:
+        out = prepare_vlm_batch(model, b, sp_rank=adapter.sp_rank, sp_size=adapter.sp_world_size,
+                                ring_size=adapter.ring_size, pad_token_id=adapter.pad_token_id)  # fmt: skip
+        return {**out, REAL_TOKENS: real_tokens(b)}  # the adapter's round pops it (last_real_tokens)
+
     if batch is not None:
         try:
             batch = {k: v.cpu() if hasattr(v, "cpu") else v for k, v in dict(batch).items()}
+            if getattr(adapter, "require_split", False):  # VLMDataLoaderAdapter(require_split=True)
+                check_split(batch, adapter.sp_world_size)
             prepare(batch)  # every check before the exchange
         except (ValueError, TypeError) as e:
             error = str(e)
@@ -49,14 +56,19 @@ def vlm_round(
 
 
 class VLMDataLoaderAdapter(UlyssesSPDataLoaderAdapter):
-    """``UlyssesSPDataLoaderAdapter`` for a VLM (module docstring); ``model`` computes the positions."""
+    """``UlyssesSPDataLoaderAdapter`` for a VLM (module docstring); ``model`` computes the positions;
+    ``require_split``: every batch's frames must split over the group (``split.check_split``)."""
 
     def __init__(self, dl: Any, sp_rank: int, sp_group: Any, sp_world_size: int, device: Any, *,
-                 model: Any, pad_token_id: int = 0, ring_size: int | None = None) -> None:  # fmt: skip
+                 model: Any, pad_token_id: int = 0, ring_size: int | None = None,
+                 require_split: bool = False) -> None:  # fmt: skip
         super().__init__(
             dl, sp_rank, sp_group, sp_world_size, device, pad_token_id=pad_token_id, ring_size=ring_size
         )
         self.model = model
+        self.require_split = require_split
+        """Refuse (on every rank of the group) a batch whose frames cannot be split over the group
+        (``split.check_split``: ``--split-images on``)."""
 
     def _refill(self, it: Iterator[Any]) -> list[dict[str, Any]] | None:
         return vlm_round(self, it, self.model)

@@ -11,6 +11,8 @@ inputs whole and cuts only the pre-shifted labels:
 ``S`` is padded to a multiple of ``P`` (``data.shard.prepare_batch``: pad ids, labels ``-100``,
 positions continuing). The per-shard forward (``merge``) embeds and merges this rank's tokens only.
 
+``pack_vlm_samples`` builds packed rows from whole samples for that (``train --packing best-fit``).
+
 Shape legend: ``B`` batch, ``S`` global (padded) sequence, ``S_l = S/P``.
 """
 
@@ -27,6 +29,7 @@ from ulysses_sp.vlm.families import vlm_parts
 from ulysses_sp.vlm.positions import token_types, vlm_position_ids
 
 _GRIDS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+_MEDIA = ("pixel_values", "pixel_values_videos")
 
 
 def prepare_vlm_batch(
@@ -51,7 +54,10 @@ def prepare_vlm_batch(
     full = dict(batch)
     if full.get("mm_token_type_ids") is None:
         full["mm_token_type_ids"] = token_types(_inner_config(model), full["input_ids"])
-    prepared = prepare_batch(full, sp_size, pad_token_id=pad_token_id, ring_size=ring_size)
+    # pixels and grids are per patch / per image, not per token: kept out of the per-token checks and padding
+    # (a pixel_values [N_p, C] whose N_p or C happens to equal B or S would be taken for a per-token tensor)
+    media = {k: full.pop(k) for k in (*_MEDIA, *_GRIDS) if k in full}
+    prepared = {**prepare_batch(full, sp_size, pad_token_id=pad_token_id, ring_size=ring_size), **media}
     ids = prepared["input_ids"]
     prepared["position_ids"] = vlm_position_ids(
         model,
@@ -71,3 +77,38 @@ def _inner_config(model: Any) -> Any:
     if parts is None:
         raise ValueError(f"{type(model).__name__} is not a VLM ulysses_sp.vlm supports (see SUPPORTED_VLMS)")
     return parts.inner.config
+
+
+def pack_vlm_samples(samples: list[dict[str, torch.Tensor]], seq_len: int) -> list[dict[str, torch.Tensor]]:
+    """Whole VLM samples packed into rows of at most ``seq_len`` tokens (``data.bestfit``'s best-fit
+    decreasing over the sample lengths; a row's samples in the plan's order).
+
+    Each sample is a ``[1, S_i]`` ``input_ids``/``labels``/``mm_token_type_ids`` dict (``vlm.data``) with its
+    images' ``pixel_values`` / ``image_grid_thw``. A row concatenates its samples' tokens, restarts
+    ``position_ids [1, S_row]`` at 0 at each (``prepare_vlm_batch`` then starts each document's mrope
+    positions at 0, and the SP attention keeps the documents apart) and concatenates their images in
+    the same order, so every image stays whole and its placeholders keep their order.
+
+    Raises:
+        ValueError: a sample longer than ``seq_len`` (it cannot be cut: its images would be).
+    """
+    import numpy as np
+
+    from ulysses_sp.data.bestfit import plan_blocks
+
+    lengths = np.array([s["input_ids"].shape[1] for s in samples], dtype=np.int64)
+    if len(lengths) and int(lengths.max()) > seq_len:
+        i = int(lengths.argmax())
+        raise ValueError(f"sample {i} has {int(lengths[i])} tokens > seq_len {seq_len}: a VLM sample is packed whole")
+    plan = plan_blocks(lengths, seq_len, packing="best-fit", long_samples="truncate")
+    rows = []
+    for b in range(len(plan)):
+        docs = [samples[int(i)] for i in plan.sample[plan.offsets[b] : plan.offsets[b + 1]]]
+        row = {k: torch.cat([d[k] for d in docs], dim=1) for k in ("input_ids", "labels", "mm_token_type_ids")}
+        row["position_ids"] = torch.cat([torch.arange(d["input_ids"].shape[1]) for d in docs])[None]  # [1, S_row]
+        for key in ("pixel_values", "image_grid_thw"):
+            parts = [d[key] for d in docs if key in d]
+            if parts:
+                row[key] = torch.cat(parts)  # [N_p, C] / [N_img, 3]: in the row's document order
+        rows.append(row)
+    return rows

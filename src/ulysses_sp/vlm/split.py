@@ -14,6 +14,8 @@ grids):
   rank. Each rank encodes its run; one all-to-all (``_RowExchange``) then sends every merged row to
   the rank whose shard holds its placeholder token, so a rank receives only its own rows. Backward:
   the inverse all-to-all brings each row's gradient back to the rank that encoded it.
+``check_split`` refuses a batch whose frames cannot be split (``--split-images on``).
+
 - **local** (no group, or fewer frames than ranks): each rank encodes the frames that have a row in
   its shard (a frame straddling a shard boundary is encoded by both ranks; each uses its own rows),
   no collective. A rank whose shard holds no visual token encodes the sample's first frame and adds
@@ -93,6 +95,20 @@ def frame_owners(patches: torch.Tensor, sp_size: int) -> torch.Tensor | None:
     mid = torch.cumsum(patches, 0) - patches / 2  # each frame's centre along the patch axis
     owners = (mid * sp_size / patches.sum()).long().clamp(max=sp_size - 1)
     return owners if len(set(owners.tolist())) == sp_size else None
+
+
+def check_split(batch: dict[str, Any], sp_size: int, *, where: str = "a micro-batch") -> None:
+    """Raise ``ValueError`` unless ``batch``'s frames (images, then videos: ``image_grid_thw``,
+    ``video_grid_thw``) split over ``sp_size`` ranks, a whole frame for each (``frame_owners``)."""
+    grids = [batch[k] for k in ("image_grid_thw", "video_grid_thw") if batch.get(k) is not None]
+    patches = frames(torch.cat(grids).cpu(), 1)[1] if grids else torch.zeros(0, dtype=torch.long)
+    if len(patches) == 0 or frame_owners(patches, sp_size) is None:
+        raise ValueError(
+            f"--split-images on: {where} has {len(patches)} frame(s) (patches {patches.tolist()}), which cannot "
+            f"give each of the {sp_size} SP ranks a whole frame (contiguous runs balanced by patch count); use "
+            "--split-images auto (such a micro-batch is encoded by the ranks its shard touches) or give every "
+            "sample more images"
+        )
 
 
 def _starts(sizes: torch.Tensor) -> torch.Tensor:
