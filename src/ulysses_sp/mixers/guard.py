@@ -54,6 +54,10 @@ from ulysses_sp.mixers.classify import (
 )
 from ulysses_sp.vlm.families import multimodal_refusal, vlm_parts
 
+PAIR_BIAS = "position_bias"
+"""The keyword a model passes its attention function a ``[B, H, S_q, S_k]`` additive bias by (T5-style
+relative positions, Inkling's relative logits, ALiBi tables)."""
+
 SUPPORTED_MIXERS: tuple[MixerHandler, ...] = HANDLERS
 """The mixers SP shards (``mixers.apply``: short convolution, Mamba-2, Mamba-1, gated delta-net, KDA), which
 ``initialize`` and ``prepare`` wrap right after this check."""
@@ -242,6 +246,11 @@ def _walk(
             else f"is {text}"
         )
         return [Finding(layer, prefix, type(root).__name__, "refused", why)]
+    if v.kind == ATTENTION and PAIR_BIAS in code_constants(type(root)):
+        return [Finding(layer, prefix, type(root).__name__, "refused",
+                        f"passes its attention a relative-position bias over token pairs ({PAIR_BIAS}, [B, H, S_q, "
+                        "S_k]) that it builds on its own tokens; the SP attention exchanges q, k and v, not a bias "
+                        "per query and key, so it cannot apply it over the full sequence")]  # fmt: skip
     out = [Finding(layer, prefix, type(root).__name__, ATTENTION)] if v.kind == ATTENTION else []
     if v.kind in (ATTENTION, COMPOSITE):
         for name, child in root.named_children():
