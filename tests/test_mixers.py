@@ -1,11 +1,13 @@
 """Short-convolution, Mamba-2 and Mamba-1 mixers (and learned positions) under Ulysses SP equal the same model without SP.
 
 LFM2 (short conv), Nemotron-H, Falcon-H1 (Mamba-2 beside attention in every layer), Granite-4
-hybrid, Bamba and Mamba-2 alone at sp 2 and 4: every position's logits and every parameter's gradient (of a
-random projection of the logits, so each position weighs in) against the plain model, fp32.
+hybrid, Bamba, Mamba-2 alone and ZAYA (convolutions inside its q/k projection: a halo) at sp 2 and 4:
+every position's logits and every parameter's gradient (of a random projection of the logits, so
+each position weighs in) against the plain model, fp32.
 Packed documents: against the plain model run on each document alone (the mixers must not leak
 across a boundary, wherever it falls relative to the shards). Also: B/C groups fewer than sp
-(replicated), attention kv heads < sp, the undo, and refusals when heads do not divide.
+(replicated), attention kv heads < sp, the undo, and refusals when heads do not divide. Inkling's
+short convolutions alone (its attention's pair bias keeps the models refused) at sp 2 and 4.
 """
 
 from __future__ import annotations
@@ -421,12 +423,13 @@ def _linear_hybrid(kind: str):
     return T.KimiLinearForCausalLM(cfg)
 
 
-@pytest.mark.parametrize("kind", ["short_conv", "mamba2", "mamba1", "gated_delta_net", "kimi_delta_attention"])
+@pytest.mark.parametrize("kind", ["short_conv", "mamba2", "mamba1", "gated_delta_net", "kimi_delta_attention",
+                                  "causal_window"])
 def test_every_mixer_refuses_a_cache_under_sp(kind):
-    """One cache rule for all four: at sp > 1 a cache is refused before any exchange (the mixer
+    """One cache rule for all: at sp > 1 a cache is refused before any exchange (the mixer
     could neither read it nor fill it), naming the module and the fix."""
-    if kind in ("short_conv", "mamba2", "mamba1"):
-        model = hybrid_model({"short_conv": "lfm2", "mamba2": "bamba", "mamba1": "jamba"}[kind])
+    if kind in ("short_conv", "mamba2", "mamba1", "causal_window"):
+        model = hybrid_model({"short_conv": "lfm2", "mamba2": "bamba", "mamba1": "jamba", "causal_window": "zaya"}[kind])
     else:
         model = _linear_hybrid(kind)
     mesh = SimpleNamespace(sp_size=2, sp_rank=0, ring_size=1, sp_group=None)

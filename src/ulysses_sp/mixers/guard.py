@@ -59,7 +59,7 @@ PAIR_BIAS = "position_bias"
 relative positions, Inkling's relative logits, ALiBi tables)."""
 
 SUPPORTED_MIXERS: tuple[MixerHandler, ...] = HANDLERS
-"""The mixers SP shards (``mixers.apply``: short convolution, Mamba-2, Mamba-1, gated delta-net, KDA), which
+"""The mixers SP shards (``mixers.apply``: short convolution, Mamba-2, Mamba-1, gated delta-net, KDA, causal windows), which
 ``initialize`` and ``prepare`` wrap right after this check."""
 
 
@@ -249,8 +249,8 @@ def _walk(
     if v.kind == ATTENTION and PAIR_BIAS in code_constants(type(root)):
         return [Finding(layer, prefix, type(root).__name__, "refused",
                         f"passes its attention a relative-position bias over token pairs ({PAIR_BIAS}, [B, H, S_q, "
-                        "S_k]) that it builds on its own tokens; the SP attention exchanges q, k and v, not a bias "
-                        "per query and key, so it cannot apply it over the full sequence")]  # fmt: skip
+                        "S_k]) built from the tokens it is given: on a shard it covers only the pairs within the "
+                        "shard, and the SP attention exchanges q, k and v, not a bias per pair")]  # fmt: skip
     out = [Finding(layer, prefix, type(root).__name__, ATTENTION)] if v.kind == ATTENTION else []
     if v.kind in (ATTENTION, COMPOSITE):
         for name, child in root.named_children():
