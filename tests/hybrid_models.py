@@ -16,7 +16,7 @@ def hybrid_config(
     arch: str, *, mamba_heads: int = 4, groups: int = 2, kv_heads: int = 2, vocab: int = V, **overrides
 ):
     """A tiny config of ``arch`` (``lfm2``, ``nemotron_h``, ``falcon_h1``, ``granitemoehybrid``, ``bamba``,
-    ``mamba2``, ``mamba``, ``falcon_mamba``, ``jamba``, ``zamba``, ``opt``, ``biogpt``, ``zaya``); ``overrides`` go to the config's constructor."""
+    ``mamba2``, ``mamba``, ``falcon_mamba``, ``jamba``, ``zamba``, ``opt``, ``biogpt``, ``zaya``, ``phimoe``); ``overrides`` go to the config's constructor."""
     import transformers as tf
 
     common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_attention_heads=4,
@@ -74,6 +74,9 @@ def hybrid_config(
                              num_experts=4, num_experts_per_tok=1, moe_intermediate_size=32, router_hidden_size=16,
                              max_position_embeddings=512, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
                              eos_token_id=2, **overrides)  # fmt: skip
+    if arch == "phimoe":  # a sliding window (8 of 32 tokens) applied only through the model's mask
+        return tf.PhimoeConfig(num_hidden_layers=2, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+                               **common)  # fmt: skip
     raise ValueError(arch)
 
 
@@ -86,4 +89,6 @@ def hybrid_model(arch: str, seed: int = 0, **kw):
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2)
+    if arch == "phimoe":  # in training mode its router samples experts at random (Gumbel): the route the
+        model.eval()  # comparison needs is the deterministic one
     return model.float()

@@ -265,3 +265,12 @@ def test_causal_windows_are_claimed_and_pair_biases_refused():
     assert found and all("(InklingAttention) passes its attention a relative-position bias over token pairs "
                          "(position_bias" in m for m in found)  # fmt: skip
     assert {f.path for f in classify_model(inkling) if f.kind == "mixer"} == {"attn_sconv", "mlp_sconv"}
+
+
+def test_a_window_kept_only_in_the_mask_is_passed_to_the_sp_attention():
+    """Phi-MoE applies config.sliding_window to every layer through its mask alone: refused without the
+    mask_window handler (test above), admitted with it as SP attention whose window the handler sets."""
+    model = build("phimoe")
+    assert refusals(model) == []
+    found = [(f.layer, f.kind, f.why) for f in classify_model(model) if f.path == "self_attn"]
+    assert found == [(i, "attention", "its window is set by the mask_window handler") for i in range(2)]

@@ -7,7 +7,8 @@ each position weighs in) against the plain model, fp32.
 Packed documents: against the plain model run on each document alone (the mixers must not leak
 across a boundary, wherever it falls relative to the shards). Also: B/C groups fewer than sp
 (replicated), attention kv heads < sp, the undo, and refusals when heads do not divide. Inkling's
-short convolutions alone (its attention's pair bias keeps the models refused) at sp 2 and 4.
+short convolutions alone (its attention's pair bias keeps the models refused) at sp 2 and 4. Phi-MoE,
+whose sliding window lives only in its mask (the SP attention is told it), at sp 2.
 """
 
 from __future__ import annotations
@@ -135,8 +136,8 @@ CASES_SP2 = [(a, p, {}) for a in ("lfm2", "nemotron_h", "falcon_h1") for p in (F
     ("mamba2", True, {}),  # Mamba-2 alone
     ("opt", True, {}),  # learned positions: the reference numbers each document by its mask's cumsum
     ("biogpt", False, {}),
-    ("zaya", False, {}),  # causal window: convolutions inside the q/k projection, a delayed value half (halo 2)
-    ("zaya", True, {}),
+    ("zaya", True, {}),  # causal window: convolutions inside the q/k projection, a delayed value half (halo 2)
+    ("phimoe", True, {}),  # a sliding window (8) only in the model's mask: the SP attention is told it
 ]
 CASES_SP4 = [
     ("lfm2", True, {}),
@@ -255,7 +256,7 @@ def test_inkling_convolutions_equal_no_sp(pool):
 def test_every_mixer_is_claimed_and_nothing_else():
     claimed = {}
     for arch in ("lfm2", "nemotron_h", "falcon_h1", "granitemoehybrid", "bamba", "mamba2", "mamba", "falcon_mamba",
-                 "jamba", "zamba", "opt", "biogpt", "zaya"):  # fmt: skip
+                 "jamba", "zamba", "opt", "biogpt", "zaya", "phimoe"):  # fmt: skip
         model = hybrid_model(arch)
         claimed[arch] = sorted(
             {(type(m).__name__, h.name) for m in model.modules() if (h := claimed_by(m, HANDLERS))}
@@ -275,8 +276,10 @@ def test_every_mixer_is_claimed_and_nothing_else():
         "opt": [("OPTLearnedPositionalEmbedding", "learned_positions")],
         "biogpt": [("BioGptLearnedPositionalEmbedding", "learned_positions")],
         "zaya": [("ZayaCCAProjection", "causal_window")],
+        "phimoe": [("PhimoeAttention", "mask_window")],
     }
     assert not needs_plain_layout(hybrid_model("opt")) and needs_plain_layout(hybrid_model("jamba"))
+    assert not needs_plain_layout(hybrid_model("phimoe")) and needs_plain_layout(hybrid_model("zaya"))
     assert not has_unsharded_mixers(tiny_model("llama"))
 
 
