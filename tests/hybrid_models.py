@@ -1,5 +1,5 @@
 """Tiny hybrid models for the mixer tests: transformers' own LFM2, Nemotron-H, Falcon-H1,
-GraniteMoeHybrid, Bamba, Mamba-2, Mamba, Falcon-Mamba and Jamba code (and OPT and BioGPT: learned positions)
+GraniteMoeHybrid, Bamba, Mamba-2, Mamba, Falcon-Mamba, Jamba and ZAYA code (and OPT and BioGPT: learned positions)
 from local configs, random fp32
 weights large enough that a wrong position shows (std 0.2, as ``models.tiny_model``)."""
 
@@ -16,7 +16,7 @@ def hybrid_config(
     arch: str, *, mamba_heads: int = 4, groups: int = 2, kv_heads: int = 2, vocab: int = V, **overrides
 ):
     """A tiny config of ``arch`` (``lfm2``, ``nemotron_h``, ``falcon_h1``, ``granitemoehybrid``, ``bamba``,
-    ``mamba2``, ``mamba``, ``falcon_mamba``, ``jamba``, ``zamba``, ``opt``, ``biogpt``); ``overrides`` go to the config's constructor."""
+    ``mamba2``, ``mamba``, ``falcon_mamba``, ``jamba``, ``zamba``, ``opt``, ``biogpt``, ``zaya``, ``phimoe``); ``overrides`` go to the config's constructor."""
     import transformers as tf
 
     common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_attention_heads=4,
@@ -71,6 +71,15 @@ def hybrid_config(
     own = _own_scores_config(arch, vocab, overrides)
     if own is not None:
         return own
+    if arch == "zaya":  # convolutions inside the q/k projection (kernels 2 and 2), a delayed value half, both layer types
+        return tf.ZayaConfig(vocab_size=vocab, hidden_size=32, num_attention_heads=4, num_key_value_heads=kv_heads,
+                             head_dim=8, num_hidden_layers=2, layer_types=["hybrid", "hybrid_sliding"], sliding_window=8,
+                             num_experts=4, num_experts_per_tok=1, moe_intermediate_size=32, router_hidden_size=16,
+                             max_position_embeddings=512, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+                             eos_token_id=2, **overrides)  # fmt: skip
+    if arch == "phimoe":  # a sliding window (8 of 32 tokens) applied only through the model's mask
+        return tf.PhimoeConfig(num_hidden_layers=2, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+                               **common)  # fmt: skip
     raise ValueError(arch)
 
 
@@ -111,4 +120,6 @@ def hybrid_model(arch: str, seed: int = 0, **kw):
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2)
+    if arch == "phimoe":  # in training mode its router samples experts at random (Gumbel): the route the
+        model.eval()  # comparison needs is the deterministic one
     return model.float()

@@ -14,7 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from torch import nn
+from transformers import AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # bench/ is a top-level folder of the repository, not an installed package
@@ -22,7 +24,7 @@ if str(ROOT) not in sys.path:  # bench/ is a top-level folder of the repository,
 
 from hidden_mixer import TokenScale, TokenShift, hidden_mixer_llama  # noqa: E402
 
-from bench.model_sweep import build  # noqa: E402
+from bench.model_sweep import build, tiny_config  # noqa: E402
 from ulysses_sp import declare_position_wise  # noqa: E402
 from ulysses_sp.attention.registration import num_attention_layers  # noqa: E402
 from ulysses_sp.mixers.classify import MIXER, POSITION_WISE, UNKNOWN, verdict  # noqa: E402
@@ -233,3 +235,45 @@ def test_the_cli_refuses_a_local_model_whose_attention_bypasses_the_registry(tmp
     assert len(lines) == 1 and "[rank" not in proc.stderr, proc.stderr
     assert lines[0].startswith("ulysses-sp train: error: sequence parallelism (sp_size 2) cannot train DogeForCausalLM")
     assert "layer 0: self_attn (DogeAttention)" in lines[0]
+
+
+class _Affine(nn.Module):
+    """Per-feature scale and shift of two inputs (ZAYA's residual scaling has this shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale, self.bias = nn.Parameter(torch.ones(4)), nn.Parameter(torch.zeros(4))
+
+    def forward(self, x, residual):
+        return (x + self.bias) * self.scale - residual / 2
+
+
+class _AffineShift(_Affine):
+    def forward(self, x, residual):  # the same arithmetic on the previous token: not position-wise
+        return x[:, :-1] * self.scale + residual
+
+
+def test_causal_windows_are_claimed_and_pair_biases_refused():
+    """ZAYA: its CCA projection (convolutions inside q/k, a delayed value half) is the causal-window
+    handler's, its residual scaling per-feature arithmetic, nothing refused. Inkling: its short
+    convolutions are claimed; what stays refused is its attention's relative-position bias, by name."""
+    zaya = build("zaya")
+    assert refusals(zaya) == []
+    assert {(f.path, f.why) for f in classify_model(zaya) if f.kind == "mixer"} == {
+        ("self_attn.qkv_proj", "is sharded by the causal_window handler")}  # fmt: skip
+    assert verdict(_Affine()).kind == POSITION_WISE and verdict(_AffineShift()).kind == UNKNOWN
+    with torch.device("meta"):
+        inkling = AutoModelForCausalLM.from_config(tiny_config("inkling_text"))
+    found = refusals(inkling)
+    assert found and all("(InklingAttention) passes its attention a relative-position bias over token pairs "
+                         "(position_bias" in m for m in found)  # fmt: skip
+    assert {f.path for f in classify_model(inkling) if f.kind == "mixer"} == {"attn_sconv", "mlp_sconv"}
+
+
+def test_a_window_kept_only_in_the_mask_is_passed_to_the_sp_attention():
+    """Phi-MoE applies config.sliding_window to every layer through its mask alone: refused without the
+    mask_window handler (test above), admitted with it as SP attention whose window the handler sets."""
+    model = build("phimoe")
+    assert refusals(model) == []
+    found = [(f.layer, f.kind, f.why) for f in classify_model(model) if f.path == "self_attn"]
+    assert found == [(i, "attention", "its window is set by the mask_window handler") for i in range(2)]

@@ -1,16 +1,20 @@
 """Short-convolution, Mamba-2 and Mamba-1 mixers (and learned positions) under Ulysses SP equal the same model without SP.
 
 LFM2 (short conv), Nemotron-H, Falcon-H1 (Mamba-2 beside attention in every layer), Granite-4
-hybrid, Bamba and Mamba-2 alone at sp 2 and 4: every position's logits and every parameter's gradient (of a
-random projection of the logits, so each position weighs in) against the plain model, fp32.
+hybrid, Bamba, Mamba-2 alone and ZAYA (convolutions inside its q/k projection: a halo) at sp 2 and 4:
+every position's logits and every parameter's gradient (of a random projection of the logits, so
+each position weighs in) against the plain model, fp32.
 Packed documents: against the plain model run on each document alone (the mixers must not leak
 across a boundary, wherever it falls relative to the shards). Also: B/C groups fewer than sp
-(replicated), attention kv heads < sp, the undo, and refusals when heads do not divide.
+(replicated), attention kv heads < sp, the undo, and refusals when heads do not divide. Inkling's
+short convolutions alone (its attention's pair bias keeps the models refused) at sp 2 and 4. Phi-MoE,
+whose sliding window lives only in its mask (the SP attention is told it), at sp 2.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import sys
 from pathlib import Path
@@ -132,6 +136,8 @@ CASES_SP2 = [(a, p, {}) for a in ("lfm2", "nemotron_h", "falcon_h1") for p in (F
     ("mamba2", True, {}),  # Mamba-2 alone
     ("opt", True, {}),  # learned positions: the reference numbers each document by its mask's cumsum
     ("biogpt", False, {}),
+    ("zaya", True, {}),  # causal window: convolutions inside the q/k projection, a delayed value half (halo 2)
+    ("phimoe", True, {}),  # a sliding window (8) only in the model's mask: the SP attention is told it
 ]
 CASES_SP4 = [
     ("lfm2", True, {}),
@@ -139,6 +145,7 @@ CASES_SP4 = [
     ("falcon_h1", False, {"mamba_heads": 8, "groups": 4, "checkpointing": True}),
     ("nemotron_h", False, {"mamba_heads": 4, "groups": 1, "kv_heads": 1}),  # attention kv heads < sp
     ("biogpt", True, {"checkpointing": True}),
+    ("zaya", True, {"docs": (8, 7, 9, 8), "checkpointing": True}),  # starts at a shard edge and inside a halo
 ]
 
 
@@ -212,10 +219,79 @@ def test_attention_computing_its_own_scores_refuses_heads_that_do_not_divide():
     assert not any("forward" in vars(m) for m in model.modules())
 
 
+def _inkling_convolutions() -> list[torch.nn.Module]:
+    """Inkling's and Inkling-2's short convolutions (kernel 4: a halo of 3) and Inkling-2's dynamic one."""
+    from transformers.models.inkling.modeling_inkling import InklingShortConvolution
+    from transformers.models.inkling2.modeling_inkling2 import (
+        Inkling2DynamicShortConvolution,
+        Inkling2ShortConvolution,
+    )
+
+    torch.manual_seed(0)
+    mods = [InklingShortConvolution(16, 4, 0, 0), Inkling2ShortConvolution(16, 4, 0, 1),
+            Inkling2DynamicShortConvolution(16, 24, 2, 4, 0, 2)]  # fmt: skip
+    with torch.no_grad():
+        for p in (p for m in mods for p in m.parameters()):
+            p.normal_(0, 0.5)
+    return mods
+
+
+class _Root(torch.nn.Module):
+    """A model root for one convolution: ``position_ids`` enter here (the tracker's hook), as in a decoder."""
+
+    def __init__(self, conv: torch.nn.Module) -> None:
+        super().__init__()
+        self.conv = conv
+        self.two_inputs = "dynamic_input" in inspect.signature(conv.forward).parameters  # Inkling-2's
+
+    def forward(self, x, dynamic, position_ids=None):
+        return self.conv(x, dynamic, cache=None) if self.two_inputs else self.conv(x, cache=None)
+
+
+def _windows(sp: int, docs: tuple[int, ...]) -> list[str]:
+    """Each Inkling convolution alone at ``sp``: outputs at every position, the input and dynamic-input
+    gradients and the weights' against each packed document run alone without SP."""
+    mesh = init_mesh((1, sp))
+    cols = slice(mesh.sp_rank * (S // sp), (mesh.sp_rank + 1) * (S // sp))
+    g = torch.Generator().manual_seed(1)
+    x, dyn, proj = (torch.randn(B, S, n, generator=g) for n in (16, 24, 16))
+    starts = torch.tensor((0,) + docs).cumsum(0).tolist()
+    done = []
+    for conv in _inkling_convolutions():
+        ref, sharded = _Root(conv), _Root(copy.deepcopy(conv))
+        xr, dr = x.clone().requires_grad_(), dyn.clone().requires_grad_()
+        want = torch.cat([ref(xr[:, s:e], dr[:, s:e]) for s, e in zip(starts, starts[1:])], dim=1)
+        (want * proj).sum().backward()
+        handle = apply_mixers(sharded, mesh)
+        assert handle.wrapped == [("conv", "causal_window")]
+        xl, dl = x[:, cols].clone().requires_grad_(), dyn[:, cols].clone().requires_grad_()
+        got = sharded(xl, dl, position_ids=_positions(True, docs)[:, cols])
+        torch.testing.assert_close(got, want[:, cols].detach(), rtol=1e-5, atol=1e-5)
+        (got * proj[:, cols]).sum().backward()
+        torch.testing.assert_close(xl.grad, xr.grad[:, cols], rtol=1e-5, atol=1e-5)  # the halo's gradient came back
+        if "Dynamic" in type(conv).__name__:
+            torch.testing.assert_close(dl.grad, dr.grad[:, cols], rtol=1e-5, atol=1e-5)
+        grads = {n: p.grad for n, p in sharded.named_parameters()}
+        for t in grads.values():
+            dist.all_reduce(t, group=mesh.sp_group)
+        assert_grads_close(grads, {n: p.grad for n, p in ref.named_parameters()}, atol_cap=math.inf)
+        handle.remove()
+        done.append(type(conv).__name__)
+    return done
+
+
+def test_inkling_convolutions_equal_no_sp(pool):
+    """Inkling's short convolutions (the families stay refused for their relative-position bias, a separate
+    reason) at sp 2 and 4, packed: a document start inside a halo, at a shard edge, inside a shard."""
+    names = ["InklingShortConvolution", "Inkling2ShortConvolution", "Inkling2DynamicShortConvolution"]
+    assert pool.run(_windows, 2, 2, (8, 7, 9, 8))[0] == names
+    assert pool.run(_windows, 4, 4, (5, 12, 9, 6))[0] == names
+
+
 def test_every_mixer_is_claimed_and_nothing_else():
     claimed = {}
     for arch in ("lfm2", "nemotron_h", "falcon_h1", "granitemoehybrid", "bamba", "mamba2", "mamba", "falcon_mamba",
-                 "jamba", "zamba", "opt", "biogpt", "bloom", "gpt_neo"):  # fmt: skip
+                 "jamba", "zamba", "opt", "biogpt", "bloom", "gpt_neo", "zaya", "phimoe"):  # fmt: skip
         model = hybrid_model(arch)
         claimed[arch] = sorted(
             {(type(m).__name__, h.name) for m in model.modules() if (h := claimed_by(m, HANDLERS))}
@@ -236,8 +312,11 @@ def test_every_mixer_is_claimed_and_nothing_else():
         "biogpt": [("BioGptLearnedPositionalEmbedding", "learned_positions")],
         "bloom": [("BloomAttention", "own_scores")],
         "gpt_neo": [("GPTNeoSelfAttention", "own_scores")],
+        "zaya": [("ZayaCCAProjection", "causal_window")],
+        "phimoe": [("PhimoeAttention", "mask_window")],
     }
     assert not needs_plain_layout(hybrid_model("opt")) and needs_plain_layout(hybrid_model("jamba"))
+    assert not needs_plain_layout(hybrid_model("phimoe")) and needs_plain_layout(hybrid_model("zaya"))
     assert not has_unsharded_mixers(tiny_model("llama"))
 
 
@@ -384,12 +463,13 @@ def _linear_hybrid(kind: str):
     return T.KimiLinearForCausalLM(cfg)
 
 
-@pytest.mark.parametrize("kind", ["short_conv", "mamba2", "mamba1", "gated_delta_net", "kimi_delta_attention"])
+@pytest.mark.parametrize("kind", ["short_conv", "mamba2", "mamba1", "gated_delta_net", "kimi_delta_attention",
+                                  "causal_window"])
 def test_every_mixer_refuses_a_cache_under_sp(kind):
-    """One cache rule for all four: at sp > 1 a cache is refused before any exchange (the mixer
+    """One cache rule for all: at sp > 1 a cache is refused before any exchange (the mixer
     could neither read it nor fill it), naming the module and the fix."""
-    if kind in ("short_conv", "mamba2", "mamba1"):
-        model = hybrid_model({"short_conv": "lfm2", "mamba2": "bamba", "mamba1": "jamba"}[kind])
+    if kind in ("short_conv", "mamba2", "mamba1", "causal_window"):
+        model = hybrid_model({"short_conv": "lfm2", "mamba2": "bamba", "mamba1": "jamba", "causal_window": "zaya"}[kind])
     else:
         model = _linear_hybrid(kind)
     mesh = SimpleNamespace(sp_size=2, sp_rank=0, ring_size=1, sp_group=None)

@@ -154,6 +154,12 @@ def test_layer_kinds_of_the_other_hybrids():
     assert kinds(mamba) == [":mamba2"] * 2 and mixers_shard(mamba, 2, 1) and not mixers_shard(mamba, 8, 1)
     lfm2 = model_shape(hybrid_config("lfm2", intermediate_size=128))
     assert kinds(lfm2) == ["M:short_conv", "AM", "M:short_conv"] and lfm2.intermediate == 256
+    from hybrid_models import hybrid_model
+
+    from ulysses_sp.mixers.shapes import layer_kinds
+
+    for arch in ("zaya", "phimoe"):  # a halo inside the attention, a window for it: attention + MLP layers
+        assert [(k["attention"], k["mlp"], k["mixer"]) for k in layer_kinds(hybrid_model(arch))] == [(True, True, None)] * 2
 
 
 def test_own_score_attention_peak_is_quadratic_in_s_and_within_5_percent_of_the_meter():

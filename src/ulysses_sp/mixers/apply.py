@@ -13,7 +13,17 @@ from typing import Any
 
 from torch import nn
 
-from ulysses_sp.mixers import gated_delta, kda, learned_positions, mamba1, mamba2, own_scores, short_conv
+from ulysses_sp.mixers import (
+    causal_window,
+    gated_delta,
+    kda,
+    learned_positions,
+    mamba1,
+    mamba2,
+    mask_window,
+    own_scores,
+    short_conv,
+)
 from ulysses_sp.mixers._kernels import is_sharded
 from ulysses_sp.mixers.base import MixerHandle, MixerHandler, claimed_by, shard_mixers
 
@@ -22,7 +32,7 @@ from ulysses_sp.mixers.documents import PositionTracker
 
 HANDLERS: tuple[MixerHandler, ...] = (
     short_conv.HANDLER, mamba2.HANDLER, mamba1.HANDLER, mamba1.HEADS_HANDLER, gated_delta.HANDLER, kda.HANDLER,
-    learned_positions.HANDLER, own_scores.HANDLER,
+    learned_positions.HANDLER, own_scores.HANDLER, causal_window.HANDLER, mask_window.HANDLER,
 )
 """The mixers this package shards (for ``claimed_by``; ``apply_mixers`` binds fresh ones)."""
 
@@ -47,7 +57,9 @@ def has_unsharded_mixers(model: nn.Module) -> bool:
 
 def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
     """Shard every short-convolution, Mamba-2, Mamba-1, gated delta-net and KDA mixer of ``model``
-    over ``mesh``'s SP group (and hold learned position embeddings to the shard's global position ids).
+    over ``mesh``'s SP group, give every causal-window module (convolutions inside projections) its halo,
+    hold learned position embeddings to the shard's global position ids, and tell the SP attention
+    a sliding window the model applies only through its mask.
 
     Checks every mixer before changing any (``ValueError`` listing each that cannot be sharded at
     ``mesh.sp_size``). Call before FSDP/DDP wrapping or after: only the mixers' ``forward`` changes.
@@ -69,6 +81,8 @@ def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
         kda.KimiDeltaAttentionHandler(positions),
         learned_positions.LearnedPositionsHandler(positions),
         own_scores.OwnScoresHandler(positions),
+        causal_window.CausalWindowHandler(positions),
+        mask_window.MaskWindowHandler(positions),
     )
     handle = shard_mixers(model, mesh, handlers)
     handle._undo.insert(0, positions.install(model))  # removed last

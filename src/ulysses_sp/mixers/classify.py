@@ -22,6 +22,7 @@ position-wise shape the answer is ``UNKNOWN``, never ``POSITION_WISE``.
 
 from __future__ import annotations
 
+import dis
 import inspect
 import types
 from collections.abc import Iterator
@@ -167,6 +168,8 @@ def _leaf_verdict(module: nn.Module, names: set[str]) -> Verdict:
     if not dims and not any(True for _ in module.buffers(recurse=False)) and names & ELEMENTWISE_OPS:
         if not names & RESHAPE_OPS:
             return Verdict(POSITION_WISE)  # an elementwise activation
+    if dims and max(dims) == 1 and _per_feature_arithmetic(module):
+        return Verdict(POSITION_WISE)  # scales and shifts by per-feature vectors (ZAYA's residual scaling)
     if not dims and ("inv_freq" in names or "polar" in names or names >= {"cos", "sin"}):
         if _numbers_tokens_itself(type(module)):  # Musicgen's sinusoidal table: arange(S) of its own input
             return Verdict(MIXER, "it numbers the tokens it is given 0..S-1 itself (arange in its forward, no "
@@ -178,6 +181,28 @@ def _leaf_verdict(module: nn.Module, names: set[str]) -> Verdict:
         "or expert shape); if it acts on every token alone, declare it with "
         f"ulysses_sp.declare_position_wise({type(module).__name__})",
     )
+
+
+ARITHMETIC = {0, 5, 10, 11, 13, 18, 23, 24}
+"""``BINARY_OP`` arguments of ``+ * - /`` and their in-place forms."""
+PLAIN_OPS = {"RESUME", "NOP", "CACHE", "LOAD_FAST", "STORE_FAST", "RETURN_VALUE", "UNARY_NEGATIVE"}
+
+
+def _per_feature_arithmetic(module: nn.Module) -> bool:
+    """Whether ``forward`` is nothing but ``+ * - /`` of its inputs, numbers and the module's own 1-D
+    parameters or buffers (read by name): no call, no index, no other attribute. A 1-D vector broadcasts
+    over the last (feature) dimension, so every token's output is made from that token's inputs alone."""
+    own = {n for n, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+           if t.dim() <= 1}  # fmt: skip
+    for ins in dis.get_instructions(inspect.unwrap(type(module).forward)):
+        if ins.opname in PLAIN_OPS:
+            continue
+        if ins.opname == "BINARY_OP" and ins.arg in ARITHMETIC or ins.opname == "LOAD_ATTR" and ins.argval in own:
+            continue
+        if ins.opname == "LOAD_CONST" and (ins.argval is None or isinstance(ins.argval, (int, float))):
+            continue
+        return False
+    return True
 
 
 def _numbers_tokens_itself(cls: type) -> bool:

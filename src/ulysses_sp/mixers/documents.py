@@ -114,3 +114,39 @@ def per_document(
         parts = [fn(*(x[row].narrow(seq_dim, s, e - s) for x in xs)) for s, e in docs]
         rows.append(torch.cat(parts, dim=seq_dim))  # the row's documents back in sequence order
     return torch.cat(rows, dim=0)  # [B, ..., S, ...]
+
+
+def window_cuts(layout: SeqLayout | None, first: int, end: int) -> list[list[int]] | None:
+    """Where a document starts inside the window of global positions ``[first, end)`` (a rank's halo and
+    shard; positions before 0 count as their own document), per row of the batch (or one list for all),
+    relative to ``first``, as host ints; ``None`` without packed documents."""
+    if layout is None or layout.doc_ids is None:
+        return None
+    if layout.host is not None:  # the adapter's layout: no read of the device ids
+        return [[s - first for s in row if first < s < end] for row in layout.host.doc_starts()]
+    docs = layout.doc_ids  # the fallback: [B|1, end-first] ids (-1 before the sequence), read back
+    docs = torch.cat([docs.new_full((docs.shape[0], max(0, -first)), -1), docs[:, max(0, first) : end]], dim=-1)
+    return [(torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist() for row in docs]
+
+
+def per_window_document(
+    fn: Callable[..., Any], xs: Sequence[torch.Tensor], cuts: list[list[int]] | None, *, dim: int
+) -> Any:
+    """``fn(*xs)`` run on every document of the window (``cuts`` from ``window_cuts``, along ``dim`` of each
+    ``[B, ..., L, ...]`` input), the outputs (a tensor or a tuple of them, ``L`` along ``dim``) concatenated
+    back in order; one call when unpacked. Rows with different boundaries run one by one."""
+    if cuts is None or not any(cuts):
+        return fn(*xs)
+    if len(cuts) > 1:
+        rows = [per_window_document(fn, [x[b : b + 1] for x in xs], [cuts[b]], dim=dim) for b in range(xs[0].shape[0])]
+        return _cat(rows, 0)
+    edges = [0, *cuts[0], xs[0].shape[dim]]
+    parts = [fn(*(x.narrow(dim, a, e - a) for x in xs)) for a, e in zip(edges[:-1], edges[1:])]
+    return _cat(parts, dim)
+
+
+def _cat(parts: list[Any], dim: int) -> Any:
+    """Concatenate a list of tensors, or of equal-length tuples of tensors element by element."""
+    if isinstance(parts[0], torch.Tensor):
+        return torch.cat(parts, dim=dim)
+    return tuple(torch.cat(list(group), dim=dim) for group in zip(*parts))

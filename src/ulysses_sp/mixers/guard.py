@@ -48,6 +48,7 @@ from ulysses_sp.mixers.classify import (
     MIXER,
     SCORE_OPS,
     UNKNOWN,
+    Verdict,
     code_constants,
     code_names,
     verdict,
@@ -56,8 +57,12 @@ from ulysses_sp.mixers.own_scores import own_attention
 from ulysses_sp.mixers.own_scores import refusal as own_refusal
 from ulysses_sp.vlm.families import multimodal_refusal, vlm_parts
 
+PAIR_BIAS = "position_bias"
+"""The keyword a model passes its attention function a ``[B, H, S_q, S_k]`` additive bias by (T5-style
+relative positions, Inkling's relative logits, ALiBi tables)."""
+
 SUPPORTED_MIXERS: tuple[MixerHandler, ...] = HANDLERS
-"""The mixers SP shards (``mixers.apply``: short convolution, Mamba-2, Mamba-1, gated delta-net, KDA), which
+"""The mixers SP shards (``mixers.apply``: short convolution, Mamba-2, Mamba-1, gated delta-net, KDA, causal windows), which
 ``initialize`` and ``prepare`` wrap right after this check."""
 
 
@@ -231,11 +236,13 @@ def _walk(
     """Findings for ``root`` and its subtree, top-down; a refused module is reported once, at the
     top-most module of its subtree that shows the mixing (with its children's evidence)."""
     handler = claimed_by(root, handlers)
-    if handler is not None:
+    if handler is not None and not getattr(handler, "attention", False):  # an attention handler: walked on
         return [
             Finding(layer, prefix, type(root).__name__, "mixer", f"is sharded by the {handler.name} handler")
         ]
     v = verdict(root)
+    if handler is not None and v.kind == ATTENTION:
+        v = Verdict(ATTENTION, f"its window is set by the {handler.name} handler")
     if v.kind in (MIXER, UNKNOWN):
         evidence = [*_child_evidence(root, handlers), v.why]
         text = "; ".join(dict.fromkeys(e for e in evidence if e))
@@ -247,7 +254,12 @@ def _walk(
         if v.kind == MIXER and own_attention(root) and (reason := own_refusal(root)):
             why = f"computes its own attention scores ({v.why}), and its heads cannot run apart: {reason}"
         return [Finding(layer, prefix, type(root).__name__, "refused", why)]
-    out = [Finding(layer, prefix, type(root).__name__, ATTENTION)] if v.kind == ATTENTION else []
+    if v.kind == ATTENTION and PAIR_BIAS in code_constants(type(root)):
+        return [Finding(layer, prefix, type(root).__name__, "refused",
+                        f"passes its attention a relative-position bias over token pairs ({PAIR_BIAS}, [B, H, S_q, "
+                        "S_k]) built from the tokens it is given: on a shard it covers only the pairs within the "
+                        "shard, and the SP attention exchanges q, k and v, not a bias per pair")]  # fmt: skip
+    out = [Finding(layer, prefix, type(root).__name__, ATTENTION, v.why)] if v.kind == ATTENTION else []
     if v.kind in (ATTENTION, COMPOSITE):
         for name, child in root.named_children():
             out += _walk(child, f"{prefix}.{name}" if prefix else name, layer, handlers)
@@ -318,7 +330,7 @@ def _window_findings(
         return []
     out = []
     for f in found:
-        if f.kind == ATTENTION and f.layer is not None:
+        if f.kind == ATTENTION and f.layer is not None and not f.why:  # f.why: a handler sets its window
             attn = layers[f.layer].get_submodule(f.path)
             if "sliding_window" not in code_names(type(attn), depth=0) | code_constants(type(attn)):
                 out.append(Finding(f.layer, f.path, f.cls, "refused",

@@ -47,7 +47,13 @@ from torch import nn
 
 from ulysses_sp.attention.masks import SeqLayout
 from ulysses_sp.mixers._kernels import ForwardHandler, check_layout, wrap_sharded_forward
-from ulysses_sp.mixers.documents import PositionTracker, per_document, segments
+from ulysses_sp.mixers.documents import (
+    PositionTracker,
+    per_document,
+    per_window_document,
+    segments,
+    window_cuts,
+)
 from ulysses_sp.mixers.halo import halo_from_previous
 from ulysses_sp.parallel.comm import heads_to_seq, seq_to_heads_packed
 
@@ -130,7 +136,7 @@ class _Sharded:
             bound.arguments["hidden_states"] = part
             return original(*bound.args, **bound.kwargs)
 
-        out = _per_window_document(run, ext, self._window_docs(x.shape[-1], width))
+        out = per_window_document(run, (ext,), self._window_docs(x.shape[-1], width), dim=-1)
         return out[..., width:]  # [B, C, S_l]: the halo's own outputs dropped
 
     def scan(self, original: Callable[..., Any], signature: inspect.Signature, args: tuple, kwargs: dict):
@@ -160,27 +166,8 @@ class _Sharded:
     def _window_docs(self, s_local: int, width: int) -> list[list[int]] | None:
         """Per row of ``[halo | local]`` (``K-1+S_l`` tokens from global ``lo - width``; a halo before the
         sequence is its own document): where a new document starts, as host ints; ``None`` unpacked."""
-        if self.layout is None or self.layout.doc_ids is None:
-            return None
         lo = self.sp_rank * s_local
-        first, end = lo - width, lo + s_local
-        if self.layout.host is not None:  # the adapter's layout: no read of the device ids
-            return [[s - first for s in row if first < s < end] for row in self.layout.host.doc_starts()]
-        docs = self.layout.doc_ids  # the fallback: [B|1, K-1+S_l] ids (-1 before the sequence), read back
-        docs = torch.cat([docs.new_full((docs.shape[0], max(0, -first)), -1), docs[:, max(0, first) : end]], dim=-1)
-        return [(torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist() for row in docs]
-
-
-def _per_window_document(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
-                         cuts: list[list[int]] | None) -> torch.Tensor:  # fmt: skip
-    """``fn`` on every document of ``x [B, C, L]`` (``cuts``: per row of ``B`` or one for all, where one
-    starts), concatenated along ``L``; one call when unpacked. Rows with different boundaries run one by one."""
-    if cuts is None or not any(cuts):
-        return fn(x)
-    if len(cuts) > 1:
-        return torch.cat([_per_window_document(fn, x[b : b + 1], [cuts[b]]) for b in range(x.shape[0])])
-    edges = [0, *cuts[0], x.shape[-1]]
-    return torch.cat([fn(x[..., a:e]) for a, e in zip(edges[:-1], edges[1:])], dim=-1)
+        return window_cuts(self.layout, lo - width, lo + s_local)
 
 
 _ACTIVE: ContextVar[_Sharded | None] = ContextVar("ulysses_sp_linear_attn", default=None)

@@ -23,6 +23,10 @@ from ulysses_sp.mixers.base import claimed_by
 from ulysses_sp.mixers.classify import ATTENTION, verdict
 from ulysses_sp.mixers.guard import decoder_layers
 
+SIZED = ("mamba2", "gated_delta_net", "short_conv", "mamba1", "mamba1_heads", "kimi_delta_attention")
+"""The handlers whose mixers the planner sizes (``mixer_sizes``); the others (learned positions, causal
+windows, a mask's window) leave their layer planned as attention and MLP."""
+
 
 def _chunk(module: nn.Module, fn: str, default: int = 64) -> int:
     """The chunk length the model's scan ``fn`` runs with (its ``chunk_size`` default)."""
@@ -72,7 +76,10 @@ def layer_kinds(model: nn.Module) -> list[dict[str, Any]]:
             if handler is not None and handler.name == "own_scores":  # softmax attention, run head-parallel
                 attention = own_scores = True
                 owned.update(module.modules())
-            elif handler is not None and mixer is None:
+                continue
+            if handler is not None and handler.name not in SIZED:  # a halo or a window: attention/MLP terms hold it
+                handler = None
+            if handler is not None and mixer is None:
                 mixer = mixer_sizes(module, handler.name)
                 owned.update(module.modules())
             elif handler is None and verdict(module).kind == ATTENTION and not attention:
