@@ -176,10 +176,8 @@ def measure(case: dict[str, Any]) -> dict[str, Any]:
                 step()
         dt = time.perf_counter() - t0
     finally:
-        for h in handles:
+        for h in [*handles, *(x for x in (engine.mixers, mpu) if x is not None)]:  # the mixers: their modules' functions
             h.remove()
-        if mpu is not None:
-            mpu.remove()
     return {"peak_bytes": max_over_ranks(mem.peak_bytes, mesh.reduce_group), "host_peak_bytes": mem.host_peak_bytes,
             "comm_s": times.sp, "dp_comm_s": times.dp, "step_s": dt, "comm_share": (times.sp + times.dp) / dt}  # fmt: skip
 
