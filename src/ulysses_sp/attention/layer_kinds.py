@@ -33,16 +33,25 @@ REASONS = {
         "mask for them), so the keys it picks are not the ones the model picks without sequence parallelism"
     ),
     "compressed_sparse_attention": (
-        "K/V are pooled along the sequence (every {rate} tokens into one) and an indexer picks among the "
-        "pooled blocks before the attention runs; on a sequence shard both see only the rank's own tokens"
+        "K/V are pooled along the sequence (every {rate} tokens into one, each entry mixing two overlapping "
+        "windows) and an indexer over pooled index keys picks each query's entries; the entries are appended "
+        "to the layer's own keys inside the attention module, so on a sequence shard the windows start at the "
+        "shard instead of the sequence, the indexer sees only the shard's entries and the attention function "
+        "gets more keys than queries. Exact would need the partial window from the previous rank (a halo), "
+        "the pooled entries gathered over the SP group, the indexer over all of them and a core attending to "
+        "the sliding window plus the picked entries with the sinks in one softmax"
     ),
     "heavily_compressed_attention": (
-        "K/V are pooled along the sequence (every {rate} tokens into one) before the attention runs; on a "
-        "sequence shard the pooling sees only the rank's own tokens and its blocks do not line up with the "
-        "full sequence's"
+        "K/V are pooled along the sequence (every {rate} tokens into one) and appended to the layer's own keys "
+        "inside the attention module; on a sequence shard the pooling sees only the rank's own tokens, its "
+        "windows start at the shard instead of the sequence, and the attention function gets more keys than "
+        "queries. Exact would need the partial window from the previous rank (a halo), the pooled entries "
+        "gathered over the SP group and a core attending to the sliding window plus the visible entries with "
+        "the sinks in one softmax"
     ),
 }
-"""Attention layer kinds that mix tokens before the attention function, and why SP cannot shard them."""
+"""Attention layer kinds that mix tokens before the attention function, and why SP does not shard them
+(DeepSeek-V4's: an exact split exists — pooled entries are ``S/rate`` small — but is not built)."""
 
 
 DSA_CONFIG = ("index_topk", "index_n_heads", "index_head_dim")
