@@ -52,6 +52,14 @@ FAMILIES = {
         num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1,
         indexer_types=["full", "shared", "full"], mlp_layer_types=["dense", "sparse", "sparse"],
     ),
+    # Qwen4-Exp's QSA: blocks of 3 keys from each document's first token, each query keeps its best block (+ its
+    # incomplete block): up to 10 blocks at 32 tokens; both layers QSA (the gated delta-net layers are
+    # the mixers' and the engine's: the sweep runs the hybrid)
+    "qwen4_exp_text": dict(
+        layer_types=["indexed_attention", "indexed_attention"], head_dim=16, indexer_n_heads=2, indexer_kv_heads=1,
+        indexer_head_dim=16, indexer_budget=3, indexer_compress_ratio=3, hc_lowrank=16, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+    ),
 }  # fmt: skip
 
 

@@ -223,10 +223,6 @@ def test_call_capture_sees_keyword_and_positional_position_ids():
 
 
 SPARSE = {
-    "qwen4_exp_text": (
-        dict(layer_types=["linear_attention", "indexed_attention"]),
-        r"layer 1: 'indexed_attention' \(Qwen4ExpTextConfig\).*keeps each query's top k keys",
-    ),
     "deepseek_v4": (
         dict(layer_types=["heavily_compressed_attention", "compressed_sparse_attention"],
              compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}),
@@ -248,17 +244,28 @@ def test_sparse_and_compressed_attention_refused_before_any_step_naming_why(fami
     check_layer_kinds(config, 1)  # without SP the model runs as it is
 
 
-@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+INDEXED = {
+    "deepseek_v32": ({}, "top 2048 keys"),
+    "glm_moe_dsa": ({}, "top 2048 keys"),
+    "qwen4_exp_text": (dict(layer_types=["linear_attention", "indexed_attention"], indexer_budget=64,
+                            indexer_compress_ratio=4, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, head_dim=16),
+                       r"best key blocks \(64 tokens\)"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(INDEXED))
 def test_dsa_indexed_attention_is_accepted_on_sdpa_and_eager_without_a_ring(family):
     from transformers import AutoConfig
 
     from ulysses_sp.attention.checks import check_sp_attention
 
-    config = AutoConfig.for_model(family, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)
+    overrides, picked = INDEXED[family]
+    config = AutoConfig.for_model(family, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                  **overrides)  # fmt: skip
     for core in ("sdpa", "eager"):
-        assert check_sp_attention(config, core, 2) == 1  # DSA: exact under SP (attention/indexer.py)
+        assert check_sp_attention(config, core, 2) == 1  # DSA / QSA: exact under SP (attention/indexer.py)
     for core, ring in (("flex_attention", None), ("sdpa", 2)):
-        with pytest.raises(ValueError, match=rf"'indexed_attention' layers attend to each query's top 2048 keys.*"
+        with pytest.raises(ValueError, match=rf"'indexed_attention' layers attend to each query's {picked}.*"
                            rf"got core '{core}', ring_size {ring or 1}"):  # fmt: skip
             check_sp_attention(config, core, 2, ring_size=ring)
 
@@ -321,10 +328,42 @@ DSA_SP2 = [
     ("deepseek_v32", "sdpa", 4, "docs", "documents", 2),  # the attention in two head groups: picks gathered once
 ]
 DSA_SP4 = [("deepseek_v32", "sdpa", 4, "docs", "documents"), ("glm_moe_dsa", "sdpa", 4, "plain", "model")]
+QSA_SP2 = [("qwen4_exp_text", "sdpa", 2, "plain", "model")]  # the block of tokens 15-17 straddles the shard edge
+QSA_SP4 = [("qwen4_exp_text", "eager", 2, "docs", "documents")]  # blocks from each document's first token; 22-24
 
 
-@pytest.mark.parametrize("sp, cases", [(2, DSA_SP2), (4, DSA_SP4)], ids=["sp2", "sp4"])
+@pytest.mark.parametrize("sp, cases", [(2, DSA_SP2 + QSA_SP2), (4, DSA_SP4 + QSA_SP4)], ids=["sp2", "sp4"])
 def test_dsa_indexed_attention_equals_no_sp(pool, sp, cases):
     """DeepSeek Sparse Attention (issue 36): each query's top-k over the whole sequence (the indexer's
-    keys gathered), the attention over those keys only; per-position logits and every gradient."""
+    keys gathered), the attention over those keys only; per-position logits and every gradient. Qwen4-Exp's
+    QSA (``attention/block_indexer.py``): each query's best key blocks over the whole sequence."""
     assert pool.run(_cases, sp, sp, cases)[0] == [c[:4] for c in cases]
+
+
+def _qsa_reads_and_gap() -> tuple[list[str], float]:
+    """Qwen4-Exp's QSA at sp 1 through the SP attention with the adapter's host layout: the host reads of
+    its forward and backward, and the largest logit gap to each packed document run alone."""
+    from test_host_reads import HostReads
+
+    from ulysses_sp.parallel.doc_layout import attach_layout, host_layout
+
+    ref = family_model("qwen4_exp_text", num_key_value_heads=2)
+    model = copy.deepcopy(ref)
+    reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 1, 1, mesh=init_mesh(sp_size=1))
+    ids, pos = global_batch(3, 1, S), _positions("docs", 1)
+    attached = attach_layout(pos.clone(), host_layout(pos))  # the adapter's host layout, before the step
+    try:
+        with HostReads() as reads:  # the model's own indexer reads the device once per query
+            logits = model(input_ids=ids, position_ids=attached, use_cache=False).logits
+            logits.sum().backward()
+    finally:
+        reg.remove()
+    with torch.no_grad():
+        want, _ = _reference(ref, ids, pos, shift(ids), "documents")
+    return reads.found, (logits.detach() - want).abs().max().item()
+
+
+def test_qsa_selection_reads_no_device_value(pool):
+    """The QSA picks come from host layout values and device ops only (``attention/block_indexer.py``)."""
+    found, gap = pool.run(_qsa_reads_and_gap, 1)[0]
+    assert found == [] and gap < 1e-5, (found, gap)

@@ -14,7 +14,9 @@ Except DeepSeek Sparse Attention's ``indexed_attention`` (``dsa_indexed``: a con
 ``index_n_heads`` and ``index_head_dim`` — DeepSeek-V3.2, GLM-5, Hunyuan-V4, A.X-K2, dots3-note): its
 indexer scores each query against the whole sequence's index keys (``attention/indexer.py``) and the
 blockwise core attends to the picked keys (``attention/indexed.py``), on cores ``sdpa``/``eager`` without
-a ring (``check_indexed_options``). Other indexers (Qwen4-Exp's block top-k) stay refused.
+a ring (``check_indexed_options``). Qwen4-Exp's block top-k indexer (QSA: ``indexer_budget``,
+``indexer_compress_ratio``; ``attention/block_indexer.py``) likewise: its key blocks picked over the whole
+sequence, the attention over the picks in the same blockwise core.
 
 Judged from the config's layer types and the numbers that make the structure matter, not from the
 model's name.
@@ -31,25 +33,45 @@ REASONS = {
         "mask for them), so the keys it picks are not the ones the model picks without sequence parallelism"
     ),
     "compressed_sparse_attention": (
-        "K/V are pooled along the sequence (every {rate} tokens into one) and an indexer picks among the "
-        "pooled blocks before the attention runs; on a sequence shard both see only the rank's own tokens"
+        "K/V are pooled along the sequence (every {rate} tokens into one, each entry mixing two overlapping "
+        "windows) and an indexer over pooled index keys picks each query's entries; the entries are appended "
+        "to the layer's own keys inside the attention module, so on a sequence shard the windows start at the "
+        "shard instead of the sequence, the indexer sees only the shard's entries and the attention function "
+        "gets more keys than queries. Exact would need the partial window from the previous rank (a halo), "
+        "the pooled entries gathered over the SP group, the indexer over all of them and a core attending to "
+        "the sliding window plus the picked entries with the sinks in one softmax"
     ),
     "heavily_compressed_attention": (
-        "K/V are pooled along the sequence (every {rate} tokens into one) before the attention runs; on a "
-        "sequence shard the pooling sees only the rank's own tokens and its blocks do not line up with the "
-        "full sequence's"
+        "K/V are pooled along the sequence (every {rate} tokens into one) and appended to the layer's own keys "
+        "inside the attention module; on a sequence shard the pooling sees only the rank's own tokens, its "
+        "windows start at the shard instead of the sequence, and the attention function gets more keys than "
+        "queries. Exact would need the partial window from the previous rank (a halo), the pooled entries "
+        "gathered over the SP group and a core attending to the sliding window plus the visible entries with "
+        "the sinks in one softmax"
     ),
 }
-"""Attention layer kinds that mix tokens before the attention function, and why SP cannot shard them."""
+"""Attention layer kinds that mix tokens before the attention function, and why SP does not shard them
+(DeepSeek-V4's: an exact split exists — pooled entries are ``S/rate`` small — but is not built)."""
 
 
 DSA_CONFIG = ("index_topk", "index_n_heads", "index_head_dim")
 """Config fields of DeepSeek Sparse Attention's per-token top-k indexer."""
 
 
+QSA_CONFIG = ("indexer_budget", "indexer_compress_ratio", "indexer_n_heads", "indexer_head_dim")
+"""Config fields of Qwen4-Exp's block top-k (QSA) indexer."""
+
+
 def dsa_indexed(config: Any) -> bool:
-    """Whether ``config``'s ``indexed_attention`` layers are DSA's, which sequence parallelism makes exact."""
-    return all(hasattr(config, name) for name in DSA_CONFIG)
+    """Whether ``config``'s ``indexed_attention`` layers are DSA's or QSA's, which sequence parallelism makes
+    exact."""
+    return any(all(hasattr(config, name) for name in fields) for fields in (DSA_CONFIG, QSA_CONFIG))
+
+
+def _picked(config: Any) -> str:
+    """What each query keeps, for messages: DSA's top-k keys or QSA's token budget."""
+    topk = getattr(config, "index_topk", None)
+    return f"top {topk} keys" if topk is not None else f"best key blocks ({config.indexer_budget} tokens)"
 
 
 def refused_kind(config: Any, kind: str) -> bool:
@@ -62,8 +84,8 @@ def check_indexed_options(config: Any, core: str, ring_size: int) -> None:
     types = getattr(config, "layer_types", None) or ()
     if "indexed_attention" in types and dsa_indexed(config) and (core not in ("sdpa", "eager") or ring_size > 1):
         raise ValueError(
-            f"{type(config).__name__}'s 'indexed_attention' layers attend to each query's top "
-            f"{config.index_topk} keys, which run in the blockwise core for cores 'sdpa'/'eager' without a "
+            f"{type(config).__name__}'s 'indexed_attention' layers attend to each query's "
+            f"{_picked(config)}, which run in the blockwise core for cores 'sdpa'/'eager' without a "
             f"ring; got core {core!r}, ring_size {ring_size}. Use core 'sdpa' and ring_size 1 (the heads must "
             "split over the sp size)"
         )

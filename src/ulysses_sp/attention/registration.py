@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ulysses_sp.attention.block_indexer import install_block_indexers
 from ulysses_sp.attention.indexer import install_indexers
 from ulysses_sp.attention.positions import CallPositions, capture_call
 from ulysses_sp.parallel.mesh import Mpu, SPMesh, as_sp_mesh, init_mesh
@@ -188,8 +189,10 @@ class SPRegistration(Mpu):
         blocks = prepare(model) if prepare is not None else None
         self.head_blocks = blocks if blocks is not None else self.head_blocks
         hooks = [blocks] if blocks is not None else []
-        # DSA indexers (attention/indexer.py): each query's top-k over the whole sequence
-        indexers = install_indexers(model, self.attention) if hasattr(self.attention, "_seq_layout") else None
+        # DSA / QSA indexers (attention/indexer.py, block_indexer.py): each query's picks over the whole sequence
+        sp_attn = hasattr(self.attention, "_seq_layout")
+        indexers = install_indexers(model, self.attention) if sp_attn else None
+        indexers = install_block_indexers(model, self.attention, indexers) if sp_attn else None
         hooks += [indexers] if indexers is not None else []
         hooks += [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
