@@ -16,7 +16,7 @@ def hybrid_config(
     arch: str, *, mamba_heads: int = 4, groups: int = 2, kv_heads: int = 2, vocab: int = V, **overrides
 ):
     """A tiny config of ``arch`` (``lfm2``, ``nemotron_h``, ``falcon_h1``, ``granitemoehybrid``, ``bamba``,
-    ``mamba2``, ``mamba``, ``falcon_mamba``, ``jamba``, ``zamba``, ``opt``, ``biogpt``); ``overrides`` go to the config's constructor."""
+    ``mamba2``, ``mamba``, ``falcon_mamba``, ``jamba``, ``zamba``, ``opt``, ``biogpt``, ``musicgen``, ``musicgen_melody``); ``overrides`` go to the config's constructor."""
     import transformers as tf
 
     common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_attention_heads=4,
@@ -68,6 +68,10 @@ def hybrid_config(
         return tf.BioGptConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                num_attention_heads=4, max_position_embeddings=512, scale_embedding=True,
                                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+    if arch in ("musicgen", "musicgen_melody"):  # a sinusoidal table that numbers its input 0..S-1; one codebook
+        cls = tf.MusicgenDecoderConfig if arch == "musicgen" else tf.MusicgenMelodyDecoderConfig
+        return cls(vocab_size=vocab, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_codebooks=1, max_position_embeddings=16, dropout=0.0, pad_token_id=0, bos_token_id=1)  # fmt: skip
     raise ValueError(arch)
 
 
@@ -76,7 +80,14 @@ def hybrid_model(arch: str, seed: int = 0, **kw):
 
     torch.manual_seed(seed)
     attn = "eager" if arch in PURE else "sdpa"  # no attention layers: transformers refuses sdpa
-    model = AutoModelForCausalLM.from_config(hybrid_config(arch, **kw), attn_implementation=attn)
+    config = hybrid_config(arch, **kw)
+    if arch.startswith("musicgen"):  # the causal-LM registry pairs it with the composite config: its decoder's own
+        import transformers as tf
+
+        cls = tf.MusicgenForCausalLM if arch == "musicgen" else tf.MusicgenMelodyForCausalLM
+        model = cls._from_config(config, attn_implementation=attn)
+    else:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2)

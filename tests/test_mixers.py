@@ -104,9 +104,11 @@ def _exact(sp: int, cases: list[tuple[str, bool, dict]]) -> list[str]:
         (logits * proj[:, cols]).sum().backward()
         grads = {}
         for n, p in model.named_parameters():
-            dist.all_reduce(p.grad, group=mesh.sp_group)  # each rank holds its tokens' share
-            grads[n] = p.grad
-        ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+            if p.grad is not None:  # Musicgen's cross-attention: unused without encoder states, on both sides
+                dist.all_reduce(p.grad, group=mesh.sp_group)  # each rank holds its tokens' share
+                grads[n] = p.grad
+        ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+        assert grads.keys() == ref_grads.keys(), arch
         # a key bias adds one constant to every score of a query's row, which the softmax removes: its
         # gradient is zero in exact arithmetic (OPT, BioGPT), rounding noise on both sides; held to that
         top = max(r.abs().max().item() for r in ref_grads.values())
@@ -132,6 +134,8 @@ CASES_SP2 = [(a, p, {}) for a in ("lfm2", "nemotron_h", "falcon_h1") for p in (F
     ("mamba2", True, {}),  # Mamba-2 alone
     ("opt", True, {}),  # learned positions: the reference numbers each document by its mask's cumsum
     ("biogpt", False, {}),
+    ("musicgen", True, {}),  # a table numbering its own input: the reference numbers each document from 0
+    ("musicgen_melody", False, {}),  # its table numbers inputs_embeds [B, S_l, D], not ids
 ]
 CASES_SP4 = [
     ("lfm2", True, {}),
@@ -139,6 +143,7 @@ CASES_SP4 = [
     ("falcon_h1", False, {"mamba_heads": 8, "groups": 4, "checkpointing": True}),
     ("nemotron_h", False, {"mamba_heads": 4, "groups": 1, "kv_heads": 1}),  # attention kv heads < sp
     ("biogpt", True, {"checkpointing": True}),
+    ("musicgen", False, {}),  # table of 16 rows: every rank grows it to S, as the model does without SP
 ]
 
 
@@ -180,7 +185,7 @@ def test_mamba1_mixers_equal_no_sp(pool):
 def test_every_mixer_is_claimed_and_nothing_else():
     claimed = {}
     for arch in ("lfm2", "nemotron_h", "falcon_h1", "granitemoehybrid", "bamba", "mamba2", "mamba", "falcon_mamba",
-                 "jamba", "zamba", "opt", "biogpt"):  # fmt: skip
+                 "jamba", "zamba", "opt", "biogpt", "musicgen", "musicgen_melody"):  # fmt: skip
         model = hybrid_model(arch)
         claimed[arch] = sorted(
             {(type(m).__name__, h.name) for m in model.modules() if (h := claimed_by(m, HANDLERS))}
@@ -199,6 +204,8 @@ def test_every_mixer_is_claimed_and_nothing_else():
         "zamba": [("ZambaMambaMixer", "mamba1_heads")],
         "opt": [("OPTLearnedPositionalEmbedding", "learned_positions")],
         "biogpt": [("BioGptLearnedPositionalEmbedding", "learned_positions")],
+        "musicgen": [("MusicgenSinusoidalPositionalEmbedding", "counted_positions")],
+        "musicgen_melody": [("MusicgenMelodySinusoidalPositionalEmbedding", "counted_positions")],
     }
     assert not needs_plain_layout(hybrid_model("opt")) and needs_plain_layout(hybrid_model("jamba"))
     assert not has_unsharded_mixers(tiny_model("llama"))
@@ -364,3 +371,18 @@ def test_every_mixer_refuses_a_cache_under_sp(kind):
         model.get_submodule(name)(torch.zeros(1, 4, 32), cache=object())
     handle.remove()
     assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_a_self_numbering_position_table_reads_the_shards_positions_and_refuses_without_them():
+    """Musicgen's sinusoidal table numbers its input 0..S_l-1 itself: under the handler it returns the rows of
+    the model's position ids (captured at the root), refuses a direct call without them and a cache at sp > 1."""
+    model = hybrid_model("musicgen")
+    handle = apply_mixers(model, SimpleNamespace(sp_size=2, sp_rank=1, ring_size=2, sp_group=None))
+    table = model.model.decoder.embed_positions
+    with pytest.raises(ValueError, match=r"MusicgenSinusoidalPositionalEmbedding: it numbers the tokens it is given "
+                       r"0..S_l-1 itself, so every one of the 2 shards would start at position 0; pass position_ids"):  # fmt: skip
+        table(torch.zeros(1, 1, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"a cache \(use_cache=True: generation\) is not supported"):
+        table(torch.zeros(1, 1, 8, dtype=torch.long), 3)
+    handle.remove()
+    assert "forward" not in vars(table) and not model._forward_pre_hooks

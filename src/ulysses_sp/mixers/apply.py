@@ -13,7 +13,15 @@ from typing import Any
 
 from torch import nn
 
-from ulysses_sp.mixers import gated_delta, kda, learned_positions, mamba1, mamba2, short_conv
+from ulysses_sp.mixers import (
+    counted_positions,
+    gated_delta,
+    kda,
+    learned_positions,
+    mamba1,
+    mamba2,
+    short_conv,
+)
 from ulysses_sp.mixers._kernels import is_sharded
 from ulysses_sp.mixers.base import MixerHandle, MixerHandler, claimed_by, shard_mixers
 
@@ -22,7 +30,7 @@ from ulysses_sp.mixers.documents import PositionTracker
 
 HANDLERS: tuple[MixerHandler, ...] = (
     short_conv.HANDLER, mamba2.HANDLER, mamba1.HANDLER, mamba1.HEADS_HANDLER, gated_delta.HANDLER, kda.HANDLER,
-    learned_positions.HANDLER,
+    learned_positions.HANDLER, counted_positions.HANDLER,
 )
 """The mixers this package shards (for ``claimed_by``; ``apply_mixers`` binds fresh ones)."""
 
@@ -68,6 +76,7 @@ def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
         gated_delta.GatedDeltaNetHandler(positions),
         kda.KimiDeltaAttentionHandler(positions),
         learned_positions.LearnedPositionsHandler(positions),
+        counted_positions.CountedPositionsHandler(positions),
     )
     handle = shard_mixers(model, mesh, handlers)
     handle._undo.insert(0, positions.install(model))  # removed last
