@@ -16,7 +16,7 @@ def hybrid_config(
     arch: str, *, mamba_heads: int = 4, groups: int = 2, kv_heads: int = 2, vocab: int = V, **overrides
 ):
     """A tiny config of ``arch`` (``lfm2``, ``nemotron_h``, ``falcon_h1``, ``granitemoehybrid``, ``bamba``,
-    ``mamba2``, ``mamba``, ``falcon_mamba``, ``jamba``, ``zamba``, ``opt``, ``biogpt``, ``musicgen``, ``musicgen_melody``); ``overrides`` go to the config's constructor."""
+    ``mamba2``, ``mamba``, ``falcon_mamba``, ``jamba``, ``zamba``, ``opt``, ``biogpt``, ``musicgen``, ``musicgen_melody``, ``recurrent_gemma``); ``overrides`` go to the config's constructor."""
     import transformers as tf
 
     common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_attention_heads=4,
@@ -72,6 +72,11 @@ def hybrid_config(
         cls = tf.MusicgenDecoderConfig if arch == "musicgen" else tf.MusicgenMelodyDecoderConfig
         return cls(vocab_size=vocab, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
                    num_codebooks=1, max_position_embeddings=16, dropout=0.0, pad_token_id=0, bos_token_id=1)  # fmt: skip
+    if arch == "recurrent_gemma":  # Griffin: recurrent blocks (conv + RG-LRU) and local attention, W = 32 channels
+        return tf.RecurrentGemmaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                       num_key_value_heads=kv_heads, num_hidden_layers=3, lru_width=32,
+                                       attention_window_size=64, conv1d_width=4, logits_soft_cap=30.0,
+                                       block_types=["recurrent", "attention", "recurrent"], pad_token_id=0)  # fmt: skip
     raise ValueError(arch)
 
 

@@ -136,6 +136,7 @@ CASES_SP2 = [(a, p, {}) for a in ("lfm2", "nemotron_h", "falcon_h1") for p in (F
     ("biogpt", False, {}),
     ("musicgen", True, {}),  # a table numbering its own input: the reference numbers each document from 0
     ("musicgen_melody", False, {}),  # its table numbers inputs_embeds [B, S_l, D], not ids
+    ("recurrent_gemma", True, {}),  # conv halo + channel-sharded RG-LRU; a document starts 1 past the shard edge
 ]
 CASES_SP4 = [
     ("lfm2", True, {}),
@@ -144,6 +145,7 @@ CASES_SP4 = [
     ("nemotron_h", False, {"mamba_heads": 4, "groups": 1, "kv_heads": 1}),  # attention kv heads < sp
     ("biogpt", True, {"checkpointing": True}),
     ("musicgen", False, {}),  # table of 16 rows: every rank grows it to S, as the model does without SP
+    ("recurrent_gemma", True, {"checkpointing": True}),  # attention kv heads (2) < sp: replicated
 ]
 
 
@@ -185,7 +187,8 @@ def test_mamba1_mixers_equal_no_sp(pool):
 def test_every_mixer_is_claimed_and_nothing_else():
     claimed = {}
     for arch in ("lfm2", "nemotron_h", "falcon_h1", "granitemoehybrid", "bamba", "mamba2", "mamba", "falcon_mamba",
-                 "jamba", "zamba", "opt", "biogpt", "musicgen", "musicgen_melody"):  # fmt: skip
+                 "jamba", "zamba", "opt", "biogpt", "musicgen", "musicgen_melody",
+                 "recurrent_gemma"):  # fmt: skip
         model = hybrid_model(arch)
         claimed[arch] = sorted(
             {(type(m).__name__, h.name) for m in model.modules() if (h := claimed_by(m, HANDLERS))}
@@ -206,6 +209,7 @@ def test_every_mixer_is_claimed_and_nothing_else():
         "biogpt": [("BioGptLearnedPositionalEmbedding", "learned_positions")],
         "musicgen": [("MusicgenSinusoidalPositionalEmbedding", "counted_positions")],
         "musicgen_melody": [("MusicgenMelodySinusoidalPositionalEmbedding", "counted_positions")],
+        "recurrent_gemma": [("RecurrentGemmaRecurrentBlock", "rg_lru")],
     }
     assert not needs_plain_layout(hybrid_model("opt")) and needs_plain_layout(hybrid_model("jamba"))
     assert not has_unsharded_mixers(tiny_model("llama"))
@@ -386,3 +390,19 @@ def test_a_self_numbering_position_table_reads_the_shards_positions_and_refuses_
         table(torch.zeros(1, 1, 8, dtype=torch.long), 3)
     handle.remove()
     assert "forward" not in vars(table) and not model._forward_pre_hooks
+
+
+def test_recurrent_gemma_block_refuses_a_cache_and_channels_that_do_not_divide():
+    """Griffin's recurrent block keeps conv and recurrent states for generation (use_cache=True): refused at
+    sp > 1 before any exchange; its RG-LRU is sharded by channel, so the channels must divide by sp."""
+    model = hybrid_model("recurrent_gemma")
+    with pytest.raises(ValueError, match=r"RecurrentGemmaRecurrentBlock \(RG-LRU, 32 channels\): the channels are not "
+                       r"divisible by sp_size 3 .* use an sp_size that divides 32"):  # fmt: skip
+        shard_mixers(model, SimpleNamespace(sp_size=3, sp_rank=0, ring_size=1, sp_group=None), HANDLERS)
+    handle = apply_mixers(model, SimpleNamespace(sp_size=2, sp_rank=0, ring_size=1, sp_group=None))
+    block = model.model.layers[0].temporal_block
+    with pytest.raises(ValueError, match=r"RecurrentGemmaRecurrentBlock: a cache \(use_cache=True: generation\) is "
+                       r"not supported under sequence parallelism"):  # fmt: skip
+        block(torch.zeros(1, 4, 32), torch.arange(4)[None], None, use_cache=True)
+    handle.remove()
+    assert not any("forward" in vars(m) or "_rnn_scan" in vars(m) for m in model.modules())

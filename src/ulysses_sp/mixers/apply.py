@@ -20,6 +20,7 @@ from ulysses_sp.mixers import (
     learned_positions,
     mamba1,
     mamba2,
+    rg_lru,
     short_conv,
 )
 from ulysses_sp.mixers._kernels import is_sharded
@@ -30,7 +31,7 @@ from ulysses_sp.mixers.documents import PositionTracker
 
 HANDLERS: tuple[MixerHandler, ...] = (
     short_conv.HANDLER, mamba2.HANDLER, mamba1.HANDLER, mamba1.HEADS_HANDLER, gated_delta.HANDLER, kda.HANDLER,
-    learned_positions.HANDLER, counted_positions.HANDLER,
+    learned_positions.HANDLER, counted_positions.HANDLER, rg_lru.HANDLER,
 )
 """The mixers this package shards (for ``claimed_by``; ``apply_mixers`` binds fresh ones)."""
 
@@ -77,6 +78,7 @@ def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
         kda.KimiDeltaAttentionHandler(positions),
         learned_positions.LearnedPositionsHandler(positions),
         counted_positions.CountedPositionsHandler(positions),
+        rg_lru.RgLruHandler(positions),
     )
     handle = shard_mixers(model, mesh, handlers)
     handle._undo.insert(0, positions.install(model))  # removed last
