@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 V = 64
-PURE = ("mamba2", "mamba", "falcon_mamba")
+PURE = ("mamba2", "mamba", "falcon_mamba", "rwkv")
 """The architectures without attention layers (no SP attention to register)."""
 
 
@@ -16,7 +16,7 @@ def hybrid_config(
     arch: str, *, mamba_heads: int = 4, groups: int = 2, kv_heads: int = 2, vocab: int = V, **overrides
 ):
     """A tiny config of ``arch`` (``lfm2``, ``nemotron_h``, ``falcon_h1``, ``granitemoehybrid``, ``bamba``,
-    ``mamba2``, ``mamba``, ``falcon_mamba``, ``jamba``, ``zamba``, ``opt``, ``biogpt``, ``musicgen``, ``musicgen_melody``, ``recurrent_gemma``); ``overrides`` go to the config's constructor."""
+    ``mamba2``, ``mamba``, ``falcon_mamba``, ``jamba``, ``zamba``, ``opt``, ``biogpt``, ``musicgen``, ``musicgen_melody``, ``recurrent_gemma``, ``rwkv``); ``overrides`` go to the config's constructor."""
     import transformers as tf
 
     common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_attention_heads=4,
@@ -77,6 +77,9 @@ def hybrid_config(
                                        num_key_value_heads=kv_heads, num_hidden_layers=3, lru_width=32,
                                        attention_window_size=64, conv1d_width=4, logits_soft_cap=30.0,
                                        block_types=["recurrent", "attention", "recurrent"], pad_token_id=0)  # fmt: skip
+    if arch == "rwkv":  # RWKV-4: token shift (a halo of 1) in both mixings, the WKV recurrence per channel
+        return tf.RwkvConfig(vocab_size=vocab, hidden_size=32, attention_hidden_size=32, intermediate_size=64,
+                             num_hidden_layers=2, context_length=64, rescale_every=0, tie_word_embeddings=False)  # fmt: skip
     raise ValueError(arch)
 
 

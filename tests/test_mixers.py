@@ -137,6 +137,7 @@ CASES_SP2 = [(a, p, {}) for a in ("lfm2", "nemotron_h", "falcon_h1") for p in (F
     ("musicgen", True, {}),  # a table numbering its own input: the reference numbers each document from 0
     ("musicgen_melody", False, {}),  # its table numbers inputs_embeds [B, S_l, D], not ids
     ("recurrent_gemma", True, {}),  # conv halo + channel-sharded RG-LRU; a document starts 1 past the shard edge
+    ("rwkv", True, {}),  # token shift (halo 1) + channel-sharded WKV
 ]
 CASES_SP4 = [
     ("lfm2", True, {}),
@@ -146,6 +147,7 @@ CASES_SP4 = [
     ("biogpt", True, {"checkpointing": True}),
     ("musicgen", False, {}),  # table of 16 rows: every rank grows it to S, as the model does without SP
     ("recurrent_gemma", True, {"checkpointing": True}),  # attention kv heads (2) < sp: replicated
+    ("rwkv", False, {}),
 ]
 
 
@@ -188,7 +190,7 @@ def test_every_mixer_is_claimed_and_nothing_else():
     claimed = {}
     for arch in ("lfm2", "nemotron_h", "falcon_h1", "granitemoehybrid", "bamba", "mamba2", "mamba", "falcon_mamba",
                  "jamba", "zamba", "opt", "biogpt", "musicgen", "musicgen_melody",
-                 "recurrent_gemma"):  # fmt: skip
+                 "recurrent_gemma", "rwkv"):  # fmt: skip
         model = hybrid_model(arch)
         claimed[arch] = sorted(
             {(type(m).__name__, h.name) for m in model.modules() if (h := claimed_by(m, HANDLERS))}
@@ -210,6 +212,7 @@ def test_every_mixer_is_claimed_and_nothing_else():
         "musicgen": [("MusicgenSinusoidalPositionalEmbedding", "counted_positions")],
         "musicgen_melody": [("MusicgenMelodySinusoidalPositionalEmbedding", "counted_positions")],
         "recurrent_gemma": [("RecurrentGemmaRecurrentBlock", "rg_lru")],
+        "rwkv": [("RwkvFeedForward", "rwkv"), ("RwkvSelfAttention", "rwkv")],
     }
     assert not needs_plain_layout(hybrid_model("opt")) and needs_plain_layout(hybrid_model("jamba"))
     assert not has_unsharded_mixers(tiny_model("llama"))
@@ -406,3 +409,18 @@ def test_recurrent_gemma_block_refuses_a_cache_and_channels_that_do_not_divide()
         block(torch.zeros(1, 4, 32), torch.arange(4)[None], None, use_cache=True)
     handle.remove()
     assert not any("forward" in vars(m) or "_rnn_scan" in vars(m) for m in model.modules())
+
+
+def test_rwkv_refuses_a_state_and_channels_that_do_not_divide():
+    """RWKV's time mixing keeps a per-layer state for generation: refused at sp > 1 before any exchange; its WKV
+    recurrence is sharded by channel, so the channels must divide by sp (the channel mixing only shifts)."""
+    model = hybrid_model("rwkv")
+    with pytest.raises(ValueError, match=r"RwkvSelfAttention \(RWKV, 32 channels\): the channels are not divisible by "
+                       r"sp_size 3 .* use an sp_size that divides 32"):  # fmt: skip
+        shard_mixers(model, SimpleNamespace(sp_size=3, sp_rank=0, ring_size=1, sp_group=None), HANDLERS)
+    handle = apply_mixers(model, SimpleNamespace(sp_size=2, sp_rank=0, ring_size=1, sp_group=None))
+    for module in (model.rwkv.blocks[0].attention, model.rwkv.blocks[0].feed_forward):
+        with pytest.raises(ValueError, match=r"\(layer 0\): a cache \(use_cache=True: generation\) is not supported"):
+            module(torch.zeros(1, 4, 32), state=[torch.zeros(1, 32, 2)] * 5)
+    handle.remove()
+    assert not any("forward" in vars(m) for m in model.modules())

@@ -21,6 +21,7 @@ from ulysses_sp.mixers import (
     mamba1,
     mamba2,
     rg_lru,
+    rwkv,
     short_conv,
 )
 from ulysses_sp.mixers._kernels import is_sharded
@@ -31,7 +32,7 @@ from ulysses_sp.mixers.documents import PositionTracker
 
 HANDLERS: tuple[MixerHandler, ...] = (
     short_conv.HANDLER, mamba2.HANDLER, mamba1.HANDLER, mamba1.HEADS_HANDLER, gated_delta.HANDLER, kda.HANDLER,
-    learned_positions.HANDLER, counted_positions.HANDLER, rg_lru.HANDLER,
+    learned_positions.HANDLER, counted_positions.HANDLER, rg_lru.HANDLER, rwkv.HANDLER,
 )
 """The mixers this package shards (for ``claimed_by``; ``apply_mixers`` binds fresh ones)."""
 
@@ -79,6 +80,7 @@ def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
         learned_positions.LearnedPositionsHandler(positions),
         counted_positions.CountedPositionsHandler(positions),
         rg_lru.RgLruHandler(positions),
+        rwkv.RwkvHandler(positions),
     )
     handle = shard_mixers(model, mesh, handlers)
     handle._undo.insert(0, positions.install(model))  # removed last
