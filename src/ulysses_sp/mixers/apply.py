@@ -56,8 +56,8 @@ def has_unsharded_mixers(model: nn.Module) -> bool:
 
 
 def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
-    """Shard every short-convolution, Mamba-2, Mamba-1, gated delta-net and KDA mixer of ``model``
-    over ``mesh``'s SP group (and hold learned position embeddings to the shard's global position ids).
+    """Shard every short-convolution, Mamba-2, Mamba-1, gated delta-net, KDA, RG-LRU and RWKV mixer of ``model``
+    over ``mesh``'s SP group (and hold learned and self-numbering position tables to the shard's global position ids).
 
     Checks every mixer before changing any (``ValueError`` listing each that cannot be sharded at
     ``mesh.sp_size``). Call before FSDP/DDP wrapping or after: only the mixers' ``forward`` changes.
