@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 V = 64
-PURE = ("mamba2", "mamba", "falcon_mamba")
+PURE = ("mamba2", "mamba", "falcon_mamba", "rwkv")
 """The architectures without attention layers (no SP attention to register)."""
 
 
@@ -16,7 +16,8 @@ def hybrid_config(
     arch: str, *, mamba_heads: int = 4, groups: int = 2, kv_heads: int = 2, vocab: int = V, **overrides
 ):
     """A tiny config of ``arch`` (``lfm2``, ``nemotron_h``, ``falcon_h1``, ``granitemoehybrid``, ``bamba``,
-    ``mamba2``, ``mamba``, ``falcon_mamba``, ``jamba``, ``zamba``, ``opt``, ``biogpt``, ``zaya``, ``phimoe``); ``overrides`` go to the config's constructor."""
+    ``mamba2``, ``mamba``, ``falcon_mamba``, ``jamba``, ``zamba``, ``opt``, ``biogpt``, ``zaya``, ``phimoe``, ``musicgen``,
+    ``musicgen_melody``, ``recurrent_gemma``, ``rwkv``); ``overrides`` go to the config's constructor."""
     import transformers as tf
 
     common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_attention_heads=4,
@@ -80,6 +81,18 @@ def hybrid_config(
     if arch == "phimoe":  # a sliding window (8 of 32 tokens) applied only through the model's mask
         return tf.PhimoeConfig(num_hidden_layers=2, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
                                **common)  # fmt: skip
+    if arch in ("musicgen", "musicgen_melody"):  # a sinusoidal table that numbers its input 0..S-1; one codebook
+        cls = tf.MusicgenDecoderConfig if arch == "musicgen" else tf.MusicgenMelodyDecoderConfig
+        return cls(vocab_size=vocab, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_codebooks=1, max_position_embeddings=16, dropout=0.0, pad_token_id=0, bos_token_id=1)  # fmt: skip
+    if arch == "recurrent_gemma":  # Griffin: recurrent blocks (conv + RG-LRU) and local attention, W = 32 channels
+        return tf.RecurrentGemmaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                       num_key_value_heads=kv_heads, num_hidden_layers=3, lru_width=32,
+                                       attention_window_size=64, conv1d_width=4, logits_soft_cap=30.0,
+                                       block_types=["recurrent", "attention", "recurrent"], pad_token_id=0)  # fmt: skip
+    if arch == "rwkv":  # RWKV-4: token shift (a halo of 1) in both mixings, the WKV recurrence per channel
+        return tf.RwkvConfig(vocab_size=vocab, hidden_size=32, attention_hidden_size=32, intermediate_size=64,
+                             num_hidden_layers=2, context_length=64, rescale_every=0, tie_word_embeddings=False)  # fmt: skip
     raise ValueError(arch)
 
 
@@ -116,7 +129,13 @@ def hybrid_model(arch: str, seed: int = 0, **kw):
     torch.manual_seed(seed)
     attn = "eager" if arch in PURE + OWN_SCORES else "sdpa"  # no attention layers: transformers refuses sdpa
     config = _own_scores_config(arch, V, kw) if arch in OWN_SCORES else hybrid_config(arch, **kw)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    if arch.startswith("musicgen"):  # the causal-LM registry pairs it with the composite config: its decoder's own
+        import transformers as tf
+
+        cls = tf.MusicgenForCausalLM if arch == "musicgen" else tf.MusicgenMelodyForCausalLM
+        model = cls._from_config(config, attn_implementation=attn)
+    else:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2)

@@ -108,9 +108,11 @@ def _exact(sp: int, cases: list[tuple[str, bool, dict]]) -> list[str]:
         (logits * proj[:, cols]).sum().backward()
         grads = {}
         for n, p in model.named_parameters():
-            dist.all_reduce(p.grad, group=mesh.sp_group)  # each rank holds its tokens' share
-            grads[n] = p.grad
-        ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+            if p.grad is not None:  # Musicgen's cross-attention: unused without encoder states, on both sides
+                dist.all_reduce(p.grad, group=mesh.sp_group)  # each rank holds its tokens' share
+                grads[n] = p.grad
+        ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+        assert grads.keys() == ref_grads.keys(), arch
         # a key bias adds one constant to every score of a query's row, which the softmax removes: its
         # gradient is zero in exact arithmetic (OPT, BioGPT), rounding noise on both sides; held to that
         top = max(r.abs().max().item() for r in ref_grads.values())
@@ -138,6 +140,10 @@ CASES_SP2 = [(a, p, {}) for a in ("lfm2", "nemotron_h", "falcon_h1") for p in (F
     ("biogpt", False, {}),
     ("zaya", True, {}),  # causal window: convolutions inside the q/k projection, a delayed value half (halo 2)
     ("phimoe", True, {}),  # a sliding window (8) only in the model's mask: the SP attention is told it
+    ("musicgen", True, {}),  # a table numbering its own input: the reference numbers each document from 0
+    ("musicgen_melody", False, {}),  # its table numbers inputs_embeds [B, S_l, D], not ids
+    ("recurrent_gemma", True, {}),  # conv halo + channel-sharded RG-LRU; a document starts 1 past the shard edge
+    ("rwkv", True, {}),  # token shift (halo 1) + channel-sharded WKV
 ]
 CASES_SP4 = [
     ("lfm2", True, {}),
@@ -146,6 +152,9 @@ CASES_SP4 = [
     ("nemotron_h", False, {"mamba_heads": 4, "groups": 1, "kv_heads": 1}),  # attention kv heads < sp
     ("biogpt", True, {"checkpointing": True}),
     ("zaya", True, {"docs": (8, 7, 9, 8), "checkpointing": True}),  # starts at a shard edge and inside a halo
+    ("musicgen", False, {}),  # table of 16 rows: every rank grows it to S, as the model does without SP
+    ("recurrent_gemma", True, {"checkpointing": True}),  # attention kv heads (2) < sp: replicated
+    ("rwkv", False, {}),
 ]
 
 
@@ -291,7 +300,8 @@ def test_inkling_convolutions_equal_no_sp(pool):
 def test_every_mixer_is_claimed_and_nothing_else():
     claimed = {}
     for arch in ("lfm2", "nemotron_h", "falcon_h1", "granitemoehybrid", "bamba", "mamba2", "mamba", "falcon_mamba",
-                 "jamba", "zamba", "opt", "biogpt", "bloom", "gpt_neo", "zaya", "phimoe"):  # fmt: skip
+                 "jamba", "zamba", "opt", "biogpt", "bloom", "gpt_neo", "zaya", "phimoe", "musicgen",
+                 "musicgen_melody", "recurrent_gemma", "rwkv"):  # fmt: skip
         model = hybrid_model(arch)
         claimed[arch] = sorted(
             {(type(m).__name__, h.name) for m in model.modules() if (h := claimed_by(m, HANDLERS))}
@@ -314,6 +324,10 @@ def test_every_mixer_is_claimed_and_nothing_else():
         "gpt_neo": [("GPTNeoSelfAttention", "own_scores")],
         "zaya": [("ZayaCCAProjection", "causal_window")],
         "phimoe": [("PhimoeAttention", "mask_window")],
+        "musicgen": [("MusicgenSinusoidalPositionalEmbedding", "counted_positions")],
+        "musicgen_melody": [("MusicgenMelodySinusoidalPositionalEmbedding", "counted_positions")],
+        "recurrent_gemma": [("RecurrentGemmaRecurrentBlock", "rg_lru")],
+        "rwkv": [("RwkvFeedForward", "rwkv"), ("RwkvSelfAttention", "rwkv")],
     }
     assert not needs_plain_layout(hybrid_model("opt")) and needs_plain_layout(hybrid_model("jamba"))
     assert not needs_plain_layout(hybrid_model("phimoe")) and needs_plain_layout(hybrid_model("zaya"))
@@ -479,5 +493,51 @@ def test_every_mixer_refuses_a_cache_under_sp(kind):
     with pytest.raises(ValueError, match=r"a cache \(use_cache=True: generation\) is not supported under sequence "
                        r"parallelism; pass use_cache=False"):  # fmt: skip
         model.get_submodule(name)(torch.zeros(1, 4, 32), cache=object())
+    handle.remove()
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_a_self_numbering_position_table_reads_the_shards_positions_and_refuses_without_them():
+    """Musicgen's sinusoidal table numbers its input 0..S_l-1 itself: under the handler it returns the rows of
+    the model's position ids (captured at the root), refuses a direct call without them and a cache at sp > 1."""
+    model = hybrid_model("musicgen")
+    handle = apply_mixers(model, SimpleNamespace(sp_size=2, sp_rank=1, ring_size=2, sp_group=None))
+    table = model.model.decoder.embed_positions
+    with pytest.raises(ValueError, match=r"MusicgenSinusoidalPositionalEmbedding: it numbers the tokens it is given "
+                       r"0..S_l-1 itself, so every one of the 2 shards would start at position 0; pass position_ids"):  # fmt: skip
+        table(torch.zeros(1, 1, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"a cache \(use_cache=True: generation\) is not supported"):
+        table(torch.zeros(1, 1, 8, dtype=torch.long), 3)
+    handle.remove()
+    assert "forward" not in vars(table) and not model._forward_pre_hooks
+
+
+def test_recurrent_gemma_block_refuses_a_cache_and_channels_that_do_not_divide():
+    """Griffin's recurrent block keeps conv and recurrent states for generation (use_cache=True): refused at
+    sp > 1 before any exchange; its RG-LRU is sharded by channel, so the channels must divide by sp."""
+    model = hybrid_model("recurrent_gemma")
+    with pytest.raises(ValueError, match=r"RecurrentGemmaRecurrentBlock \(RG-LRU, 32 channels\): the channels are not "
+                       r"divisible by sp_size 3 .* use an sp_size that divides 32"):  # fmt: skip
+        shard_mixers(model, SimpleNamespace(sp_size=3, sp_rank=0, ring_size=1, sp_group=None), HANDLERS)
+    handle = apply_mixers(model, SimpleNamespace(sp_size=2, sp_rank=0, ring_size=1, sp_group=None))
+    block = model.model.layers[0].temporal_block
+    with pytest.raises(ValueError, match=r"RecurrentGemmaRecurrentBlock: a cache \(use_cache=True: generation\) is "
+                       r"not supported under sequence parallelism"):  # fmt: skip
+        block(torch.zeros(1, 4, 32), torch.arange(4)[None], None, use_cache=True)
+    handle.remove()
+    assert not any("forward" in vars(m) or "_rnn_scan" in vars(m) for m in model.modules())
+
+
+def test_rwkv_refuses_a_state_and_channels_that_do_not_divide():
+    """RWKV's time mixing keeps a per-layer state for generation: refused at sp > 1 before any exchange; its WKV
+    recurrence is sharded by channel, so the channels must divide by sp (the channel mixing only shifts)."""
+    model = hybrid_model("rwkv")
+    with pytest.raises(ValueError, match=r"RwkvSelfAttention \(RWKV, 32 channels\): the channels are not divisible by "
+                       r"sp_size 3 .* use an sp_size that divides 32"):  # fmt: skip
+        shard_mixers(model, SimpleNamespace(sp_size=3, sp_rank=0, ring_size=1, sp_group=None), HANDLERS)
+    handle = apply_mixers(model, SimpleNamespace(sp_size=2, sp_rank=0, ring_size=1, sp_group=None))
+    for module in (model.rwkv.blocks[0].attention, model.rwkv.blocks[0].feed_forward):
+        with pytest.raises(ValueError, match=r"\(layer 0\): a cache \(use_cache=True: generation\) is not supported"):
+            module(torch.zeros(1, 4, 32), state=[torch.zeros(1, 32, 2)] * 5)
     handle.remove()
     assert not any("forward" in vars(m) for m in model.modules())

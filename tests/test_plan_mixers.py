@@ -152,6 +152,10 @@ def test_layer_kinds_of_the_other_hybrids():
     assert kinds(model_shape(hybrid_config("falcon_h1"))) == ["AM:mamba2"] * 2
     mamba = model_shape(hybrid_config("mamba2"))
     assert kinds(mamba) == [":mamba2"] * 2 and mixers_shard(mamba, 2, 1) and not mixers_shard(mamba, 8, 1)
+    # per-channel recurrences planned as Mamba-1 layers of state 1 (their channels must divide by sp)
+    griffin, rwkv = model_shape(hybrid_config("recurrent_gemma")), model_shape(hybrid_config("rwkv"))
+    assert kinds(griffin) == ["M:mamba1", "AM", "M:mamba1"] and kinds(rwkv) == ["M:mamba1"] * 2
+    assert griffin.layer_kinds[0].mixer.state == 1 and mixers_shard(rwkv, 2, 1) and not mixers_shard(rwkv, 3, 1)
     lfm2 = model_shape(hybrid_config("lfm2", intermediate_size=128))
     assert kinds(lfm2) == ["M:short_conv", "AM", "M:short_conv"] and lfm2.intermediate == 256
     from hybrid_models import hybrid_model

@@ -15,6 +15,7 @@ from torch import nn
 
 from ulysses_sp.mixers import (
     causal_window,
+    counted_positions,
     gated_delta,
     kda,
     learned_positions,
@@ -22,6 +23,8 @@ from ulysses_sp.mixers import (
     mamba2,
     mask_window,
     own_scores,
+    rg_lru,
+    rwkv,
     short_conv,
 )
 from ulysses_sp.mixers._kernels import is_sharded
@@ -33,6 +36,7 @@ from ulysses_sp.mixers.documents import PositionTracker
 HANDLERS: tuple[MixerHandler, ...] = (
     short_conv.HANDLER, mamba2.HANDLER, mamba1.HANDLER, mamba1.HEADS_HANDLER, gated_delta.HANDLER, kda.HANDLER,
     learned_positions.HANDLER, own_scores.HANDLER, causal_window.HANDLER, mask_window.HANDLER,
+    counted_positions.HANDLER, rg_lru.HANDLER, rwkv.HANDLER,
 )
 """The mixers this package shards (for ``claimed_by``; ``apply_mixers`` binds fresh ones)."""
 
@@ -56,10 +60,11 @@ def has_unsharded_mixers(model: nn.Module) -> bool:
 
 
 def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
-    """Shard every short-convolution, Mamba-2, Mamba-1, gated delta-net and KDA mixer of ``model``
-    over ``mesh``'s SP group, give every causal-window module (convolutions inside projections) its halo,
-    hold learned position embeddings to the shard's global position ids, and tell the SP attention
-    a sliding window the model applies only through its mask.
+    """Shard every short-convolution, Mamba-2, Mamba-1, gated delta-net, KDA, RG-LRU and RWKV mixer of
+    ``model`` over ``mesh``'s SP group, give every causal-window module (convolutions inside projections)
+    its halo, hold learned and self-numbering position tables to the shard's global position ids, run
+    attention that computes its own scores head-parallel, and tell the SP attention a sliding window the
+    model applies only through its mask.
 
     Checks every mixer before changing any (``ValueError`` listing each that cannot be sharded at
     ``mesh.sp_size``). Call before FSDP/DDP wrapping or after: only the mixers' ``forward`` changes.
@@ -83,6 +88,9 @@ def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
         own_scores.OwnScoresHandler(positions),
         causal_window.CausalWindowHandler(positions),
         mask_window.MaskWindowHandler(positions),
+        counted_positions.CountedPositionsHandler(positions),
+        rg_lru.RgLruHandler(positions),
+        rwkv.RwkvHandler(positions),
     )
     handle = shard_mixers(model, mesh, handlers)
     handle._undo.insert(0, positions.install(model))  # removed last

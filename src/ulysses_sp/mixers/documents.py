@@ -62,6 +62,10 @@ class PositionTracker:
             pos = args[self._index]
         self._source = weakref.ref(pos) if isinstance(pos, torch.Tensor) else None
 
+    def current(self) -> torch.Tensor | None:
+        """The current forward's ``position_ids`` as given to the model's root (``[B|1, S_l]``), or ``None``."""
+        return self._source() if self._source is not None else None
+
     def layout(self, s_local: int, batch: int) -> SeqLayout | None:
         """The full-sequence layout of the current forward, or ``None`` without position ids
         (every row one document). A collective at ``sp_size > 1`` on a forward's first call."""

@@ -51,6 +51,10 @@ def mixer_sizes(module: nn.Module, kind: str) -> dict[str, Any]:
         return {"kind": kind, "channels": module.conv.in_channels}
     if kind in ("mamba1", "mamba1_heads"):  # per-head projections: the same channels and state for the planner
         return {"kind": "mamba1", "channels": module.intermediate_size, "state": module.ssm_state_size}
+    if kind in ("rg_lru", "rwkv"):  # per-channel scans, no state dim: Mamba-1's terms at N = 1 (not measured for
+        # them; their exchange is 2 W in, W out: Mamba-1's counts W + 2 P more)
+        width = module.conv_1d.in_channels if kind == "rg_lru" else module.time_decay.shape[0]
+        return {"kind": "mamba1", "channels": width, "state": 1}
     if kind == "kimi_delta_attention":
         return {"kind": kind, "heads": module.num_heads, "head_dim": module.head_dim,
                 "chunk": _chunk(module, kda.SCAN_FN)}  # fmt: skip
