@@ -99,6 +99,9 @@ LIMITS = {
     "conv": "conv channels % sp = 0; no ring",
     "gdn": "value heads % sp = 0; no ring",
     "vlm": _ATTN + "; images encoded whole",
+    "dsa": _ATTN + "; cores sdpa/eager, no ring",
+    "own": "heads % sp = 0; no ring; O(S²/sp) scores (its own eager attention)",
+    "rnn": "channels % sp = 0; no ring",
 }
 
 # (family as users name it, the sweep's model_type(s), mixer kind). The verdicts are the sweep's.
@@ -128,6 +131,11 @@ FAMILIES = [
     ("Mamba / Falcon-Mamba", ["mamba", "falcon_mamba"], "mamba1"),
     ("Zamba", ["zamba"], "mamba1_heads"),
     ("OPT / BioGPT", ["opt", "biogpt"], "attention"),
+    ("DeepSeek-V3.2 / GLM-5 (sparse attention)", ["deepseek_v32", "glm_moe_dsa"], "dsa"),
+    ("Qwen4-Exp (block-sparse attention)", ["qwen4_exp_text"], "dsa"),
+    ("BLOOM / Falcon / MPT / GPT-Neo", ["bloom", "falcon", "mpt", "gpt_neo"], "own"),
+    ("RecurrentGemma / RWKV", ["recurrent_gemma", "rwkv"], "rnn"),
+    ("Phi-MoE", ["phimoe"], "moe"),
 ]
 VLM_NAMES = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL"}
 

@@ -36,8 +36,9 @@ import torch
 from torch import nn
 
 from ulysses_sp.mixers._kernels import check_layout, refuse_cache, replace_forward, require_positions
+from ulysses_sp.mixers.documents import per_window_document
 from ulysses_sp.mixers.halo import halo_from_previous
-from ulysses_sp.mixers.linear_attn import _per_window_document, _Sharded
+from ulysses_sp.mixers.linear_attn import _Sharded
 from ulysses_sp.parallel.comm import heads_to_seq, seq_to_heads_packed
 
 
@@ -102,8 +103,8 @@ class RgLruHandler:
             # [B, W, S_l] -> [B, W, K-1]: the previous rank's last positions (zeros on rank 0 / at sp 1)
             halo = halo_from_previous(x, width, state.group) if state.sp_size > 1 else x.new_zeros(*x.shape[:2], width)
             ext = torch.cat([halo, x], dim=-1)  # [B, W, K-1+S_l]
-            out = _per_window_document(lambda part: original(part)[..., : part.shape[-1]], ext,
-                                       state._window_docs(x.shape[-1], width))  # fmt: skip
+            out = per_window_document(lambda part: original(part)[..., : part.shape[-1]], (ext,),
+                                      state._window_docs(x.shape[-1], width), dim=-1)  # fmt: skip
             return out[..., width:]  # [B, W, S_l]: the halo's own outputs dropped (the model slices [:S_l])
 
         lru = module.rg_lru
