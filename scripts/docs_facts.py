@@ -99,7 +99,7 @@ LIMITS = {
     "conv": "conv channels % sp = 0; no ring",
     "gdn": "value heads % sp = 0; no ring",
     "vlm": _ATTN + "; images encoded whole",
-    "dsa": _ATTN + "; cores sdpa/eager, no ring",
+    "dsa": "heads % sp = 0; cores sdpa/eager; no ring",
     "own": "heads % sp = 0; no ring; O(S²/sp) scores (its own eager attention)",
     "rnn": "channels % sp = 0; no ring",
 }
