@@ -149,6 +149,13 @@ def test_torch_modules_by_type():
     assert verdict(nn.Conv1d(4, 4, 1)).kind == POSITION_WISE  # a pointwise convolution
     assert verdict(nn.Conv1d(4, 4, 4, groups=4)).why == "Conv1d, kernel 4"
     assert verdict(nn.GRU(4, 4)).kind == MIXER
+    # recurrences written as a Python time loop are mixers by name, alone (without their conv or shift)
+    from transformers import RecurrentGemmaConfig, RwkvConfig
+    from transformers.models.recurrent_gemma.modeling_recurrent_gemma import RecurrentGemmaRglru
+    from transformers.models.rwkv.modeling_rwkv import RwkvSelfAttention
+
+    assert verdict(RecurrentGemmaRglru(RecurrentGemmaConfig(hidden_size=32, lru_width=32, num_attention_heads=4))).kind == MIXER
+    assert verdict(RwkvSelfAttention(RwkvConfig(hidden_size=32, attention_hidden_size=32))).kind == MIXER
     assert verdict(nn.MultiheadAttention(4, 2)).kind == MIXER
     assert verdict(nn.ZeroPad2d((0, 0, 1, -1))).kind == UNKNOWN  # RWKV's time shift is a padding
     for module in (

@@ -45,6 +45,9 @@ DECLARED = "__ulysses_sp_position_wise__"
 SEQUENCE_OPS = (
     "cumsum", "cumprod", "logcumsumexp", "cummax", "roll", "flip", "conv1d", "causal_conv1d_fn", "tril", "triu",
     "scaled_dot_product_attention",
+    # transformers' recurrences whose time loop is plain Python (no sequence op to see): RecurrentGemma's
+    # RG-LRU and RWKV's WKV, caught by name even in a module without a convolution or shift beside them
+    "_rnn_scan", "rwkv_linear_attention", "rwkv_linear_attention_cpu",
 )  # fmt: skip
 """Names whose use in a module's code means it combines positions along the sequence (scans, shifts,
 convolutions, causal masks of its own, attention of its own)."""
