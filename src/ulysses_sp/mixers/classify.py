@@ -23,6 +23,7 @@ position-wise shape the answer is ``UNKNOWN``, never ``POSITION_WISE``.
 from __future__ import annotations
 
 import dis
+import functools
 import inspect
 import types
 from collections.abc import Iterator
@@ -98,7 +99,14 @@ def declared(cls: type) -> bool:
 def code_names(cls: type, depth: int = 2) -> set[str]:
     """Every global and attribute name the code of ``cls`` references: its methods (up to, not
     including, ``torch.nn.Module``), their nested functions, and the module-level Python functions
-    they call, followed ``depth`` calls deep (library code of torch itself is not followed)."""
+    they call, followed ``depth`` calls deep (library code of torch itself is not followed). Read once
+    per class (the guard and the handlers ask for every module of every layer: ``plan`` evaluates
+    hundreds of candidates)."""
+    return set(_code_names(cls, depth))
+
+
+@functools.lru_cache(maxsize=4096)
+def _code_names(cls: type, depth: int) -> frozenset[str]:
     names: set[str] = set()
     seen: set[int] = set()
     todo = [(f, 0) for f in _methods(cls)]
@@ -117,7 +125,7 @@ def code_names(cls: type, depth: int = 2) -> set[str]:
                     todo.append((inspect.unwrap(target), level + 1))
                 elif _is_function_class(target):  # a custom autograd op (BLOOM's GeLU): its forward and backward
                     todo += [(target.forward, level + 1), (target.backward, level + 1)]
-    return names
+    return frozenset(names)
 
 
 def code_constants(cls: type) -> set[str]:
