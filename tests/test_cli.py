@@ -168,8 +168,9 @@ def test_sp2_matches_sp1_at_dp2_with_alst_techniques_zero0_under_torchrun_and_pr
 
 
 def _last_spawned_worker(parent: int) -> int:
-    """The pid of the launcher's most recently started worker process (spawned by multiprocessing)."""
-    found = []
+    """The pid of the launcher's most recently started worker process: forked by the launcher's
+    forkserver (``cli/warm_start.py``), a child of the launcher itself."""
+    procs = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/stat") as f:
@@ -178,8 +179,9 @@ def _last_spawned_worker(parent: int) -> int:
                 cmdline = f.read()
         except OSError:
             continue
-        if int(fields[1]) == parent and b"spawn_main" in cmdline:
-            found.append((int(fields[19]), int(pid)))  # (start time, pid)
+        procs[int(pid)] = (int(fields[1]), int(fields[19]), cmdline)  # (parent, start time, command line)
+    (server,) = [pid for pid, (pp, _, cmd) in procs.items() if pp == parent and b"forkserver" in cmd]
+    found = [(start, pid) for pid, (pp, start, _) in procs.items() if pp == server]
     assert len(found) == 2, found
     return max(found)[1]
 

@@ -126,6 +126,7 @@ def _launch(command: str, options: Any, nproc: int, timeout_s: float, resolved: 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from ulysses_sp.cli.warm_start import worker_start_method
     from ulysses_sp.run.stops import (
         SHUTDOWN_GRACE_S,
         SIGNALS_WITHOUT_SIGTERM,
@@ -143,7 +144,7 @@ def _launch(command: str, options: Any, nproc: int, timeout_s: float, resolved: 
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"ulysses-sp-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
-        start_method="spawn", shutdown_timeout=SHUTDOWN_GRACE_S, **signals,
+        start_method=worker_start_method(), shutdown_timeout=SHUTDOWN_GRACE_S, **signals,
     )  # fmt: skip
     output_dir = getattr(options, "output_dir", None)
     # --save-on-signal: SIGTERM goes to the workers and the launch ends once they have saved

@@ -326,23 +326,8 @@ class FailureWatch:
 
 
 def _spawned_children() -> list[int]:
-    """This process's worker processes (multiprocessing ``spawn`` children), from ``/proc``."""
-    me, found = os.getpid(), []
-    try:
-        tasks = os.listdir(f"/proc/{me}/task")
-    except OSError:
-        return []
-    for task in tasks:
-        try:
-            with open(f"/proc/{me}/task/{task}/children") as f:
-                pids = [int(p) for p in f.read().split()]
-        except OSError:
-            continue
-        for pid in pids:
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if b"spawn_main" in f.read():
-                        found.append(pid)
-            except OSError:
-                continue
-    return found
+    """This process's running worker processes: the ``multiprocessing`` children it started (the launcher's
+    ranks, forked by its forkserver or spawned)."""
+    import multiprocessing
+
+    return [p.pid for p in multiprocessing.active_children() if p.pid is not None]
