@@ -142,7 +142,9 @@ def _assert_restored(model, ref, ids) -> None:
 
 @pytest.mark.parametrize("sp", [2, 4])  # sp 4: each of the 2 linear key heads replicated to 2 ranks
 def test_linear_attention_hybrids_equal_no_sp(pool, sp):
-    assert pool.run(_equivalence, sp, sp, ARCHS)[0] == list(ARCHS)
+    # Bailing at sp 2 only (cheaper): at sp 4 its exchange is Kimi-Linear's, one KDA head per rank
+    archs = ARCHS if sp == 2 else tuple(a for a in ARCHS if a != "bailing_hybrid")
+    assert pool.run(_equivalence, sp, sp, archs)[0] == list(archs)
 
 
 def test_activation_checkpointing_recomputes_the_same_layout(pool):
