@@ -3,7 +3,7 @@
 per-channel decay ``g [B, S, H, D]`` instead of per-head. Two handlers, one per way the model makes
 that decay (both call the same ``chunk_kimi_delta_attention``).
 
-``KDA`` is the handler (``mixers.base.MixerHandler``). It recognises the mixer by structure: a
+``HANDLER`` (``KimiDeltaAttentionHandler``, a ``mixers.base.MixerHandler``) recognises the mixer by structure: a
 depthwise ``conv1d`` over ``[q | k | v]`` channels, a ``forget_gate`` module (the per-channel decay,
 holding ``A_log``/``dt_bias``), ``num_heads``/``head_dim``, and a modeling module whose forward
 calls ``causal_conv1d_fn`` and ``chunk_kimi_delta_attention``. The mechanism is the gated delta-net's
@@ -16,7 +16,7 @@ that feature rides the all-to-all instead (to every rank) and each rank runs the
 (sliced inside forward: autograd returns full-parameter gradients). Per token and rank that sends
 ``(P-1) * D`` values in the model dtype instead of ``(P-1)/P * H * D`` in fp32.
 
-``FULL_GATE_KDA`` is the handler for a decay made by a full-rank projection (Bailing's
+``FULL_GATE_HANDLER`` (``FullGateKdaHandler``) is for a decay made by a full-rank projection (Bailing's
 ``forget_gate.f_proj``: hidden -> ``H * D``, then ``dt_bias`` and a per-head ``A_log [H]``): there is
 no narrower feature to send, so it goes as gated delta-net's decay does — the model computes it on
 the local tokens from the full parameters (full-parameter gradients, no slicing) and it rides the
