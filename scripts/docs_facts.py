@@ -113,6 +113,7 @@ FAMILIES = [
     ("Qwen3-MoE", ["qwen3_moe"], "moe"),
     ("Qwen3-Next", ["qwen3_next"], "gdn"),
     ("Qwen3.5 (text, dense and MoE)", ["qwen3_5_text", "qwen3_5_moe_text"], "gdn"),
+    ("Ling 3 (Bailing hybrid, KDA)", ["bailing_hybrid"], "gdn"),
     ("Mistral", ["mistral"], "attention"),
     ("Mixtral", ["mixtral"], "moe"),
     ("Gemma 2", ["gemma2"], "attention"),

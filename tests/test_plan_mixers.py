@@ -33,6 +33,10 @@ UNSEEN = {
     "short_conv": ("Lfm2Config", dict(hidden_size=48, num_hidden_layers=2, layer_types=["conv", "full_attention"])),
     "mamba1": ("MambaConfig", dict(hidden_size=40, intermediate_size=160, state_size=12, time_step_rank=5,
                                    num_hidden_layers=1)),
+    # Bailing's KDA (full-rank decay gate): planned with Kimi-Linear's fitted KDA terms, never fitted on it
+    "kda_full_gate": ("BailingHybridConfig", dict(hidden_size=48, num_hidden_layers=2, head_dim=24, qk_rope_head_dim=24,
+                                                  layer_types=["linear_attention", "full_attention"],
+                                                  mlp_layer_types=["dense", "dense"], pad_token_id=0, eos_token_id=2)),
 }  # fmt: skip
 
 
@@ -158,6 +162,15 @@ def test_layer_kinds_of_the_other_hybrids():
     assert griffin.layer_kinds[0].mixer.state == 1 and mixers_shard(rwkv, 2, 1) and not mixers_shard(rwkv, 3, 1)
     lfm2 = model_shape(hybrid_config("lfm2", intermediate_size=128))
     assert kinds(lfm2) == ["M:short_conv", "AM", "M:short_conv"] and lfm2.intermediate == 256
+    # Ling 3's KDA (full-rank decay gate): Kimi-Linear's terms, its decay [H, D] in the exchange
+    from transformers import BailingHybridConfig
+
+    from ulysses_sp.plan.mixers import exchange_per_token
+
+    _, unseen = UNSEEN["kda_full_gate"]
+    ling = model_shape(BailingHybridConfig(**{**_COMMON, **unseen}))
+    assert kinds(ling) == ["M:kimi_delta_attention", "AM"] and ling.layer_kinds[0].mixer.decay_exchanged
+    assert exchange_per_token(ling.layer_kinds[0].mixer, 2) == (4 * 4 * 24 + 4, 4 * 24)
     from hybrid_models import hybrid_model
 
     from ulysses_sp.mixers.shapes import layer_kinds

@@ -35,7 +35,7 @@ from ulysses_sp.mixers.documents import PositionTracker
 
 HANDLERS: tuple[MixerHandler, ...] = (
     short_conv.HANDLER, mamba2.HANDLER, mamba1.HANDLER, mamba1.HEADS_HANDLER, gated_delta.HANDLER, kda.HANDLER,
-    learned_positions.HANDLER, own_scores.HANDLER, causal_window.HANDLER, mask_window.HANDLER,
+    kda.FULL_GATE_HANDLER, learned_positions.HANDLER, own_scores.HANDLER, causal_window.HANDLER, mask_window.HANDLER,
     counted_positions.HANDLER, rg_lru.HANDLER, rwkv.HANDLER,
 )
 """The mixers this package shards (for ``claimed_by``; ``apply_mixers`` binds fresh ones)."""
@@ -60,7 +60,7 @@ def has_unsharded_mixers(model: nn.Module) -> bool:
 
 
 def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
-    """Shard every short-convolution, Mamba-2, Mamba-1, gated delta-net, KDA, RG-LRU and RWKV mixer of
+    """Shard every short-convolution, Mamba-2, Mamba-1, gated delta-net, KDA (both gates), RG-LRU and RWKV mixer of
     ``model`` over ``mesh``'s SP group, give every causal-window module (convolutions inside projections)
     its halo, hold learned and self-numbering position tables to the shard's global position ids, run
     attention that computes its own scores head-parallel, and tell the SP attention a sliding window the
@@ -84,6 +84,7 @@ def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
         mamba1.MultiHeadMamba1Handler(positions),
         gated_delta.GatedDeltaNetHandler(positions),
         kda.KimiDeltaAttentionHandler(positions),
+        kda.FullGateKdaHandler(positions),
         learned_positions.LearnedPositionsHandler(positions),
         own_scores.OwnScoresHandler(positions),
         causal_window.CausalWindowHandler(positions),

@@ -1,7 +1,9 @@
-"""Kimi delta attention (KDA, Kimi-Linear ``KimiLinearDeltaAttention``) under Ulysses sequence
-parallelism: gated delta-net with a per-channel decay ``g [B, S, H, D]`` instead of per-head.
+"""Kimi delta attention (KDA: Kimi-Linear ``KimiLinearDeltaAttention``, Ling/Bailing hybrid
+``BailingHybridDeltaAttention``) under Ulysses sequence parallelism: gated delta-net with a
+per-channel decay ``g [B, S, H, D]`` instead of per-head. Two handlers, one per way the model makes
+that decay (both call the same ``chunk_kimi_delta_attention``).
 
-``KDA`` is the handler (``mixers.base.MixerHandler``). It recognises the mixer by structure: a
+``HANDLER`` (``KimiDeltaAttentionHandler``, a ``mixers.base.MixerHandler``) recognises the mixer by structure: a
 depthwise ``conv1d`` over ``[q | k | v]`` channels, a ``forget_gate`` module (the per-channel decay,
 holding ``A_log``/``dt_bias``), ``num_heads``/``head_dim``, and a modeling module whose forward
 calls ``causal_conv1d_fn`` and ``chunk_kimi_delta_attention``. The mechanism is the gated delta-net's
@@ -13,6 +15,13 @@ that feature rides the all-to-all instead (to every rank) and each rank runs the
 ``forget_gate`` on the full sequence with its heads' rows of ``f_b_proj``/``dt_bias``/``A_log``
 (sliced inside forward: autograd returns full-parameter gradients). Per token and rank that sends
 ``(P-1) * D`` values in the model dtype instead of ``(P-1)/P * H * D`` in fp32.
+
+``FULL_GATE_HANDLER`` (``FullGateKdaHandler``) is for a decay made by a full-rank projection (Bailing's
+``forget_gate.f_proj``: hidden -> ``H * D``, then ``dt_bias`` and a per-head ``A_log [H]``): there is
+no narrower feature to send, so it goes as gated delta-net's decay does — the model computes it on
+the local tokens from the full parameters (full-parameter gradients, no slicing) and it rides the
+packed all-to-all head-sharded with q, k, v and beta: ``(P-1)/P * H * D`` more values per token, in
+the model dtype. Everything else is the mechanism above, unchanged.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from ulysses_sp.mixers.linear_attn import LinearAttentionHandler, in_sharded_for
 SCAN_FN = "chunk_kimi_delta_attention"
 ATTRS = ("conv1d", "forget_gate", "num_heads", "head_dim", "b_proj")
 GATE_ATTRS = ("f_a_proj", "f_b_proj", "dt_bias", "A_log", "head_dim")
+FULL_GATE_ATTRS = ("f_proj", "dt_bias", "A_log", "head_dim", "num_heads")
 
 
 class KimiDeltaAttentionHandler(LinearAttentionHandler):
@@ -97,3 +107,31 @@ def _local_decay(gate: nn.Module, features: torch.Tensor, sp_rank: int, sp_size:
 
 HANDLER = KimiDeltaAttentionHandler()
 """An unbound instance for ``claimed_by`` (the closed-world guard); ``apply_mixers`` binds its own."""
+
+
+class FullGateKdaHandler(LinearAttentionHandler):
+    """Shards KDA mixers whose decay comes from a full-rank ``forget_gate.f_proj`` (Bailing): heads
+    over the SP group, the decay exchanged with q, k, v and beta (see the module doc)."""
+
+    name = "kda_full_gate"
+    label = "KDA"
+    attrs = ATTRS
+    scan_fn = SCAN_FN
+
+    def heads(self, module: nn.Module) -> tuple[int, int]:
+        return module.num_heads, module.num_heads
+
+    def matches(self, module: nn.Module) -> bool:
+        gate = getattr(module, "forget_gate", None)
+        return (
+            super().matches(module)
+            and all(hasattr(gate, a) for a in FULL_GATE_ATTRS)
+            and not hasattr(gate, "f_a_proj")  # a low-rank gate: KimiDeltaAttentionHandler's
+            and isinstance(gate.f_proj, nn.Linear)
+            and gate.f_proj.out_features == gate.num_heads * gate.head_dim  # [hidden] -> [H*D], per token
+            and gate.A_log.shape == (gate.num_heads,)  # [H]: per head, token-local
+        )
+
+
+FULL_GATE_HANDLER = FullGateKdaHandler()
+"""An unbound instance for ``claimed_by``; ``apply_mixers`` binds its own."""

@@ -23,7 +23,8 @@ from ulysses_sp.mixers.base import claimed_by
 from ulysses_sp.mixers.classify import ATTENTION, verdict
 from ulysses_sp.mixers.guard import decoder_layers
 
-SIZED = ("mamba2", "gated_delta_net", "short_conv", "mamba1", "mamba1_heads", "kimi_delta_attention", "rg_lru", "rwkv")
+SIZED = ("mamba2", "gated_delta_net", "short_conv", "mamba1", "mamba1_heads", "kimi_delta_attention", "kda_full_gate",
+         "rg_lru", "rwkv")
 """The handlers whose mixers the planner sizes (``mixer_sizes``); the others (learned positions, causal
 windows, a mask's window) leave their layer planned as attention and MLP."""
 
@@ -55,9 +56,9 @@ def mixer_sizes(module: nn.Module, kind: str) -> dict[str, Any]:
         # them; their exchange is 2 W in, W out: Mamba-1's counts W + 2 P more)
         width = module.conv_1d.in_channels if kind == "rg_lru" else module.time_decay.shape[0]
         return {"kind": "mamba1", "channels": width, "state": 1}
-    if kind == "kimi_delta_attention":
-        return {"kind": kind, "heads": module.num_heads, "head_dim": module.head_dim,
-                "chunk": _chunk(module, kda.SCAN_FN)}  # fmt: skip
+    if kind in ("kimi_delta_attention", "kda_full_gate"):  # Bailing's: the same scan, its decay exchanged whole
+        return {"kind": "kimi_delta_attention", "heads": module.num_heads, "head_dim": module.head_dim,
+                "chunk": _chunk(module, kda.SCAN_FN), "decay_exchanged": kind == "kda_full_gate"}  # fmt: skip
     raise ValueError(f"no sizes known for mixer kind {kind!r}")
 
 

@@ -37,6 +37,9 @@ class MixerShape:
     """The scan's chunk length ``c``."""
     channels: int = 0
     """The short convolution's channels ``C``; Mamba-1's ``I``."""
+    decay_exchanged: bool = False
+    """KDA: its per-channel decay ``[H, D]`` per token rides the exchange head-sharded (a full-rank gate:
+    Bailing), instead of the rank-``D`` gate feature sent to every rank (Kimi-Linear)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -60,7 +60,8 @@ def memory_per_token(mx: MixerShape, sp: int) -> tuple[float, float]:
 def exchange_per_token(mx: MixerShape, sp: int) -> tuple[int, int]:
     """``(in, out)`` elements per local token that one ``mx`` layer hands to its two all-to-alls
     (``(P-1)/P`` of them leave the rank); Mamba-2's ``x, dt, B, C``, gated delta-net's ``q, k, v, g,
-    beta``, KDA's ``q, k, v, beta`` and the gate feature (to every rank), the conv's channels, Mamba-1's
+    beta``, KDA's ``q, k, v, beta`` and the gate feature (to every rank) or its decay (head-sharded, Bailing's
+    full-rank gate), the conv's channels, Mamba-1's
     ``x, dt, z`` and ``B, C`` (to every rank)."""
     h, d = mx.heads, mx.head_dim
     if mx.kind == "mamba2":
@@ -73,8 +74,8 @@ def exchange_per_token(mx: MixerShape, sp: int) -> tuple[int, int]:
         return mx.channels, mx.channels
     if mx.kind == "mamba1":
         return 3 * mx.channels + 2 * mx.state * sp, mx.channels
-    if mx.kind == "kimi_delta_attention":
-        return 3 * h * d + h + sp * d, h * d
+    if mx.kind == "kimi_delta_attention":  # the decay itself (Bailing) or the gate feature to every rank (Kimi)
+        return 3 * h * d + h + (h * d if mx.decay_exchanged else sp * d), h * d
     raise ValueError(f"unknown mixer kind {mx.kind!r}")
 
 
