@@ -562,3 +562,26 @@ def test_rwkv_refuses_a_state_and_channels_that_do_not_divide():
             module(torch.zeros(1, 4, 32), state=[torch.zeros(1, 32, 2)] * 5)
     handle.remove()
     assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_minimax_lightning_attention_refuses_a_cache_and_heads_that_do_not_divide():
+    """Lightning attention keeps ``K^T V`` per layer for generation: the model's own cached path at sp 1 (logits
+    equal to the unwrapped model's, as the sharded path's are without a cache), refused at sp > 1 before any
+    exchange; its recurrence is sharded by head, so the heads must divide by sp."""
+    model = hybrid_model("minimax")
+    ref = copy.deepcopy(model)
+    with pytest.raises(ValueError, match=r"MiniMaxLightningAttention \(lightning attention, 4 heads\): the heads are "
+                       r"not divisible by sp_size 3 .* use an sp_size that divides 4"):  # fmt: skip
+        shard_mixers(model, SimpleNamespace(sp_size=3, sp_rank=0, ring_size=1, sp_group=None), HANDLERS)
+    ids = global_batch(3, 1, 20, vocab=V)
+    handle = apply_mixers(model, SimpleNamespace(sp_size=1, sp_rank=0, ring_size=1, sp_group=None))
+    for cache in (True, False):
+        want = ref(input_ids=ids, use_cache=cache).logits
+        torch.testing.assert_close(model(input_ids=ids, use_cache=cache).logits, want, rtol=1e-5, atol=1e-5)
+    handle.remove()
+    handle = apply_mixers(model, SimpleNamespace(sp_size=2, sp_rank=0, ring_size=1, sp_group=None))
+    with pytest.raises(ValueError, match=r"MiniMaxLightningAttention: a cache \(use_cache=True: generation\) is not "
+                       r"supported under sequence parallelism"):  # fmt: skip
+        model(input_ids=ids[:, :10], use_cache=True)
+    handle.remove()
+    assert not any("forward" in vars(m) for m in model.modules())
