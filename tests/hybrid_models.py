@@ -17,7 +17,7 @@ def hybrid_config(
 ):
     """A tiny config of ``arch`` (``lfm2``, ``nemotron_h``, ``falcon_h1``, ``granitemoehybrid``, ``bamba``,
     ``mamba2``, ``mamba``, ``falcon_mamba``, ``jamba``, ``zamba``, ``opt``, ``biogpt``, ``zaya``, ``phimoe``, ``musicgen``,
-    ``musicgen_melody``, ``recurrent_gemma``, ``rwkv``); ``overrides`` go to the config's constructor."""
+    ``musicgen_melody``, ``recurrent_gemma``, ``rwkv``, ``minimax``); ``overrides`` go to the config's constructor."""
     import transformers as tf
 
     common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_attention_heads=4,
@@ -93,6 +93,9 @@ def hybrid_config(
     if arch == "rwkv":  # RWKV-4: token shift (a halo of 1) in both mixings, the WKV recurrence per channel
         return tf.RwkvConfig(vocab_size=vocab, hidden_size=32, attention_hidden_size=32, intermediate_size=64,
                              num_hidden_layers=2, context_length=64, rescale_every=0, tie_word_embeddings=False)  # fmt: skip
+    if arch == "minimax":  # lightning attention (layers 0, 2; blocks of 8: several per document) beside attention
+        return tf.MiniMaxConfig(num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+                                head_dim=8, block_size=8, num_local_experts=4, num_experts_per_tok=2, **common)  # fmt: skip
     raise ValueError(arch)
 
 

@@ -96,21 +96,20 @@ def test_eval_at_sp2_equals_sp1_per_position_on_packed_documents(evals, index):
 def test_eval_at_sp2_refuses_a_family_the_guard_refuses_with_trains_message(evals, capsys):
     import transformers as tf
 
+    from bench.model_sweep import tiny_config
     from ulysses_sp.mixers.guard import check_sequence_mixing
 
     root, common, _, _ = evals
-    config = tf.MiniMaxConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                              num_key_value_heads=2, head_dim=8, num_hidden_layers=2, num_local_experts=2,
-                              num_experts_per_tok=1, layer_types=["linear_attention", "full_attention"],
-                              tie_word_embeddings=False)  # fmt: skip
-    minimax = _save(config, root / "minimax")
+    config = tiny_config("doge")  # its attention dispatches through a registry of its own: refused at sp > 1
+    config.vocab_size = 259
+    doge = _save(config, root / "doge")
     with pytest.raises(ValueError) as refused:  # what train's initialize() raises on its ranks
         check_sequence_mixing(tf.AutoModelForCausalLM.from_config(config), sp_size=2)
     message = str(refused.value)
-    assert "layer 0: MiniMaxDecoderLayer is a 'linear_attention' layer" in message
+    assert "layer 0: self_attn (DogeAttention) computes its own attention scores" in message
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_code:  # refused in the launching process: no worker starts
-        main(["eval", "--model", minimax, "--sp", "2", "--output-json", str(root / "minimax.json"), *common])
+        main(["eval", "--model", doge, "--sp", "2", "--output-json", str(root / "doge.json"), *common])
     assert exit_code.value.code == 2
     assert capsys.readouterr().err.count(message) == 1
-    assert not (root / "minimax.json").exists()
+    assert not (root / "doge.json").exists()

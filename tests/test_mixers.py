@@ -8,7 +8,8 @@ Packed documents: against the plain model run on each document alone (the mixers
 across a boundary, wherever it falls relative to the shards). Also: B/C groups fewer than sp
 (replicated), attention kv heads < sp, the undo, and refusals when heads do not divide. Inkling's
 short convolutions alone (its attention's pair bias keeps the models refused) at sp 2 and 4. Phi-MoE,
-whose sliding window lives only in its mask (the SP attention is told it), at sp 2.
+whose sliding window lives only in its mask (the SP attention is told it), at sp 2. MiniMax's lightning
+attention (heads sharded) at sp 1, 2 and 4.
 """
 
 from __future__ import annotations
@@ -193,6 +194,25 @@ def test_mamba1_mixers_equal_no_sp(pool):
         assert pool.run(_mamba1, sp, sp)[0] == [f"{a}{' packed' if p else ''}" for a, p, _ in cases]
 
 
+CASES_LIGHTNING = {
+    1: [("minimax", True, {})],  # sp 1: packed documents kept apart (the model's own recurrence runs across them)
+    2: [("minimax", True, {}), ("minimax", False, {"right_pad": 5})],  # a padding mask on one rank only
+    4: [("minimax", True, {"docs": EDGES, "checkpointing": True})],  # a document starts at a shard edge
+}
+
+
+def _lightning(sp: int) -> list[str]:
+    return _exact(sp, CASES_LIGHTNING[sp])
+
+
+def test_minimax_lightning_attention_equals_no_sp(pool):
+    """MiniMax's lightning attention (heads sharded, the model's own block recurrence over the full sequence,
+    blocks of 8 tokens) at sp 1, 2 and 4: per-position logits and every gradient against the plain model,
+    packed documents against each one alone (the recurrence restarts at every document start)."""
+    for sp, cases in CASES_LIGHTNING.items():
+        assert pool.run(_lightning, sp, sp)[0] == [f"{a}{' packed' if p else ''}" for a, p, _ in cases]
+
+
 F64 = {"dtype": torch.float64}
 FALCON_GQA = {"new_decoder_architecture": True, "num_kv_heads": 2, "dtype": torch.float64}  # fused [Hkv, H/Hkv+2, D]
 CASES_OWN_SCORES = {
@@ -301,7 +321,7 @@ def test_every_mixer_is_claimed_and_nothing_else():
     claimed = {}
     for arch in ("lfm2", "nemotron_h", "falcon_h1", "granitemoehybrid", "bamba", "mamba2", "mamba", "falcon_mamba",
                  "jamba", "zamba", "opt", "biogpt", "bloom", "gpt_neo", "zaya", "phimoe", "musicgen",
-                 "musicgen_melody", "recurrent_gemma", "rwkv"):  # fmt: skip
+                 "musicgen_melody", "recurrent_gemma", "rwkv", "minimax"):  # fmt: skip
         model = hybrid_model(arch)
         claimed[arch] = sorted(
             {(type(m).__name__, h.name) for m in model.modules() if (h := claimed_by(m, HANDLERS))}
@@ -328,6 +348,7 @@ def test_every_mixer_is_claimed_and_nothing_else():
         "musicgen_melody": [("MusicgenMelodySinusoidalPositionalEmbedding", "counted_positions")],
         "recurrent_gemma": [("RecurrentGemmaRecurrentBlock", "rg_lru")],
         "rwkv": [("RwkvFeedForward", "rwkv"), ("RwkvSelfAttention", "rwkv")],
+        "minimax": [("MiniMaxLightningAttention", "lightning_attention")],
     }
     assert not needs_plain_layout(hybrid_model("opt")) and needs_plain_layout(hybrid_model("jamba"))
     assert not needs_plain_layout(hybrid_model("phimoe")) and needs_plain_layout(hybrid_model("zaya"))
@@ -539,5 +560,28 @@ def test_rwkv_refuses_a_state_and_channels_that_do_not_divide():
     for module in (model.rwkv.blocks[0].attention, model.rwkv.blocks[0].feed_forward):
         with pytest.raises(ValueError, match=r"\(layer 0\): a cache \(use_cache=True: generation\) is not supported"):
             module(torch.zeros(1, 4, 32), state=[torch.zeros(1, 32, 2)] * 5)
+    handle.remove()
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_minimax_lightning_attention_refuses_a_cache_and_heads_that_do_not_divide():
+    """Lightning attention keeps ``K^T V`` per layer for generation: the model's own cached path at sp 1 (logits
+    equal to the unwrapped model's, as the sharded path's are without a cache), refused at sp > 1 before any
+    exchange; its recurrence is sharded by head, so the heads must divide by sp."""
+    model = hybrid_model("minimax")
+    ref = copy.deepcopy(model)
+    with pytest.raises(ValueError, match=r"MiniMaxLightningAttention \(lightning attention, 4 heads\): the heads are "
+                       r"not divisible by sp_size 3 .* use an sp_size that divides 4"):  # fmt: skip
+        shard_mixers(model, SimpleNamespace(sp_size=3, sp_rank=0, ring_size=1, sp_group=None), HANDLERS)
+    ids = global_batch(3, 1, 20, vocab=V)
+    handle = apply_mixers(model, SimpleNamespace(sp_size=1, sp_rank=0, ring_size=1, sp_group=None))
+    for cache in (True, False):
+        want = ref(input_ids=ids, use_cache=cache).logits
+        torch.testing.assert_close(model(input_ids=ids, use_cache=cache).logits, want, rtol=1e-5, atol=1e-5)
+    handle.remove()
+    handle = apply_mixers(model, SimpleNamespace(sp_size=2, sp_rank=0, ring_size=1, sp_group=None))
+    with pytest.raises(ValueError, match=r"MiniMaxLightningAttention: a cache \(use_cache=True: generation\) is not "
+                       r"supported under sequence parallelism"):  # fmt: skip
+        model(input_ids=ids[:, :10], use_cache=True)
     handle.remove()
     assert not any("forward" in vars(m) for m in model.modules())

@@ -2,10 +2,10 @@
 
 ``bench.model_sweep.compare`` on a 2-rank gloo group (per-position logits and every gradient, fp32,
 rtol 1e-4): dense (Llama), MoE (Qwen2-MoE), MLA (DeepSeek-V3), sliding window (Mistral, window 8 of
-32 tokens) and a short-convolution hybrid (LFM2, its mixer sharded) are exact; MiniMax's lightning
-attention is refused naming it; a Llama hiding a running sum in its MLP is refused — and LFM2 and
-the hidden sum are shown to be really wrong without the guard (and the mixer handlers), so what the
-guard refuses is a real error. A custom position-wise module declared with
+32 tokens), a short-convolution hybrid (LFM2, its mixer sharded) and MiniMax (its lightning attention
+sharded by head) are exact; CPM-Ant's attention (heads that cannot run apart) is refused naming it; a
+Llama hiding a running sum in its MLP is refused — and LFM2, MiniMax and the hidden sum are shown to be
+really wrong without the guard (and the mixer handlers), so what the guard refuses is a real error. A custom position-wise module declared with
 ``declare_position_wise`` passes and is exact. The full sweep is ``python -m bench.model_sweep``.
 """
 
@@ -105,11 +105,17 @@ def test_mamba1_is_exact_with_its_scan_sharded_and_silently_wrong_without(pool):
     assert [r["verdict"] for r in unguarded] == ["wrong", "wrong"], unguarded
 
 
-def test_minimax_lightning_attention_is_refused_naming_it(pool):
-    for r in pool.run(_family, 2, "minimax"):
+def test_minimax_lightning_attention_is_exact_with_its_heads_sharded_and_silently_wrong_without(pool):
+    assert pool.run(_family, 2, "minimax") == [{"verdict": "exact", "detail": ""}] * 2
+    unguarded = pool.run(_family, 2, "minimax", False)  # no guard, no handler: each rank's recurrence starts at 0
+    assert [r["verdict"] for r in unguarded] == ["wrong", "wrong"], unguarded
+
+
+def test_attention_whose_heads_cannot_run_apart_is_refused_naming_it(pool):
+    for r in pool.run(_family, 2, "cpmant"):
         assert r["verdict"] == "refused"
-        assert "layer 1: MiniMaxDecoderLayer is a 'linear_attention' layer" in r["detail"]
-        assert "self_attn (MiniMaxLightningAttention)" in r["detail"]
+        assert "layer 0: self_att.self_attention (CpmAntAttention) computes its own attention scores" in r["detail"]
+        assert "its heads cannot run apart" in r["detail"]
 
 
 def test_a_hidden_running_sum_is_refused_and_would_be_silently_wrong(pool):

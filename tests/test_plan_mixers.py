@@ -37,6 +37,9 @@ UNSEEN = {
     "kda_full_gate": ("BailingHybridConfig", dict(hidden_size=48, num_hidden_layers=2, head_dim=24, qk_rope_head_dim=24,
                                                   layer_types=["linear_attention", "full_attention"],
                                                   mlp_layer_types=["dense", "dense"], pad_token_id=0, eos_token_id=2)),
+    "lightning_attention": ("MiniMaxConfig", dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=6, head_dim=12,
+                                                  block_size=48, layer_types=["linear_attention", "full_attention"],
+                                                  num_local_experts=2, num_experts_per_tok=1)),
 }  # fmt: skip
 
 
@@ -95,7 +98,8 @@ def test_mixer_memory_per_rank_falls_as_one_over_sp():
     mamba = MixerShape(kind="mamba2", heads=128, head_dim=64, groups=8, state=128, chunk=256)
     gdn = MixerShape(kind="gated_delta_net", heads=32, head_dim=128, key_heads=16, key_dim=128)
     for mx in (mamba, gdn, MixerShape(kind="short_conv", channels=2048),
-               MixerShape(kind="kimi_delta_attention", heads=32, head_dim=128)):  # fmt: skip
+               MixerShape(kind="kimi_delta_attention", heads=32, head_dim=128),
+               MixerShape(kind="lightning_attention", heads=64, head_dim=128, chunk=256)):  # fmt: skip
         assert all(memory_per_token(mx, sp) == memory_per_token(mx, 1) for sp in (2, 4, 8)), mx
     assert memory_per_token(mamba, 16)[0] > memory_per_token(mamba, 8)[0]  # 8 groups < 16: replicated
     assert memory_per_token(gdn, 32)[0] > memory_per_token(gdn, 16)[0]
@@ -160,6 +164,9 @@ def test_layer_kinds_of_the_other_hybrids():
     griffin, rwkv = model_shape(hybrid_config("recurrent_gemma")), model_shape(hybrid_config("rwkv"))
     assert kinds(griffin) == ["M:mamba1", "AM", "M:mamba1"] and kinds(rwkv) == ["M:mamba1"] * 2
     assert griffin.layer_kinds[0].mixer.state == 1 and mixers_shard(rwkv, 2, 1) and not mixers_shard(rwkv, 3, 1)
+    minimax = model_shape(hybrid_config("minimax"))  # lightning attention: 4 heads of 8, blocks of 8
+    assert kinds(minimax) == ["M:lightning_attention", "AM", "M:lightning_attention"]
+    assert minimax.layer_kinds[0].mixer.chunk == 8 and mixers_shard(minimax, 4, 1) and not mixers_shard(minimax, 8, 1)
     lfm2 = model_shape(hybrid_config("lfm2", intermediate_size=128))
     assert kinds(lfm2) == ["M:short_conv", "AM", "M:short_conv"] and lfm2.intermediate == 256
     # Ling 3's KDA (full-rank decay gate): Kimi-Linear's terms, its decay [H, D] in the exchange

@@ -58,6 +58,7 @@ def _configs():
         "gpt_neox": tiny_config("gpt_neox"),
         "deepseek_v32": tiny_config("deepseek_v32"),
         "minimax": tiny_config("minimax"),
+        "doge": tiny_config("doge"),
         "llama": AutoConfig.for_model("llama", **COMMON),
     }
 
@@ -77,7 +78,7 @@ CASES = [  # (model, extra flags, what the one line says)
     ("qwen3_5", [], r"--sp 2: sequence parallelism cannot shard these mixers: .*Qwen3_5GatedDeltaNet .*3 key heads"),
     ("gpt_neox", ["--recompute-norms"], r"--recompute-norms: GPTNeoXForCausalLM has no RMSNorm-like module"),
     ("deepseek_v32", ["--ring-size", "2"], r"'indexed_attention' layers attend to each query's top .* ring_size 2"),
-    ("minimax", [], r"sequence parallelism \(sp_size 2\) cannot train MiniMaxForCausalLM exactly: .* layer 1: MiniMaxDecoderLayer"),
+    ("doge", [], r"sequence parallelism \(sp_size 2\) cannot train DogeForCausalLM exactly: .* layer 0: self_attn \(DogeAttention\)"),
     ("no_weights", [], r"has a config.json but no weight file"),
     ("gpt_oss", ["--attn", "eager", "--tiled-mlp"], r"--tiled-mlp: cannot tile .*GptOssTopKRouter"),
     ("nemotron_h", ["--sp", "1", "--nproc", "2", "--tiled-mlp"], r"--tiled-mlp: NemotronHForCausalLM has no submodule"),
@@ -111,12 +112,14 @@ def test_the_same_models_pass_with_the_settings_the_messages_name(models, tmp_pa
     """The fix each message names is accepted before launch (the launcher is reached)."""
     reached = []
     monkeypatch.setattr(cli, "_launch", lambda *a, **k: reached.append(a[2]))
-    # gpt-oss's sinks under head groups: the whole attention block per group cuts them (once refused)
+    # gpt-oss's sinks under head groups: the whole attention block per group cuts them (once refused); MiniMax at
+    # sp 2: its lightning attention sharded by head (once refused)
     for model, extra in [("gpt_oss", ["--attn", "eager", "--head-chunks", "2"]), ("llama", ["--head-chunks", "2"]),
-                         ("nemotron_h", ["--sp", "1"]), ("gpt_neox", []), ("minimax", ["--sp", "1"])]:  # fmt: skip
+                         ("nemotron_h", ["--sp", "1"]), ("gpt_neox", []), ("doge", ["--sp", "1"]),
+                         ("minimax", [])]:  # fmt: skip
         cli.main(["train", "--model", models[model], "--seq-len", "32", "--steps", "1", "--sp", "2", "--nproc", "2",
                   "--no-progress", "--output-dir", str(tmp_path / model), *extra])  # fmt: skip
-    assert reached == [2] * 5
+    assert reached == [2] * 6
 
 
 def test_one_line_joins_a_guard_list():
@@ -126,8 +129,9 @@ def test_one_line_joins_a_guard_list():
 
 
 def test_packed_documents_at_sp_1_are_refused_where_a_module_mixes_the_whole_row(models, tmp_path, capsys, monkeypatch):
-    """MiniMax's lightning attention runs over the whole row: at sp 1 packed documents would leak into each
-    other (the guard refuses it at sp > 1). Refused before launch naming the module; --packing none passes."""
+    """Doge's attention (a registry of its own, a dynamic mask over the whole row) attends across documents:
+    at sp 1 packed documents would leak into each other (the guard refuses it at sp > 1). Refused before launch
+    naming the module; --packing none passes."""
     import json
 
     reached = []
@@ -135,13 +139,13 @@ def test_packed_documents_at_sp_1_are_refused_where_a_module_mixes_the_whole_row
     monkeypatch.setattr(cli, "_run_rank", lambda *a, **k: reached.append(1))
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps({"text": f"doc {i} " * (1 + i % 3)}) + "\n" for i in range(40)))
-    argv = ["train", "--model", models["minimax"], "--data", str(data), "--seq-len", "64", "--steps", "1", "--sp", "1",
+    argv = ["train", "--model", models["doge"], "--data", str(data), "--seq-len", "64", "--steps", "1", "--sp", "1",
             "--nproc", "1", "--no-progress"]  # fmt: skip
     with pytest.raises(SystemExit) as exit_:
         cli.main([*argv, "--packing", "best-fit", "--output-dir", str(tmp_path / "packed")])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert ("--packing best-fit: packed documents cannot be kept apart in MiniMaxForCausalLM: these modules mix tokens "
-            "across the whole row") in err and "self_attn (MiniMaxLightningAttention)" in err and "--packing none" in err
+    assert ("--packing best-fit: packed documents cannot be kept apart in DogeForCausalLM: these modules mix tokens "
+            "across the whole row") in err and "self_attn (DogeAttention)" in err and "--packing none" in err
     cli.main([*argv, "--packing", "none", "--output-dir", str(tmp_path / "one")])
     assert reached == [1]

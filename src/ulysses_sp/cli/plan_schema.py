@@ -78,7 +78,7 @@ BREAKDOWN: Schema = {
 LAYER: Schema = {
     "attention": ("bool", "the layer has an attention block"),
     "mlp": ("bool", "the layer has an MLP block"),
-    "mixer": ("str or null", "its sequence mixer: `mamba2`, `mamba1`, `gated_delta_net`, `short_conv`, `kimi_delta_attention`; `null`: none"),
+    "mixer": ("str or null", "its sequence mixer: `mamba2`, `mamba1`, `gated_delta_net`, `short_conv`, `kimi_delta_attention`, `lightning_attention`; `null`: none"),
 }  # fmt: skip
 
 REHEARSAL: Schema = {

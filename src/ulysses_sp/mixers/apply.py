@@ -19,6 +19,7 @@ from ulysses_sp.mixers import (
     gated_delta,
     kda,
     learned_positions,
+    lightning,
     mamba1,
     mamba2,
     mask_window,
@@ -36,7 +37,7 @@ from ulysses_sp.mixers.documents import PositionTracker
 HANDLERS: tuple[MixerHandler, ...] = (
     short_conv.HANDLER, mamba2.HANDLER, mamba1.HANDLER, mamba1.HEADS_HANDLER, gated_delta.HANDLER, kda.HANDLER,
     kda.FULL_GATE_HANDLER, learned_positions.HANDLER, own_scores.HANDLER, causal_window.HANDLER, mask_window.HANDLER,
-    counted_positions.HANDLER, rg_lru.HANDLER, rwkv.HANDLER,
+    counted_positions.HANDLER, rg_lru.HANDLER, rwkv.HANDLER, lightning.HANDLER,
 )
 """The mixers this package shards (for ``claimed_by``; ``apply_mixers`` binds fresh ones)."""
 
@@ -60,8 +61,8 @@ def has_unsharded_mixers(model: nn.Module) -> bool:
 
 
 def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
-    """Shard every short-convolution, Mamba-2, Mamba-1, gated delta-net, KDA (both gates), RG-LRU and RWKV mixer of
-    ``model`` over ``mesh``'s SP group, give every causal-window module (convolutions inside projections)
+    """Shard every short-convolution, Mamba-2, Mamba-1, gated delta-net, KDA (both gates), RG-LRU, RWKV and
+    lightning-attention mixer of ``model`` over ``mesh``'s SP group, give every causal-window module (convolutions inside projections)
     its halo, hold learned and self-numbering position tables to the shard's global position ids, run
     attention that computes its own scores head-parallel, and tell the SP attention a sliding window the
     model applies only through its mask.
@@ -92,6 +93,7 @@ def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
         counted_positions.CountedPositionsHandler(positions),
         rg_lru.RgLruHandler(positions),
         rwkv.RwkvHandler(positions),
+        lightning.LightningAttentionHandler(positions),
     )
     handle = shard_mixers(model, mesh, handlers)
     handle._undo.insert(0, positions.install(model))  # removed last

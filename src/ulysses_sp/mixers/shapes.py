@@ -24,7 +24,7 @@ from ulysses_sp.mixers.classify import ATTENTION, verdict
 from ulysses_sp.mixers.guard import decoder_layers
 
 SIZED = ("mamba2", "gated_delta_net", "short_conv", "mamba1", "mamba1_heads", "kimi_delta_attention", "kda_full_gate",
-         "rg_lru", "rwkv")
+         "rg_lru", "rwkv", "lightning_attention")
 """The handlers whose mixers the planner sizes (``mixer_sizes``); the others (learned positions, causal
 windows, a mask's window) leave their layer planned as attention and MLP."""
 
@@ -59,6 +59,8 @@ def mixer_sizes(module: nn.Module, kind: str) -> dict[str, Any]:
     if kind in ("kimi_delta_attention", "kda_full_gate"):  # Bailing's: the same scan, its decay exchanged whole
         return {"kind": "kimi_delta_attention", "heads": module.num_heads, "head_dim": module.head_dim,
                 "chunk": _chunk(module, kda.SCAN_FN), "decay_exchanged": kind == "kda_full_gate"}  # fmt: skip
+    if kind == "lightning_attention":  # its block is the chunk
+        return {"kind": kind, "heads": module.num_attention_heads, "head_dim": module.head_dim, "chunk": module.block_size}
     raise ValueError(f"no sizes known for mixer kind {kind!r}")
 
 

@@ -19,12 +19,12 @@ class MixerShape:
     and exchange depend on; fields a kind does not have stay 0."""
 
     kind: str
-    """``mamba2``, ``mamba1``, ``gated_delta_net``, ``short_conv`` or ``kimi_delta_attention`` (the
-    handler names)."""
+    """``mamba2``, ``mamba1``, ``gated_delta_net``, ``short_conv``, ``kimi_delta_attention`` or
+    ``lightning_attention`` (the handler names)."""
     heads: int = 0
-    """``H``: Mamba-2's and KDA's heads, gated delta-net's value heads."""
+    """``H``: Mamba-2's, KDA's and lightning attention's heads, gated delta-net's value heads."""
     head_dim: int = 0
-    """``Dh`` (Mamba-2), ``Dv`` (gated delta-net), ``D`` (KDA)."""
+    """``Dh`` (Mamba-2), ``Dv`` (gated delta-net), ``D`` (KDA, lightning attention)."""
     key_heads: int = 0
     """Gated delta-net's key heads ``Hk``."""
     key_dim: int = 0
@@ -34,7 +34,7 @@ class MixerShape:
     state: int = 0
     """Mamba-2's and Mamba-1's state size ``N``."""
     chunk: int = 64
-    """The scan's chunk length ``c``."""
+    """The scan's chunk length ``c`` (lightning attention's block size)."""
     channels: int = 0
     """The short convolution's channels ``C``; Mamba-1's ``I``."""
     decay_exchanged: bool = False

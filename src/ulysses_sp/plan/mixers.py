@@ -1,5 +1,5 @@
 """The planner's terms for one sequence-mixer layer (Mamba-2, Mamba-1, gated delta-net, short
-convolution, KDA) at sp ``P``: bytes kept for backward, the backward's workspace, and the exchanged elements.
+convolution, KDA, lightning attention) at sp ``P``: bytes kept for backward, the backward's workspace, and the exchanged elements.
 
 Per rank, a mixer runs its projections on the ``T = B * S/P`` local tokens and its scan over the
 full sequence ``S`` for ``H/P`` heads (``mixers``' head-sharded exchange). Every term of the scan is
@@ -10,7 +10,7 @@ model: a mixer layer's memory per rank falls as ``1/P`` with nothing left over, 
 **Where the coefficients come from.** They are measured, not guessed: the library's meter
 (``memory.meter.track_peak_memory``, CPU) around one sharded mixer module of transformers 5.24's
 own code (Bamba's Mamba-2 mixer, Qwen3.5's gated delta-net, LFM2's short convolution, Kimi-Linear's
-KDA, Mamba's Mamba-1 mixer — its scan keeps ``exp(dt A)``, ``dt B`` and the state per token and
+KDA, MiniMax's lightning attention, Mamba's Mamba-1 mixer — its scan keeps ``exp(dt A)``, ``dt B`` and the state per token and
 channel: the ``3 I N`` term; the torch fallbacks the CPU runs) in fp32, forward then backward, at
 8-11 size combinations per kind; a least-squares fit of the bytes per token on the monomials below
 (Mamba-2's chunked scan keeps three ``[c, c]`` blocks per chunk and head: ``G``, ``L``, ``M`` — the
@@ -52,6 +52,9 @@ def memory_per_token(mx: MixerShape, sp: int) -> tuple[float, float]:
     elif mx.kind == "kimi_delta_attention":
         saved = 3.455 * h * d * c + 1494.3 * h + 1.78 * h * d * d / 64
         ws = 2.952 * h * d * c - 7.3 * h
+    elif mx.kind == "lightning_attention":  # fit at 10 sizes (H 2-8, D 8-64, block c 32-128), residual 1 % (5.8 %)
+        saved = 0.974 * h * c + 12.7 * h * d + 1.124 * h * d * d / c
+        ws = 0.55 * h * c + 4.84 * h * d + 1.54 * h * d * d / c
     else:
         raise ValueError(f"unknown mixer kind {mx.kind!r}")
     return FP32 * saved, FP32 * max(ws, 0.0)
@@ -62,7 +65,7 @@ def exchange_per_token(mx: MixerShape, sp: int) -> tuple[int, int]:
     (``(P-1)/P`` of them leave the rank); Mamba-2's ``x, dt, B, C``, gated delta-net's ``q, k, v, g,
     beta``, KDA's ``q, k, v, beta`` and the gate feature (to every rank) or its decay (head-sharded, Bailing's
     full-rank gate), the conv's channels, Mamba-1's
-    ``x, dt, z`` and ``B, C`` (to every rank)."""
+    ``x, dt, z`` and ``B, C`` (to every rank), lightning attention's ``[q | k | v]`` per head."""
     h, d = mx.heads, mx.head_dim
     if mx.kind == "mamba2":
         g = max(mx.groups, sp) if sp > 1 and mx.groups % sp else mx.groups
@@ -76,6 +79,8 @@ def exchange_per_token(mx: MixerShape, sp: int) -> tuple[int, int]:
         return 3 * mx.channels + 2 * mx.state * sp, mx.channels
     if mx.kind == "kimi_delta_attention":  # the decay itself (Bailing) or the gate feature to every rank (Kimi)
         return 3 * h * d + h + (h * d if mx.decay_exchanged else sp * d), h * d
+    if mx.kind == "lightning_attention":
+        return 3 * h * d, h * d
     raise ValueError(f"unknown mixer kind {mx.kind!r}")
 
 
