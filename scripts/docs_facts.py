@@ -102,6 +102,7 @@ LIMITS = {
     "dsa": "heads % sp = 0; cores sdpa/eager; no ring",
     "own": "heads % sp = 0; no ring; O(S²/sp) scores (its own eager attention)",
     "rnn": "channels % sp = 0; no ring",
+    "mlstm": "heads % sp = 0; no ring",
 }
 
 # (family as users name it, the sweep's model_type(s), mixer kind). The verdicts are the sweep's.
@@ -135,6 +136,7 @@ FAMILIES = [
     ("Qwen4-Exp (block-sparse attention)", ["qwen4_exp_text"], "dsa"),
     ("BLOOM / Falcon / MPT / GPT-Neo", ["bloom", "falcon", "mpt", "gpt_neo"], "own"),
     ("RecurrentGemma / RWKV", ["recurrent_gemma", "rwkv"], "rnn"),
+    ("xLSTM", ["xlstm"], "mlstm"),
     ("Phi-MoE", ["phimoe"], "moe"),
 ]
 VLM_NAMES = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL"}

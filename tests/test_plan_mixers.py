@@ -156,6 +156,9 @@ def test_layer_kinds_of_the_other_hybrids():
     griffin, rwkv = model_shape(hybrid_config("recurrent_gemma")), model_shape(hybrid_config("rwkv"))
     assert kinds(griffin) == ["M:mamba1", "AM", "M:mamba1"] and kinds(rwkv) == ["M:mamba1"] * 2
     assert griffin.layer_kinds[0].mixer.state == 1 and mixers_shard(rwkv, 2, 1) and not mixers_shard(rwkv, 3, 1)
+    xlstm = model_shape(hybrid_config("xlstm"))  # the mLSTM planned as a gated delta-net (q, k, v, two gates per head)
+    assert kinds(xlstm) == ["M:gated_delta_net"] * 2 and mixers_shard(xlstm, 4, 1) and not mixers_shard(xlstm, 3, 1)
+    assert (xlstm.layer_kinds[0].mixer.key_dim, xlstm.layer_kinds[0].mixer.head_dim, xlstm.layer_kinds[0].mixer.chunk) == (4, 8, 4)
     lfm2 = model_shape(hybrid_config("lfm2", intermediate_size=128))
     assert kinds(lfm2) == ["M:short_conv", "AM", "M:short_conv"] and lfm2.intermediate == 256
     from hybrid_models import hybrid_model

@@ -22,6 +22,7 @@ from ulysses_sp.mixers import (
     mamba1,
     mamba2,
     mask_window,
+    mlstm,
     own_scores,
     rg_lru,
     rwkv,
@@ -36,7 +37,7 @@ from ulysses_sp.mixers.documents import PositionTracker
 HANDLERS: tuple[MixerHandler, ...] = (
     short_conv.HANDLER, mamba2.HANDLER, mamba1.HANDLER, mamba1.HEADS_HANDLER, gated_delta.HANDLER, kda.HANDLER,
     learned_positions.HANDLER, own_scores.HANDLER, causal_window.HANDLER, mask_window.HANDLER,
-    counted_positions.HANDLER, rg_lru.HANDLER, rwkv.HANDLER,
+    counted_positions.HANDLER, rg_lru.HANDLER, rwkv.HANDLER, mlstm.HANDLER,
 )
 """The mixers this package shards (for ``claimed_by``; ``apply_mixers`` binds fresh ones)."""
 
@@ -60,7 +61,7 @@ def has_unsharded_mixers(model: nn.Module) -> bool:
 
 
 def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
-    """Shard every short-convolution, Mamba-2, Mamba-1, gated delta-net, KDA, RG-LRU and RWKV mixer of
+    """Shard every short-convolution, Mamba-2, Mamba-1, gated delta-net, KDA, RG-LRU, RWKV and mLSTM (xLSTM) mixer of
     ``model`` over ``mesh``'s SP group, give every causal-window module (convolutions inside projections)
     its halo, hold learned and self-numbering position tables to the shard's global position ids, run
     attention that computes its own scores head-parallel, and tell the SP attention a sliding window the
@@ -91,6 +92,7 @@ def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
         counted_positions.CountedPositionsHandler(positions),
         rg_lru.RgLruHandler(positions),
         rwkv.RwkvHandler(positions),
+        mlstm.MlstmHandler(positions),
     )
     handle = shard_mixers(model, mesh, handlers)
     handle._undo.insert(0, positions.install(model))  # removed last

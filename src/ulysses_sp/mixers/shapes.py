@@ -23,7 +23,8 @@ from ulysses_sp.mixers.base import claimed_by
 from ulysses_sp.mixers.classify import ATTENTION, verdict
 from ulysses_sp.mixers.guard import decoder_layers
 
-SIZED = ("mamba2", "gated_delta_net", "short_conv", "mamba1", "mamba1_heads", "kimi_delta_attention", "rg_lru", "rwkv")
+SIZED = ("mamba2", "gated_delta_net", "short_conv", "mamba1", "mamba1_heads", "kimi_delta_attention", "rg_lru", "rwkv",
+         "mlstm")
 """The handlers whose mixers the planner sizes (``mixer_sizes``); the others (learned positions, causal
 windows, a mask's window) leave their layer planned as attention and MLP."""
 
@@ -55,6 +56,11 @@ def mixer_sizes(module: nn.Module, kind: str) -> dict[str, Any]:
         # them; their exchange is 2 W in, W out: Mamba-1's counts W + 2 P more)
         width = module.conv_1d.in_channels if kind == "rg_lru" else module.time_decay.shape[0]
         return {"kind": "mamba1", "channels": width, "state": 1}
+    if kind == "mlstm":  # planned as a gated delta-net with as many key as value heads: the same exchange (q, k,
+        # v and two scalars per head in, v out) and the same chunked form; its memory terms not measured for the mLSTM
+        h = module.config.num_heads
+        return {"kind": "gated_delta_net", "heads": h, "head_dim": module.v_dim // h, "key_heads": h,
+                "key_dim": module.qk_dim // h, "chunk": module.config.chunk_size}  # fmt: skip
     if kind == "kimi_delta_attention":
         return {"kind": kind, "heads": module.num_heads, "head_dim": module.head_dim,
                 "chunk": _chunk(module, kda.SCAN_FN)}  # fmt: skip
