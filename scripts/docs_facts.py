@@ -103,6 +103,7 @@ LIMITS = {
     "own": "heads % sp = 0; no ring; O(S²/sp) scores (its own eager attention)",
     "rnn": "channels % sp = 0; no ring",
     "lightning": "lightning and attention heads % sp = 0; no ring",
+    "mlstm": "heads % sp = 0; no ring",
 }
 
 # (family as users name it, the sweep's model_type(s), mixer kind). The verdicts are the sweep's.
@@ -138,6 +139,7 @@ FAMILIES = [
     ("BLOOM / Falcon / MPT / GPT-Neo", ["bloom", "falcon", "mpt", "gpt_neo"], "own"),
     ("RecurrentGemma / RWKV", ["recurrent_gemma", "rwkv"], "rnn"),
     ("MiniMax (lightning attention)", ["minimax"], "lightning"),
+    ("xLSTM", ["xlstm"], "mlstm"),
     ("Phi-MoE", ["phimoe"], "moe"),
 ]
 VLM_NAMES = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL"}

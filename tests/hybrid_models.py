@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 V = 64
-PURE = ("mamba2", "mamba", "falcon_mamba", "rwkv")
+PURE = ("mamba2", "mamba", "falcon_mamba", "rwkv", "xlstm")
 """The architectures without attention layers (no SP attention to register)."""
 
 
@@ -17,7 +17,7 @@ def hybrid_config(
 ):
     """A tiny config of ``arch`` (``lfm2``, ``nemotron_h``, ``falcon_h1``, ``granitemoehybrid``, ``bamba``,
     ``mamba2``, ``mamba``, ``falcon_mamba``, ``jamba``, ``zamba``, ``opt``, ``biogpt``, ``zaya``, ``phimoe``, ``musicgen``,
-    ``musicgen_melody``, ``recurrent_gemma``, ``rwkv``, ``minimax``); ``overrides`` go to the config's constructor."""
+    ``musicgen_melody``, ``recurrent_gemma``, ``rwkv``, ``minimax``, ``xlstm``); ``overrides`` go to the config's constructor."""
     import transformers as tf
 
     common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_attention_heads=4,
@@ -96,6 +96,10 @@ def hybrid_config(
     if arch == "minimax":  # lightning attention (layers 0, 2; blocks of 8: several per document) beside attention
         return tf.MiniMaxConfig(num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
                                 head_dim=8, block_size=8, num_local_experts=4, num_experts_per_tok=2, **common)  # fmt: skip
+    if arch == "xlstm":  # mLSTM: 4 heads (q/k 4, v 8 wide), chunks of 4 (the default mode runs whole chunks
+        # chunkwise, the rest with the step recurrence); no attention, no convolution
+        return tf.xLSTMConfig(vocab_size=vocab, hidden_size=32, num_heads=4, num_hidden_layers=2, chunk_size=4,
+                              tie_word_embeddings=False, **overrides)  # fmt: skip
     raise ValueError(arch)
 
 

@@ -9,7 +9,7 @@ across a boundary, wherever it falls relative to the shards). Also: B/C groups f
 (replicated), attention kv heads < sp, the undo, and refusals when heads do not divide. Inkling's
 short convolutions alone (its attention's pair bias keeps the models refused) at sp 2 and 4. Phi-MoE,
 whose sliding window lives only in its mask (the SP attention is told it), at sp 2. MiniMax's lightning
-attention (heads sharded) at sp 1, 2 and 4.
+attention (heads sharded) at sp 1, 2 and 4. xLSTM (its mLSTM sharded by head) at sp 2 and 4.
 """
 
 from __future__ import annotations
@@ -145,6 +145,7 @@ CASES_SP2 = [(a, p, {}) for a in ("lfm2", "nemotron_h", "falcon_h1") for p in (F
     ("musicgen_melody", False, {}),  # its table numbers inputs_embeds [B, S_l, D], not ids
     ("recurrent_gemma", True, {}),  # conv halo + channel-sharded RG-LRU; a document starts 1 past the shard edge
     ("rwkv", True, {}),  # token shift (halo 1) + channel-sharded WKV
+    ("xlstm", True, {}),  # head-sharded mLSTM; mode "inference": whole chunks of 4 chunkwise, the rest stepwise
 ]
 CASES_SP4 = [
     ("lfm2", True, {}),
@@ -156,6 +157,7 @@ CASES_SP4 = [
     ("musicgen", False, {}),  # table of 16 rows: every rank grows it to S, as the model does without SP
     ("recurrent_gemma", True, {"checkpointing": True}),  # attention kv heads (2) < sp: replicated
     ("rwkv", False, {}),
+    ("xlstm", False, {"mode": "train"}),  # one head per rank, the chunkwise kernel alone over the whole sequence
 ]
 
 
@@ -321,7 +323,7 @@ def test_every_mixer_is_claimed_and_nothing_else():
     claimed = {}
     for arch in ("lfm2", "nemotron_h", "falcon_h1", "granitemoehybrid", "bamba", "mamba2", "mamba", "falcon_mamba",
                  "jamba", "zamba", "opt", "biogpt", "bloom", "gpt_neo", "zaya", "phimoe", "musicgen",
-                 "musicgen_melody", "recurrent_gemma", "rwkv", "minimax"):  # fmt: skip
+                 "musicgen_melody", "recurrent_gemma", "rwkv", "minimax", "xlstm"):  # fmt: skip
         model = hybrid_model(arch)
         claimed[arch] = sorted(
             {(type(m).__name__, h.name) for m in model.modules() if (h := claimed_by(m, HANDLERS))}
@@ -349,6 +351,7 @@ def test_every_mixer_is_claimed_and_nothing_else():
         "recurrent_gemma": [("RecurrentGemmaRecurrentBlock", "rg_lru")],
         "rwkv": [("RwkvFeedForward", "rwkv"), ("RwkvSelfAttention", "rwkv")],
         "minimax": [("MiniMaxLightningAttention", "lightning_attention")],
+        "xlstm": [("xLSTMLayer", "mlstm")],
     }
     assert not needs_plain_layout(hybrid_model("opt")) and needs_plain_layout(hybrid_model("jamba"))
     assert not needs_plain_layout(hybrid_model("phimoe")) and needs_plain_layout(hybrid_model("zaya"))
@@ -585,3 +588,36 @@ def test_minimax_lightning_attention_refuses_a_cache_and_heads_that_do_not_divid
         model(input_ids=ids[:, :10], use_cache=True)
     handle.remove()
     assert not any("forward" in vars(m) for m in model.modules())
+def test_xlstm_keeps_packed_documents_apart_at_sp1_and_refuses_a_state_heads_and_partial_chunks():
+    """xLSTM's mLSTM layer, in one process: at sp 1 a packed row equals each document alone (the backend runs
+    once per document; without the handler the row's recurrence crosses every boundary); a recurrent state
+    (a cache) is refused for packed rows at sp 1 and at any sp > 1; heads must divide by sp; mode 'train'
+    (the chunkwise kernel alone) refuses a document that is not a whole number of chunks, by name."""
+    sp1 = SimpleNamespace(sp_size=1, sp_rank=0, ring_size=1, sp_group=None)
+    model = hybrid_model("xlstm")
+    ref = copy.deepcopy(model)
+    with pytest.raises(ValueError, match=r"xLSTMLayer \(mLSTM, 4 heads\): the heads are not divisible by sp_size 3 "
+                       r"\(its recurrence is sharded by head\); use an sp_size that divides 4"):  # fmt: skip
+        shard_mixers(model, SimpleNamespace(sp_size=3, sp_rank=0, ring_size=1, sp_group=None), HANDLERS)
+    ids, pos = global_batch(3, B, S, vocab=V), _positions(True)
+    handle = apply_mixers(model, sp1)
+    with torch.no_grad():
+        got = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        torch.testing.assert_close(got, _reference(ref, ids, True), rtol=1e-4, atol=1e-5)
+        with pytest.raises(ValueError, match=r"xLSTMLayer: a cache \(use_cache=True: generation\) is not supported "
+                           r"with packed documents .* config.max_inference_chunksize = 16384 tokens"):  # fmt: skip
+            model(input_ids=ids, position_ids=pos, use_cache=True)
+    handle.remove()
+    handle = apply_mixers(model, SimpleNamespace(sp_size=2, sp_rank=0, ring_size=1, sp_group=None))
+    state = (torch.zeros(1, 4, 4, 8), torch.zeros(1, 4, 4), torch.zeros(1, 4, 1))
+    with pytest.raises(ValueError, match=r"xLSTMLayer: a cache \(use_cache=True: generation\) is not supported under "
+                       r"sequence parallelism; pass use_cache=False"):  # fmt: skip
+        model.backbone.blocks[0].mlstm_layer(torch.zeros(1, 4, 32), state)
+    handle.remove()
+    model = hybrid_model("xlstm", mode="train")
+    handle = apply_mixers(model, sp1)
+    with pytest.raises(ValueError, match=r"config.mode 'train' runs the chunkwise kernel, which needs every sequence "
+                       r"\(each packed document\) to be a multiple of chunk_size 4; got one of 5 tokens"):  # fmt: skip
+        model(input_ids=ids, position_ids=pos, use_cache=False)
+    handle.remove()
+    assert not any("forward" in vars(m) for m in model.modules()) and not model._forward_pre_hooks

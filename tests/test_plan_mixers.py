@@ -167,6 +167,9 @@ def test_layer_kinds_of_the_other_hybrids():
     minimax = model_shape(hybrid_config("minimax"))  # lightning attention: 4 heads of 8, blocks of 8
     assert kinds(minimax) == ["M:lightning_attention", "AM", "M:lightning_attention"]
     assert minimax.layer_kinds[0].mixer.chunk == 8 and mixers_shard(minimax, 4, 1) and not mixers_shard(minimax, 8, 1)
+    xlstm = model_shape(hybrid_config("xlstm"))  # the mLSTM planned as a gated delta-net (q, k, v, two gates per head)
+    assert kinds(xlstm) == ["M:gated_delta_net"] * 2 and mixers_shard(xlstm, 4, 1) and not mixers_shard(xlstm, 3, 1)
+    assert (xlstm.layer_kinds[0].mixer.key_dim, xlstm.layer_kinds[0].mixer.head_dim, xlstm.layer_kinds[0].mixer.chunk) == (4, 8, 4)
     lfm2 = model_shape(hybrid_config("lfm2", intermediate_size=128))
     assert kinds(lfm2) == ["M:short_conv", "AM", "M:short_conv"] and lfm2.intermediate == 256
     # Ling 3's KDA (full-rank decay gate): Kimi-Linear's terms, its decay [H, D] in the exchange

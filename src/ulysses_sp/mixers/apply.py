@@ -23,6 +23,7 @@ from ulysses_sp.mixers import (
     mamba1,
     mamba2,
     mask_window,
+    mlstm,
     own_scores,
     rg_lru,
     rwkv,
@@ -37,7 +38,7 @@ from ulysses_sp.mixers.documents import PositionTracker
 HANDLERS: tuple[MixerHandler, ...] = (
     short_conv.HANDLER, mamba2.HANDLER, mamba1.HANDLER, mamba1.HEADS_HANDLER, gated_delta.HANDLER, kda.HANDLER,
     kda.FULL_GATE_HANDLER, learned_positions.HANDLER, own_scores.HANDLER, causal_window.HANDLER, mask_window.HANDLER,
-    counted_positions.HANDLER, rg_lru.HANDLER, rwkv.HANDLER, lightning.HANDLER,
+    counted_positions.HANDLER, rg_lru.HANDLER, rwkv.HANDLER, lightning.HANDLER, mlstm.HANDLER,
 )
 """The mixers this package shards (for ``claimed_by``; ``apply_mixers`` binds fresh ones)."""
 
@@ -61,8 +62,8 @@ def has_unsharded_mixers(model: nn.Module) -> bool:
 
 
 def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
-    """Shard every short-convolution, Mamba-2, Mamba-1, gated delta-net, KDA (both gates), RG-LRU, RWKV and
-    lightning-attention mixer of ``model`` over ``mesh``'s SP group, give every causal-window module (convolutions inside projections)
+    """Shard every short-convolution, Mamba-2, Mamba-1, gated delta-net, KDA (both gates), RG-LRU, RWKV,
+    lightning-attention and mLSTM (xLSTM) mixer of ``model`` over ``mesh``'s SP group, give every causal-window module (convolutions inside projections)
     its halo, hold learned and self-numbering position tables to the shard's global position ids, run
     attention that computes its own scores head-parallel, and tell the SP attention a sliding window the
     model applies only through its mask.
@@ -94,6 +95,7 @@ def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
         rg_lru.RgLruHandler(positions),
         rwkv.RwkvHandler(positions),
         lightning.LightningAttentionHandler(positions),
+        mlstm.MlstmHandler(positions),
     )
     handle = shard_mixers(model, mesh, handlers)
     handle._undo.insert(0, positions.install(model))  # removed last

@@ -24,7 +24,7 @@ from ulysses_sp.mixers.classify import ATTENTION, verdict
 from ulysses_sp.mixers.guard import decoder_layers
 
 SIZED = ("mamba2", "gated_delta_net", "short_conv", "mamba1", "mamba1_heads", "kimi_delta_attention", "kda_full_gate",
-         "rg_lru", "rwkv", "lightning_attention")
+         "rg_lru", "rwkv", "lightning_attention", "mlstm")
 """The handlers whose mixers the planner sizes (``mixer_sizes``); the others (learned positions, causal
 windows, a mask's window) leave their layer planned as attention and MLP."""
 
@@ -61,6 +61,11 @@ def mixer_sizes(module: nn.Module, kind: str) -> dict[str, Any]:
                 "chunk": _chunk(module, kda.SCAN_FN), "decay_exchanged": kind == "kda_full_gate"}  # fmt: skip
     if kind == "lightning_attention":  # its block is the chunk
         return {"kind": kind, "heads": module.num_attention_heads, "head_dim": module.head_dim, "chunk": module.block_size}
+    if kind == "mlstm":  # planned as a gated delta-net with as many key as value heads: the same exchange (q, k,
+        # v and two scalars per head in, v out) and the same chunked form; its memory terms not measured for the mLSTM
+        h = module.config.num_heads
+        return {"kind": "gated_delta_net", "heads": h, "head_dim": module.v_dim // h, "key_heads": h,
+                "key_dim": module.qk_dim // h, "chunk": module.config.chunk_size}  # fmt: skip
     raise ValueError(f"no sizes known for mixer kind {kind!r}")
 
 
