@@ -196,14 +196,21 @@ def test_mamba1_mixers_equal_no_sp(pool):
 F64 = {"dtype": torch.float64}
 FALCON_GQA = {"new_decoder_architecture": True, "num_kv_heads": 2, "dtype": torch.float64}  # fused [Hkv, H/Hkv+2, D]
 CASES_OWN_SCORES = {
-    1: [("bloom", True, F64), ("mpt", True, F64)],  # sp 1: packed documents kept apart (their own masks leak)
+    # sp 1: packed documents kept apart (their own masks leak; Doge's own registry lacks the SP attention)
+    1: [("bloom", True, F64), ("mpt", True, F64), ("doge", True, F64)],
     2: [
         ("bloom", True, F64),  # ALiBi for the rank's heads, fused [H, 3, D] query_key_value, residual inside
         ("falcon", True, F64),  # rotary gathered, multi-query [H + 2, D]: the shared k/v rows on both ranks
         ("gpt_neo", True, F64),  # a local layer (window 8) from its own buffer, documents from the mask
         ("mpt", False, F64),  # ALiBi position bias cut by head, fused [3, H, D] Wqkv, a boolean mask
+        ("doge", True, F64),  # its key gate gathered, A cut by kv head, each query's top 8 keys by the gate
+        ("doge", False, {**F64, "sliding_window": 8}),  # the model's window (8) in the full-sequence mask
     ],
-    4: [("falcon", True, FALCON_GQA), ("bloom", False, {**F64, "checkpointing": True})],  # 2 kv heads < sp 4
+    4: [
+        ("falcon", True, FALCON_GQA),
+        ("bloom", False, {**F64, "checkpointing": True}),  # 2 kv heads < sp 4
+        ("doge", True, F64),  # 2 kv heads < sp 4: each kv head's gate and A on two ranks
+    ],
 }
 
 
@@ -212,7 +219,7 @@ def _own_scores(sp: int) -> list[str]:
 
 
 def test_attention_computing_its_own_scores_equals_no_sp(pool):
-    """The head-parallel fallback (BLOOM, Falcon, GPT-Neo, MPT) at sp 1, 2 and 4 in one test: per-position
+    """The head-parallel fallback (BLOOM, Falcon, GPT-Neo, MPT, Doge) at sp 1, 2 and 4 in one test: per-position
     logits and every gradient against the plain model (float64), packed documents against each one alone."""
     for sp, cases in CASES_OWN_SCORES.items():
         assert pool.run(_own_scores, sp, sp)[0] == [f"{a}{' packed' if p else ''}" for a, p, _ in cases]
