@@ -223,14 +223,17 @@ def test_initialize_refuses_a_hidden_mixer_on_every_rank(pool):
         assert "layer 0: mlp (CumsumMLP) mixes tokens along the sequence" in msg
 
 
-def test_the_cli_refuses_a_local_model_whose_attention_bypasses_the_registry(tmp_path):
+def test_the_cli_refuses_a_local_model_whose_router_mixes_tokens(tmp_path):
     """``ulysses-sp train --model DIR --sp 2`` runs the guard in the launching process, on the model
-    built on the meta device (``run.model_checks``): one line, exit 2, before any worker starts."""
+    built on the meta device (``run.model_checks``): one line, exit 2, before any worker starts. Doge's
+    MoE (``is_moe``): its router reshapes all tokens' logits to ``(2, B*S, K)``, pairing each token with
+    others of the row (transformers notes it is not causal)."""
     import subprocess
 
     from transformers import AutoModelForCausalLM
 
     config = build("doge").config
+    config.is_moe, config.num_experts = True, 16
     config.vocab_size = 512  # room for the CLI's byte-level tokenizer
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "doge")
     args = ["--model", str(tmp_path / "doge"), "--tokenizer", "byte", "--seq-len", "32", "--micro-batch-size", "2", "--steps", "1",
@@ -241,7 +244,7 @@ def test_the_cli_refuses_a_local_model_whose_attention_bypasses_the_registry(tmp
     lines = [line for line in proc.stderr.splitlines() if "error" in line]
     assert len(lines) == 1 and "[rank" not in proc.stderr, proc.stderr
     assert lines[0].startswith("ulysses-sp train: error: sequence parallelism (sp_size 2) cannot train DogeForCausalLM")
-    assert "layer 0: self_attn (DogeAttention)" in lines[0]
+    assert "layer 0: mlp (DogeCDMoE)" in lines[0]
 
 
 class _Affine(nn.Module):

@@ -308,7 +308,7 @@ def test_every_mixer_is_claimed_and_nothing_else():
     claimed = {}
     for arch in ("lfm2", "nemotron_h", "falcon_h1", "granitemoehybrid", "bamba", "mamba2", "mamba", "falcon_mamba",
                  "jamba", "zamba", "opt", "biogpt", "bloom", "gpt_neo", "zaya", "phimoe", "musicgen",
-                 "musicgen_melody", "recurrent_gemma", "rwkv"):  # fmt: skip
+                 "musicgen_melody", "recurrent_gemma", "rwkv", "doge"):  # fmt: skip
         model = hybrid_model(arch)
         claimed[arch] = sorted(
             {(type(m).__name__, h.name) for m in model.modules() if (h := claimed_by(m, HANDLERS))}
@@ -335,6 +335,7 @@ def test_every_mixer_is_claimed_and_nothing_else():
         "musicgen_melody": [("MusicgenMelodySinusoidalPositionalEmbedding", "counted_positions")],
         "recurrent_gemma": [("RecurrentGemmaRecurrentBlock", "rg_lru")],
         "rwkv": [("RwkvFeedForward", "rwkv"), ("RwkvSelfAttention", "rwkv")],
+        "doge": [("DogeAttention", "own_scores")],
     }
     assert not needs_plain_layout(hybrid_model("opt")) and needs_plain_layout(hybrid_model("jamba"))
     assert not needs_plain_layout(hybrid_model("phimoe")) and needs_plain_layout(hybrid_model("zaya"))
