@@ -247,6 +247,27 @@ def test_the_cli_refuses_a_local_model_whose_router_mixes_tokens(tmp_path):
     assert "layer 0: mlp (DogeCDMoE)" in lines[0]
 
 
+def test_doges_moe_router_is_refused_and_really_mixes_tokens():
+    """Doge's attention runs head-parallel (``mixers/key_gates.py``), its MoE MLP (``is_moe``) is refused:
+    the router reshapes all tokens' logits ``[B, S, 2K]`` to ``(2, B*S, K)``, so token 1's experts are
+    scored from token 0's logits — on a shard, from other tokens than without SP."""
+    config = tiny_config("doge")
+    config.is_moe, config.num_experts = True, 16
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=r"layer 0: mlp \(DogeCDMoE\) mixes tokens along the sequence \(its own code "
+                       r"multiplies and takes a softmax \(matmul, softmax\) outside any attention heads"):  # fmt: skip
+        check_sequence_mixing(model, sp_size=2)
+    assert not [m for m in refusals(model) if "DogeAttention" in m]
+    moe = model.model.layers[0].mlp
+    x = torch.randn(1, 8, config.hidden_size)
+    moved = x.clone()
+    moved[0, 0] += 1.0
+    with torch.no_grad():
+        change = (moe(moved)[0] - moe(x)[0]).abs().amax(-1)[0]  # [S]
+    assert change[1] > 1e-4 * change[0], change  # token 1's output follows token 0's input
+
+
 class _Affine(nn.Module):
     """Per-feature scale and shift of two inputs (ZAYA's residual scaling has this shape)."""
 

@@ -50,7 +50,7 @@ from ulysses_sp.mixers._kernels import (
     replace_forward,
     require_positions,
 )
-from ulysses_sp.mixers.classify import MIXER, code_names, verdict
+from ulysses_sp.mixers.classify import MIXER, code_names, has_heads, verdict
 from ulysses_sp.mixers.head_cuts import (
     HeadCut,
     head_cut,
@@ -163,7 +163,7 @@ class OwnScoresHandler:
 
 def own_attention(module: nn.Module) -> bool:
     """Whether ``module`` is attention that computes its own scores (the guard's verdict, by its code)."""
-    if verdict(module).kind != MIXER:
+    if verdict(module).kind != MIXER or not has_heads(module):  # no heads: not attention (Doge's MoE router)
         return False
     names = code_names(type(module))
     scores = names & {"softmax", "scaled_dot_product_attention", "ALL_ATTENTION_FUNCTIONS"}
