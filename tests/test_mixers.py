@@ -235,6 +235,22 @@ def test_attention_computing_its_own_scores_refuses_heads_that_do_not_divide():
     assert not any("forward" in vars(m) for m in model.modules())
 
 
+def test_doges_per_kv_head_vector_is_cut_by_kv_head_unless_its_size_is_ambiguous():
+    """Doge's ``A`` ``[Hkv]`` is cut with the kv heads and its ``dt_proj`` (all kv heads' values -> one gate per
+    kv head) is its key gate; with as many kv heads as head features the vector's meaning is not readable
+    from its shape: refused, naming it."""
+    from ulysses_sp.mixers.guard import refusals
+    from ulysses_sp.mixers.head_cuts import head_cut, local_params
+
+    attn = hybrid_model("doge").model.layers[0].self_attn
+    cut = head_cut(attn)
+    assert (cut.kv_params, cut.kv_gate, cut.kv_heads) == (("A",), "dt_proj", 2)
+    assert torch.equal(local_params(attn, cut, 4, 3)["A"], attn.A[1:])  # rank 3's query head 3 uses kv head 1
+    ambiguous = hybrid_model("doge", num_attention_heads=16, num_key_value_heads=2, head_dim=2)
+    assert any("parameter A (2,) has one entry per kv head or per head feature (kv heads = head dim = 2)" in m
+               for m in refusals(ambiguous))  # fmt: skip
+
+
 def _inkling_convolutions() -> list[torch.nn.Module]:
     """Inkling's and Inkling-2's short convolutions (kernel 4: a halo of 3) and Inkling-2's dynamic one."""
     from transformers.models.inkling.modeling_inkling import InklingShortConvolution
