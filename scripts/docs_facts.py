@@ -137,6 +137,7 @@ FAMILIES = [
     ("DeepSeek-V3.2 / GLM-5 (sparse attention)", ["deepseek_v32", "glm_moe_dsa"], "dsa"),
     ("Qwen4-Exp (block-sparse attention)", ["qwen4_exp_text"], "dsa"),
     ("BLOOM / Falcon / MPT / GPT-Neo", ["bloom", "falcon", "mpt", "gpt_neo"], "own"),
+    ("Doge", ["doge"], "own"),
     ("RecurrentGemma / RWKV", ["recurrent_gemma", "rwkv"], "rnn"),
     ("MiniMax (lightning attention)", ["minimax"], "lightning"),
     ("xLSTM", ["xlstm"], "mlstm"),

@@ -103,14 +103,15 @@ def hybrid_config(
     raise ValueError(arch)
 
 
-OWN_SCORES = ("bloom", "falcon", "gpt_neo", "mpt")
+OWN_SCORES = ("bloom", "falcon", "gpt_neo", "mpt", "doge")
 """Attention that computes its own scores (the head-parallel fallback, ``mixers/own_scores.py``): eager only."""
 
 
 def _own_scores_config(arch: str, vocab: int, overrides: dict):
     """4 heads of 8, 2 layers, no dropout: BLOOM (ALiBi, fused [H, 3, D] qkv), Falcon (rotary; multi-query by
     default, ``new_decoder_architecture`` + ``num_kv_heads``: grouped), GPT-Neo (a global and a local layer,
-    window 8), MPT (ALiBi position bias, fused [3, H, D] Wqkv)."""
+    window 8), MPT (ALiBi position bias, fused [3, H, D] Wqkv), Doge (2 kv heads, its dynamic mask: a key
+    gate per kv head, each query's top 8 keys by it — ``keep_window_size`` 8 of 32 tokens)."""
     import transformers as tf
 
     if arch == "bloom":
@@ -127,6 +128,10 @@ def _own_scores_config(arch: str, vocab: int, overrides: dict):
     if arch == "mpt":
         return tf.MptConfig(vocab_size=vocab, d_model=32, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=512,
                             resid_pdrop=0.0, emb_pdrop=0.0, **overrides)  # fmt: skip
+    if arch == "doge":
+        return tf.DogeConfig(**{**dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, keep_window_size=8,
+                                       max_position_embeddings=512, tie_word_embeddings=False), **overrides})  # fmt: skip
     return None
 
 

@@ -223,14 +223,17 @@ def test_initialize_refuses_a_hidden_mixer_on_every_rank(pool):
         assert "layer 0: mlp (CumsumMLP) mixes tokens along the sequence" in msg
 
 
-def test_the_cli_refuses_a_local_model_whose_attention_bypasses_the_registry(tmp_path):
+def test_the_cli_refuses_a_local_model_whose_router_mixes_tokens(tmp_path):
     """``ulysses-sp train --model DIR --sp 2`` runs the guard in the launching process, on the model
-    built on the meta device (``run.model_checks``): one line, exit 2, before any worker starts."""
+    built on the meta device (``run.model_checks``): one line, exit 2, before any worker starts. Doge's
+    MoE (``is_moe``): its router reshapes all tokens' logits to ``(2, B*S, K)``, pairing each token with
+    others of the row (transformers notes it is not causal)."""
     import subprocess
 
     from transformers import AutoModelForCausalLM
 
     config = build("doge").config
+    config.is_moe, config.num_experts = True, 16
     config.vocab_size = 512  # room for the CLI's byte-level tokenizer
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "doge")
     args = ["--model", str(tmp_path / "doge"), "--tokenizer", "byte", "--seq-len", "32", "--micro-batch-size", "2", "--steps", "1",
@@ -241,7 +244,28 @@ def test_the_cli_refuses_a_local_model_whose_attention_bypasses_the_registry(tmp
     lines = [line for line in proc.stderr.splitlines() if "error" in line]
     assert len(lines) == 1 and "[rank" not in proc.stderr, proc.stderr
     assert lines[0].startswith("ulysses-sp train: error: sequence parallelism (sp_size 2) cannot train DogeForCausalLM")
-    assert "layer 0: self_attn (DogeAttention)" in lines[0]
+    assert "layer 0: mlp (DogeCDMoE)" in lines[0]
+
+
+def test_doges_moe_router_is_refused_and_really_mixes_tokens():
+    """Doge's attention runs head-parallel (``mixers/key_gates.py``), its MoE MLP (``is_moe``) is refused:
+    the router reshapes all tokens' logits ``[B, S, 2K]`` to ``(2, B*S, K)``, so token 1's experts are
+    scored from token 0's logits — on a shard, from other tokens than without SP."""
+    config = tiny_config("doge")
+    config.is_moe, config.num_experts = True, 16
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=r"layer 0: mlp \(DogeCDMoE\) mixes tokens along the sequence \(its own code "
+                       r"multiplies and takes a softmax \(matmul, softmax\) outside any attention heads"):  # fmt: skip
+        check_sequence_mixing(model, sp_size=2)
+    assert not [m for m in refusals(model) if "DogeAttention" in m]
+    moe = model.model.layers[0].mlp
+    x = torch.randn(1, 8, config.hidden_size)
+    moved = x.clone()
+    moved[0, 0] += 1.0
+    with torch.no_grad():
+        change = (moe(moved)[0] - moe(x)[0]).abs().amax(-1)[0]  # [S]
+    assert change[1] > 1e-4 * change[0], change  # token 1's output follows token 0's input
 
 
 class _Affine(nn.Module):

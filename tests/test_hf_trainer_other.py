@@ -112,24 +112,28 @@ def test_prepare_refuses_liger_kernels_on_cpu(single_process, tmp_path):
 
 def test_prepare_at_sp_1_refuses_packed_sequences_a_module_would_mix_across_documents(single_process, tmp_path):
     """TRL's padding-free packing at sp 1: documents stay apart only through the SP attention and the
-    mixer handlers; Doge's attention builds its own dynamic mask over the whole row, so it is refused."""
+    mixer handlers; Doge's MoE router pairs each token with others of the row (its logits reshaped to
+    ``(2, B*S, K)``), so it is refused."""
     import sys
     from pathlib import Path
 
     from datasets import Dataset
+    from transformers import AutoModelForCausalLM
     from trl import SFTConfig, SFTTrainer
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from bench.model_sweep import build
+    from bench.model_sweep import tiny_config
     from ulysses_sp.tasks.tokenizer import byte_tokenizer
 
     args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], save_strategy="no",
                      packing=True, padding_free=True, max_length=16, router_aux_loss_coef=0.0)  # fmt: skip
     data = Dataset.from_list([{"input_ids": r["input_ids"]} for r in token_rows(4, (8,), seed=0)])
-    model = build("doge").train()
+    config = tiny_config("doge")
+    config.is_moe, config.num_experts = True, 16
+    model = AutoModelForCausalLM.from_config(config).train()
     trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=byte_tokenizer())
     with pytest.raises(ValueError, match=r"(?s)packed sequences \(SFTConfig packing / padding_free\) cannot be "
-                       r"kept apart in DogeForCausalLM.*DogeAttention"):  # fmt: skip
+                       r"kept apart in DogeForCausalLM.*mlp \(DogeCDMoE\)"):  # fmt: skip
         prepare(trainer, sp_size=1)
 
 

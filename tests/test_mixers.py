@@ -218,14 +218,21 @@ def test_minimax_lightning_attention_equals_no_sp(pool):
 F64 = {"dtype": torch.float64}
 FALCON_GQA = {"new_decoder_architecture": True, "num_kv_heads": 2, "dtype": torch.float64}  # fused [Hkv, H/Hkv+2, D]
 CASES_OWN_SCORES = {
-    1: [("bloom", True, F64), ("mpt", True, F64)],  # sp 1: packed documents kept apart (their own masks leak)
+    # sp 1: packed documents kept apart (their own masks leak; Doge's own registry lacks the SP attention)
+    1: [("bloom", True, F64), ("mpt", True, F64), ("doge", True, F64)],
     2: [
         ("bloom", True, F64),  # ALiBi for the rank's heads, fused [H, 3, D] query_key_value, residual inside
         ("falcon", True, F64),  # rotary gathered, multi-query [H + 2, D]: the shared k/v rows on both ranks
         ("gpt_neo", True, F64),  # a local layer (window 8) from its own buffer, documents from the mask
         ("mpt", False, F64),  # ALiBi position bias cut by head, fused [3, H, D] Wqkv, a boolean mask
+        ("doge", True, F64),  # its key gate gathered, A cut by kv head, each query's top 8 keys by the gate
+        ("doge", False, {**F64, "sliding_window": 8}),  # the model's window (8) in the full-sequence mask
     ],
-    4: [("falcon", True, FALCON_GQA), ("bloom", False, {**F64, "checkpointing": True})],  # 2 kv heads < sp 4
+    4: [
+        ("falcon", True, FALCON_GQA),
+        ("bloom", False, {**F64, "checkpointing": True}),  # 2 kv heads < sp 4
+        ("doge", True, F64),  # 2 kv heads < sp 4: each kv head's gate and A on two ranks
+    ],
 }
 
 
@@ -234,7 +241,7 @@ def _own_scores(sp: int) -> list[str]:
 
 
 def test_attention_computing_its_own_scores_equals_no_sp(pool):
-    """The head-parallel fallback (BLOOM, Falcon, GPT-Neo, MPT) at sp 1, 2 and 4 in one test: per-position
+    """The head-parallel fallback (BLOOM, Falcon, GPT-Neo, MPT, Doge) at sp 1, 2 and 4 in one test: per-position
     logits and every gradient against the plain model (float64), packed documents against each one alone."""
     for sp, cases in CASES_OWN_SCORES.items():
         assert pool.run(_own_scores, sp, sp)[0] == [f"{a}{' packed' if p else ''}" for a, p, _ in cases]
@@ -248,6 +255,22 @@ def test_attention_computing_its_own_scores_refuses_heads_that_do_not_divide():
                        r"that divides its heads \(2, 4\)"):  # fmt: skip
         shard_mixers(model, mesh, HANDLERS)
     assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_doges_per_kv_head_vector_is_cut_by_kv_head_unless_its_size_is_ambiguous():
+    """Doge's ``A`` ``[Hkv]`` is cut with the kv heads and its ``dt_proj`` (all kv heads' values -> one gate per
+    kv head) is its key gate; with as many kv heads as head features the vector's meaning is not readable
+    from its shape: refused, naming it."""
+    from ulysses_sp.mixers.guard import refusals
+    from ulysses_sp.mixers.head_cuts import head_cut, local_params
+
+    attn = hybrid_model("doge").model.layers[0].self_attn
+    cut = head_cut(attn)
+    assert (cut.kv_params, cut.kv_gate, cut.kv_heads) == (("A",), "dt_proj", 2)
+    assert torch.equal(local_params(attn, cut, 4, 3)["A"], attn.A[1:])  # rank 3's query head 3 uses kv head 1
+    ambiguous = hybrid_model("doge", num_attention_heads=16, num_key_value_heads=2, head_dim=2)
+    assert any("parameter A (2,) has one entry per kv head or per head feature (kv heads = head dim = 2)" in m
+               for m in refusals(ambiguous))  # fmt: skip
 
 
 def _inkling_convolutions() -> list[torch.nn.Module]:
@@ -323,7 +346,7 @@ def test_every_mixer_is_claimed_and_nothing_else():
     claimed = {}
     for arch in ("lfm2", "nemotron_h", "falcon_h1", "granitemoehybrid", "bamba", "mamba2", "mamba", "falcon_mamba",
                  "jamba", "zamba", "opt", "biogpt", "bloom", "gpt_neo", "zaya", "phimoe", "musicgen",
-                 "musicgen_melody", "recurrent_gemma", "rwkv", "minimax", "xlstm"):  # fmt: skip
+                 "musicgen_melody", "recurrent_gemma", "rwkv", "minimax", "xlstm", "doge"):  # fmt: skip
         model = hybrid_model(arch)
         claimed[arch] = sorted(
             {(type(m).__name__, h.name) for m in model.modules() if (h := claimed_by(m, HANDLERS))}
@@ -352,6 +375,7 @@ def test_every_mixer_is_claimed_and_nothing_else():
         "rwkv": [("RwkvFeedForward", "rwkv"), ("RwkvSelfAttention", "rwkv")],
         "minimax": [("MiniMaxLightningAttention", "lightning_attention")],
         "xlstm": [("xLSTMLayer", "mlstm")],
+        "doge": [("DogeAttention", "own_scores")],
     }
     assert not needs_plain_layout(hybrid_model("opt")) and needs_plain_layout(hybrid_model("jamba"))
     assert not needs_plain_layout(hybrid_model("phimoe")) and needs_plain_layout(hybrid_model("zaya"))

@@ -42,12 +42,13 @@ def _packed(name: str, route: bool = True) -> dict:
 
 def test_packed_documents_stay_apart_at_sp_1_and_2_or_are_refused(pool):
     """Every family ``train`` packs for: the packed row equals each document run alone, at sp 1 (the
-    SP attention registered there, the mixer handlers applied) and sp 2; Doge (its attention's dynamic
-    mask reads every kv head: no head-parallel split) is refused at both; gpt-oss's own forward (sinks) leaks,
-    which is why sp 1 is routed."""
-    for family in ("llama", "gpt_oss", "lfm2", "bamba", "deepseek_v32"):  # DSA: its picks per document
+    SP attention registered there, the mixer handlers applied) and sp 2 — Doge's dynamic mask too (its
+    attention run head-parallel over a per-document mask, ``mixers/key_gates.py``); XLNet (two-stream
+    attention: no head-parallel split) is refused at both; gpt-oss's own forward (sinks) leaks, which is
+    why sp 1 is routed."""
+    for family in ("llama", "gpt_oss", "lfm2", "bamba", "deepseek_v32", "doge"):  # DSA: its picks per document
         assert pool.run(_packed, 2, family) == [{"sp1": "exact", "sp2": "exact"}] * 2, family
-    assert pool.run(_packed, 2, "doge") == [{"sp1": "refused", "sp2": "refused"}] * 2
+    assert pool.run(_packed, 2, "xlnet") == [{"sp1": "refused", "sp2": "refused"}] * 2
     own = pool.run(_packed, 2, "gpt_oss", False)
     assert [r["sp1"].startswith("leaks (logits differ by") for r in own] == [True, True], own
     assert [r["sp2"] for r in own] == ["exact", "exact"]
@@ -63,10 +64,11 @@ def test_packed_rows_are_refused_at_sp_1_where_a_module_mixes_the_whole_row():
     dsa = model_sweep.build("deepseek_v32").config  # at sp 1 through the SP attention where its picks run
     assert sp_attention_wanted(config_from_dict({"model": "tiny-llama", "sp": 1}), dsa)
     assert not sp_attention_wanted(config_from_dict({"model": "tiny-llama", "sp": 1, "attn": "flash"}), dsa)
-    with pytest.raises(ValueError, match=r"(?s)packed documents cannot be kept apart in DogeForCausalLM.*"
-                       r"self_attn \(DogeAttention\).*--packing none"):  # fmt: skip
-        check_document_mixing(model_sweep.build("doge"))
-    check_document_mixing(model_sweep.build("bloom"))  # its own attention runs per document (mixers/own_scores.py)
+    with pytest.raises(ValueError, match=r"(?s)packed documents cannot be kept apart in XLNetLMHeadModel.*"
+                       r"rel_attn \(XLNetRelativeAttention\).*--packing none"):  # fmt: skip
+        check_document_mixing(model_sweep.build("xlnet"))
+    for family in ("bloom", "doge"):  # their own attention runs per document (mixers/own_scores.py)
+        check_document_mixing(model_sweep.build(family))
     with pytest.raises(ValueError, match="layer 0: 'heavily_compressed_attention' attention picks its keys from the whole row"):
         check_document_mixing(model_sweep.build("deepseek_v4"))
 

@@ -160,6 +160,9 @@ def verdict(module: nn.Module) -> Verdict:
         return Verdict(MIXER, f"its code calls {', '.join(ops)}")
     own = code_names(cls, depth=0)
     if own & SCORE_OPS and "softmax" in own and next(module.children(), None) is not None:
+        if not has_heads(module):  # products and a softmax, but no attention heads (Doge's MoE router)
+            return Verdict(MIXER, "its own code multiplies and takes a softmax (matmul, softmax) outside any "
+                           "attention heads, which the guard cannot show to act on each token alone")  # fmt: skip
         return Verdict(MIXER, "it computes token-to-token scores itself (matmul, softmax) instead of calling "
                        "the registered SP attention")  # fmt: skip
     if next(module.children(), None) is not None:
@@ -197,6 +200,16 @@ def _leaf_verdict(module: nn.Module, names: set[str]) -> Verdict:
 ARITHMETIC = {0, 5, 10, 11, 13, 18, 23, 24}
 """``BINARY_OP`` arguments of ``+ * - /`` and their in-place forms."""
 PLAIN_OPS = {"RESUME", "NOP", "CACHE", "LOAD_FAST", "STORE_FAST", "RETURN_VALUE", "UNARY_NEGATIVE"}
+
+
+HEAD_COUNTS = ("num_heads", "n_heads", "n_head", "num_attention_heads")
+
+
+def has_heads(module: nn.Module) -> bool:
+    """Whether ``module`` has an attention head count (its own attribute or its config's)."""
+    config = getattr(module, "config", None)
+    return any(isinstance(getattr(module, a, None), int) for a in HEAD_COUNTS) or isinstance(
+        getattr(config, "num_attention_heads", None), int)  # fmt: skip
 
 
 def _per_feature_arithmetic(module: nn.Module) -> bool:

@@ -12,14 +12,18 @@ use), and the head-count attributes to shrink while the module runs on them. Lay
   multi-query ``[H + 2, D]`` (one k and one v head, replicated on every rank);
 - a fused ``[3, H, D]`` (``Wqkv``, MPT; transformers' ``Conv1D`` ``c_attn``, OpenAI GPT: columns);
 - the output projection (``out_proj``, ``o_proj``, ``dense``, ``c_proj``, ``attention_out``): the
-  heads' input columns; its bias is left out of the partial sums (``out_bias``: added once after).
+  heads' input columns; its bias is left out of the partial sums (``out_bias``: added once after);
+- per-kv-head vectors ``[Hkv]`` (Doge's ``A``): cut to the kv heads the rank's query heads use;
+- a key gate (Doge's ``dt_proj``: ``nn.Linear`` from every kv head's values ``Hkv * D`` to one value
+  per kv head): not cut — each kv head's gate reads all kv heads, so ``mixers/key_gates.py`` computes
+  it per token on the shard with the full weights and gathers it.
 
 Shape legend: ``H``/``Hkv`` query/kv heads, ``D`` head dim, ``P`` sp size, ``H_l = H/P``, ``h`` hidden.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -29,6 +33,8 @@ HEAD_ATTRS = ("num_heads", "n_heads", "n_head", "num_attention_heads")
 WIDTH_ATTRS = ("split_size", "embed_dim")
 """Width attributes (``H * D``) the forwards reshape or split by (shrunk with the heads)."""
 OUT_NAMES = ("out_proj", "o_proj", "dense", "c_proj", "attention_out")
+GATE_NAMES = ("dt_proj",)
+"""Key gates: a linear from all kv heads' values to one value per kv head and token (Doge)."""
 SEPARATE = (("q_proj", "k_proj", "v_proj"), ("project_q", "project_k", "project_v"))
 
 
@@ -47,6 +53,10 @@ class HeadCut:
     """The output projection's module name."""
     conv1d: bool = False
     """transformers' ``Conv1D`` (weight ``[in, out]``) instead of ``nn.Linear`` (``[out, in]``)."""
+    kv_params: tuple[str, ...] = ()
+    """1-D parameters ``[Hkv]``, one entry per kv head (Doge's ``A``): cut by kv head."""
+    kv_gate: str | None = None
+    """The key gate's module name (``GATE_NAMES``), computed on the shard (``mixers/key_gates.py``)."""
 
     def kv_per_rank(self, sp_size: int) -> int:
         return max(self.kv_heads // sp_size, 1)
@@ -62,16 +72,30 @@ def head_cut(module: nn.Module) -> HeadCut | str:
     if isinstance(cut, str):
         return cut
     out_width = getattr(module, cut.out).weight.shape[1 if cut.conv1d else 0]
+    gate = _key_gate(module, cut)
+    kv_params = tuple(n for n, p in module.named_parameters(recurse=False) if p.dim() == 1 and p.shape[0] == cut.kv_heads)
+    if kv_params and cut.kv_heads == cut.head_dim:
+        return (f"{type(module).__name__}'s parameter {kv_params[0]} ({cut.kv_heads},) has one entry per kv head or per "
+                f"head feature (kv heads = head dim = {cut.kv_heads}): which one cannot be read from its shape")  # fmt: skip
     for name, p in module.named_parameters():
         top, _, rest = name.partition(".")
-        if top in (*cut.qkv, cut.out) and rest in ("weight", "bias"):
+        if top in (*cut.qkv, cut.out, *((gate,) if gate else ())) and rest in ("weight", "bias") or name in kv_params:
             continue
         # shared by every head (a norm over head_dim), or an output bias the module returns for its caller to add
         # once (GPT-NeoX-Japanese's dense_bias; checked at the call: ``returned_biases``)
         if p.dim() == 1 and (p.shape[0] == cut.head_dim or (name.endswith("bias") and p.shape[0] == out_width)):
             continue
         return f"{type(module).__name__}'s parameter {name} {tuple(p.shape)} is neither cut by head nor shared by all heads"
-    return cut
+    return replace(cut, kv_params=kv_params, kv_gate=gate)
+
+
+def _key_gate(module: nn.Module, cut: HeadCut) -> str | None:
+    """The name of a ``GATE_NAMES`` linear from the values of all kv heads to one value per kv head."""
+    for name in GATE_NAMES:
+        gate = getattr(module, name, None)
+        if cut.layout == "separate" and isinstance(gate, nn.Linear) and gate.weight.shape == (cut.kv_heads, cut.kv_heads * cut.head_dim):
+            return name
+    return None
 
 
 def _projections(module: nn.Module) -> HeadCut | str:
@@ -131,6 +155,12 @@ def _rows(heads: list[int], d: int, start: int = 0, stride: int | None = None, b
     return [start + i * stride + j for i in heads for j in range(d * block)]
 
 
+def kv_heads_of(cut: HeadCut, sp_size: int, sp_rank: int) -> list[int]:
+    """The kv heads rank ``sp_rank``'s query heads ``[r*H_l, (r+1)*H_l)`` use."""
+    h_l, ratio = cut.heads // sp_size, cut.heads // cut.kv_heads
+    return sorted({i // ratio for i in range(sp_rank * h_l, (sp_rank + 1) * h_l)})
+
+
 def cut_indices(cut: HeadCut, sp_size: int, sp_rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(qkv rows, out columns)``: the fused or per-projection indices of rank ``sp_rank``'s heads.
 
@@ -138,7 +168,7 @@ def cut_indices(cut: HeadCut, sp_size: int, sp_rank: int, device: torch.device) 
     h_l, d = cut.heads // sp_size, cut.head_dim
     q = list(range(sp_rank * h_l, (sp_rank + 1) * h_l))
     ratio = cut.heads // cut.kv_heads
-    kv = sorted({i // ratio for i in q})  # the kv heads rank sp_rank's query heads use
+    kv = kv_heads_of(cut, sp_size, sp_rank)
     width = cut.heads * d
     if cut.layout == "separate":
         rows = _rows(q, d) + _rows(kv, d)
@@ -177,6 +207,9 @@ def local_params(module: nn.Module, cut: HeadCut, sp_size: int, sp_rank: int) ->
     out[f"{cut.out}.weight"] = proj.weight.index_select(1 - dim_out, cols)
     if proj.bias is not None:
         out[f"{cut.out}.bias"] = torch.zeros_like(proj.bias)
+    kv = torch.tensor(kv_heads_of(cut, sp_size, sp_rank), device=rows.device)
+    for name in cut.kv_params:  # [Hkv] -> [Hkv_l]
+        out[name] = getattr(module, name).index_select(0, kv)
     return out
 
 
@@ -188,6 +221,8 @@ def local_attrs(module: nn.Module, cut: HeadCut, sp_size: int) -> dict[tuple[nn.
     kv = getattr(module, "num_kv_heads", None)
     if isinstance(kv, int) and kv > 1:  # Falcon's kv heads (one shared head stays one)
         out[(module, "num_kv_heads")] = cut.kv_per_rank(sp_size)
+    if isinstance(getattr(module, "num_key_value_groups", None), int):  # query heads per kv head, here
+        out[(module, "num_key_value_groups")] = cut.heads // sp_size // cut.kv_per_rank(sp_size)
     if cut.conv1d:  # [3, H, D] -> [3, H_l, D] output features
         proj = getattr(module, cut.qkv[0])
         out[(proj, "nf")] = proj.nf // sp_size

@@ -1,5 +1,5 @@
 """Head-parallel fallback for attention modules that compute their own scores (BLOOM, Falcon, MPT, GPT-Neo,
-XGLM, OpenAI GPT, GPT-NeoX-Japanese, TrOCR's decoder): exact under sequence parallelism.
+XGLM, OpenAI GPT, GPT-NeoX-Japanese, TrOCR's decoder, Doge): exact under sequence parallelism.
 
 These modules never call transformers' ``AttentionInterface``, so the SP attention cannot run inside them.
 At ``sp_size`` P each module runs instead, per forward:
@@ -11,8 +11,9 @@ At ``sp_size`` P each module runs instead, per forward:
    ``head_cuts`` (differentiable ``index_select``: autograd puts each weight's gradient at its rows), its
    head-count attributes shrunk to ``H_l`` for the call, and full-sequence keyword arguments: a
    causal mask built from the global positions (block-causal per packed document, so each document
-   equals itself run alone), ALiBi for the rank's heads over ``S`` positions, rotary tables and
-   position ids gathered, MPT's per-head bias cut to the rank's heads;
+   equals itself run alone; windowed where the model's mask is), ALiBi for the rank's heads over ``S``
+   positions, rotary tables and position ids gathered, MPT's per-head bias cut to the rank's heads;
+   Doge's per-kv-head key gate computed on the shard and gathered (``mixers/key_gates.py``);
 3. the output projection's partial sums ``[B, S, h]`` reduce-scattered back to ``[B, S_l, h]``
    (``scatter_seq``; backward: an all-gather), its bias (and BLOOM's residual) added once, after.
 
@@ -49,7 +50,7 @@ from ulysses_sp.mixers._kernels import (
     replace_forward,
     require_positions,
 )
-from ulysses_sp.mixers.classify import MIXER, code_names, verdict
+from ulysses_sp.mixers.classify import MIXER, code_names, has_heads, verdict
 from ulysses_sp.mixers.head_cuts import (
     HeadCut,
     head_cut,
@@ -58,6 +59,7 @@ from ulysses_sp.mixers.head_cuts import (
     returned_biases,
     sp_problem,
 )
+from ulysses_sp.mixers.key_gates import gate_values, gated, mixed_windows, own_registry_core, window
 from ulysses_sp.parallel.comm import all_gather_seq, heads_to_seq
 
 CACHE_ARGS = ("layer_past", "cache", "past_key_values", "past_key_value")
@@ -85,15 +87,20 @@ def scatter_seq(y: torch.Tensor, group: Any, sp_size: int) -> torch.Tensor:
 
 
 def _mask_form(module: nn.Module) -> str:
-    """``masked``: the module fills where its boolean mask is True (MPT); else an additive float mask."""
-    own = code_names(type(module), depth=0)
+    """``masked``: the module's forward fills where its boolean mask is True (MPT); else an additive float mask
+    (Doge's ``prepare_dynamic_mask`` fills too, but reads a boolean mask as True = attend: additive for it)."""
+    own = inspect.unwrap(type(module).forward).__code__.co_names
     return "masked" if "masked_fill" in own and "attention_mask" in inspect.signature(type(module).forward).parameters else "additive"
 
 
-def full_mask(layout: Any, batch: int, seq: int, dtype: torch.dtype, device: torch.device, form: str) -> torch.Tensor:
-    """``[B, 1, S, S]``: causal, within each packed document (``layout.doc_ids``), in ``form``."""
+def full_mask(layout: Any, batch: int, seq: int, dtype: torch.dtype, device: torch.device, form: str,
+              window: int | None = None) -> torch.Tensor:  # fmt: skip
+    """``[B, 1, S, S]``: causal (within ``window`` keys when set), within each packed document
+    (``layout.doc_ids``), in ``form``."""
     idx = torch.arange(seq, device=device)
     allowed = (idx[None, :] <= idx[:, None])[None, None]  # [1, 1, S, S]: key <= query
+    if window is not None:  # transformers' sliding_window_overlay: key > query - window
+        allowed = allowed & (idx[None, :] > idx[:, None] - window)[None, None]
     if layout is not None and layout.doc_ids is not None:  # [B|1, S] -> [B|1, 1, S, S]: same document
         allowed = allowed & (layout.doc_ids[:, None, :, None] == layout.doc_ids[:, None, None, :])
     allowed = allowed.expand(batch, 1, seq, seq)
@@ -141,21 +148,22 @@ class OwnScoresHandler:
             x_name = next(iter(call))
             x = call[x_name]
             cache = next((call[k] for k in CACHE_ARGS if call.get(k) is not None), None)
-            if mesh.sp_size == 1 and cache is not None:  # generation: the module's own cached path
-                return original(*args, **kwargs)
-            refuse_cache(cache, mesh.sp_size, type(module).__name__)
-            layout = positions.layout(x.shape[1], x.shape[0])
-            if mesh.sp_size == 1 and (layout is None or layout.doc_ids is None):
-                return original(*args, **kwargs)  # one document per row: the module's own mask is right
-            _count_sp_call()
-            return _head_parallel(module, cut, mesh, layout, x_name, call, form)
+            with own_registry_core(module):  # Doge: its own registry lacks the SP attention
+                if mesh.sp_size == 1 and cache is not None:  # generation: the module's own cached path
+                    return original(*args, **kwargs)
+                refuse_cache(cache, mesh.sp_size, type(module).__name__)
+                layout = positions.layout(x.shape[1], x.shape[0])
+                if mesh.sp_size == 1 and (layout is None or layout.doc_ids is None):
+                    return original(*args, **kwargs)  # one document per row: the module's own mask is right
+                _count_sp_call()
+                return _head_parallel(module, cut, mesh, layout, x_name, call, form)
 
         return replace_forward(module, forward)
 
 
 def own_attention(module: nn.Module) -> bool:
     """Whether ``module`` is attention that computes its own scores (the guard's verdict, by its code)."""
-    if verdict(module).kind != MIXER:
+    if verdict(module).kind != MIXER or not has_heads(module):  # no heads: not attention (Doge's MoE router)
         return False
     names = code_names(type(module))
     scores = names & {"softmax", "scaled_dot_product_attention", "ALL_ATTENTION_FUNCTIONS"}
@@ -175,6 +183,8 @@ def refusal(module: nn.Module) -> str | None:
         return "it takes no attention_mask to hold it to the full sequence's causal order"
     if getattr(getattr(module, "config", None), "alibi", False) and "alibi" in params:
         return "its ALiBi bias is folded into the model's attention mask (Falcon with alibi)"
+    if mixed_windows(module):
+        return "its model windows some layers' masks and not others' (config.layer_types), which it does not read per layer"
     local = set(inspect.unwrap(type(module).forward).__code__.co_varnames)
     if local & {"embed_dim", "hidden_size", "split_size"}:
         width = sorted(local & {"embed_dim", "hidden_size", "split_size"})[0]
@@ -200,7 +210,7 @@ def _head_parallel(module: nn.Module, cut: HeadCut, mesh: Any, layout: Any, x_na
         if name == x_name:
             continue
         if name == "attention_mask":
-            value = full_mask(layout, b, seq, x.dtype, x.device, form)  # [B, 1, S, S]
+            value = full_mask(layout, b, seq, x.dtype, x.device, form, window(module))  # [B, 1, S, S]
         elif name == "residual" and isinstance(value, torch.Tensor):  # BLOOM adds it inside: once, after
             residual, value = value, torch.zeros_like(full)
         elif name == "alibi" and value is not None:
@@ -221,11 +231,13 @@ def _head_parallel(module: nn.Module, cut: HeadCut, mesh: Any, layout: Any, x_na
     params = local_params(module, cut, p, mesh.sp_rank) if p > 1 else {}
     attrs = local_attrs(module, cut, p) if p > 1 else {}
     saved = {(m, a): getattr(m, a) for m, a in attrs}
+    gate = gate_values(module, cut, x, lambda t: gather_seq(t, group, p), p, mesh.sp_rank)  # [B, S, Hkv_l] | None
     wrapped = vars(module).pop("forward")  # the module's own forward inside (this wrapper is the instance's)
     try:
         for (m, a), v in attrs.items():
             setattr(m, a, v)
-        res = functional_call(module, params, (), kwargs, strict=False, tie_weights=False)
+        with gated(module, cut, gate):
+            res = functional_call(module, params, (), kwargs, strict=False, tie_weights=False)
     finally:
         module.forward = wrapped
         for (m, a), v in saved.items():
