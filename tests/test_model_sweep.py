@@ -91,6 +91,30 @@ def test_dense_moe_mla_and_sliding_window_are_exact(pool, family):
     assert results == [{"verdict": "exact", "detail": ""}] * 2
 
 
+def _prefix_lm_refused() -> str:
+    import torch
+
+    from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
+
+    model = model_sweep.build("hrm_text")  # prefix_lm defaults to True
+    reg = UlyssesSPAttentionHF.register_with_transformers(model, "eager", 1, 1)
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    try:
+        model(input_ids=ids, position_ids=torch.arange(8)[None], token_type_ids=torch.ones_like(ids))
+    except ValueError as err:
+        return str(err)
+    finally:
+        reg.remove()
+    return "not refused"
+
+
+def test_a_prefix_lm_block_is_refused_under_the_sp_attention(pool):
+    """HRM's token_type_ids make its prefix one bidirectional block in its own mask, which the SP attention
+    (causal, from positions) does not build: refused at the call, not silently causal."""
+    assert pool.run(_prefix_lm_refused, 1)[0].startswith(
+        "HrmTextForCausalLM was given token_type_ids with config.prefix_lm = True")
+
+
 def test_lfm2_is_exact_with_its_short_convolution_sharded_and_silently_wrong_without(pool):
     assert pool.run(_family, 2, "lfm2") == [{"verdict": "exact", "detail": ""}] * 2
     unguarded = pool.run(_family, 2, "lfm2", False)  # no guard, no mixer handler: what SP did before
