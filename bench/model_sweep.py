@@ -55,8 +55,7 @@ SHRINK = dict(
     n_shared_experts=1, num_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
     qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=256, sliding_window=8,
     attention_chunk_size=8, initializer_range=0.1, use_cache=False, is_decoder=True, n_positions=256, n_ctx=256,
-    vocab_size_per_layer_input=128, hidden_size_per_layer_input=16,
-)  # fmt: skip
+    vocab_size_per_layer_input=128, hidden_size_per_layer_input=16)  # fmt: skip
 """Config fields shrunk where the config class has them (others keep their defaults)."""
 OVERRIDES = json.loads(Path(__file__).with_name("model_sweep_overrides.json").read_text())  # set last (see its "_why"s)
 
@@ -89,7 +88,10 @@ def tiny_config(model_type: str) -> Any:
     if types:
         kw["layer_types"] = list(types[:n])
     kw["num_hidden_layers"] = n
-    return cls(**{**kw, **over})
+    config = cls(**{**kw, **over})
+    for key, sub in spec.get("_swap", {}).items():  # a sub-config of another kind, set past the config's type check
+        object.__setattr__(config, key, CONFIG_MAPPING[sub["model_type"]](**{k: v for k, v in sub.items() if k != "model_type"}))
+    return config
 
 
 def build(model_type: str, seed: int = 0) -> Any:

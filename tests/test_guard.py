@@ -76,6 +76,38 @@ def test_families_sp_would_get_wrong_are_refused_naming_the_cause(family, expect
     check_sequence_mixing(model, sp_size=1)  # no SP: nothing to refuse
 
 
+@pytest.mark.parametrize(
+    "family, expected",
+    [
+        ("gemma4_assistant", r"decoder stack: Gemma4AssistantForCausalLM is a draft model for assisted decoding: "
+         r"every one of its layers attends to the key/value states of another model \(shared_kv_states"),
+        ("gemma4_unified_assistant", r"Gemma4UnifiedAssistantForCausalLM is a draft model"),
+        ("blt", r"decoder stack: BltForCausalLM is a byte-latent transformer: .*patches whose boundaries its patcher "
+         r"picks from each byte's entropy"),
+        ("gemma3n", r"Gemma3nForConditionalGeneration is a multimodal model \(gemma3n: vision_config, audio_config\)"
+         r".*scatters its vision and audio towers' soft tokens into the sequence"),
+    ],
+)
+def test_families_without_one_sequence_to_shard_are_refused_by_name(family, expected):
+    """Refused whole (``mixers/stack.py``, ``vlm/families.py``) before their layers are looked for."""
+    with pytest.raises(ValueError, match=expected):
+        check_sequence_mixing(build(family), sp_size=2)
+
+
+def test_a_looped_model_s_layers_are_found_in_its_stacks():
+    """HRM runs its H and L stacks (2 layers each) in cycles: num_hidden_layers (16) counts the runs; every
+    layer module of both stacks is checked, each once, and the stacks' own final norms around them."""
+    from ulysses_sp.mixers.stack import around_layers, decoder_layers
+
+    model = build("hrm_text")
+    stack, layers = decoder_layers(model)
+    assert stack is model.model and list(layers) == [*model.model.L_module.layers, *model.model.H_module.layers]
+    assert [n for n, _ in around_layers(stack, layers)] == [
+        "embed_tokens", "rotary_emb", "L_module.final_norm", "H_module.final_norm"]  # fmt: skip
+    assert [f.layer for f in classify_model(model) if f.kind == "attention"] == [0, 1, 2, 3]
+    assert refusals(model) == []
+
+
 def test_cross_attention_layers_are_not_counted_as_layers_the_sp_attention_runs_in():
     """Mllama's text model skips its cross-attention layers on text-only input; with images the SP
     attention refuses them (keys of another length than the rank's queries: ``test_attention``)."""

@@ -1,12 +1,15 @@
 """The coverage sweep's CI subset: one model per mechanism at sp=2 against the same model without SP.
 
 ``bench.model_sweep.compare`` on a 2-rank gloo group (per-position logits and every gradient, fp32,
-rtol 1e-4): dense (Llama), MoE (Qwen2-MoE), MLA (DeepSeek-V3), sliding window (Mistral, window 8 of
-32 tokens), a short-convolution hybrid (LFM2, its mixer sharded) and MiniMax (its lightning attention
-sharded by head) are exact; CPM-Ant's attention (heads that cannot run apart) is refused naming it; a
-Llama hiding a running sum in its MLP is refused — and LFM2, MiniMax and the hidden sum are shown to be
-really wrong without the guard (and the mixer handlers), so what the guard refuses is a real error. A custom position-wise module declared with
-``declare_position_wise`` passes and is exact. The full sweep is ``python -m bench.model_sweep``.
+rtol 1e-4): dense (Llama), MoE (Qwen2-MoE), MLA (DeepSeek-V3), looped stacks (HRM), sliding window
+(Mistral, window 8 of 32 tokens), a short-convolution hybrid (LFM2, its mixer sharded) and MiniMax (its
+lightning attention sharded by head) are exact; CPM-Ant's attention (heads that cannot run apart) is
+refused naming it; a Llama hiding a running sum in its MLP is refused — and LFM2, MiniMax and the hidden
+sum are shown to be really wrong without the guard (and the mixer handlers), so what the guard refuses
+is a real error. The handlers of issue 36 (own-score attention, causal and mask windows, self-numbered
+positions, RG-LRU, RWKV, DSA and QSA indexers) are exact with their handler and wrong without it. A
+custom position-wise module declared with ``declare_position_wise`` passes and is exact. The full sweep
+is ``python -m bench.model_sweep``.
 """
 
 from __future__ import annotations
@@ -85,10 +88,34 @@ def _hidden(kind: str, guard: bool = True, declare: bool = False) -> dict:
         return model_sweep.compare(model, guard=guard)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2_moe", "deepseek_v3", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2_moe", "deepseek_v3", "mistral", "hrm_text"])  # HRM: looped stacks
 def test_dense_moe_mla_and_sliding_window_are_exact(pool, family):
     results = pool.run(_family, 2, family)
     assert results == [{"verdict": "exact", "detail": ""}] * 2
+
+
+def _prefix_lm_refused() -> str:
+    import torch
+
+    from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
+
+    model = model_sweep.build("hrm_text")  # prefix_lm defaults to True
+    reg = UlyssesSPAttentionHF.register_with_transformers(model, "eager", 1, 1)
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    try:
+        model(input_ids=ids, position_ids=torch.arange(8)[None], token_type_ids=torch.ones_like(ids))
+    except ValueError as err:
+        return str(err)
+    finally:
+        reg.remove()
+    return "not refused"
+
+
+def test_a_prefix_lm_block_is_refused_under_the_sp_attention(pool):
+    """HRM's token_type_ids make its prefix one bidirectional block in its own mask, which the SP attention
+    (causal, from positions) does not build: refused at the call, not silently causal."""
+    assert pool.run(_prefix_lm_refused, 1)[0].startswith(
+        "HrmTextForCausalLM was given token_type_ids with config.prefix_lm = True")
 
 
 def test_lfm2_is_exact_with_its_short_convolution_sharded_and_silently_wrong_without(pool):
@@ -133,3 +160,34 @@ def test_a_hidden_running_sum_is_refused_and_would_be_silently_wrong(pool):
 def test_a_declared_position_wise_module_is_admitted_and_exact(pool):
     assert [r["verdict"] for r in pool.run(_hidden, 2, "scale")] == ["refused"] * 2
     assert pool.run(_hidden, 2, "scale", True, True) == [{"verdict": "exact", "detail": ""}] * 2
+
+
+HANDLED = {  # family -> its handler (mixers/*.py, attention/indexer.py, block_indexer.py)
+    "bloom": "own_scores", "zaya": "causal_window", "phimoe": "mask_window", "musicgen": "counted_positions",
+    "recurrent_gemma": "rg_lru", "rwkv": "rwkv", "deepseek_v32": "indexer", "qwen4_exp_text": "block_indexer",
+}  # fmt: skip
+
+
+def _with_and_without(name: str) -> list[str]:
+    """The verdict with the family's handler, then without it: a mixer handler off with the guard (the
+    family holds no other mixer); DSA's indexer left unwrapped (it picks among its shard's keys), QSA's picks
+    dropped (the SP attention attends densely; its gated delta-net layers stay sharded), their stand-in masks
+    kept; the registration's after-step check off (it stops a step whose own-score layers skipped SP)."""
+    from unittest import mock
+
+    from ulysses_sp.attention import block_indexer, indexer, registration
+
+    verdicts = [model_sweep.compare(model_sweep.build(name))["verdict"]]
+    with mock.patch.object(indexer, "sp_indexer_forward", lambda forward, *a: forward), \
+         mock.patch.object(block_indexer, "qsa_picks", lambda *a: None), \
+         mock.patch.object(registration.SPRegistration, "check_ran", lambda *a: None):  # fmt: skip
+        guard = HANDLED[name].endswith("indexer")
+        verdicts.append(model_sweep.compare(model_sweep.build(name), guard=guard)["verdict"])
+    return verdicts
+
+
+def test_issue_36_handlers_are_exact_and_their_families_wrong_without_them(pool):
+    """One family per handler at sp 2 on the sweep's tiny configs (richer cases: ``test_mixers``,
+    ``test_attention_families``): exact, and wrong without the handler, so each one is needed."""
+    for family in HANDLED:
+        assert pool.run(_with_and_without, 2, family) == [["exact", "wrong"]] * 2, family

@@ -202,6 +202,12 @@ class SPRegistration(Mpu):
         self.model = model
 
     def _before_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        if kwargs.get("token_type_ids") is not None and getattr(getattr(module, "config", None), "prefix_lm", 0) is True:
+            raise ValueError(  # HRM: the model's mask makes its prefix one bidirectional block; ours is causal
+                f"{type(module).__name__} was given token_type_ids with config.prefix_lm = True: its own mask makes "
+                "the tokens of type 1 one bidirectional block, but the SP attention builds a causal mask from "
+                "positions alone. Train it causally (without token_type_ids), or without the SP attention"
+            )
         self.attention.reset_calls()
         self.attention.call = capture_call(module, args, kwargs)
 

@@ -55,6 +55,7 @@ from ulysses_sp.mixers.classify import (
 )
 from ulysses_sp.mixers.own_scores import own_attention
 from ulysses_sp.mixers.own_scores import refusal as own_refusal
+from ulysses_sp.mixers.stack import architecture_refusal, around_layers, decoder_layers
 from ulysses_sp.vlm.families import multimodal_refusal, vlm_parts
 
 PAIR_BIAS = "position_bias"
@@ -126,22 +127,6 @@ def declare_position_wise(*classes: type[nn.Module]) -> PositionWiseDeclaration:
     return PositionWiseDeclaration(classes)
 
 
-def decoder_layers(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
-    """``(decoder stack, its layers)``: the ``nn.ModuleList`` of ``num_hidden_layers`` modules
-    (the text config's), the first such in the model's module order, and the module holding it."""
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    n = getattr(text, "num_hidden_layers", None)
-    for _, parent in model.named_modules():
-        for child in parent.children():
-            if isinstance(child, nn.ModuleList) and len(child) == n and n:
-                return parent, child
-    raise ValueError(
-        f"cannot find the decoder layers of {type(model).__name__} (no nn.ModuleList of num_hidden_layers = "
-        f"{n} modules): sequence parallelism needs a transformers decoder whose layers it can check"
-    )
-
-
 def layer_types(model: nn.Module) -> list[str] | None:
     """The config's per-layer types (``layer_types`` or ``layers_block_type``), when it has them."""
     config = getattr(model, "config", None)
@@ -159,13 +144,14 @@ def classify_model(model: nn.Module, handlers: Iterable[MixerHandler] = SUPPORTE
     Pure: reads the model's structure and classes, runs nothing; the same answer on every rank.
     """
     handlers = tuple(handlers)
+    if (whole := architecture_refusal(model)) is not None:  # no token sequence to shard: its layers do not matter
+        return [Finding(None, "", type(model).__name__, "refused", whole)]
     parts = vlm_parts(model)  # an admitted VLM: its tower encodes whole frames on a rank; check the decoder
     stack, layers = decoder_layers(model if parts is None else parts.language_model)
     mm = multimodal_refusal(model)
     findings = [] if mm is None else [Finding(None, "", type(model).__name__, "refused", mm)]
-    for name, child in stack.named_children():
-        if child is not layers:
-            findings += _walk(child, name, None, handlers)
+    for name, child in around_layers(stack, layers):
+        findings += _walk(child, name, None, handlers)
     for i, layer in enumerate(layers):
         findings += _walk(layer, "", i, handlers)
     findings += _window_findings(model, stack, layers, findings)

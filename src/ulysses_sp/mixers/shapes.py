@@ -21,7 +21,7 @@ from ulysses_sp.mixers._kernels import model_function
 from ulysses_sp.mixers.apply import HANDLERS
 from ulysses_sp.mixers.base import claimed_by
 from ulysses_sp.mixers.classify import ATTENTION, verdict
-from ulysses_sp.mixers.guard import decoder_layers
+from ulysses_sp.mixers.stack import decoder_layers
 
 SIZED = ("mamba2", "gated_delta_net", "short_conv", "mamba1", "mamba1_heads", "kimi_delta_attention", "kda_full_gate",
          "rg_lru", "rwkv", "lightning_attention", "mlstm")

@@ -26,7 +26,9 @@ SUPPORTED_VLMS: dict[str, str] = {
 REFUSED_VLMS: dict[str, str] = {
     "gemma3": "its image tokens attend to each other bidirectionally (token_type_ids in the model's mask), which "
     "the SP attention's causal, position-built mask does not reproduce",
-    "gemma3n": "its image tokens attend to each other bidirectionally and its audio/vision towers need timm",
+    "gemma3n": "it scatters its vision and audio towers' soft tokens into the sequence and builds per-layer inputs "
+    "from the token ids (its mask stays causal), a merge and per-shard split this path has not been built or "
+    "tested for",
     "paligemma": "its prefix (image + prompt) attends bidirectionally (a prefix-LM mask built from token_type_ids)",
     "llama4": "its merge and chunked attention over image tokens have not been proven exact under this path",
     "qwen2_vl": "the Qwen2.5-VL path very likely applies, but it has not been tested against the model without SP",
