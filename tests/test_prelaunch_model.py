@@ -58,9 +58,16 @@ def _configs():
         "gpt_neox": tiny_config("gpt_neox"),
         "deepseek_v32": tiny_config("deepseek_v32"),
         "minimax": tiny_config("minimax"),
-        "doge": tiny_config("doge"),
+        "doge": _doge_moe(),
         "llama": AutoConfig.for_model("llama", **COMMON),
     }
+
+
+def _doge_moe():
+    """Doge with its MoE MLP (``is_moe``): the router pairs each token with others of the row (refused)."""
+    config = tiny_config("doge")
+    config.is_moe, config.num_experts = True, 16
+    return config
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +85,7 @@ CASES = [  # (model, extra flags, what the one line says)
     ("qwen3_5", [], r"--sp 2: sequence parallelism cannot shard these mixers: .*Qwen3_5GatedDeltaNet .*3 key heads"),
     ("gpt_neox", ["--recompute-norms"], r"--recompute-norms: GPTNeoXForCausalLM has no RMSNorm-like module"),
     ("deepseek_v32", ["--ring-size", "2"], r"'indexed_attention' layers attend to each query's top .* ring_size 2"),
-    ("doge", [], r"sequence parallelism \(sp_size 2\) cannot train DogeForCausalLM exactly: .* layer 0: self_attn \(DogeAttention\)"),
+    ("doge", [], r"sequence parallelism \(sp_size 2\) cannot train DogeForCausalLM exactly: .* layer 0: mlp \(DogeCDMoE\)"),
     ("no_weights", [], r"has a config.json but no weight file"),
     ("gpt_oss", ["--attn", "eager", "--tiled-mlp"], r"--tiled-mlp: cannot tile .*GptOssTopKRouter"),
     ("nemotron_h", ["--sp", "1", "--nproc", "2", "--tiled-mlp"], r"--tiled-mlp: NemotronHForCausalLM has no submodule"),
@@ -129,7 +136,7 @@ def test_one_line_joins_a_guard_list():
 
 
 def test_packed_documents_at_sp_1_are_refused_where_a_module_mixes_the_whole_row(models, tmp_path, capsys, monkeypatch):
-    """Doge's attention (a registry of its own, a dynamic mask over the whole row) attends across documents:
+    """Doge's MoE router pairs each token with others of the row (transformers' own reshape of the logits):
     at sp 1 packed documents would leak into each other (the guard refuses it at sp > 1). Refused before launch
     naming the module; --packing none passes."""
     import json
@@ -146,6 +153,6 @@ def test_packed_documents_at_sp_1_are_refused_where_a_module_mixes_the_whole_row
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert ("--packing best-fit: packed documents cannot be kept apart in DogeForCausalLM: these modules mix tokens "
-            "across the whole row") in err and "self_attn (DogeAttention)" in err and "--packing none" in err
+            "across the whole row") in err and "mlp (DogeCDMoE)" in err and "--packing none" in err
     cli.main([*argv, "--packing", "none", "--output-dir", str(tmp_path / "one")])
     assert reached == [1]
