@@ -42,16 +42,21 @@ GATE_ATTRS = ("f_a_proj", "f_b_proj", "dt_bias", "A_log", "head_dim")
 FULL_GATE_ATTRS = ("f_proj", "dt_bias", "A_log", "head_dim", "num_heads")
 
 
-class KimiDeltaAttentionHandler(LinearAttentionHandler):
-    """Shards KDA mixers: heads over the SP group (see the module doc)."""
+class _KdaHandler(LinearAttentionHandler):
+    """What both KDA handlers share: the scan, the attributes, one key head per value head."""
 
-    name = "kimi_delta_attention"
     label = "KDA"
     attrs = ATTRS
     scan_fn = SCAN_FN
 
     def heads(self, module: nn.Module) -> tuple[int, int]:
         return module.num_heads, module.num_heads
+
+
+class KimiDeltaAttentionHandler(_KdaHandler):
+    """Shards KDA mixers: heads over the SP group (see the module doc)."""
+
+    name = "kimi_delta_attention"
 
     def matches(self, module: nn.Module) -> bool:
         return (
@@ -109,17 +114,11 @@ HANDLER = KimiDeltaAttentionHandler()
 """An unbound instance for ``claimed_by`` (the closed-world guard); ``apply_mixers`` binds its own."""
 
 
-class FullGateKdaHandler(LinearAttentionHandler):
+class FullGateKdaHandler(_KdaHandler):
     """Shards KDA mixers whose decay comes from a full-rank ``forget_gate.f_proj`` (Bailing): heads
     over the SP group, the decay exchanged with q, k, v and beta (see the module doc)."""
 
     name = "kda_full_gate"
-    label = "KDA"
-    attrs = ATTRS
-    scan_fn = SCAN_FN
-
-    def heads(self, module: nn.Module) -> tuple[int, int]:
-        return module.num_heads, module.num_heads
 
     def matches(self, module: nn.Module) -> bool:
         gate = getattr(module, "forget_gate", None)
