@@ -72,7 +72,7 @@ def media_parts(record: dict[str, Any], where: str) -> list[tuple[str, str, dict
                                  "'text': ...} or {'type': 'image', 'image': 'cat.png'}")  # fmt: skip
             for media in MEDIA_PARTS:
                 if kind is None and media in part:
-                    raise ValueError(f"{where}: {at} has an {media!r} but no 'type'; write it as {{'type': "
+                    raise ValueError(f"{where}: {at} has {'an' if media == 'image' else 'a'} {media!r} but no 'type'; write it as {{'type': "
                                      f"{media!r}, {media!r}: {_EXAMPLE[media]}}}")  # fmt: skip
             if kind not in (None, "text", *MEDIA_PARTS):
                 raise ValueError(f"{where}: {at} has type {kind!r}, which this loader does not read (it reads "

@@ -101,6 +101,15 @@ def video_settings(model_dir: str, family: str) -> VideoSettings:
     )  # fmt: skip
 
 
+def _count_frames(path: str) -> int:
+    """Frames of the first video stream of ``path``, counted by demuxing (no decoding): for containers
+    whose header holds no frame count, which transformers' PyAV reader reads as 0."""
+    import av
+
+    with av.open(path) as container:
+        return sum(1 for packet in container.demux(video=0) if packet.size)
+
+
 class _Sampling(Exception):
     """A clip the processor's sampling cannot take (raised inside ``load_video``)."""
 
@@ -108,8 +117,7 @@ class _Sampling(Exception):
 def frame_indices(s: VideoSettings, total: int, fps: float | None) -> np.ndarray:
     """``[n]`` the frames of a ``total``-frame clip at ``fps`` the processor samples (module docstring)."""
     if total <= 0:
-        raise _Sampling("has no frame count in its header (PyAV reads 0 frames, as for some WebM/MKV files); "
-                        "re-encode it as MP4, e.g. ffmpeg -i in.webm out.mp4")  # fmt: skip
+        raise _Sampling("has no video frames")
     if not s.do_sample_frames:
         return np.arange(total)
     t, num = s.temporal_patch_size, s.num_frames
@@ -192,6 +200,8 @@ def read_video(rel: str, path: str, where: str, s: VideoSettings) -> Video:
     from transformers.video_utils import load_video
 
     def sample(metadata: Any, **_: Any) -> np.ndarray:
+        if metadata.total_num_frames <= 0:  # no count in the header (WebM, MKV, an image): count the packets
+            metadata.total_num_frames = _count_frames(path)
         return frame_indices(s, int(metadata.total_num_frames), metadata.fps)
 
     try:
@@ -208,7 +218,9 @@ def read_video(rel: str, path: str, where: str, s: VideoSettings) -> Video:
         pixels, grid = video_inputs(s, frames)
     except ValueError as e:  # smart_resize: too few frames for a temporal patch, or an extreme aspect ratio
         raise ValueError(f"{where}: video {rel!r} ({len(frames)} frames sampled, {frames.shape[2]}x"
-                         f"{frames.shape[1]} pixels) cannot be processed: {e}") from None  # fmt: skip
+                         f"{frames.shape[1]} pixels) cannot be processed: {e}; a clip needs at least "
+                         f"temporal_patch_size ({s.temporal_patch_size}) sampled frames and an aspect ratio under "
+                         "200") from None  # fmt: skip
     fps, t = float(meta.fps or 24), s.temporal_patch_size
     indices = [int(i) for i in meta.frames_indices]
     indices += indices[-1:] * (-len(indices) % t)  # as the processor: the last frame fills the last patch
