@@ -1,6 +1,7 @@
 """``ulysses-sp train`` on a local vision-language model directory with chat JSONL with images
-(issue 24): at sp 2 exactly as at sp 1 (per-step losses and gradient norms, fp32), for the README's
-tiny Qwen2.5-VL run as documented (the frames split over the group) and for a Qwen3-VL on packed rows
+(issue 24) and videos (issue 35): at sp 2 exactly as at sp 1 (per-step losses and gradient norms, fp32),
+for the README's tiny Qwen2.5-VL run as documented (images and a video clip, the frames split over the
+group) and for a Qwen3-VL on packed rows
 (each document's first-step loss as alone) loaded shard by shard at ZeRO 3 with activation
 checkpointing and --split-images off; real tokens counted; bad input
 and options that do not apply are refused before launch, naming the sample or the flag."""
@@ -62,9 +63,10 @@ def _same(one: list[dict], two: list[dict], steps: int) -> None:
         assert a["grad_norm"] > 0.1  # large weights: one wrong token would show
 
 
-def _real_tokens(cwd, args: list[str], steps: int) -> list[int]:
+def _real_tokens(cwd, args: list[str], steps: int) -> tuple[list[int], int]:
     """The cumulative real (unpadded) tokens of the first ``steps`` steps of ``train args`` (dp 1, the
-    default seed, one micro-step a step): the samples' lengths in the sampler's order."""
+    default seed, one micro-step a step): the samples' lengths in the sampler's order; and how many
+    of those samples hold a video."""
     from ulysses_sp.data import sp_dataloader
 
     flag = lambda name: args[args.index(name) + 1]  # noqa: E731
@@ -73,8 +75,9 @@ def _real_tokens(cwd, args: list[str], steps: int) -> list[int]:
                     seq_len=int(flag("--seq-len")), output_dir=str(cwd / "unused"), sp=1)  # fmt: skip
     samples = resolve_run(cfg, 1).dataset
     order = sp_dataloader(range(len(samples)), batch_size=mbs, dp_size=1, sp_size=1, dp_rank=0, sp_rank=0)
-    per_step = [sum(samples[int(i)]["input_ids"].shape[1] for i in batch) for batch in order][:steps]
-    return np.cumsum(per_step).tolist()
+    batches = [[samples[int(i)] for i in batch] for batch in order][:steps]
+    per_step = [sum(s["input_ids"].shape[1] for s in batch) for batch in batches]
+    return np.cumsum(per_step).tolist(), sum("video_grid_thw" in s for batch in batches for s in batch)
 
 
 def _chat(images: list[str], text: str, answer: str) -> dict:
@@ -106,8 +109,9 @@ def test_readme_vlm_cli_example_trains_at_sp2_as_at_sp1(tmp_path):
     one = _train(tmp_path, args, "sp1", sp=1, nproc=1)
     _same(one, two, steps=3)
     # tokens: the samples' real tokens, padding (micro-batches of 2 padded to the longer) not counted
-    real = _real_tokens(tmp_path, args, steps=3)
+    real, videos = _real_tokens(tmp_path, args, steps=3)
     assert [m["tokens"] for m in one] == [m["tokens"] for m in two] == real and real[-1] < 3 * 2 * 128
+    assert videos > 0  # the clip read from clip.mp4 is in the steps compared
 
 
 def _documents_alone_loss(path, seq_len: int) -> float:
