@@ -1,7 +1,7 @@
 """``ulysses-sp train`` on a local vision-language model directory with chat JSONL with images
 (issue 24) and videos (issue 35): at sp 2 exactly as at sp 1 (per-step losses and gradient norms, fp32),
 for the README's tiny Qwen2.5-VL run as documented (images and a video clip, the frames split over the
-group) and for a Qwen3-VL on packed rows
+group) and for a Qwen3-VL on packed rows, one sample with a clip
 (each document's first-step loss as alone) loaded shard by shard at ZeRO 3 with activation
 checkpointing and --split-images off; real tokens counted; bad input
 and options that do not apply are refused before launch, naming the sample or the flag."""
@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 from PIL import Image
-from vlm_models import save_vlm_dir
+from vlm_models import save_video, save_vlm_dir
 
 from ulysses_sp.cli.main import main
 from ulysses_sp.run.config import RunConfig
@@ -95,6 +95,9 @@ def qwen3_dir(tmp_path_factory):
         Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")).save(path / f"p{i}.png")
     records = [_chat([f"p{i % 3}.png", f"p{(i + 1) % 3}.png"][: 1 + i % 2], f"describe {i}", "dots " * (1 + i))
                for i in range(6)]  # fmt: skip
+    # sample 3 with a 2-frame clip too: one temporal patch after its timestamp (Qwen3-VL), 21 tokens
+    save_video(str(path / "clip.mp4"), frames=2, height=16, width=16)
+    records[3]["messages"][0]["content"].insert(-1, {"type": "video", "video": "clip.mp4"})
     (path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
 
@@ -168,6 +171,7 @@ def _resolve(path, **kw):
 def test_resolve_reads_the_chat_once_with_image_tokens_in_the_length(qwen3_dir):
     run = _resolve(qwen3_dir)
     assert len(run.dataset) == 6 and run.model_config.model_type == "qwen3_vl"
+    assert [("video_grid_thw" in s) for s in run.dataset] == [False] * 3 + [True] + [False] * 2
     s = run.dataset[1]  # two images: 32x16 -> 8x4 patches, 12x12 -> 16x16 pixels (min_pixels) -> 4x4
     assert s["image_grid_thw"].tolist() == [[1, 8, 4], [1, 4, 4]]
     assert (
@@ -270,11 +274,11 @@ def test_eval_refuses_vlm_and_text_models_together(qwen3_dir):
 
 def test_a_vlm_resume_after_an_image_changed_is_refused_naming_the_image(qwen3_dir, tmp_path):
     (tmp_path / "qwen3").symlink_to(qwen3_dir / "qwen3")
-    for name in ("chat.jsonl", "p0.png", "p1.png", "p2.png"):
+    for name in ("chat.jsonl", "p0.png", "p1.png", "p2.png", "clip.mp4"):
         (tmp_path / name).write_bytes((qwen3_dir / name).read_bytes())
     run = _resolve(tmp_path, output_dir=str(tmp_path / "run"))
     named = [f[0] for f in run.manifest["data_fingerprint"]["files"]]
-    assert named == ["chat.jsonl", "p0.png", "p1.png", "p2.png"]  # the JSONL, then every image it names
+    assert named == ["chat.jsonl", "p0.png", "p1.png", "p2.png", "clip.mp4"]  # the JSONL, then every file it names
     ckpt_dir = tmp_path / "run" / "checkpoint-1"  # a checkpoint's manifest is what a resume compares
     ckpt_dir.mkdir(parents=True)
     (ckpt_dir / "manifest.json").write_text(json.dumps({"format": 2, "step": 1, **run.manifest}))
