@@ -28,7 +28,20 @@ def vlm_dir(tmp_path_factory):
     (path / "notes.png").write_text("not an image")
     save_video(str(path / "clip.mp4"))  # 10 frames of 20x28 at 4 fps
     (path / "noise.mp4").write_bytes(rng.bytes(2000))
+    _save_tone(str(path / "tone.wav"))
     return path
+
+
+def _save_tone(path: str) -> None:
+    """A tenth of a second of silence: a file PyAV opens that holds no video."""
+    import av
+
+    with av.open(path, "w", format="wav") as out:
+        stream = out.add_stream("pcm_s16le", rate=8000, layout="mono")
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 800), dtype=np.int16), format="s16", layout="mono")
+        frame.sample_rate = 8000
+        out.mux(stream.encode(frame))
+        out.mux(stream.encode())
 
 
 def _chat(*parts, answer="a cat"):
@@ -134,6 +147,16 @@ def test_a_chat_with_a_video_becomes_the_inputs_its_processor_makes(vlm_dir, fam
         _load(vlm_dir, [_video_chat()], model=model_dir, seq_len=30)
 
 
+def test_video_parts_without_pyav_installed_are_refused_naming_the_extra(vlm_dir, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "av" else find_spec(name, *a))
+    with pytest.raises(ValueError, match=r"data.jsonl:1 \(sample 0\): video 'clip.mp4': reading video parts needs "
+                                         r"PyAV, which is not installed; pip install 'ulysses-sp\[video\]'"):  # fmt: skip
+        _load(vlm_dir, [_video_chat()])
+
+
 def test_video_frames_are_sampled_and_patched_as_transformers_does():
     """Qwen3-VL's frame choice against transformers' own ``sample_frames``; the patch layout against
     the image processor (a still frame twice is one temporal patch of the image's rows)."""
@@ -187,6 +210,8 @@ def _parts(*parts):
                                                r"not a video file; name the file itself"),
         ({"type": "video", "video": "noise.mp4"}, r"data.jsonl:2 \(sample 1\): video 'noise.mp4' could not be "
                                                   r"decoded by PyAV \(InvalidDataError: .*\); is it a video file"),
+        ({"type": "video", "video": "tone.wav"}, r"sample 1\): video 'tone.wav' has no video stream \(PyAV opened "
+                                                 r"it but found no video in it\); name a video file"),
         ({"type": "video", "video": "a.png"}, r"sample 1\): video 'a.png' has 1 frames, and the video processor "
                                               r"samples 0 \(num_frames/fps"),
         ({"video": "clip.mp4"}, r"content part 0 has a 'video' but no 'type'; write it as \{'type': 'video', "
@@ -197,7 +222,7 @@ def _parts(*parts):
         ("a.png", r"content part 0 is 'a.png', not a part such as \{'type': 'text', 'text': \.\.\.\} or"),
     ],
     ids=["no-path", "directory", "url", "embedded", "video-no-path", "video-missing", "video-directory",
-         "video-corrupt", "video-one-frame", "video-no-type", "image-url", "no-type", "string"],
+         "video-corrupt", "video-audio-only", "video-one-frame", "video-no-type", "image-url", "no-type", "string"],
 )
 def test_a_bad_media_part_is_refused_naming_the_line_and_what_is_wrong(vlm_dir, part, match):
     (vlm_dir / "folder").mkdir(exist_ok=True)
