@@ -1,4 +1,4 @@
-"""The VLM data path (issue 24): chat JSONL with local image paths, the model directory's tokenizer
+"""The VLM data path (issues 24, 35): chat JSONL with local image and video paths, the model directory's tokenizer
 and PIL image processor (no torchvision), image tokens counted in the length, and every bad input a
 clear error naming the sample before training."""
 

@@ -53,7 +53,7 @@ def check_vlm_options(cfg: RunConfig) -> None:
         if getattr(cfg, name) not in (None, False):
             raise ValueError(f"{where}: {why}; drop the flag")
     if cfg.data == "recall":
-        raise ValueError(f"{where}: --data recall is a text task; pass chat JSONL with image paths (README, "
+        raise ValueError(f"{where}: --data recall is a text task; pass chat JSONL with image or video paths (README, "
                          "Vision-language models)")  # fmt: skip
     settings = {
         "data_format": (cfg.data_format, ("auto", "chat"), "the data is chat JSONL with image parts"),
