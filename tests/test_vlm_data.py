@@ -157,6 +157,23 @@ def test_video_parts_without_pyav_installed_are_refused_naming_the_extra(vlm_dir
         _load(vlm_dir, [_video_chat()])
 
 
+def test_video_settings_fall_back_to_the_image_processor_file_and_the_class_defaults(tmp_path):
+    """Without ``video_preprocessor_config.json`` the settings come from ``preprocessor_config.json``
+    (as transformers' video processors load them), keys neither sets from transformers' class defaults."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from ulysses_sp.vlm.video import video_settings
+
+    Qwen2VLImageProcessorPil(patch_size=4, min_pixels=64, max_pixels=1024).save_pretrained(tmp_path)
+    two, three = video_settings(str(tmp_path), "qwen2_5_vl"), video_settings(str(tmp_path), "qwen3_vl")
+    assert (two.patch_size, two.min_pixels, two.max_pixels, three.max_pixels) == (4, 64, 1024, 1024)
+    assert not two.do_sample_frames and two.fps is None  # Qwen2VLVideoProcessor: every frame
+    assert three.do_sample_frames and three.fps == 2 and three.min_frames == 4  # Qwen3VLVideoProcessor
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps({"fps": 1, "max_pixels": 4096}))
+    own = video_settings(str(tmp_path), "qwen2_5_vl")
+    assert (own.fps, own.max_pixels, own.patch_size, own.min_pixels) == (1, 4096, 14, 128 * 28 * 28)
+
+
 def test_video_frames_are_sampled_and_patched_as_transformers_does():
     """Qwen3-VL's frame choice against transformers' own ``sample_frames``; the patch layout against
     the image processor (a still frame twice is one temporal patch of the image's rows)."""

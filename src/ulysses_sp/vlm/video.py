@@ -83,8 +83,8 @@ class VideoSettings:
 
 def video_settings(model_dir: str, family: str) -> VideoSettings:
     """The video processor settings of the local VLM directory ``model_dir`` (module docstring)."""
-    name = VIDEO_PREPROCESSOR if os.path.isfile(os.path.join(model_dir, VIDEO_PREPROCESSOR)) else "preprocessor_config.json"
-    with open(os.path.join(model_dir, name), encoding="utf-8") as f:
+    own = os.path.isfile(os.path.join(model_dir, VIDEO_PREPROCESSOR))
+    with open(os.path.join(model_dir, VIDEO_PREPROCESSOR if own else "preprocessor_config.json"), encoding="utf-8") as f:
         saved = {k: v for k, v in json.load(f).items() if v is not None or k in ("fps", "num_frames")}
     cfg = {**_COMMON, **_DEFAULTS[family], **saved}
     size = dict(cfg["size"])
