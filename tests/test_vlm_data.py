@@ -157,6 +157,21 @@ def test_video_parts_without_pyav_installed_are_refused_naming_the_extra(vlm_dir
         _load(vlm_dir, [_video_chat()])
 
 
+def test_a_video_that_decodes_fewer_frames_than_its_header_counts_is_refused(vlm_dir, monkeypatch):
+    import transformers.video_utils as video_utils
+
+    load = video_utils.load_video
+
+    def cut_short(*args, **kwargs):  # as a stream that ends before its header's frame count
+        frames, meta = load(*args, **kwargs)
+        return frames[:2], meta
+
+    monkeypatch.setattr(video_utils, "load_video", cut_short)
+    with pytest.raises(ValueError, match=r"sample 0\): video 'clip.mp4' ends early: 2 of the 4 frames sampled from "
+                                         r"its header's 10 decode; re-encode it"):  # fmt: skip
+        _load(vlm_dir, [_video_chat()])
+
+
 def test_video_settings_fall_back_to_the_image_processor_file_and_the_class_defaults(tmp_path):
     """Without ``video_preprocessor_config.json`` the settings come from ``preprocessor_config.json``
     (as transformers' video processors load them), keys neither sets from transformers' class defaults."""

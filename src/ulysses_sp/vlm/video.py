@@ -214,6 +214,10 @@ def read_video(rel: str, path: str, where: str, s: VideoSettings) -> Video:
     except (av.FFmpegError, OSError, ValueError, ZeroDivisionError) as e:
         raise ValueError(f"{where}: video {rel!r} could not be decoded by PyAV ({type(e).__name__}: "
                          f"{str(e)[:120]}); is it a video file (MP4, WebM, MKV, AVI, MOV) and whole?") from None  # fmt: skip
+    wanted = len(set(int(i) for i in meta.frames_indices))
+    if len(frames) < wanted:  # the stream ends before the frame count its header gives
+        raise ValueError(f"{where}: video {rel!r} ends early: {len(frames)} of the {wanted} frames sampled from "
+                         f"its header's {meta.total_num_frames} decode; re-encode it (e.g. ffmpeg -i in.mp4 out.mp4)")  # fmt: skip
     try:
         pixels, grid = video_inputs(s, frames)
     except ValueError as e:  # smart_resize: too few frames for a temporal patch, or an extreme aspect ratio
