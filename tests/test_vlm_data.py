@@ -96,13 +96,19 @@ def test_chat_with_images_becomes_model_inputs_with_image_tokens_in_the_length(v
             r"sample 0\): the rendered chat has 2 image placeholders for 1 images",
         ),
         (
+            [_chat("a.png", "a clip: <|video_pad|>")],
+            {},
+            r"sample 0\): the rendered chat has 1 video placeholders for 0 videos: each video part must render "
+            r"exactly one placeholder \(check the chat template\)",
+        ),
+        (
             [_chat("a.png", "hi")],
             {"seq_len": 16},
             r"sample 0\): \d+ tokens \(8 of them image tokens\) exceed seq_len 16",
         ),
         ([_chat("a.png", "hi")], {"model": "bare"}, r"has no image processor \(preprocessor_config.json\)"),
     ],
-    ids=["missing-file", "not-an-image", "placeholders", "too-long", "no-processor"],
+    ids=["missing-file", "not-an-image", "placeholders", "video-placeholders", "too-long", "no-processor"],
 )
 def test_bad_input_is_refused_naming_the_sample(vlm_dir, records, kwargs, match):
     with pytest.raises(ValueError, match=match):
