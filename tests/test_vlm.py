@@ -54,7 +54,9 @@ def _full_hidden(shapes: set[tuple[int, ...]], s: int, hd: int) -> list[tuple[in
     return [sh for sh in shapes if len(sh) == 3 and sh[1:] == (s, hd)]
 
 
-def _docs(family: str, case: str) -> list[dict[str, torch.Tensor]]:
+def _docs(family: str, case: str, files: dict | None = None) -> list[dict[str, torch.Tensor]]:
+    if case == "file":  # read from files by the chat loader: an image and a video clip (``file_docs``)
+        return [dict(files[family])]
     if case == "single":
         return [sample(DOC_A, family, seed=1)]
     if case == "one":  # one image (fewer frames than ranks): the second half's rank encodes none of it
@@ -79,7 +81,7 @@ def _reference(ref, docs):
     return logits, F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
 
 
-def _cases(sp, cases):
+def _cases(sp, cases, files=None):
     mesh = init_mesh((1, sp))
     done = []
     for family, case, split in cases:
@@ -89,7 +91,7 @@ def _cases(sp, cases):
         reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1, mesh=mesh)
         group = mesh.sp_group if split else None  # images split over the group (vlm.split)
         handle = shard_vlm(model, sp_rank=mesh.sp_rank, sp_size=sp, core="sdpa", split_images_over=group)
-        docs = _docs(family, case)
+        docs = _docs(family, case, files)
         _pad_last(docs)
         batch = pack(docs)
         batch["labels"] = labels_for(batch["input_ids"])
@@ -140,13 +142,45 @@ def _cases(sp, cases):
 
 
 SP2 = [("qwen2_5_vl", "single", False), ("qwen3_vl", "single", False), ("qwen2_5_vl", "packed", False),
-       ("qwen2_5_vl", "single", True), ("qwen3_vl", "packed", True), ("qwen3_vl", "one", True)]  # fmt: skip
+       ("qwen2_5_vl", "single", True), ("qwen3_vl", "packed", True), ("qwen3_vl", "one", True),
+       ("qwen2_5_vl", "file", True), ("qwen3_vl", "file", False)]  # fmt: skip
 SP4 = [("qwen3_vl", "packed", False), ("qwen2_5_vl", "packed", True)]  # kv heads 2 < sp 4: replicated
 
 
+@pytest.fixture(scope="module")
+def file_docs(tmp_path_factory) -> dict[str, dict[str, torch.Tensor]]:
+    """Per family, a sample ``vlm.data.load_vlm_chat`` reads from files: an image, then a 10-frame clip
+    (Qwen2.5-VL: 2 temporal patches 1.25 s apart, ``second_per_grid_ts``; Qwen3-VL: 3, each after its
+    timestamp tokens), then text. The directory's model is ``tiny_vlm(family)``, as the cases build."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoConfig
+    from vlm_models import save_video, save_vlm_dir
+
+    from ulysses_sp.vlm.data import load_vlm_chat
+
+    path = tmp_path_factory.mktemp("vlm_files")
+    Image.fromarray((np.random.default_rng(0).random((20, 28, 3)) * 255).astype("uint8")).save(path / "a.png")
+    save_video(str(path / "clip.mp4"))
+    parts = [{"type": "image", "image": "a.png"}, {"type": "video", "video": "clip.mp4"},
+             {"type": "text", "text": "what happens next?"}]  # fmt: skip
+    record = {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": "it moves"}]}
+    (path / "chat.jsonl").write_text(json.dumps(record) + "\n")
+    out = {}
+    for family in ("qwen2_5_vl", "qwen3_vl"):
+        save_vlm_dir(str(path / family), family)
+        config = AutoConfig.from_pretrained(path / family)
+        (sample_,) = load_vlm_chat(str(path / "chat.jsonl"), str(path / family), config=config, seq_len=512)
+        assert "pixel_values_videos" in sample_ and ("second_per_grid_ts" in sample_) == (family == "qwen2_5_vl")
+        out[family] = {k: v for k, v in sample_.items() if k != "labels"}
+    return out
+
+
 @pytest.mark.parametrize("sp, cases", [(2, SP2), (4, SP4)], ids=["sp2", "sp4"])
-def test_vlm_logits_loss_and_every_gradient_equal_no_sp(pool, sp, cases):
-    results = pool.run(_cases, sp, sp, cases)
+def test_vlm_logits_loss_and_every_gradient_equal_no_sp(pool, sp, cases, file_docs):
+    results = pool.run(_cases, sp, sp, cases, file_docs)
     assert all(r == [(f, c, split, sp) for f, c, split in cases] for r in results)
 
 

@@ -1,6 +1,7 @@
 """``ulysses-sp train`` on a local vision-language model directory with chat JSONL with images
-(issue 24): at sp 2 exactly as at sp 1 (per-step losses and gradient norms, fp32), for the README's
-tiny Qwen2.5-VL run as documented (the frames split over the group) and for a Qwen3-VL on packed rows
+(issue 24) and videos (issue 35): at sp 2 exactly as at sp 1 (per-step losses and gradient norms, fp32),
+for the README's tiny Qwen2.5-VL run as documented (images and a video clip, the frames split over the
+group) and for a Qwen3-VL on packed rows, one sample with a clip
 (each document's first-step loss as alone) loaded shard by shard at ZeRO 3 with activation
 checkpointing and --split-images off; real tokens counted; bad input
 and options that do not apply are refused before launch, naming the sample or the flag."""
@@ -17,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 from PIL import Image
-from vlm_models import save_vlm_dir
+from vlm_models import save_video, save_vlm_dir
 
 from ulysses_sp.cli.main import main
 from ulysses_sp.run.config import RunConfig
@@ -62,9 +63,10 @@ def _same(one: list[dict], two: list[dict], steps: int) -> None:
         assert a["grad_norm"] > 0.1  # large weights: one wrong token would show
 
 
-def _real_tokens(cwd, args: list[str], steps: int) -> list[int]:
+def _real_tokens(cwd, args: list[str], steps: int) -> tuple[list[int], int]:
     """The cumulative real (unpadded) tokens of the first ``steps`` steps of ``train args`` (dp 1, the
-    default seed, one micro-step a step): the samples' lengths in the sampler's order."""
+    default seed, one micro-step a step): the samples' lengths in the sampler's order; and how many
+    of those samples hold a video."""
     from ulysses_sp.data import sp_dataloader
 
     flag = lambda name: args[args.index(name) + 1]  # noqa: E731
@@ -73,8 +75,9 @@ def _real_tokens(cwd, args: list[str], steps: int) -> list[int]:
                     seq_len=int(flag("--seq-len")), output_dir=str(cwd / "unused"), sp=1)  # fmt: skip
     samples = resolve_run(cfg, 1).dataset
     order = sp_dataloader(range(len(samples)), batch_size=mbs, dp_size=1, sp_size=1, dp_rank=0, sp_rank=0)
-    per_step = [sum(samples[int(i)]["input_ids"].shape[1] for i in batch) for batch in order][:steps]
-    return np.cumsum(per_step).tolist()
+    batches = [[samples[int(i)] for i in batch] for batch in order][:steps]
+    per_step = [sum(s["input_ids"].shape[1] for s in batch) for batch in batches]
+    return np.cumsum(per_step).tolist(), sum("video_grid_thw" in s for batch in batches for s in batch)
 
 
 def _chat(images: list[str], text: str, answer: str) -> dict:
@@ -92,6 +95,9 @@ def qwen3_dir(tmp_path_factory):
         Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")).save(path / f"p{i}.png")
     records = [_chat([f"p{i % 3}.png", f"p{(i + 1) % 3}.png"][: 1 + i % 2], f"describe {i}", "dots " * (1 + i))
                for i in range(6)]  # fmt: skip
+    # sample 3 with a 2-frame clip too: one temporal patch after its timestamp (Qwen3-VL), 21 tokens
+    save_video(str(path / "clip.mp4"), frames=2, height=16, width=16)
+    records[3]["messages"][0]["content"].insert(-1, {"type": "video", "video": "clip.mp4"})
     (path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
 
@@ -106,8 +112,9 @@ def test_readme_vlm_cli_example_trains_at_sp2_as_at_sp1(tmp_path):
     one = _train(tmp_path, args, "sp1", sp=1, nproc=1)
     _same(one, two, steps=3)
     # tokens: the samples' real tokens, padding (micro-batches of 2 padded to the longer) not counted
-    real = _real_tokens(tmp_path, args, steps=3)
+    real, videos = _real_tokens(tmp_path, args, steps=3)
     assert [m["tokens"] for m in one] == [m["tokens"] for m in two] == real and real[-1] < 3 * 2 * 128
+    assert videos > 0  # the clip read from clip.mp4 is in the steps compared
 
 
 def _documents_alone_loss(path, seq_len: int) -> float:
@@ -164,6 +171,7 @@ def _resolve(path, **kw):
 def test_resolve_reads_the_chat_once_with_image_tokens_in_the_length(qwen3_dir):
     run = _resolve(qwen3_dir)
     assert len(run.dataset) == 6 and run.model_config.model_type == "qwen3_vl"
+    assert [("video_grid_thw" in s) for s in run.dataset] == [False] * 3 + [True] + [False] * 2
     s = run.dataset[1]  # two images: 32x16 -> 8x4 patches, 12x12 -> 16x16 pixels (min_pixels) -> 4x4
     assert s["image_grid_thw"].tolist() == [[1, 8, 4], [1, 4, 4]]
     assert (
@@ -266,11 +274,11 @@ def test_eval_refuses_vlm_and_text_models_together(qwen3_dir):
 
 def test_a_vlm_resume_after_an_image_changed_is_refused_naming_the_image(qwen3_dir, tmp_path):
     (tmp_path / "qwen3").symlink_to(qwen3_dir / "qwen3")
-    for name in ("chat.jsonl", "p0.png", "p1.png", "p2.png"):
+    for name in ("chat.jsonl", "p0.png", "p1.png", "p2.png", "clip.mp4"):
         (tmp_path / name).write_bytes((qwen3_dir / name).read_bytes())
     run = _resolve(tmp_path, output_dir=str(tmp_path / "run"))
     named = [f[0] for f in run.manifest["data_fingerprint"]["files"]]
-    assert named == ["chat.jsonl", "p0.png", "p1.png", "p2.png"]  # the JSONL, then every image it names
+    assert named == ["chat.jsonl", "p0.png", "p1.png", "p2.png", "clip.mp4"]  # the JSONL, then every file it names
     ckpt_dir = tmp_path / "run" / "checkpoint-1"  # a checkpoint's manifest is what a resume compares
     ckpt_dir.mkdir(parents=True)
     (ckpt_dir / "manifest.json").write_text(json.dumps({"format": 2, "step": 1, **run.manifest}))

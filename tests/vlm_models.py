@@ -3,6 +3,8 @@ configs built locally (nothing downloaded), fp32, weights at std 0.2 so one wron
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 VOCAB, IMAGE, VIDEO, V_START, V_END = 128, 120, 121, 122, 123
@@ -86,7 +88,7 @@ def pack(docs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         "mm_token_type_ids": torch.cat([d["mm_token_type_ids"] for d in docs], dim=1),
         "position_ids": torch.cat([torch.arange(d["input_ids"].shape[1]) for d in docs])[None],
     }
-    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
+    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
         parts = [d[key] for d in docs if key in d]
         if parts:
             out[key] = torch.cat(parts)
@@ -100,7 +102,8 @@ def labels_for(ids: torch.Tensor) -> torch.Tensor:
 
 CHAT_TEMPLATE = (  # Qwen-VL's shape: string or list content, and a generation prompt
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}{% else %}"
-    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}"
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>{% else %}"
     "{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -110,7 +113,8 @@ SPECIAL = {"<|im_start|>": 124, "<|im_end|>": 125, "<|vision_start|>": V_START, 
 
 def save_vlm_dir(path: str, family: str = "qwen2_5_vl", *, processor: bool = True) -> None:
     """A local VLM directory: the tiny model, a character-level tokenizer whose special tokens are
-    the model's ids, and (``processor``) a PIL image processor (4-pixel patches, at most 32x32)."""
+    the model's ids, and (``processor``) a PIL image processor (4-pixel patches, at most 32x32) and
+    the video processor's settings (2 frames a second, at most 32x32 pixels a frame; Qwen3-VL: a clip)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -128,3 +132,26 @@ def save_vlm_dir(path: str, family: str = "qwen2_5_vl", *, processor: bool = Tru
     if processor:
         Qwen2VLImageProcessorPil(patch_size=PATCH, temporal_patch_size=TEMPORAL, merge_size=MERGE,
                                  min_pixels=8 * 8, max_pixels=32 * 32).save_pretrained(path)  # fmt: skip
+        kind = "Qwen3VLVideoProcessor" if family == "qwen3_vl" else "Qwen2VLVideoProcessor"
+        video = {"video_processor_type": kind, "size": {"shortest_edge": 8 * 8, "longest_edge": 32 * 32},
+                 "patch_size": PATCH, "temporal_patch_size": TEMPORAL, "merge_size": MERGE, "do_sample_frames": True,
+                 "fps": 2, "min_frames": 2}  # fmt: skip
+        with open(f"{path}/video_preprocessor_config.json", "w") as f:
+            json.dump(video, f)
+
+
+def save_video(path: str, frames: int = 10, fps: int = 4, height: int = 20, width: int = 28, seed: int = 0) -> None:
+    """A tiny MPEG-4 clip of random frames, written with PyAV."""
+    import av
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    with av.open(path, "w") as out:
+        stream = out.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for _ in range(frames):
+            pixels = (rng.random((height, width, 3)) * 255).astype("uint8")
+            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)

@@ -1,7 +1,7 @@
 """``ulysses-sp eval`` on a vision-language model directory: what differs from a text model.
 
 A Qwen2.5-VL / Qwen3-VL (``vlm.SUPPORTED_VLMS``) is scored through ``train``'s VLM forward: the
-chat JSONL with images read as ``train`` reads it (``run.vlm.vlm_dataset``: image tokens count toward
+chat JSONL with images and videos read as ``train`` reads it (``run.vlm.vlm_dataset``: image tokens count toward
 ``--seq-len``, ``--loss-on``, ``--packing best-fit`` rows; every sample, since a VLM run holds none
 out), every rank of an SP group given the group's batches whole (``VLMDataLoaderAdapter``), the
 per-shard merge installed as ``train`` installs it (``initialize``'s ``shard_model`` at ``sp > 1``,

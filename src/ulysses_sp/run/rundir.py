@@ -100,7 +100,7 @@ def data_fingerprint(data: str, *, media: bool = False) -> dict[str, Any]:
     every file the data layer reads (``data.formats.data_files``: ``.txt``/``.jsonl``/``.json``/
     ``.parquet``/``.arrow`` files, or all files of a ``save_to_disk`` directory) with its path
     (relative to ``data``), size and content digest (``_file_digest``). ``media`` (a VLM run): also
-    every image or video file a chat JSONL names (``vlm.data.named_files``), digested the same way:
+    every image or video file a chat JSONL names (``vlm.media.named_files``), digested the same way:
     the launcher decodes each of them anyway, so hashing costs at most a second read of bytes just
     read (and a sampled digest above 16 MiB); a size+mtime stamp would be cheaper but refuses a
     copied dataset and misses a rewrite within the clock's resolution."""
@@ -130,7 +130,7 @@ def _named_media(path: str) -> list[str]:
     """The media files a chat JSONL names (``[]`` for other formats)."""
     if not path.endswith(".jsonl"):
         return []
-    from ulysses_sp.vlm.data import named_files
+    from ulysses_sp.vlm.media import named_files
 
     return named_files(path)
 

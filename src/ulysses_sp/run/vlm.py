@@ -6,8 +6,8 @@ the vision tower's frames split over the SP group); this module is the CLI's sid
 - ``is_vlm_config``: whether a model's transformers config is an admitted VLM (``SUPPORTED_VLMS``);
 - ``check_vlm_options``: the options a VLM run does not take, refused by flag with the reason,
   before anything is loaded;
-- ``vlm_dataset``: ``--data`` chat JSONL with local image paths, read once in the launcher with the
-  directory's tokenizer and image processor (``vlm.data.load_vlm_chat``: image tokens count toward
+- ``vlm_dataset``: ``--data`` chat JSONL with local image and video paths, read once in the launcher with
+  the directory's tokenizer and processors (``vlm.data.load_vlm_chat``: image and video tokens count toward
   ``--seq-len``, ``--loss-on`` masks as for text chats (default ``all``), every bad sample is a
   ``ValueError`` naming it; ``--split-images on`` at ``--micro-batch-size 1``: a sample whose frames
   cannot be split over the SP group too);
@@ -26,6 +26,7 @@ import torch
 
 from ulysses_sp.run.config import RunConfig
 from ulysses_sp.vlm import SUPPORTED_VLMS
+from ulysses_sp.vlm.batch import SAMPLE_MEDIA
 
 _UNTESTED = "has not been tested against the same model without SP for vision-language models"
 _REFUSED_FLAGS: dict[str, str] = {
@@ -52,7 +53,7 @@ def check_vlm_options(cfg: RunConfig) -> None:
         if getattr(cfg, name) not in (None, False):
             raise ValueError(f"{where}: {why}; drop the flag")
     if cfg.data == "recall":
-        raise ValueError(f"{where}: --data recall is a text task; pass chat JSONL with image paths (README, "
+        raise ValueError(f"{where}: --data recall is a text task; pass chat JSONL with image or video paths (README, "
                          "Vision-language models)")  # fmt: skip
     settings = {
         "data_format": (cfg.data_format, ("auto", "chat"), "the data is chat JSONL with image parts"),
@@ -93,7 +94,7 @@ def vlm_shard(cfg: RunConfig, model: Any, mesh: Any) -> list[Any]:
 
 
 def vlm_dataset(cfg: RunConfig, config: Any) -> list[dict[str, torch.Tensor]]:
-    """``cfg.data`` read with ``cfg.model``'s tokenizer and image processor (module docstring)."""
+    """``cfg.data`` read with ``cfg.model``'s tokenizer and processors (module docstring)."""
     from ulysses_sp.vlm.data import load_vlm_chat
 
     samples = load_vlm_chat(cfg.data, cfg.model, config=config, seq_len=cfg.seq_len, loss_on=cfg.loss_on)
@@ -113,7 +114,8 @@ def collate_vlm(samples: list[dict[str, torch.Tensor]], *, pad_id: int) -> dict[
     """``[1, S_i]`` samples -> ``input_ids``/``labels``/``mm_token_type_ids [B, S]`` right-padded
     (pad id, ``-100``, ``0``: causal attention keeps pads out of the real tokens), ``attention_mask [B, S]``
     (``False`` on the padding: the adapter counts the real tokens from it, then drops it) and the images'
-    ``pixel_values [N_p, C*T*p*p]`` / ``image_grid_thw`` concatenated in sample order; packed rows'
+    ``pixel_values [N_p, C*T*p*p]`` / ``image_grid_thw`` and the videos' ``pixel_values_videos`` /
+    ``video_grid_thw`` / ``second_per_grid_ts`` concatenated in sample order; packed rows'
     ``position_ids [B, S]`` (restarting at each document) padded with positions continuing."""
     width = max(s["input_ids"].shape[1] for s in samples)
     fills = {"input_ids": pad_id, "labels": -100, "mm_token_type_ids": 0}
@@ -129,7 +131,7 @@ def collate_vlm(samples: list[dict[str, torch.Tensor]], *, pad_id: int) -> dict[
         pos = [s.get("position_ids", torch.arange(n)[None]) for s, n in zip(samples, lengths.tolist())]
         out["position_ids"] = torch.cat([torch.cat([p, p[:, -1:] + torch.arange(1, width - p.shape[1] + 1)], dim=1)
                                          for p in pos])  # fmt: skip
-    for key in ("pixel_values", "image_grid_thw"):
+    for key in SAMPLE_MEDIA:
         parts = [s[key] for s in samples if key in s]
         if parts:
             out[key] = torch.cat(parts)

@@ -23,7 +23,9 @@ One concern per module:
   the exchange of merged rows;
 - ``batch``: ``prepare_vlm_batch``, one rank's model inputs from a full-sequence VLM batch;
 - ``adapter``: ``VLMDataLoaderAdapter``, the SP group's round over whole VLM batches;
-- ``data``: chat JSONL with local images through the model directory's tokenizer and image processor.
+- ``data``: chat JSONL with local images and videos through the model directory's tokenizer and processors;
+- ``media``: a chat's image and video parts, their files checked, images read (PIL);
+- ``video``: video files decoded (transformers' ``load_video``, PyAV) and sampled as the model's video processor does.
 
 Shape legend: ``B`` batch, ``S`` global (padded) sequence, ``S_l = S/P`` local sequence, ``P`` sp
 size, ``Hd`` hidden size, ``N_v`` visual tokens of the batch.

@@ -30,6 +30,9 @@ from ulysses_sp.vlm.positions import token_types, vlm_position_ids
 
 _GRIDS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
 _MEDIA = ("pixel_values", "pixel_values_videos")
+SAMPLE_MEDIA = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+"""A sample's per-image / per-video keys (``vlm.data``): concatenated in sample order when samples
+are packed into a row or collated into a micro-batch."""
 
 
 def prepare_vlm_batch(
@@ -84,10 +87,11 @@ def pack_vlm_samples(samples: list[dict[str, torch.Tensor]], seq_len: int) -> li
     decreasing over the sample lengths; a row's samples in the plan's order).
 
     Each sample is a ``[1, S_i]`` ``input_ids``/``labels``/``mm_token_type_ids`` dict (``vlm.data``) with its
-    images' ``pixel_values`` / ``image_grid_thw``. A row concatenates its samples' tokens, restarts
+    images' and videos' ``SAMPLE_MEDIA``. A row concatenates its samples' tokens, restarts
     ``position_ids [1, S_row]`` at 0 at each (``prepare_vlm_batch`` then starts each document's mrope
     positions at 0, and the SP attention keeps the documents apart) and concatenates their images in
-    the same order, so every image stays whole and its placeholders keep their order.
+    the same order (videos likewise), so every image and video stays whole and its placeholders keep
+    their order.
 
     Raises:
         ValueError: a sample longer than ``seq_len`` (it cannot be cut: its images would be).
@@ -106,9 +110,9 @@ def pack_vlm_samples(samples: list[dict[str, torch.Tensor]], seq_len: int) -> li
         docs = [samples[int(i)] for i in plan.sample[plan.offsets[b] : plan.offsets[b + 1]]]
         row = {k: torch.cat([d[k] for d in docs], dim=1) for k in ("input_ids", "labels", "mm_token_type_ids")}
         row["position_ids"] = torch.cat([torch.arange(d["input_ids"].shape[1]) for d in docs])[None]  # [1, S_row]
-        for key in ("pixel_values", "image_grid_thw"):
+        for key in SAMPLE_MEDIA:
             parts = [d[key] for d in docs if key in d]
             if parts:
-                row[key] = torch.cat(parts)  # [N_p, C] / [N_img, 3]: in the row's document order
+                row[key] = torch.cat(parts)  # [N_p, C] / [N_img, 3] / [N_vid]: in the row's document order
         rows.append(row)
     return rows
