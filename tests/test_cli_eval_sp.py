@@ -100,13 +100,14 @@ def test_eval_at_sp2_refuses_a_family_the_guard_refuses_with_trains_message(eval
     from ulysses_sp.mixers.guard import check_sequence_mixing
 
     root, common, _, _ = evals
-    config = tiny_config("doge")  # its attention dispatches through a registry of its own: refused at sp > 1
+    config = tiny_config("doge")  # its MoE router pairs each token with others of the row: refused at sp > 1
+    config.is_moe, config.num_experts = True, 16
     config.vocab_size = 259
     doge = _save(config, root / "doge")
     with pytest.raises(ValueError) as refused:  # what train's initialize() raises on its ranks
         check_sequence_mixing(tf.AutoModelForCausalLM.from_config(config), sp_size=2)
     message = str(refused.value)
-    assert "layer 0: self_attn (DogeAttention) computes its own attention scores" in message
+    assert "layer 0: mlp (DogeCDMoE) mixes tokens along the sequence" in message
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_code:  # refused in the launching process: no worker starts
         main(["eval", "--model", doge, "--sp", "2", "--output-json", str(root / "doge.json"), *common])

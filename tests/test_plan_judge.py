@@ -46,10 +46,17 @@ def _text_configs() -> dict:
         "mamba2": hybrid_config("mamba2"),
         "gpt_neox": tiny_config("gpt_neox"),
         "jamba": tiny_config("jamba"),
-        "doge": tiny_config("doge"),
+        "doge": _doge_moe(),
         "qwen3_next": tiny_config("qwen3_next"),
         "kimi_linear": tiny_config("kimi_linear"),
     }
+
+
+def _doge_moe():
+    """Doge with its MoE MLP (``is_moe``): the router pairs each token with others of the row (refused at sp > 1)."""
+    config = tiny_config("doge")
+    config.is_moe, config.num_experts = True, 16
+    return config
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +132,7 @@ def test_techniques_train_refuses_are_neither_offered_nor_credited(model_dirs):
 
 
 def test_sp_and_zero_stages_train_refuses_are_not_offered(model_dirs):
-    doc = _plan(model_dirs["doge"], 4, "2GB", 64)  # the guard refuses sp > 1 (attention with a registry of its own)
+    doc = _plan(model_dirs["doge"], 4, "2GB", 64)  # the guard refuses sp > 1 (its MoE router mixes tokens)
     assert {c["settings"]["sp"] for c in doc["candidates"]} == {1}
     doc = _plan(model_dirs["jamba"], 4, "2GB", 64)  # its Mamba-1 mixers shard by channel (mixers.mamba1)
     assert {c["settings"]["sp"] for c in doc["candidates"]} > {1}
