@@ -16,6 +16,7 @@ from torch import nn
 from ulysses_sp.mixers import (
     causal_window,
     counted_positions,
+    depth_attention,
     gated_delta,
     kda,
     learned_positions,
@@ -38,7 +39,8 @@ from ulysses_sp.mixers.documents import PositionTracker
 
 HANDLERS: tuple[MixerHandler, ...] = (
     short_conv.HANDLER, mamba2.HANDLER, mamba1.HANDLER, mamba1.HEADS_HANDLER, gated_delta.HANDLER, kda.HANDLER,
-    kda.FULL_GATE_HANDLER, learned_positions.HANDLER, own_scores.HANDLER, pair_bias.HANDLER, causal_window.HANDLER, mask_window.HANDLER,
+    kda.FULL_GATE_HANDLER, learned_positions.HANDLER, own_scores.HANDLER, pair_bias.HANDLER, depth_attention.HANDLER,
+    causal_window.HANDLER, mask_window.HANDLER,
     counted_positions.HANDLER, rg_lru.HANDLER, rwkv.HANDLER, lightning.HANDLER, mlstm.HANDLER,
 )
 """The mixers this package shards (for ``claimed_by``; ``apply_mixers`` binds fresh ones)."""
@@ -91,6 +93,7 @@ def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
         learned_positions.LearnedPositionsHandler(positions),
         own_scores.OwnScoresHandler(positions),
         pair_bias.PairBiasHandler(positions),
+        depth_attention.DepthAttentionHandler(positions),
         causal_window.CausalWindowHandler(positions),
         mask_window.MaskWindowHandler(positions),
         counted_positions.CountedPositionsHandler(positions),
