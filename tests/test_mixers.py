@@ -247,6 +247,34 @@ def test_attention_computing_its_own_scores_equals_no_sp(pool):
         assert pool.run(_own_scores, sp, sp)[0] == [f"{a}{' packed' if p else ''}" for a, p, _ in cases]
 
 
+LOOP = {"num_hidden_layers": 3, "layer_types": ["hybrid_sliding", "hybrid", "hybrid_sliding"], "loop_layer_index_start": 1,
+        "loop_layer_index_end": 3}  # two looped layers: its message attention has more than one block to weigh
+CASES_PAIR_BIAS = {  # fp32: Inkling-2's router casts to fp32, Inkling's experts run grouped_mm (no float64)
+    # sp 1: packed rows run per document (the model's own positions, convolutions and bias span the row)
+    1: [("inkling2", True, {})],
+    2: [
+        ("inkling", True, {}),  # relative logits over 6 distances, log scaling, k/v convolutions cut by channel
+        ("inkling2", True, {}),  # sinks, gated output, dynamic convolutions in its full layer, depth attention
+        ("inkling2_loop", True, LOOP),  # its looped layers run twice (message gates into keys and values)
+        ("inkling", False, {}),
+    ],
+    4: [("inkling2", True, {}), ("inkling", False, {})],  # 2 kv heads < sp 4: each kv head on two ranks
+}
+
+
+def _pair_bias(sp: int) -> list[str]:
+    return _exact(sp, CASES_PAIR_BIAS[sp])
+
+
+def test_attention_with_its_own_pair_bias_equals_no_sp(pool):
+    """Inkling, Inkling-2 and Inkling-2 Loop (``mixers/pair_bias.py``: head-parallel, per document) at sp 1, 2
+    and 4: per-position logits and every gradient against the plain model (fp32), packed documents (starts
+    inside shards and at an sp 4 edge) against each one alone: the log scaling, relative bias and
+    convolutions restart per document."""
+    for sp, cases in CASES_PAIR_BIAS.items():
+        assert pool.run(_pair_bias, sp, sp)[0] == [f"{a}{' packed' if p else ''}" for a, p, _ in cases]
+
+
 def test_attention_computing_its_own_scores_refuses_heads_that_do_not_divide():
     model = hybrid_model("bloom")
     mesh = SimpleNamespace(sp_size=3, sp_rank=0, ring_size=1)

@@ -1,5 +1,5 @@
 """Attention across depth, per token (Inkling-2's block attention residuals): position-wise under sequence
-parallelism, run on the shard with the plain core attention.
+parallelism, run on the shard with its own eager attention.
 
 Inkling-2 (and its Loop variant) mixes each token's states of earlier layer blocks with learned queries:
 ``Inkling2BlockAttentionResidual(block_states [B, S_l, N, h], partial [B, S_l, h])`` stacks them to
@@ -7,7 +7,7 @@ Inkling-2 (and its Loop variant) mixes each token's states of earlier layer bloc
 sequence in the *heads* dim, the blocks in the sequence dim, no mask, ``is_causal = False``. Each token
 attends over its own depth only: nothing crosses tokens, so a shard computes its tokens exactly. But the
 SP attention registered in the interface would exchange those "heads" (tokens) for "sequence" (blocks):
-so while such a module runs, its config names the SP attention's plain core (``pair_bias.plain_core``).
+so while such a module runs, its config names ``eager`` (``pair_bias.plain_core``).
 
 Matched by structure: attention through the interface (``classify``), ``is_causal`` False, a forward
 that takes no ``attention_mask``, and no projection of its own (no ``Linear``/``Conv1d``: learned query
@@ -37,7 +37,7 @@ def depth_attention(module: nn.Module) -> bool:
 
 
 class DepthAttentionHandler:
-    """Runs per-token depth attention on the shard with the plain core (module docstring)."""
+    """Runs per-token depth attention on the shard with its eager attention (module docstring)."""
 
     name = "depth_attention"
     plain_layout_only = False

@@ -18,7 +18,7 @@ So, per forward, as the head-parallel fallback of ``mixers/own_scores.py`` does:
    convolutions' zero start and its bias are each document's, exactly as the document run alone (one
    document per row without packing) — with a causal mask of the document (windowed by the module's
    ``sliding_window``), Inkling-2's ``relative_distance`` of the document, and the attention interface
-   it dispatches to the SP attention's plain core (``sdpa``/``eager``), not the SP attention;
+   it dispatches to its own eager attention (``plain_core``), not the SP attention;
 3. the output projection's partial sums ``[B, S, h]`` reduce-scattered back to ``[B, S_l, h]``
    (``scatter_seq``), its bias added once, after.
 
@@ -63,8 +63,6 @@ from ulysses_sp.mixers.pair_bias_cuts import (
 from ulysses_sp.parallel.comm import all_gather_seq
 
 PAIR_BIAS = "position_bias"
-MASK_CORES = ("sdpa", "eager")
-"""Core attentions that take the module's dense ``position_bias`` with an additive mask."""
 
 
 def pair_bias_attention(module: nn.Module) -> bool:
@@ -188,20 +186,18 @@ def _head_parallel(module: nn.Module, cut: PairCut, mesh: Any, layout: Any, call
 
 @contextlib.contextmanager
 def plain_core(module: nn.Module) -> Iterator[None]:
-    """While inside, ``module`` (naming the SP attention) sees a copy of its config naming the SP
-    attention's core (``MASK_CORES``; ``sdpa`` for any other), so its own forward over the full sequence
-    calls the plain core attention, not the SP attention's exchange."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
+    """While inside, ``module`` (naming the SP attention) sees a copy of its config naming ``eager``: its own
+    forward over the full sequence then calls its modeling file's eager attention (the reference, which
+    applies every term it passes: the pair bias, Inkling-2's sinks, which ``sdpa`` would drop), not the SP
+    attention's exchange. Its bias is dense already: eager's ``[B, H_l, L, L]`` scores are the same size."""
     from ulysses_sp.attention.registration import ATTN_NAME
 
     config = getattr(module, "config", None)
     if getattr(config, "_attn_implementation", None) != ATTN_NAME:
         yield
         return
-    core = getattr(ALL_ATTENTION_FUNCTIONS.get(ATTN_NAME), "core", "sdpa")
     local = copy.copy(config)
-    local._attn_implementation = core if core in MASK_CORES else "sdpa"
+    local._attn_implementation = "eager"
     module.config = local
     try:
         yield
