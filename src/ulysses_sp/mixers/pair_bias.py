@@ -134,7 +134,10 @@ def _head_parallel(module: nn.Module, cut: PairCut, mesh: Any, layout: Any, call
         if name in ("attention_mask", "relative_distance", "cache", "past_key_values"):
             continue  # rebuilt per document / none
         if name == "position_ids" and isinstance(value, torch.Tensor):  # [B|1, S_l] -> [B|1, S]
-            tokens[name] = all_gather_seq(value, group, dim=-1) if p > 1 else value
+            if layout is None:  # none given to the model: its own arange on the shard; the sequence's instead
+                tokens[name] = torch.arange(seq, device=x.device)[None]
+            else:
+                tokens[name] = all_gather_seq(value, group, dim=-1) if p > 1 else value
         elif isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (b, s_l):
             if not value.is_floating_point():  # a padding conv_mask: multiplied in, so as a float
                 value = value.to(x.dtype)
