@@ -103,7 +103,7 @@ def hybrid_config(
     raise ValueError(arch)
 
 
-OWN_SCORES = ("bloom", "falcon", "gpt_neo", "mpt", "doge")
+OWN_SCORES = ("bloom", "falcon", "gpt_neo", "mpt", "doge", "inkling", "inkling2", "inkling2_loop")
 """Attention that computes its own scores (the head-parallel fallback, ``mixers/own_scores.py``): eager only."""
 
 
@@ -132,7 +132,27 @@ def _own_scores_config(arch: str, vocab: int, overrides: dict):
         return tf.DogeConfig(**{**dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, keep_window_size=8,
                                        max_position_embeddings=512, tie_word_embeddings=False), **overrides})  # fmt: skip
+    if arch.startswith("inkling"):
+        return _inkling_config(arch, vocab, overrides)
     return None
+
+
+def _inkling_config(arch: str, vocab: int, overrides: dict):
+    """Inkling / Inkling-2 / Inkling-2 Loop text: a sliding layer (window 8) and a full one, 4 heads of 8 and 2 kv
+    heads in both, relative bias over 6 distances (``d_rel`` 4), log scaling from position 2 on, kernel-4 short
+    convolutions (Inkling-2's full layer: dynamic), 4 experts; the Loop's second layer runs twice."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[f"{arch}_text"]
+    kw = dict(vocab_size=vocab, unpadded_vocab_size=vocab, hidden_size=32, intermediate_size=64,
+              moe_intermediate_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+              swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8, d_rel=4, rel_extent=6,
+              sliding_window_size=8, log_scaling_n_floor=2, num_hidden_layers=2, layer_types=["hybrid_sliding", "hybrid"],
+              n_routed_experts=4, num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1, pad_token_id=0,
+              bos_token_id=1, eos_token_id=2, attention_dropout=0.0, n_layers_per_attn_res_block=1,
+              loop_layer_index_start=1, loop_layer_index_end=2, loop_num_passes=2, loop_gate_rank=8)  # fmt: skip
+    known = cls().to_dict()
+    return cls(**{k: v for k, v in {**kw, **overrides}.items() if k in known or k == "sliding_window_size"})
 
 
 def hybrid_model(arch: str, seed: int = 0, **kw):

@@ -27,8 +27,9 @@ from hidden_mixer import TokenScale, TokenShift, hidden_mixer_llama  # noqa: E40
 from bench.model_sweep import build, tiny_config  # noqa: E402
 from ulysses_sp import declare_position_wise  # noqa: E402
 from ulysses_sp.attention.registration import num_attention_layers  # noqa: E402
+from ulysses_sp.mixers.base import check_mixers  # noqa: E402
 from ulysses_sp.mixers.classify import MIXER, POSITION_WISE, UNKNOWN, verdict  # noqa: E402
-from ulysses_sp.mixers.guard import check_sequence_mixing, classify_model, refusals  # noqa: E402
+from ulysses_sp.mixers.guard import SUPPORTED_MIXERS, check_sequence_mixing, classify_model, refusals  # noqa: E402
 
 CLASSIC = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "mixtral", "qwen2_moe",
            "deepseek_v3", "olmo", "olmo2", "granite", "starcoder2"]  # fmt: skip
@@ -316,10 +317,12 @@ class _AffineShift(_Affine):
         return x[:, :-1] * self.scale + residual
 
 
-def test_causal_windows_are_claimed_and_pair_biases_refused():
+def test_causal_windows_are_claimed_and_pair_biases_run_whole():
     """ZAYA: its CCA projection (convolutions inside q/k, a delayed value half) is the causal-window
-    handler's, its residual scaling per-feature arithmetic, nothing refused. Inkling: its short
-    convolutions are claimed; what stays refused is its attention's relative-position bias, by name."""
+    handler's, its residual scaling per-feature arithmetic, nothing refused. Inkling: its attention (a
+    relative-position bias over pairs) is the pair_bias handler's, with the convolutions inside it (not
+    claimed apart); its layer's own convolutions are causal windows. An extra parameter that is neither cut
+    by head nor shared leaves it refused, with both reasons."""
     zaya = build("zaya")
     assert refusals(zaya) == []
     assert {(f.path, f.why) for f in classify_model(zaya) if f.kind == "mixer"} == {
@@ -327,10 +330,18 @@ def test_causal_windows_are_claimed_and_pair_biases_refused():
     assert verdict(_Affine()).kind == POSITION_WISE and verdict(_AffineShift()).kind == UNKNOWN
     with torch.device("meta"):
         inkling = AutoModelForCausalLM.from_config(tiny_config("inkling_text"))
-    found = refusals(inkling)
-    assert found and all("(InklingAttention) passes its attention a relative-position bias over token pairs "
-                         "(position_bias" in m for m in found)  # fmt: skip
-    assert {f.path for f in classify_model(inkling) if f.kind == "mixer"} == {"attn_sconv", "mlp_sconv"}
+    assert refusals(inkling) == []
+    assert {(f.path, f.why) for f in classify_model(inkling) if f.kind == "mixer"} == {
+        ("self_attn", "is sharded by the pair_bias handler"), ("attn_sconv", "is sharded by the causal_window handler"),
+        ("mlp_sconv", "is sharded by the causal_window handler")}  # fmt: skip
+    claimed = {(n.split(".", 3)[-1], h.name) for n, _, h in check_mixers(inkling, 2, SUPPORTED_MIXERS)}
+    assert claimed == {("self_attn", "pair_bias"), ("attn_sconv", "causal_window"), ("mlp_sconv", "causal_window")}
+    inkling.model.layers[0].self_attn.extra = torch.nn.Parameter(torch.zeros(3, device="meta"))
+    (found,) = refusals(inkling)
+    assert found.startswith("layer 0: self_attn (InklingAttention) passes its attention a relative-position bias over "
+                            "token pairs (position_bias") and found.endswith(
+        "its heads cannot run apart either: InklingAttention's parameter extra (3,) is neither cut by head nor "
+        "shared by all heads")  # fmt: skip
 
 
 def test_a_window_kept_only_in_the_mask_is_passed_to_the_sp_attention():

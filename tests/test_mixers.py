@@ -7,7 +7,8 @@ each position weighs in) against the plain model, fp32.
 Packed documents: against the plain model run on each document alone (the mixers must not leak
 across a boundary, wherever it falls relative to the shards). Also: B/C groups fewer than sp
 (replicated), attention kv heads < sp, the undo, and refusals when heads do not divide. Inkling's
-short convolutions alone (its attention's pair bias keeps the models refused) at sp 2 and 4. Phi-MoE,
+short convolutions alone at sp 2 and 4; Inkling, Inkling-2 and Inkling-2 Loop whole (their attention's pair
+bias head-parallel per document) at sp 1, 2 and 4. Phi-MoE,
 whose sliding window lives only in its mask (the SP attention is told it), at sp 2. MiniMax's lightning
 attention (heads sharded) at sp 1, 2 and 4. xLSTM (its mLSTM sharded by head) at sp 2 and 4.
 """
@@ -247,6 +248,34 @@ def test_attention_computing_its_own_scores_equals_no_sp(pool):
         assert pool.run(_own_scores, sp, sp)[0] == [f"{a}{' packed' if p else ''}" for a, p, _ in cases]
 
 
+LOOP = {"num_hidden_layers": 3, "layer_types": ["hybrid_sliding", "hybrid", "hybrid_sliding"], "loop_layer_index_start": 1,
+        "loop_layer_index_end": 3}  # two looped layers: its message attention has more than one block to weigh
+CASES_PAIR_BIAS = {  # fp32: Inkling-2's router casts to fp32, Inkling's experts run grouped_mm (no float64)
+    # sp 1: packed rows run per document (the model's own positions, convolutions and bias span the row)
+    1: [("inkling2", True, {})],
+    2: [
+        ("inkling", True, {}),  # relative logits over 6 distances, log scaling, k/v convolutions cut by channel
+        ("inkling2", True, {}),  # sinks, gated output, dynamic convolutions in its full layer, depth attention
+        ("inkling2_loop", True, LOOP),  # its looped layers run twice (message gates into keys and values)
+        ("inkling", False, {}),
+    ],
+    4: [("inkling2", True, {}), ("inkling", False, {})],  # 2 kv heads < sp 4: each kv head on two ranks
+}
+
+
+def _pair_bias(sp: int) -> list[str]:
+    return _exact(sp, CASES_PAIR_BIAS[sp])
+
+
+def test_attention_with_its_own_pair_bias_equals_no_sp(pool):
+    """Inkling, Inkling-2 and Inkling-2 Loop (``mixers/pair_bias.py``: head-parallel, per document) at sp 1, 2
+    and 4: per-position logits and every gradient against the plain model (fp32), packed documents (starts
+    inside shards and at an sp 4 edge) against each one alone: the log scaling, relative bias and
+    convolutions restart per document."""
+    for sp, cases in CASES_PAIR_BIAS.items():
+        assert pool.run(_pair_bias, sp, sp)[0] == [f"{a}{' packed' if p else ''}" for a, p, _ in cases]
+
+
 def test_attention_computing_its_own_scores_refuses_heads_that_do_not_divide():
     model = hybrid_model("bloom")
     mesh = SimpleNamespace(sp_size=3, sp_rank=0, ring_size=1)
@@ -335,8 +364,8 @@ def _windows(sp: int, docs: tuple[int, ...]) -> list[str]:
 
 
 def test_inkling_convolutions_equal_no_sp(pool):
-    """Inkling's short convolutions (the families stay refused for their relative-position bias, a separate
-    reason) at sp 2 and 4, packed: a document start inside a halo, at a shard edge, inside a shard."""
+    """Inkling's short convolutions alone (the layers' own; those inside attention run with it: ``pair_bias``)
+    at sp 2 and 4, packed: a document start inside a halo, at a shard edge, inside a shard."""
     names = ["InklingShortConvolution", "Inkling2ShortConvolution", "Inkling2DynamicShortConvolution"]
     assert pool.run(_windows, 2, 2, (8, 7, 9, 8))[0] == names
     assert pool.run(_windows, 4, 4, (5, 12, 9, 6))[0] == names
@@ -346,7 +375,7 @@ def test_every_mixer_is_claimed_and_nothing_else():
     claimed = {}
     for arch in ("lfm2", "nemotron_h", "falcon_h1", "granitemoehybrid", "bamba", "mamba2", "mamba", "falcon_mamba",
                  "jamba", "zamba", "opt", "biogpt", "bloom", "gpt_neo", "zaya", "phimoe", "musicgen",
-                 "musicgen_melody", "recurrent_gemma", "rwkv", "minimax", "xlstm", "doge"):  # fmt: skip
+                 "musicgen_melody", "recurrent_gemma", "rwkv", "minimax", "xlstm", "doge", "inkling2"):  # fmt: skip
         model = hybrid_model(arch)
         claimed[arch] = sorted(
             {(type(m).__name__, h.name) for m in model.modules() if (h := claimed_by(m, HANDLERS))}
@@ -376,6 +405,9 @@ def test_every_mixer_is_claimed_and_nothing_else():
         "minimax": [("MiniMaxLightningAttention", "lightning_attention")],
         "xlstm": [("xLSTMLayer", "mlstm")],
         "doge": [("DogeAttention", "own_scores")],
+        "inkling2": [("Inkling2BlockAttentionResidual", "depth_attention"), ("Inkling2DynamicShortConvolution", "causal_window"),
+                     ("Inkling2FullAttention", "pair_bias"), ("Inkling2ShortConvolution", "causal_window"),
+                     ("Inkling2SlidingAttention", "pair_bias")],  # the convolutions inside attention: run with it
     }
     assert not needs_plain_layout(hybrid_model("opt")) and needs_plain_layout(hybrid_model("jamba"))
     assert not needs_plain_layout(hybrid_model("phimoe")) and needs_plain_layout(hybrid_model("zaya"))

@@ -16,6 +16,7 @@ from torch import nn
 from ulysses_sp.mixers import (
     causal_window,
     counted_positions,
+    depth_attention,
     gated_delta,
     kda,
     learned_positions,
@@ -25,6 +26,7 @@ from ulysses_sp.mixers import (
     mask_window,
     mlstm,
     own_scores,
+    pair_bias,
     rg_lru,
     rwkv,
     short_conv,
@@ -37,7 +39,8 @@ from ulysses_sp.mixers.documents import PositionTracker
 
 HANDLERS: tuple[MixerHandler, ...] = (
     short_conv.HANDLER, mamba2.HANDLER, mamba1.HANDLER, mamba1.HEADS_HANDLER, gated_delta.HANDLER, kda.HANDLER,
-    kda.FULL_GATE_HANDLER, learned_positions.HANDLER, own_scores.HANDLER, causal_window.HANDLER, mask_window.HANDLER,
+    kda.FULL_GATE_HANDLER, learned_positions.HANDLER, own_scores.HANDLER, pair_bias.HANDLER, depth_attention.HANDLER,
+    causal_window.HANDLER, mask_window.HANDLER,
     counted_positions.HANDLER, rg_lru.HANDLER, rwkv.HANDLER, lightning.HANDLER, mlstm.HANDLER,
 )
 """The mixers this package shards (for ``claimed_by``; ``apply_mixers`` binds fresh ones)."""
@@ -65,7 +68,7 @@ def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
     """Shard every short-convolution, Mamba-2, Mamba-1, gated delta-net, KDA (both gates), RG-LRU, RWKV,
     lightning-attention and mLSTM (xLSTM) mixer of ``model`` over ``mesh``'s SP group, give every causal-window module (convolutions inside projections)
     its halo, hold learned and self-numbering position tables to the shard's global position ids, run
-    attention that computes its own scores head-parallel, and tell the SP attention a sliding window the
+    attention that computes its own scores or its own pair bias head-parallel, and tell the SP attention a sliding window the
     model applies only through its mask.
 
     Checks every mixer before changing any (``ValueError`` listing each that cannot be sharded at
@@ -89,6 +92,8 @@ def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
         kda.FullGateKdaHandler(positions),
         learned_positions.LearnedPositionsHandler(positions),
         own_scores.OwnScoresHandler(positions),
+        pair_bias.PairBiasHandler(positions),
+        depth_attention.DepthAttentionHandler(positions),
         causal_window.CausalWindowHandler(positions),
         mask_window.MaskWindowHandler(positions),
         counted_positions.CountedPositionsHandler(positions),

@@ -75,10 +75,18 @@ def check_mixers(
     """Every ``(path, module, handler)`` a handler claims, each checked at ``sp_size``.
 
     Raises ``ValueError`` (every problem, one per line) when some claimed module cannot be sharded
-    at ``sp_size``. Pure: reads the modules' sizes (a model on the meta device will do), so the
+    at ``sp_size``. The modules inside one whose handler sets ``whole`` (it runs the module's own
+    forward, with what is inside, over the full sequence) are not claimed apart. Pure: reads the modules' sizes (a model on the meta device will do), so the
     launcher runs it before any worker starts and ``shard_mixers`` before it wraps anything.
     """
-    claimed = [(n, m, h) for n, m in model.named_modules() if (h := claimed_by(m, handlers)) is not None]
+    claimed, whole = [], []
+    for n, m in model.named_modules():
+        if any(n.startswith(f"{w}.") for w in whole):
+            continue  # inside a module whose handler runs its whole forward (``whole``): claimed with it
+        if (h := claimed_by(m, handlers)) is not None:
+            claimed.append((n, m, h))
+            if getattr(h, "whole", False):
+                whole.append(n)
     problems = []
     for name, module, handler in claimed:
         try:

@@ -55,6 +55,7 @@ from ulysses_sp.mixers.classify import (
 )
 from ulysses_sp.mixers.own_scores import own_attention
 from ulysses_sp.mixers.own_scores import refusal as own_refusal
+from ulysses_sp.mixers.pair_bias_cuts import bias_child, pair_cut
 from ulysses_sp.mixers.stack import architecture_refusal, around_layers, decoder_layers
 from ulysses_sp.vlm.families import multimodal_refusal, vlm_parts
 
@@ -241,10 +242,12 @@ def _walk(
             why = f"computes its own attention scores ({v.why}), and its heads cannot run apart: {reason}"
         return [Finding(layer, prefix, type(root).__name__, "refused", why)]
     if v.kind == ATTENTION and PAIR_BIAS in code_constants(type(root)):
+        cut = pair_cut(root) if bias_child(root) is not None else None  # the pair_bias handler's, when it has one
         return [Finding(layer, prefix, type(root).__name__, "refused",
                         f"passes its attention a relative-position bias over token pairs ({PAIR_BIAS}, [B, H, S_q, "
                         "S_k]) built from the tokens it is given: on a shard it covers only the pairs within the "
-                        "shard, and the SP attention exchanges q, k and v, not a bias per pair")]  # fmt: skip
+                        "shard, and the SP attention exchanges q, k and v, not a bias per pair"
+                        + (f"; its heads cannot run apart either: {cut}" if isinstance(cut, str) else ""))]  # fmt: skip
     out = [Finding(layer, prefix, type(root).__name__, ATTENTION, v.why)] if v.kind == ATTENTION else []
     if v.kind in (ATTENTION, COMPOSITE):
         for name, child in root.named_children():

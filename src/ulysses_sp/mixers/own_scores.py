@@ -155,7 +155,7 @@ class OwnScoresHandler:
                 layout = positions.layout(x.shape[1], x.shape[0])
                 if mesh.sp_size == 1 and (layout is None or layout.doc_ids is None):
                     return original(*args, **kwargs)  # one document per row: the module's own mask is right
-                _count_sp_call()
+                count_sp_call()
                 return _head_parallel(module, cut, mesh, layout, x_name, call, form)
 
         return replace_forward(module, forward)
@@ -197,7 +197,7 @@ def refusal(module: nn.Module) -> str | None:
 def _head_parallel(module: nn.Module, cut: HeadCut, mesh: Any, layout: Any, x_name: str, call: dict, form: str) -> Any:
     """The module's own forward on this rank's heads over the full sequence (module docstring, 1-3)."""
     what, p, group = type(module).__name__, mesh.sp_size, mesh.sp_group
-    _refuse_dropout(module, what)
+    refuse_dropout(module, what)
     if call.get("key_value_states") is not None and p > 1:
         raise ValueError(f"{what}: cross-attention to encoder states (key_value_states) is not run under "
                          "sequence parallelism; train the decoder alone (no encoder_hidden_states) or use sp_size 1")  # fmt: skip
@@ -275,7 +275,7 @@ def _alibi(module: nn.Module, cut: HeadCut, b: int, seq: int, p: int, rank: int,
     return alibi.view(b, cut.heads, 1, seq)[:, rank * h_l : (rank + 1) * h_l].reshape(b * h_l, 1, seq)
 
 
-def _count_sp_call() -> None:
+def count_sp_call() -> None:
     """Count this layer as one run through sequence parallelism for the registration's guardrail
     (which checks after every SP forward that every attention layer did)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -287,7 +287,7 @@ def _count_sp_call() -> None:
         attention.calls += 1
 
 
-def _refuse_dropout(module: nn.Module, what: str) -> None:
+def refuse_dropout(module: nn.Module, what: str) -> None:
     """Dropout in training: a draw per rank on partial sums is not the model's dropout."""
     if not module.training:
         return

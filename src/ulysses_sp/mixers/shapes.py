@@ -85,8 +85,11 @@ def layer_kinds(model: nn.Module) -> list[dict[str, Any]]:
             if module in owned:
                 continue
             handler = claimed_by(module, HANDLERS)
-            if handler is not None and handler.name == "own_scores":  # softmax attention, run head-parallel
-                attention = own_scores = True
+            if handler is not None and handler.name in ("own_scores", "pair_bias"):  # attention run head-parallel
+                attention = own_scores = True  # its own dense [B, H/P, S, S] scores (and pair bias)
+                owned.update(module.modules())
+                continue
+            if handler is not None and handler.name == "depth_attention":  # per token across depth: no sequence term
                 owned.update(module.modules())
                 continue
             if handler is not None and handler.name not in SIZED:  # a halo or a window: attention/MLP terms hold it
