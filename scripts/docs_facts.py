@@ -102,6 +102,7 @@ LIMITS = {
     "dsa": "heads % sp = 0; cores sdpa/eager; no ring",
     "own": "heads % sp = 0; no ring; O(S²/sp) scores (its own eager attention)",
     "rnn": "channels % sp = 0; no ring",
+    "pooled": "heads % sp = 0; no ring; no packed rows",
 }
 
 # (family as users name it, the sweep's model_type(s), mixer kind). The verdicts are the sweep's.
@@ -133,6 +134,7 @@ FAMILIES = [
     ("OPT / BioGPT", ["opt", "biogpt"], "attention"),
     ("DeepSeek-V3.2 / GLM-5 (sparse attention)", ["deepseek_v32", "glm_moe_dsa"], "dsa"),
     ("Qwen4-Exp (block-sparse attention)", ["qwen4_exp_text"], "dsa"),
+    ("DeepSeek-V4 (pooled K/V)", ["deepseek_v4"], "pooled"),
     ("BLOOM / Falcon / MPT / GPT-Neo", ["bloom", "falcon", "mpt", "gpt_neo"], "own"),
     ("RecurrentGemma / RWKV", ["recurrent_gemma", "rwkv"], "rnn"),
     ("Phi-MoE", ["phimoe"], "moe"),

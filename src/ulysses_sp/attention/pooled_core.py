@@ -32,24 +32,38 @@ from torch.utils.checkpoint import checkpoint
 from ulysses_sp.parallel.seq_gather import tokens_before
 
 SCORE_BYTES = 128 << 20
-"""Bytes of fp32 scores one query block may hold (``[B, H, bq, bq + W - 1 + E]``)."""
+"""Bytes one query block's fp32 temporaries may hold: its scores ``[B, H, bq, bq + W - 1 + E]`` and (CSA)
+its picked entries ``[B, bq, k, D]`` (keys and values)."""
 
 
-def _block(q, kw, vw, allowed, ek, ev, seen, sinks, scale: float, picked: bool) -> torch.Tensor:
-    """One query block: ``q [B, H, bq, D]`` over its window keys ``kw, vw [B, 1, bk, D]`` (``allowed [bq, bk]``)
-    and its entries ``ek, ev`` (HCA ``[B, 1, T, D]``, ``seen [B|1, 1, bq, T]``; CSA, ``picked``: ``[B, bq, k, D]``,
-    ``seen [B, 1, bq, k]``), with the sinks ``[H]``: ``[B, H, bq, D]`` in ``q``'s dtype."""
+def _block(q, kw, vw, ent_k, ent_v, sel, sinks, q0: int, window: int, scale: float) -> torch.Tensor:
+    """One query block, ``q [B, H, bq, D]`` -> ``[B, H, bq, D]`` in ``q``'s dtype: its window keys ``kw, vw
+    [B, 1, bk, D]`` (query ``i`` is key ``q0 + i``; it sees the keys ``q0 + i - W < j <= q0 + i``), the
+    entries ``ent_k, ent_v [B, 1, T, D]`` it may see — HCA: ``sel [B|1, bq]`` = ``(p+1)//r``, entries
+    ``w < sel``; CSA: ``sel [B, bq, k]`` the picks (``-1`` none) — and the sinks ``[H]``, in one softmax.
+    Everything of the block's size is made here, so recomputing it in backward saves none of it."""
     dtype, acc = q.dtype, torch.promote_types(q.dtype, torch.float32)
-    q, kw, vw, ek, ev = (t.to(acc) for t in (q, kw, vw, ek, ev))
+    bq, dev = q.shape[2], q.device
+    qi = torch.arange(q0, q0 + bq, device=dev)[:, None]
+    ki = torch.arange(kw.shape[2], device=dev)[None, :]
+    allowed = (ki <= qi) & (qi - ki < window)  # [bq, bk]
+    q, kw, vw = (t.to(acc) for t in (q, kw, vw))
     s_win = torch.matmul(q, kw.transpose(-1, -2)).mul_(scale).masked_fill_(~allowed, float("-inf"))  # [B, H, bq, bk]
-    # [B, H, bq, D] x [B, bq, k, D] -> [B, H, bq, k] (CSA), x [B, 1, T, D] -> [B, H, bq, T] (HCA)
-    s_ent = torch.einsum("bhqd,bqkd->bhqk", q, ek) if picked else torch.matmul(q, ek.transpose(-1, -2))
-    s_ent = s_ent.mul_(scale).masked_fill_(~seen, float("-inf"))
+    if sel.dim() == 3:  # CSA: the picked entries, [B, T, D][rows, picks] -> [B, bq, k, D]
+        rows = torch.arange(sel.shape[0], device=dev)[:, None, None]
+        ek, ev = (e[:, 0][rows, sel.clamp_min(0)].to(acc) for e in (ent_k, ent_v))
+        s_ent = torch.einsum("bhqd,bqkd->bhqk", q, ek)  # [B, H, bq, k]
+        seen = sel >= 0  # [B, bq, k]
+    else:  # HCA: every entry, [B, H, bq, D] x [B, 1, T, D] -> [B, H, bq, T]
+        ek, ev = ent_k.to(acc), ent_v.to(acc)
+        s_ent = torch.matmul(q, ek.transpose(-1, -2))
+        seen = torch.arange(ent_k.shape[2], device=dev) < sel[..., None]  # [B|1, bq, T]
+    s_ent = s_ent.mul_(scale).masked_fill_(~seen[:, None], float("-inf"))
     sink = sinks.to(acc).view(1, -1, 1, 1).expand(*s_win.shape[:3], 1)  # [B, H, bq, 1]
     probs = torch.softmax(torch.cat([s_win, s_ent, sink], dim=-1), dim=-1)  # one softmax per query
     p_win, p_ent = probs[..., : s_win.shape[-1]], probs[..., s_win.shape[-1] : -1]
     out = torch.matmul(p_win, vw)  # [B, H, bq, D]
-    out = out + (torch.einsum("bhqk,bqkd->bhqd", p_ent, ev) if picked else torch.matmul(p_ent, ev))
+    out = out + (torch.einsum("bhqk,bqkd->bhqd", p_ent, ev) if sel.dim() == 3 else torch.matmul(p_ent, ev))
     return out.to(dtype)
 
 
@@ -75,27 +89,17 @@ def pooled_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     k_win = _rows_before(key[:, :, :s_l], call.lo, window, call.group)  # [B, 1, n + S_l, D]
     v_win = k_win if value is key else _rows_before(value[:, :, :s_l], call.lo, window, call.group)
     n = k_win.shape[2] - s_l
-    t_entries = ent_k.shape[2] if call.picks is None else call.picks.shape[-1]
-    block = max(1, min(s_l, SCORE_BYTES // (4 * b * h * (2 * window + t_entries))))
-    if call.picks is None:  # HCA: query at position p sees entries w < (p + 1) // r
-        limit = (call.positions + 1) // call.rate  # [B|1, S_l]
+    picks = call.picks  # CSA [B, S_l, k]; HCA: None, query at position p sees entries w < (p + 1) // r
+    sel = (call.positions + 1) // call.rate if picks is None else picks  # [B|1, S_l] / [B, S_l, k]
+    per_query = 4 * b * (h * (2 * window + (ent_k.shape[2] if picks is None else picks.shape[-1]))
+                         + (0 if picks is None else 2 * picks.shape[-1] * query.shape[-1]))  # fmt: skip
+    block = max(1, min(s_l, SCORE_BYTES // per_query))
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, sinks))
     outs = []
-    for a in range(0, s_l, block):
+    for a in range(0, s_l, block):  # queries [a, e): window keys from global lo + a - W + 1 (k_win index k0)
         e = min(a + block, s_l)
-        k0 = max(0, a - window + 1 + n)  # the block's first window key in k_win (global lo - n + k0)
-        qi = torch.arange(a, e, device=query.device)[:, None] + n
-        ki = torch.arange(k0, e + n, device=query.device)[None, :]
-        allowed = (ki <= qi) & (qi - ki < window)  # [bq, bk]
-        if call.picks is None:
-            ek, ev = ent_k, ent_v
-            seen = torch.arange(ent_k.shape[2], device=query.device) < limit[:, a:e, None]  # [B|1, bq, T]
-        else:
-            picks = call.picks[:, a:e]  # [B, bq, k]
-            rows = torch.arange(b, device=query.device)[:, None, None]
-            ek, ev = ent_k[:, 0][rows, picks.clamp_min(0)], ent_v[:, 0][rows, picks.clamp_min(0)]  # [B, bq, k, D]
-            seen = picks >= 0
-        args = (query[:, :, a:e], k_win[:, :, k0 : e + n], v_win[:, :, k0 : e + n], allowed, ek, ev, seen[:, None],
-                sinks, float(scale), call.picks is not None)  # fmt: skip
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, sinks))
+        k0 = max(0, a - window + 1 + n)
+        args = (query[:, :, a:e], k_win[:, :, k0 : e + n], v_win[:, :, k0 : e + n], ent_k, ent_v, sel[:, a:e], sinks,
+                a + n - k0, window, float(scale))  # fmt: skip
         outs.append(checkpoint(_block, *args, use_reentrant=False) if grad else _block(*args))
     return torch.cat(outs, dim=2).transpose(1, 2)  # [B, H, S_l, D] -> [B, S_l, H, D]

@@ -32,9 +32,10 @@ documents are refused at every sp size (``mixers.guard.check_document_mixing``, 
 
 Cost per rank and layer: the halo ``[B, <2r, F]`` (``F``: the compressor's ``2 D`` or ``4 D`` projected
 features, the indexer's too), gathered as every rank's last ``min(S_l, 2r)`` tokens; the entries
-``[B, S/r, D]`` (HCA at 1M tokens, r 128, D 512: 4 MiB bf16); CSA's index keys ``[B, S/r, D_idx]`` and
-picks ``[B, S_l, k]`` int64. One all-gather for the halo and one for the entries (forward; an all-reduce
-each in backward), twice more for CSA's indexer (no backward).
+``[B, S/r, D]`` (at 1M tokens, D 512, bf16: HCA's r 128 8 MiB, CSA's r 4 256 MiB); CSA's index keys
+``[B, S/r, D_idx]`` (64 MiB, no gradient) and picks ``[B, S_l, k]`` int64. Two all-gathers for the halo
+(kv, gate) and one for the entries (forward; an all-reduce each in backward), three more for CSA's indexer
+(no backward). Memory and FLOPs per rank shrink with ``P`` except the gathered entries (``S/r``).
 
 Shape legend: ``B`` batch, ``S`` full sequence, ``S_l = S/P``, ``r`` compress rate, ``D`` head dim,
 ``k`` index_topk, ``lo`` this rank's first token.
