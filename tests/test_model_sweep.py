@@ -67,7 +67,7 @@ def test_packed_rows_are_refused_at_sp_1_where_a_module_mixes_the_whole_row():
                        r"self_attn \(DogeAttention\).*--packing none"):  # fmt: skip
         check_document_mixing(model_sweep.build("doge"))
     check_document_mixing(model_sweep.build("bloom"))  # its own attention runs per document (mixers/own_scores.py)
-    with pytest.raises(ValueError, match="layer 0: 'heavily_compressed_attention' attention pools K/V in windows of 128 "
+    with pytest.raises(ValueError, match="layer 0: 'heavily_compressed_attention' attention pools K/V in windows of 5 "
                        "tokens from the row's first token"):  # at every sp size: train and prepare check it at sp > 1 too
         check_document_mixing(model_sweep.build("deepseek_v4"))
 
