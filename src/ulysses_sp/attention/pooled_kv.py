@@ -157,7 +157,7 @@ def indexer_picks(indexer: nn.Module, call: PooledCall, hidden: torch.Tensor, q_
     keys, (b, s_l) = call.stored, hidden.shape[:2]
     call.index_keys = keys
     out = torch.full((b, s_l, min(indexer.index_topk, keys.shape[1])), -1, dtype=torch.long, device=hidden.device)
-    block = query_block(b, indexer.num_heads, keys.shape[1], s_l)
+    block = query_block(b, indexer.num_heads, max(1, keys.shape[1]), s_l)  # no entries yet: one block
     for a in range(0, s_l, block):  # [B, bq, H_idx, S//r] scores at a time -> [B, bq, k]
         e = min(a + block, s_l)
         pos = position_ids[:, a:e]
