@@ -440,3 +440,29 @@ def test_pooled_core_in_query_blocks_equals_the_model_s_dense_softmax(kind, monk
         for a, b in zip(torch.autograd.grad((got * r).sum(), (q, kv, sinks)), want_grads):
             assert b.abs().max() > 0
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def _halo_and_ragged(s_l: int, width: int) -> None:
+    """``tokens_before`` (a halo longer than a shard reads several ranks) and ``all_gather_ragged``, with their
+    gradients, against the same slices of the full tensor."""
+    from ulysses_sp.parallel.seq_gather import all_gather_ragged, tokens_before
+
+    mesh = init_mesh((1, dist.get_world_size()))
+    p, r = mesh.sp_size, mesh.sp_rank
+    full = torch.randn(2, p * s_l, 3, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    first = [max(0, j * s_l - width + j % 2) for j in range(p)]  # halos of width or width - 1 tokens
+    counts = [1, 3, 0, 2]
+    weights = [torch.randn(2, j * s_l - first[j], 3, generator=torch.Generator().manual_seed(j)) for j in range(p)]
+    mine = full.detach()[:, r * s_l : (r + 1) * s_l].clone().requires_grad_(True)
+    halo = tokens_before(mine, first[r], width, mesh.sp_group)
+    torch.testing.assert_close(halo, full[:, first[r] : r * s_l], rtol=0, atol=0)
+    rows = all_gather_ragged(mine[:, : counts[r]], counts, mesh.sp_group)  # rank j's first counts[j] tokens
+    want_rows = torch.cat([full[:, j * s_l : j * s_l + c] for j, c in enumerate(counts)], 1)
+    torch.testing.assert_close(rows, want_rows, rtol=0, atol=0)
+    ((halo * weights[r]).sum() + (rows * want_rows.detach()).sum()).backward()
+    (sum((full[:, first[j] : j * s_l] * weights[j]).sum() for j in range(p)) + (want_rows * want_rows.detach()).sum() * p).backward()
+    torch.testing.assert_close(mine.grad, full.grad[:, r * s_l : (r + 1) * s_l])
+
+
+def test_halo_spanning_ranks_and_ragged_gather_with_gradients(pool):
+    pool.run(_halo_and_ragged, 4, 3, 7)  # a 7-token halo over shards of 3: three ranks' tokens
