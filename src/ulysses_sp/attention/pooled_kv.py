@@ -144,7 +144,8 @@ def _run_to_stop(fn: Callable[..., Any], *args: Any) -> None:
         fn(*args)
     except _Stop:
         return
-    raise ValueError(f"{fn} never handed its pooled entries to its cache: not the DeepSeek-V4 compressor this "
+    name = type(getattr(fn, "__self__", fn)).__name__
+    raise ValueError(f"{name} never handed its pooled entries to its cache: not the DeepSeek-V4 compressor this "
                      "version shards; train it with sp_size 1")  # fmt: skip
 
 
