@@ -110,6 +110,7 @@ LIMITS = {
     "rnn": "channels % sp = 0; no ring",
     "lightning": "lightning and attention heads % sp = 0; no ring",
     "mlstm": "heads % sp = 0; no ring",
+    "pooled": "heads % sp = 0; no ring; no packed rows",
 }
 
 # (family as users name it, the sweep's model_type(s), mixer kind). The verdicts are the sweep's.
@@ -142,6 +143,7 @@ FAMILIES = [
     ("OPT / BioGPT", ["opt", "biogpt"], "attention"),
     ("DeepSeek-V3.2 / GLM-5 (sparse attention)", ["deepseek_v32", "glm_moe_dsa"], "dsa"),
     ("Qwen4-Exp (block-sparse attention)", ["qwen4_exp_text"], "dsa"),
+    ("DeepSeek-V4 (pooled K/V)", ["deepseek_v4"], "pooled"),
     ("BLOOM / Falcon / MPT / GPT-Neo", ["bloom", "falcon", "mpt", "gpt_neo"], "own"),
     ("Doge", ["doge"], "own"),
     ("Inkling / Inkling-2 / Inkling-2 Loop (text)", ["inkling_text", "inkling2_text", "inkling2_loop_text"], "pair"),

@@ -60,6 +60,14 @@ FAMILIES = {
         indexer_head_dim=16, indexer_budget=3, indexer_compress_ratio=3, hc_lowrank=16, num_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
     ),
+    # DeepSeek-V4: HCA (K/V pooled every 5 tokens) then CSA (every 3, over two overlapping windows, an indexer keeping
+    # each query's top 2 entries), both beside a sliding window of 6 keys with sinks; windows straddle the shard edges
+    "deepseek_v4": dict(
+        layer_types=["heavily_compressed_attention", "compressed_sparse_attention"], num_key_value_heads=1,
+        compress_rates={"compressed_sparse_attention": 3, "heavily_compressed_attention": 5}, sliding_window=6,
+        head_dim=16, q_lora_rank=16, o_groups=2, o_lora_rank=16, index_topk=2, index_n_heads=2, index_head_dim=8,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, hc_mult=2, mlp_layer_types=["moe", "moe"],
+    ),
 }  # fmt: skip
 
 

@@ -57,6 +57,11 @@ def _reference(ref, ids, pos, labels, oracle):
     return logits, F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
 
 
+FP64 = {"deepseek_v4": torch.float64}
+"""Families compared in float64: DeepSeek-V4's hyper-connection head bias gradient is a sum over tokens that
+cancels to ~1e-3 of its terms, so fp32 rounding alone reaches rtol 1e-4 there (every other gradient agrees)."""
+
+
 def _cases(sp, cases):
     mesh = init_mesh((1, sp))
     done = []
@@ -67,6 +72,9 @@ def _cases(sp, cases):
             if family == "llama"
             else build(family, num_key_value_heads=kv)
         )
+        if family in FP64:  # grouped_mm has no float64 kernel: the experts' eager loop
+            ref = ref.to(FP64[family])
+            ref.set_experts_implementation("eager")
         model = copy.deepcopy(ref)
         n = chunks[0] if chunks else 1
         if n > 1:
@@ -93,7 +101,7 @@ def _cases(sp, cases):
         )
         ref_grads = {n: p.grad for n, p in ref.named_parameters() if ".indexer." not in n}
         grads = {n: p.grad for n, p in model.named_parameters() if ".indexer." not in n}
-        assert_step_close(loss.detach(), grads, ref_loss.detach(), ref_grads)
+        assert_step_close(loss.detach().to(ref_loss.dtype), grads, ref_loss.detach(), ref_grads)
         # with head groups: every group's block in forward and again in backward; MLA (no q/k/v/o projections):
         # the function-level head groups (one call per layer)
         blocks = n > 1 and not isinstance(head_block_layout(model.model.layers[0].self_attn), str)
@@ -222,26 +230,19 @@ def test_call_capture_sees_keyword_and_positional_position_ids():
     assert not capture_call(model, (), {"input_ids": pos}).given
 
 
-SPARSE = {
-    "deepseek_v4": (
-        dict(layer_types=["heavily_compressed_attention", "compressed_sparse_attention"],
-             compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}),
-        r"layer 0: 'heavily_compressed_attention'.*every 8 tokens into one",
-    ),
-}  # fmt: skip
-
-
-@pytest.mark.parametrize("family", sorted(SPARSE))
-def test_sparse_and_compressed_attention_refused_before_any_step_naming_why(family):
+def test_deepseek_v4_pooled_kinds_are_accepted_without_a_ring_and_refused_with_one():
     from transformers import AutoConfig
 
-    overrides, match = SPARSE[family]
-    config = AutoConfig.for_model(family, num_hidden_layers=2, **overrides)
-    with pytest.raises(
-        ValueError, match=match + r".*does not shard it in this version; train this model with sp_size 1"
-    ):
-        check_layer_kinds(config, 2)
-    check_layer_kinds(config, 1)  # without SP the model runs as it is
+    from ulysses_sp.attention.checks import check_sp_attention
+
+    config = AutoConfig.for_model("deepseek_v4", num_hidden_layers=2, num_attention_heads=4,
+                                  layer_types=["heavily_compressed_attention", "compressed_sparse_attention"])  # fmt: skip
+    check_layer_kinds(config, 2)
+    for core in ("sdpa", "eager"):
+        assert check_sp_attention(config, core, 2) == 1  # local queries: attention/pooled_core.py
+    with pytest.raises(ValueError, match=r"\['compressed_sparse_attention', 'heavily_compressed_attention'\] layers "
+                       r"attend each rank's own queries.*got ring_size 2 \(zigzag shards\)"):  # fmt: skip
+        check_sp_attention(config, "sdpa", 4, ring_size=2)
 
 
 INDEXED = {
@@ -367,3 +368,101 @@ def test_qsa_selection_reads_no_device_value(pool):
     """The QSA picks come from host layout values and device ops only (``attention/block_indexer.py``)."""
     found, gap = pool.run(_qsa_reads_and_gap, 1)[0]
     assert found == [] and gap < 1e-5, (found, gap)
+
+
+V4_SP2 = [("deepseek_v4", "eager", 1, "plain", "model")]  # HCA window 15-19 and CSA's 12-17 straddle the edge (16)
+V4_SP4 = [("deepseek_v4", "sdpa", 1, "plain", "model")]  # halos on three edges; CSA's reach the rank before the last
+
+
+@pytest.mark.parametrize("sp, cases", [(1, V4_SP4), (2, V4_SP2), (4, V4_SP4)], ids=["sp1", "sp2", "sp4"])
+def test_deepseek_v4_pooled_attention_equals_no_sp(pool, sp, cases):
+    """DeepSeek-V4's compressed layers (issue 36): the model's compressor on ``[halo | local]`` tokens, the
+    entries gathered, CSA's indexer over all of them, each rank's queries over their window, entries and sinks
+    in one softmax (``attention/pooled_kv.py``, ``pooled_core.py``); per-position logits and every gradient."""
+    assert pool.run(_cases, sp, sp, cases)[0] == [c[:4] for c in cases]
+
+
+def _v4_packed_refusal(sp: int) -> str:
+    mesh = init_mesh((1, sp))
+    reg = UlyssesSPAttentionHF.register_with_transformers(family_model("deepseek_v4"), "sdpa", sp, 1, mesh=mesh)
+    ids, pos = global_batch(3, 1, S), _positions("docs", sp)
+    cols = slice(mesh.sp_rank * S // sp, (mesh.sp_rank + 1) * S // sp)
+    try:
+        reg.model(input_ids=ids[:, cols], position_ids=pos[:, cols], use_cache=False)
+    except ValueError as e:
+        return str(e)
+    finally:
+        reg.remove()
+    return "ran"
+
+
+def test_deepseek_v4_refuses_packed_documents_in_its_pooled_layers_naming_why(pool):
+    """The model's own pooling mixes the documents of a packed row: refused at run time too (before the step,
+    ``check_document_mixing`` refuses it at every sp size: ``tests/test_model_sweep.py``)."""
+    for message in pool.run(_v4_packed_refusal, 2, 2):
+        assert "layer 0: packed documents in DeepseekV4Attention: its compressor pools K/V in windows from the " \
+               "row's first token" in message and "--packing none" in message, message
+
+
+@pytest.mark.parametrize("kind", ["hca", "csa"])
+def test_pooled_core_in_query_blocks_equals_the_model_s_dense_softmax(kind, monkeypatch):
+    """``attention/pooled_core.py`` alone (sp 1): local queries over a window of 5 keys and the pooled entries
+    (HCA: ``w < (t+1)//4``; CSA: picks, ``-1`` none) with sinks, in one softmax, equal to the eager function
+    over the dense mask the model builds; in blocks of one query too (each recomputed in backward)."""
+    from ulysses_sp.attention import pooled_core
+    from ulysses_sp.attention.pooled_kv import PooledCall
+
+    g = torch.Generator().manual_seed(5)
+    s, t, w = 20, 5, 5
+    q = torch.randn(2, 4, s, 8, generator=g, requires_grad=True)
+    kv = torch.randn(2, 1, s + t, 8, generator=g, requires_grad=True)
+    sinks = torch.randn(4, generator=g, requires_grad=True)
+    call = PooledCall(4, kind == "csa", 0, s, None, torch.arange(s)[None])
+    i, ent = torch.arange(s)[:, None], torch.arange(t)[None]
+    if kind == "csa":
+        call.picks = torch.rand(2, s, t, generator=g).argsort(-1)[..., :2]  # distinct, as topk's
+        call.picks[:, ::3, 1] = -1  # a pick past the query's complete windows
+        seen = torch.zeros(2, s, t + 1, dtype=torch.bool).scatter_(-1, torch.where(call.picks < 0, t, call.picks), True)
+        seen = seen[..., :t]
+    else:
+        seen = (ent < (i + 1) // 4).expand(2, s, t)
+    allowed = torch.cat([((i[None] >= torch.arange(s)[None, None]) & (i - torch.arange(s)[None] < w)).expand(2, s, s),
+                         seen], -1)  # fmt: skip
+    mask = torch.where(allowed[:, None], 0.0, float("-inf"))  # [2, 1, S, S + T]
+    want, _ = generic_eager(torch.nn.Module(), q, kv, kv, mask, scaling=0.3, s_aux=sinks)
+    r = torch.randn(want.shape, generator=g)
+    want_grads = torch.autograd.grad((want * r).sum(), (q, kv, sinks))
+    for score_bytes in (pooled_core.SCORE_BYTES, 1):  # one block; one query per block
+        monkeypatch.setattr(pooled_core, "SCORE_BYTES", score_bytes)
+        got = pooled_core.pooled_attention(q, kv, kv, {"pooled": call, "scaling": 0.3, "sliding_window": w,
+                                                       "s_aux": sinks})  # fmt: skip
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for a, b in zip(torch.autograd.grad((got * r).sum(), (q, kv, sinks)), want_grads):
+            assert b.abs().max() > 0
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def _halo_and_ragged(s_l: int, width: int) -> None:
+    """``tokens_before`` (a halo longer than a shard reads several ranks) and ``all_gather_ragged``, with their
+    gradients, against the same slices of the full tensor."""
+    from ulysses_sp.parallel.seq_gather import all_gather_ragged, tokens_before
+
+    mesh = init_mesh((1, dist.get_world_size()))
+    p, r = mesh.sp_size, mesh.sp_rank
+    full = torch.randn(2, p * s_l, 3, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    first = [max(0, j * s_l - width + j % 2) for j in range(p)]  # halos of width or width - 1 tokens
+    counts = [1, 3, 0, 2]
+    weights = [torch.randn(2, j * s_l - first[j], 3, generator=torch.Generator().manual_seed(j)) for j in range(p)]
+    mine = full.detach()[:, r * s_l : (r + 1) * s_l].clone().requires_grad_(True)
+    halo = tokens_before(mine, first[r], width, mesh.sp_group)
+    torch.testing.assert_close(halo, full[:, first[r] : r * s_l], rtol=0, atol=0)
+    rows = all_gather_ragged(mine[:, : counts[r]], counts, mesh.sp_group)  # rank j's first counts[j] tokens
+    want_rows = torch.cat([full[:, j * s_l : j * s_l + c] for j, c in enumerate(counts)], 1)
+    torch.testing.assert_close(rows, want_rows, rtol=0, atol=0)
+    ((halo * weights[r]).sum() + (rows * want_rows.detach()).sum()).backward()
+    (sum((full[:, first[j] : j * s_l] * weights[j]).sum() for j in range(p)) + (want_rows * want_rows.detach()).sum() * p).backward()
+    torch.testing.assert_close(mine.grad, full.grad[:, r * s_l : (r + 1) * s_l])
+
+
+def test_halo_spanning_ranks_and_ragged_gather_with_gradients(pool):
+    pool.run(_halo_and_ragged, 4, 3, 7)  # a 7-token halo over shards of 3: three ranks' tokens

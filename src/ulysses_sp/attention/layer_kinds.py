@@ -5,10 +5,15 @@ own softmax attention over the full sequence after the all-to-all, so it is exac
 keys are the layer's own full-sequence keys: full, sliding-window and chunked attention (with
 per-head sinks). **Sparse and compressed attention** pick or build their keys from the sequence
 *before* the attention function is called: an indexer scores every earlier token and keeps each
-query's top-k (DeepSeek-V3.2 / GLM-5 ``indexed_attention``), or a compressor pools K/V along the
-sequence (DeepSeek-V4 ``compressed_sparse_attention`` / ``heavily_compressed_attention``). On a
-sequence shard those see only the rank's own tokens: refused before the first step
+query's top-k (``indexed_attention``), or a compressor pools K/V along the sequence (DeepSeek-V4
+``compressed_sparse_attention`` / ``heavily_compressed_attention``). On a sequence shard those see only
+the rank's own tokens: where no handler below runs them, refused before the first step
 (``check_layer_kinds``, called by ``register_with_transformers``), naming the layer and why.
+
+DeepSeek-V4's pooled kinds (``POOLED_KINDS``) run exactly: the model's compressor on ``[halo | local]``
+tokens, the entries gathered, CSA's indexer over all of them (``attention/pooled_kv.py``), each rank's
+queries over their window and the entries (``attention/pooled_core.py``); without a ring. Packed rows are
+refused for them at every sp size (``packed_refusal``: the model's own pooling mixes documents).
 
 Except DeepSeek Sparse Attention's ``indexed_attention`` (``dsa_indexed``: a config with ``index_topk``,
 ``index_n_heads`` and ``index_head_dim`` — DeepSeek-V3.2, GLM-5, Hunyuan-V4, A.X-K2, dots3-note): its
@@ -32,26 +37,22 @@ REASONS = {
         "attention runs; on a sequence shard the indexer sees only the rank's own tokens (and builds its "
         "mask for them), so the keys it picks are not the ones the model picks without sequence parallelism"
     ),
-    "compressed_sparse_attention": (
-        "K/V are pooled along the sequence (every {rate} tokens into one, each entry mixing two overlapping "
-        "windows) and an indexer over pooled index keys picks each query's entries; the entries are appended "
-        "to the layer's own keys inside the attention module, so on a sequence shard the windows start at the "
-        "shard instead of the sequence, the indexer sees only the shard's entries and the attention function "
-        "gets more keys than queries. Exact would need the partial window from the previous rank (a halo), "
-        "the pooled entries gathered over the SP group, the indexer over all of them and a core attending to "
-        "the sliding window plus the picked entries with the sinks in one softmax"
-    ),
-    "heavily_compressed_attention": (
-        "K/V are pooled along the sequence (every {rate} tokens into one) and appended to the layer's own keys "
-        "inside the attention module; on a sequence shard the pooling sees only the rank's own tokens, its "
-        "windows start at the shard instead of the sequence, and the attention function gets more keys than "
-        "queries. Exact would need the partial window from the previous rank (a halo), the pooled entries "
-        "gathered over the SP group and a core attending to the sliding window plus the visible entries with "
-        "the sinks in one softmax"
-    ),
 }
-"""Attention layer kinds that mix tokens before the attention function, and why SP does not shard them
-(DeepSeek-V4's: an exact split exists — pooled entries are ``S/rate`` small — but is not built)."""
+"""Attention layer kinds that mix tokens before the attention function, and why SP does not shard them."""
+
+
+POOLED_KINDS = ("compressed_sparse_attention", "heavily_compressed_attention")
+"""DeepSeek-V4's kinds that pool K/V along the sequence (``attention/pooled_kv.py``): exact under SP for rows
+of one sequence; rows of packed documents are refused at every sp size (``packed_refusal``)."""
+
+
+def packed_refusal(config: Any, kind: str) -> str | None:
+    """Why layers of ``kind`` cannot keep packed documents apart (at any sp size), or ``None``."""
+    if kind in POOLED_KINDS:
+        rate = (getattr(config, "compress_rates", None) or {}).get(kind, "n")
+        return (f"attention pools K/V in windows of {rate} tokens from the row's first token (not each "
+                "document's), so its windows and the entries a query sees span documents")  # fmt: skip
+    return "attention picks its keys from the whole row" if refused_kind(config, kind) else None
 
 
 DSA_CONFIG = ("index_topk", "index_n_heads", "index_head_dim")
@@ -80,8 +81,16 @@ def refused_kind(config: Any, kind: str) -> bool:
 
 
 def check_indexed_options(config: Any, core: str, ring_size: int) -> None:
-    """Raise ``ValueError`` when DSA layers meet a core or a ring the picked keys do not run on."""
+    """Raise ``ValueError`` when DSA layers meet a core or a ring the picked keys do not run on, or
+    DeepSeek-V4's pooled layers a ring (their local queries need the sequence's contiguous shards)."""
     types = getattr(config, "layer_types", None) or ()
+    pooled = sorted(set(types) & set(POOLED_KINDS))
+    if pooled and ring_size > 1:
+        raise ValueError(
+            f"{type(config).__name__}'s {pooled} layers attend each rank's own queries to a window of keys before "
+            f"its shard (attention/pooled_core.py), which needs contiguous shards; got ring_size {ring_size} "
+            "(zigzag shards). Use ring_size 1 (Ulysses alone)"
+        )
     if "indexed_attention" in types and dsa_indexed(config) and (core not in ("sdpa", "eager") or ring_size > 1):
         raise ValueError(
             f"{type(config).__name__}'s 'indexed_attention' layers attend to each query's "

@@ -22,6 +22,7 @@ import torch
 
 from ulysses_sp.attention.block_indexer import install_block_indexers
 from ulysses_sp.attention.indexer import install_indexers
+from ulysses_sp.attention.pooled_kv import install_pooled_attention
 from ulysses_sp.attention.positions import CallPositions, capture_call
 from ulysses_sp.parallel.mesh import Mpu, SPMesh, as_sp_mesh, init_mesh
 from ulysses_sp.parallel.mesh_shape import head_counts, resolve_ring_size_for_layers
@@ -193,6 +194,7 @@ class SPRegistration(Mpu):
         sp_attn = hasattr(self.attention, "_seq_layout")
         indexers = install_indexers(model, self.attention) if sp_attn else None
         indexers = install_block_indexers(model, self.attention, indexers) if sp_attn else None
+        indexers = install_pooled_attention(model, self.attention, indexers) if sp_attn else None  # DeepSeek-V4
         hooks += [indexers] if indexers is not None else []
         hooks += [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),

@@ -14,8 +14,9 @@ attached to ``position_ids`` (``parallel/doc_layout.py``: no collective, no devi
 direct call) we gather the ``position_ids`` over the SP group once per forward. Then the path
 ``attention/core.py`` picks runs: plain causal through the kernel's own causal mode; packed documents
 (position ids restart at 0) and sliding windows through the blockwise core for sdpa (no ``S x S``
-tensor), varlen for flash, a ``BlockMask`` for flex, a dense mask for eager. DeepSeek Sparse Attention's
-picked keys (``indices``): gathered, then the blockwise core (``attention/indexed.py``, ``indexer.py``).
+tensor), varlen for flash, a ``BlockMask`` for flex, a dense mask for eager. DSA's picked keys (``indices``):
+gathered, then the blockwise core (``attention/indexed.py``). DeepSeek-V4's pooled K/V (``pooled=``): its local
+queries over their window and the whole sequence's entries, no all-to-all (``attention/pooled_core.py``).
 q, k and v (and the output) cross the SP group packed (one collective each way) below a per-piece byte
 threshold, head by head above (no whole-tensor buffers): ``parallel/headwise.py``, ``exchange_cost.py``.
 Where the positions come from, chunked attention layers and NoPE layers' query temperature:
@@ -58,6 +59,7 @@ from ulysses_sp.attention.heads import HeadView, local_view
 from ulysses_sp.attention.indexed import IndexedStructure, gather_indices
 from ulysses_sp.attention.kv_offload import KVOffload
 from ulysses_sp.attention.masks import ForwardState, SeqLayout, seq_layout
+from ulysses_sp.attention.pooled_core import pooled_attention
 from ulysses_sp.attention.positions import (
     CallPositions,
     correct_query_temperature,
@@ -115,12 +117,10 @@ class UlyssesSPAttentionHF:
         """Head groups exchanged and attended one at a time (``attention/head_chunks.py``); 1 = all at once."""
         self.head_chunk_overlap = False
         """Post the next head group's exchange before attending the current one (two groups in flight)."""
-        self.in_head_block = False
-        """Set while one head group's whole attention block runs (``attention/head_blocks.py``)."""
+        self.in_head_block = False  # set while one head group's whole block runs (attention/head_blocks.py)
         self.block_counts = BlockCounts()
         """Blocks computed / skipped and their FLOPs in the blockwise core and the ring (cumulative)."""
-        self.ring_stats = RingStats()
-        """Bytes and hops ring attention sent from this rank (cumulative; hybrid layout only)."""
+        self.ring_stats = RingStats()  # bytes and hops ring attention sent from this rank (hybrid layout only)
         self.last_path: str | None = None
         """The path the most recent call ran (``core_attention.attention_path``)."""
         self.sp_group = sp_group
@@ -142,10 +142,8 @@ class UlyssesSPAttentionHF:
         self.seq_length_is_variable = seq_length_is_variable
         self.max_length = max_length
         self.disable_in_eval = disable_in_eval
-        self.calls = 0
-        """Attention calls since the last ``reset_calls()`` (the guardrail counts them)."""
-        self.last_seq_len: int | None = None
-        """``S`` seen by the most recent call."""
+        self.calls = 0  # attention calls since the last ``reset_calls()`` (the guardrail counts them)
+        self.last_seq_len: int | None = None  # ``S`` seen by the most recent call
         self.registration: SPRegistration | None = None
         """The registration whose registry entry this is (``register_with_transformers`` sets it)."""
         self.call: CallPositions | None = None
@@ -185,6 +183,9 @@ class UlyssesSPAttentionHF:
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         sp = not (self.disable_in_eval and not module.training) and self.sp_size > 1
+        if kwargs.get("pooled") is not None:  # DeepSeek-V4's pooled K/V: local queries (attention/pooled_kv.py)
+            self.calls, self.last_path = self.calls + 1, "pooled"
+            return pooled_attention(query, key, value, kwargs), None
         (b, h, s_local, _), hkv = query.shape, key.shape[1]
         if sp:
             check_heads(h, hkv, self.ulysses_size)

@@ -201,7 +201,7 @@ def prepare(
     options.check(trainer, core)
     check_sequence_mixing(model, sp_size=sp_size)  # the closed-world guard, before any collective
     args = getattr(trainer, "args", None)
-    if sp_size == 1 and (getattr(args, "packing", False) or getattr(args, "padding_free", False)):
+    if getattr(args, "packing", False) or getattr(args, "padding_free", False):  # any sp size (DeepSeek-V4's pooling)
         check_document_mixing(model, what="packed sequences (SFTConfig packing / padding_free)")
     heads = head_counts(getattr(model, "config", None))  # none: no attention layers (pure Mamba-2)
     ring = resolve_ring_size_for_layers(sp_size, heads, ring_size)

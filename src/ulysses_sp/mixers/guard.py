@@ -197,16 +197,16 @@ def check_document_mixing(model: Any, *, what: str = "packed documents") -> None
     plain-attention text model) and the mixers a handler claims (applied at sp 1 too). A module the
     guard refuses at sp > 1 mixes the whole row at sp 1, across documents; so does a sparse or
     compressed attention kind other than DSA's (its own forward picks keys from the whole row; DSA's
-    indexer runs per document through ``attention/indexer.py``). Those are refused for
-    packed rows here — with sp > 1 ``check_sequence_mixing`` refuses them anyway.
+    indexer runs per document through ``attention/indexer.py``), and DeepSeek-V4's pooled K/V (windows from
+    the row's first token, at every sp size). Those are refused for packed rows here.
     """
-    from ulysses_sp.attention.layer_kinds import refused_kind
+    from ulysses_sp.attention.layer_kinds import packed_refusal
 
     if not isinstance(model, nn.Module) or not hasattr(getattr(model, "config", None), "to_dict"):
         return
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    found = [f"layer {i}: {kind!r} attention picks its keys from the whole row"
-             for i, kind in enumerate(getattr(text, "layer_types", None) or ()) if refused_kind(text, kind)]  # fmt: skip
+    found = [f"layer {i}: {kind!r} {why}" for i, kind in enumerate(getattr(text, "layer_types", None) or ())
+             if (why := packed_refusal(text, kind))]  # fmt: skip
     found += refusals(model)
     if found:
         raise ValueError(

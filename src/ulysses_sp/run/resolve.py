@@ -94,7 +94,7 @@ def resolve_run(cfg: RunConfig, world_size: int, *, progress: bool | None = None
             settings=cfg.data_settings(), progress=cfg.progress if progress is None else progress,
         )  # fmt: skip
         check_scored(dataset, seq_len=cfg.seq_len, data=cfg.data)
-        if cfg.sp == 1 and getattr(dataset, "packs_documents", bool)():  # sp > 1: the guard refused it above
+        if getattr(dataset, "packs_documents", bool)():  # at sp > 1 too: DeepSeek-V4's pooled K/V mixes documents
             try:
                 check_document_mixing(meta, what=f"--packing {cfg.packing or 'best-fit'}: packed documents")
             except ValueError as e:
