@@ -33,7 +33,7 @@ documents are refused at every sp size (``mixers.guard.check_document_mixing``, 
 Cost per rank and layer: the halo ``[B, <2r, F]`` (``F``: the compressor's ``2 D`` or ``4 D`` projected
 features, the indexer's too), gathered as every rank's last ``min(S_l, 2r)`` tokens; the entries
 ``[B, S/r, D]`` (at 1M tokens, D 512, bf16: HCA's r 128 8 MiB, CSA's r 4 256 MiB); CSA's index keys
-``[B, S/r, D_idx]`` (64 MiB, no gradient) and picks ``[B, S_l, k]`` int64. Two all-gathers for the halo
+``[B, S/r, D_idx]`` (64 MiB, no gradient) and picks ``[B, S_l, k]`` int32 (half of the indexer's int64). Two all-gathers for the halo
 (kv, gate) and one for the entries (forward; an all-reduce each in backward), three more for CSA's indexer
 (no backward). Memory and FLOPs per rank shrink with ``P`` except the gathered entries (``S/r``).
 
@@ -157,7 +157,7 @@ def indexer_picks(indexer: nn.Module, call: PooledCall, hidden: torch.Tensor, q_
     _run_to_stop(indexer, hidden, q_residual, position_ids, call, layer_idx)  # its keys [B, S//r, D_idx]
     keys, (b, s_l) = call.stored, hidden.shape[:2]
     call.index_keys = keys
-    out = torch.full((b, s_l, min(indexer.index_topk, keys.shape[1])), -1, dtype=torch.long, device=hidden.device)
+    out = torch.full((b, s_l, min(indexer.index_topk, keys.shape[1])), -1, dtype=torch.int32, device=hidden.device)  # S/r < 2^31
     block = query_block(b, indexer.num_heads, max(1, keys.shape[1]), s_l)  # no entries yet: one block
     for a in range(0, s_l, block):  # [B, bq, H_idx, S//r] scores at a time -> [B, bq, k]
         e = min(a + block, s_l)
