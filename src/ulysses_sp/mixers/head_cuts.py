@@ -24,6 +24,7 @@ Shape legend: ``H``/``Hkv`` query/kv heads, ``D`` head dim, ``P`` sp size, ``H_l
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -140,8 +141,9 @@ def returned_biases(module: nn.Module, cut: HeadCut) -> list[str]:
             and n not in (*cut.qkv, cut.out)]  # fmt: skip
 
 
-def sp_problem(cut: HeadCut, sp_size: int) -> str | None:
-    """Why ``sp_size`` ranks cannot each take a whole share of the heads (``None``: they can)."""
+def sp_problem(cut: HeadCut | Any, sp_size: int) -> str | None:
+    """Why ``sp_size`` ranks cannot each take a whole share of the heads (``None``: they can); ``cut``: any
+    cut with ``heads`` and ``kv_heads`` (``pair_bias_cuts.PairCut`` too)."""
     if cut.heads % sp_size:
         return f"its {cut.heads} attention heads do not divide by sp_size {sp_size}"
     if cut.kv_heads % sp_size and sp_size % cut.kv_heads:

@@ -51,6 +51,7 @@ from torch.func import functional_call
 from ulysses_sp.mixers._kernels import check_layout, refuse_cache, replace_forward, require_positions
 from ulysses_sp.mixers.classify import ATTENTION, code_constants, verdict
 from ulysses_sp.mixers.documents import segments
+from ulysses_sp.mixers.head_cuts import sp_problem
 from ulysses_sp.mixers.own_scores import count_sp_call, full_mask, gather_seq, refuse_dropout, scatter_seq
 from ulysses_sp.mixers.pair_bias_cuts import (
     PairCut,
@@ -58,7 +59,6 @@ from ulysses_sp.mixers.pair_bias_cuts import (
     local_attrs,
     local_params,
     pair_cut,
-    sp_problem,
 )
 from ulysses_sp.parallel.comm import all_gather_seq
 

@@ -126,15 +126,6 @@ def pair_cut(module: nn.Module) -> PairCut | str:
     return PairCut(heads, kv, d, out_weight, tuple(cut), tuple(attrs))
 
 
-def sp_problem(cut: PairCut, sp_size: int) -> str | None:
-    """Why ``sp_size`` ranks cannot each take a whole share of the heads (``None``: they can)."""
-    if cut.heads % sp_size:
-        return f"its {cut.heads} attention heads do not divide by sp_size {sp_size}"
-    if cut.kv_heads % sp_size and sp_size % cut.kv_heads:
-        return f"its {cut.kv_heads} kv heads neither divide by sp_size {sp_size} nor divide it"
-    return None
-
-
 def local_params(module: nn.Module, cut: PairCut, sp_size: int, sp_rank: int) -> dict[str, torch.Tensor]:
     """Every cut parameter at rank ``sp_rank``'s heads (differentiable ``index_select``s of the real ones:
     autograd puts each gradient at its rows), and the output projection's bias as zeros."""
