@@ -1,7 +1,7 @@
 """``ulysses-sp train`` on a local vision-language model directory with chat JSONL with images
 (issue 24) and videos (issue 35): at sp 2 exactly as at sp 1 (per-step losses and gradient norms, fp32),
 for the README's tiny Qwen2.5-VL run as documented (images and a video clip, the frames split over the
-group) and for a Qwen3-VL on packed rows, one sample with a clip
+group) and for a Qwen3-VL on packed rows with assistant-only loss, one sample with a clip
 (each document's first-step loss as alone) loaded shard by shard at ZeRO 3 with activation
 checkpointing and --split-images off; real tokens counted; bad input
 and options that do not apply are refused before launch, naming the sample or the flag."""
@@ -117,9 +117,10 @@ def test_readme_vlm_cli_example_trains_at_sp2_as_at_sp1(tmp_path):
     assert videos > 0  # the clip read from clip.mp4 is in the steps compared
 
 
-def _documents_alone_loss(path, seq_len: int) -> float:
+def _documents_alone_loss(path, seq_len: int, loss_on: str) -> tuple[float, int]:
     """The first step's loss by the model's own forward (no SP, no packing) on each document of the
-    first packed row alone: the token mean over the row's documents (the oracle of a packed run)."""
+    first packed row alone: the token mean over the row's documents (the oracle of a packed run); and
+    how many samples with a video the first two rows hold."""
     import torch
     import torch.nn.functional as F
     from transformers import AutoModelForImageTextToText
@@ -128,12 +129,14 @@ def _documents_alone_loss(path, seq_len: int) -> float:
     from ulysses_sp.data.bestfit import plan_blocks
 
     cfg = RunConfig(model=str(path / "qwen3"), data=str(path / "chat.jsonl"), seq_len=seq_len, sp=1,
-                    output_dir=str(path / "unused"))  # fmt: skip
+                    output_dir=str(path / "unused"), loss_on=loss_on)  # fmt: skip
     samples = resolve_run(cfg, 1).dataset  # unpacked: one sample a row
     plan = plan_blocks(np.array([s["input_ids"].shape[1] for s in samples]), seq_len, packing="best-fit",
                        long_samples="truncate")  # fmt: skip
-    first = int(next(iter(sp_dataloader(range(len(plan)), batch_size=1, dp_size=1, sp_size=1, dp_rank=0,
-                                        sp_rank=0)))[0])  # fmt: skip
+    rows = [int(r[0]) for r in sp_dataloader(range(len(plan)), batch_size=1, dp_size=1, sp_size=1, dp_rank=0,
+                                             sp_rank=0)][:2]  # fmt: skip
+    first = rows[0]
+    videos = sum("video_grid_thw" in samples[int(i)] for r in rows for i in plan.sample[plan.offsets[r] : plan.offsets[r + 1]])
     model = AutoModelForImageTextToText.from_pretrained(str(path / "qwen3"), attn_implementation="sdpa")
     total, count = 0.0, 0
     for i in plan.sample[plan.offsets[first] : plan.offsets[first + 1]]:
@@ -144,16 +147,19 @@ def _documents_alone_loss(path, seq_len: int) -> float:
         total += float(F.cross_entropy(logits[0], target[0], ignore_index=-100, reduction="sum"))
         count += int((target != -100).sum())
     assert len(plan) < len(samples) and int(np.diff(plan.offsets)[first]) > 1  # the row packs documents
-    return total / count
+    return total / count, videos
 
 
-def test_cli_trains_packed_qwen3_vl_at_zero3_with_checkpointing_at_sp2_as_at_sp1(qwen3_dir):
+def test_cli_trains_packed_qwen3_vl_chats_assistant_only_with_a_video_at_zero3_at_sp2_as_at_sp1(qwen3_dir):
+    """Issue 35's done-when in one run: assistant-only loss, packing and a video, sp 2 = sp 1."""
     args = ["train", "--model", "qwen3", "--data", "chat.jsonl", "--seq-len", "160", "--steps", "2",
-            "--micro-batch-size", "1", "--packing", "best-fit"]  # fmt: skip
+            "--micro-batch-size", "1", "--packing", "best-fit", "--loss-on", "assistant"]  # fmt: skip
     one = _train(qwen3_dir, args, "z0sp1", sp=1, nproc=1)
     # packed rows at sp 1 go through the SP path (transformers' own forward would mix the documents): its
-    # first loss is that of each document alone through the model's own forward
-    assert abs(one[0]["loss"] - _documents_alone_loss(qwen3_dir, 160)) <= 1e-5 * one[0]["loss"]
+    # first loss is that of each document alone through the model's own forward, assistant tokens only
+    alone, videos = _documents_alone_loss(qwen3_dir, 160, "assistant")
+    assert abs(one[0]["loss"] - alone) <= 1e-5 * one[0]["loss"]
+    assert videos > 0  # the sample with the clip is in the two steps compared
     # weights loaded shard by shard; --split-images off: each rank encodes the frames its shard touches (the
     # README run above splits them over the group: auto, every micro-batch of two samples has >= 2 frames)
     three = _train(qwen3_dir, [*args, "--activation-checkpointing", "--split-images", "off"], "z3sp2", sp=2,
