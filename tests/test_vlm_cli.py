@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -311,3 +312,21 @@ def test_split_images_on_checks_each_micro_batch_by_its_frames():
         check_split({"image_grid_thw": torch.tensor([[1, 2, 2], [1, 2, 2], [1, 20, 20]])}, 3)
     with pytest.raises(ValueError, match=r"has 0 frame\(s\)"):  # text only
         check_split({"input_ids": torch.zeros(1, 4)}, 2)
+
+
+def test_the_fit_check_counts_the_towers_patches_on_the_busiest_rank(qwen3_dir):
+    """``--memory`` between the language model's peak and that peak plus the tower's activations (the
+    chat's biggest micro-batch, split over the group: ``plan.vision``) refuses the run before launch."""
+    import torch
+
+    from ulysses_sp.run.preflight import check_before_launch, prediction, vision_patches
+
+    run = _resolve(qwen3_dir)
+    patches = vision_patches(run.cfg, run.model_config, run.dataset)
+    assert patches > 0
+    text, whole = (prediction(run.cfg, 2, run.model_config, torch.device("cpu"), vision_patches=n) for n in (0, patches))
+    assert whole.breakdown["vision_tower"] > 0 and whole.peak_bytes > text.peak_bytes
+    cfg = replace(run.cfg, memory=str((text.peak_bytes + whole.peak_bytes) // 2))
+    with pytest.raises(ValueError, match=r"predicted peak per rank [\d,]+ bytes > [\d,]+ bytes \(--memory\)"):
+        check_before_launch(cfg, 2, run.model_config, vision_patches=patches)
+    check_before_launch(cfg, 2, run.model_config, vision_patches=0)  # without the tower it would have fit

@@ -253,12 +253,13 @@ def _check_before_launch(command: str, options: Any, nproc: int) -> Any:
     """Every check, once, before any worker starts; for ``train`` the resolved run the ranks get."""
     if command == "train":
         from ulysses_sp.run.lock import check_unlocked
-        from ulysses_sp.run.preflight import check_before_launch
+        from ulysses_sp.run.preflight import check_before_launch, vision_patches
         from ulysses_sp.run.resolve import resolve_run
 
         resolved = resolve_run(options, nproc)
         check_unlocked(options.output_dir)
-        check_before_launch(options, nproc, resolved.model_config)
+        check_before_launch(options, nproc, resolved.model_config,
+                            vision_patches=vision_patches(options, resolved.model_config, resolved.dataset))
         return resolved
     from ulysses_sp.cli.evaluate import validate_eval
 

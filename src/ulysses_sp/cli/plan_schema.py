@@ -71,6 +71,7 @@ BREAKDOWN: Schema = {
     "logits_loss": ("int", "the loss's fp32 workspace when the peak is at the loss; else 0"),
     "backward_workspace": ("int", "the worst layer's backward: its full activation set above what it keeps; 0 when the peak is elsewhere"),
     "grads_in_flight": ("int", "parameter gradients made so far when the peak is in the backward; else 0"),
+    "vision_tower": ("int", "a vision-language model's tower activations kept through the step (its patches on this rank; `plan.vision`); 0 for a text model or when the peak is the step"),
     "optimizer_workspace": ("int", "the optimizer step's temporaries when the peak is the step; else 0"),
     "reserve": ("int", "the device table's reserve for what is not modelled (allocator fragmentation, kernel scratch; `--reserve`)"),
 }  # fmt: skip

@@ -8,7 +8,10 @@ Used by ``plan`` (the memory and time model), ``preflight`` (a training run's ow
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ulysses_sp.plan.vision import VisionShape
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -86,6 +89,9 @@ class ModelShape:
     extra_params: int = 0
     """Parameters besides the language model's (a vision-language model's vision tower and merger):
     in the model states (sharded as the rest), in no decoder layer."""
+    vision: VisionShape | None = None
+    """A vision-language model's tower (``plan.vision.VisionShape``): its activations per patch;
+    ``None``: a text model."""
     qk_norm: bool = False
     """Norms on q and k after their projections (Qwen3, Gemma 3, OLMo 2): they keep the projections'
     outputs for their backward (``q + Hkv D`` per token)."""
@@ -189,6 +195,9 @@ class Settings:
     exchanged q/k/v), ``headwise`` or ``auto`` (packed below the link's per-piece threshold)."""
     device_type: str = "cuda"
     """``cpu``: single-tensor AdamW; accelerators: multi-tensor (whole-shard workspace)."""
+    vision_patches: int = 0
+    """A vision-language model's patches its vision tower encodes on one rank per micro-step (the
+    largest micro-batch's share: ``run.vlm.patches_per_rank``); 0: none or not known."""
 
     @property
     def world(self) -> int:

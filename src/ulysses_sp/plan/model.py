@@ -63,6 +63,7 @@ from ulysses_sp.plan.hardware import Hardware, link_gbps
 from ulysses_sp.plan.inputs import DTYPE_BYTES, ModelShape, Settings
 from ulysses_sp.plan.mixers import exchange_per_token
 from ulysses_sp.plan.mixers import memory_per_token as mixer_memory
+from ulysses_sp.plan.vision import tower_bytes
 
 
 @dataclass(frozen=True)
@@ -255,18 +256,17 @@ def memory(m: ModelShape, s: Settings, hw: Hardware | None = None) -> tuple[dict
     """``(breakdown, host_bytes)`` of one rank's peak; ``breakdown`` sums to the peak."""
     states, host_states, step_ws = _states(m, s)
     acts, host_acts = _activations(m, s, hw)
-    during_step = (
-        acts["activations"] + acts["logits_loss"] + acts["backward_workspace"] + acts["grads_in_flight"]
-    )
+    # a VLM's tower keeps its activations through the language model's forward and backward (plan.vision)
+    acts["vision_tower"], host_tower = tower_bytes(m.vision, s)
+    during_step = sum(acts.values())
     end = states["gradients"] + step_ws
     # the activation phases count the gradients made so far themselves; the step holds all of them
     if end >= during_step:
-        acts = {"activations": 0, "logits_loss": 0, "backward_workspace": 0, "grads_in_flight": 0}
-        breakdown = {**states, **acts, "optimizer_workspace": step_ws}
+        breakdown = {**states, **dict.fromkeys(acts, 0), "optimizer_workspace": step_ws}
     else:
         breakdown = {**states, "gradients": 0, **acts, "optimizer_workspace": 0}
     breakdown["reserve"] = hw.reserve_bytes if hw is not None else 0
-    return breakdown, host_states + host_acts
+    return breakdown, host_states + host_acts + host_tower
 
 
 def _flops(m: ModelShape, s: Settings) -> float:

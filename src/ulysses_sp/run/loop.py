@@ -126,7 +126,7 @@ def _run(resolved: ResolvedRun, stop: Any, held: ExitStack) -> dict[str, Any]:
             error = f"metrics ({cfg.metrics_path}, --report-to {cfg.report_to}): {type(e).__name__}: {e}"
     raise_if_any_rank_failed(error, mesh.reduce_group)
 
-    predicted = _preflight(cfg, world, resolved.model_config, mesh)  # before the model exists
+    predicted = _preflight(cfg, world, resolved, mesh)  # before the model exists
     sharded_load = cfg.zero_stage >= 2 and not tasks.is_preset(cfg.model)
     if sharded_load:  # parameters on meta; each rank fills only its shards after sharding
         model = init_empty_model(cfg.model, attn_implementation=cfg.attn)
@@ -178,12 +178,13 @@ def register_attention(cfg: RunConfig, model, model_config: Any, mesh) -> Any:
     )  # fmt: skip
 
 
-def _preflight(cfg: RunConfig, world: int, model_config: Any, mesh) -> str:
+def _preflight(cfg: RunConfig, world: int, resolved: ResolvedRun, mesh) -> str:
     """The planner's predicted peak (summary line); every rank refuses alike when it cannot fit."""
     from ulysses_sp.parallel.comm import raise_if_any_rank_failed
-    from ulysses_sp.run.preflight import check_fits, prediction
+    from ulysses_sp.run.preflight import check_fits, prediction, vision_patches
 
-    pred = prediction(cfg, world, model_config, mesh.device)
+    patches = vision_patches(cfg, resolved.model_config, resolved.dataset)
+    pred = prediction(cfg, world, resolved.model_config, mesh.device, vision_patches=patches)
     line, error = "", None
     try:
         line = check_fits(cfg, pred, mesh.device, world)

@@ -20,6 +20,7 @@ import torch
 from ulysses_sp.plan.hardware import DEVICES, Hardware, parse_bytes
 from ulysses_sp.plan.inputs import ModelShape, Settings
 from ulysses_sp.plan.model import Prediction, predict
+from ulysses_sp.plan.vision import VisionShape
 from ulysses_sp.run.config import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -108,14 +109,20 @@ def vlm_shape(config: Any, shape: ModelShape) -> ModelShape:
     return replace(shape, extra_params=extra) if extra else shape
 
 
-def prediction(cfg: RunConfig, world_size: int, model_config: Any, device: torch.device) -> Prediction:
+def prediction(
+    cfg: RunConfig, world_size: int, model_config: Any, device: torch.device, *, vision_patches: int = 0
+) -> Prediction:
     """The planner's prediction for this run (reserve 0 on CPU, the table's on accelerators). For a
     vision-language model: its language model's, with the vision tower's parameters in the states
-    (``vlm_shape``; the tower's activations are not in the prediction)."""
+    (``vlm_shape``) and its activations for ``vision_patches`` patches a rank encodes per micro-step
+    (``run.vlm.patches_per_rank``; ``plan.vision``)."""
     hw: Hardware = DEVICES["cpu" if device.type == "cpu" else "h100"]
     text = model_config.get_text_config()  # a text model's own config
-    shape = model_shape(text) if text is model_config else vlm_shape(model_config, ModelShape.from_hf_config(text))
-    return predict(shape, settings_for(cfg, world_size, device.type), hw)
+    settings = settings_for(cfg, world_size, device.type)
+    if text is model_config:
+        return predict(model_shape(text), settings, hw)
+    shape = replace(vlm_shape(model_config, ModelShape.from_hf_config(text)), vision=VisionShape.from_hf_config(model_config))
+    return predict(shape, replace(settings, vision_patches=vision_patches), hw)
 
 
 ALST_FLAGS = ("tiled_mlp", "tiled_loss", "activation_checkpointing", "offload_activations", "recompute_norms")
@@ -160,11 +167,20 @@ def check_fits(cfg: RunConfig, pred: Prediction, device: torch.device, world_siz
     return line
 
 
-def check_before_launch(cfg: RunConfig, world_size: int, model_config: Any) -> None:
+def vision_patches(cfg: RunConfig, model_config: Any, dataset: Any) -> int:
+    """For a vision-language run, the most patches one rank's tower encodes per micro-step
+    (``run.vlm.patches_per_rank``); 0 for a text run."""
+    from ulysses_sp.run.vlm import is_vlm_config, patches_per_rank
+
+    return patches_per_rank(dataset, cfg) if is_vlm_config(model_config) else 0
+
+
+def check_before_launch(cfg: RunConfig, world_size: int, model_config: Any, *, vision_patches: int = 0) -> None:
     """In the launching process, with ``--memory`` given: the same verdict before any rank starts."""
     if cfg.memory is None:
         return
     from ulysses_sp.parallel.mesh import default_device_type
 
     device = torch.device(default_device_type())
-    check_fits(cfg, prediction(cfg, world_size, model_config, device), device, world_size)
+    pred = prediction(cfg, world_size, model_config, device, vision_patches=vision_patches)
+    check_fits(cfg, pred, device, world_size)

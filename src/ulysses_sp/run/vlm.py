@@ -13,7 +13,9 @@ the vision tower's frames split over the SP group); this module is the CLI's sid
   cannot be split over the SP group too);
 - ``packs_vlm``/``vlm_shard``: ``--packing best-fit`` (``vlm.batch.pack_vlm_samples``: whole samples in rows
   of ``--seq-len``, documents apart, at sp 1 through the SP path too) and ``--split-images off``;
-- ``collate_vlm``: a micro-batch of such samples (or rows) as one processor-style batch (right-padded).
+- ``collate_vlm``: a micro-batch of such samples (or rows) as one processor-style batch (right-padded);
+- ``patches_per_rank``: the most patches one rank's vision tower encodes in a micro-step (the fit check's
+  tower term, ``plan.vision``).
 
 Shape legend: ``B`` micro-batch, ``S`` the batch's longest sample, ``N_p`` patches of the batch's images.
 """
@@ -108,6 +110,26 @@ def vlm_dataset(cfg: RunConfig, config: Any) -> list[dict[str, torch.Tensor]]:
         for i, sample in enumerate(samples):
             check_split(sample, cfg.sp, where=f"--data {cfg.data!r}, {'row' if packs_vlm(cfg) else 'sample'} {i},")
     return samples  # at --micro-batch-size > 1 the data round checks each micro-batch (VLMDataLoaderAdapter)
+
+
+def patches_per_rank(samples: list[dict[str, torch.Tensor]], cfg: RunConfig) -> int:
+    """The most patches one rank's vision tower encodes in a micro-step over ``samples`` (rows as the
+    run feeds them): the ``--micro-batch-size`` samples with the most patches together, each modality's
+    frames placed as ``vlm.split`` places them over the SP group (contiguous runs balanced by patch
+    count: the busiest rank's share), or all of them where a rank may encode every frame (``--split-images
+    off``, or too few frames to split: an upper bound of what the frames its shard touches hold)."""
+    from ulysses_sp.vlm.split import frame_owners, frames
+
+    grids = ("image_grid_thw", "video_grid_thw")
+    counts = lambda s, k: frames(s[k].cpu(), 1)[1] if s.get(k) is not None else torch.zeros(0, dtype=torch.long)  # noqa: E731
+    biggest = sorted(samples, key=lambda s: sum(int(counts(s, k).sum()) for k in grids))[-cfg.micro_batch_size:]
+    total = 0
+    for key in grids:  # each modality is encoded by its own tower call
+        patches = torch.cat([counts(s, key) for s in biggest]) if biggest else torch.zeros(0, dtype=torch.long)
+        split = cfg.sp > 1 and cfg.split_images != "off" and len(patches) >= cfg.sp
+        owners = frame_owners(patches, cfg.sp) if split else None
+        total += int(patches.sum()) if owners is None else int(torch.bincount(owners, patches, cfg.sp).max())
+    return total
 
 
 def collate_vlm(samples: list[dict[str, torch.Tensor]], *, pad_id: int) -> dict[str, torch.Tensor]:
