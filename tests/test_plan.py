@@ -222,3 +222,12 @@ def test_plan_goes_beyond_the_head_count_with_a_ring(capsys, tmp_path):
     assert build_parser().parse_args(args[1:]).ring_size == 2
     sp2 = [c for c in doc["candidates"] if c["settings"]["sp"] == 2]
     assert sp2 and all("ring_size" not in c["settings"] for c in sp2)
+
+
+def test_disk_layers_take_their_inputs_off_the_host_and_leave_the_device_as_it_was():
+    s = Settings(seq_len=1 << 20, sp=8, dtype="bf16", zero_stage=3, partition="all", tiled_mlp=True, tiled_loss=True,
+                 activation_checkpointing=True, offload_activations=True)  # fmt: skip
+    host, disk = (predict(LLAMA_8B, replace(s, disk_layers=k), DEVICES["h100"]) for k in (0, 3))
+    layer_input = (1 << 20) // 8 * LLAMA_8B.hidden * 2  # [S/P, h] bf16 per rank
+    assert host.host_bytes - disk.host_bytes == 3 * layer_input
+    assert host.peak_bytes == disk.peak_bytes

@@ -154,3 +154,52 @@ def test_remove_and_eval_do_not_offload():
     assert [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.model.layers] == hooks_before
     model(input_ids=ids).logits.sum().backward()
     assert handle.stats.offloaded_tensors == 2
+
+
+def test_disk_layers_write_the_first_inputs_to_files_same_numbers_no_host_bytes(tmp_path):
+    """``disk_layers=2`` of 4: those layers' inputs go to files (off both the device and the host count),
+    the other two to host memory; the same loss and gradients; every file gone after the backward."""
+    import os
+
+    layers, s, h = 4, 256, 64
+    ref = _checkpointed(tiny_model("llama", vocab=VOCAB, hidden=h, layers=layers))
+    model = copy.deepcopy(ref)
+    ids = global_batch(2, 1, s, VOCAB)
+    labels = shift(ids)
+    handle = enable_activation_offload(model, disk_dir=str(tmp_path), disk_layers=2)
+    written = []
+    with track_peak_memory("cpu", include=model.parameters()) as mem:
+        model.zero_grad(set_to_none=True)
+        loss = sp_causal_lm_loss(model(input_ids=ids, use_cache=False).logits, labels, None)
+        handle._disk._writer.submit(lambda: None).result()  # the writes queued so far have finished
+        written = [f for d in os.listdir(tmp_path) for f in os.listdir(tmp_path / d)]
+        host_after_forward = mem.host_current_bytes
+        loss.backward()
+    out = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    one = s * h * E
+    assert handle.stats.disk_bytes == 2 * one and handle.stats.offloaded_bytes == 2 * one
+    assert handle.stats.restored_bytes == 4 * one
+    assert len(written) == 2 and host_after_forward == 2 * one  # two layers' inputs in files, two on the host
+    assert [f for d in os.listdir(tmp_path) for f in os.listdir(tmp_path / d)] == []  # read back and removed
+    _assert_same(out, _step(ref, ids, labels))
+    handle.remove()
+    assert os.listdir(tmp_path) == []  # the store's directory too
+
+
+def test_disk_layers_out_of_range_is_refused():
+    model = _checkpointed(tiny_model("llama", vocab=VOCAB, layers=2))
+    with pytest.raises(ValueError, match=r"disk_layers 3 must be in \[0, 2\]"):
+        enable_activation_offload(model, disk_layers=3)
+
+
+@pytest.mark.parametrize("flags, match", [
+    ({"disk_layers": 2, "activation_checkpointing": True}, r"--disk-layers 2: must be >= 0, and > 0 only with --offload-activations"),
+    ({"disk_layers": -1}, r"--disk-layers -1: must be >= 0"),
+    ({"offload_dir": "/nvme", "activation_checkpointing": True, "offload_activations": True}, r"--offload-dir .* give --disk-layers N too"),
+])  # fmt: skip
+def test_disk_layer_options_that_do_nothing_are_refused(flags, match):
+    from ulysses_sp.run.checks import check_train_options
+    from ulysses_sp.run.config import RunConfig
+
+    with pytest.raises(ValueError, match=match):
+        check_train_options(RunConfig(**flags))

@@ -158,6 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--offload-activations", action="store_true", default=s,
                    help="checkpointed layer inputs to host memory (needs --activation-checkpointing)")  # fmt: skip
+    t.add_argument("--disk-layers", type=int, default=s, metavar="N",
+                   help="with --offload-activations: the first N layers' inputs to files under --offload-dir "
+                   "instead of host memory (when they outgrow the node's RAM)")  # fmt: skip
+    t.add_argument("--offload-dir", default=s, metavar="DIR",
+                   help="directory for --disk-layers' files, a local NVMe (default: the system's temporary directory)")  # fmt: skip
     t.add_argument("--recompute-norms", action="store_true", default=s,
                    help="RMSNorms in the layers keep only input and output, recomputed in backward (exact)")  # fmt: skip
     t.add_argument("--no-progress", dest="progress", action="store_false", default=s, help="no progress bar")

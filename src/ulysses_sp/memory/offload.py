@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
+from ulysses_sp.memory.disk_offload import DiskStore, _OnDisk
 from ulysses_sp.memory.meter import host_allocations
 
 logger = logging.getLogger(__name__)
@@ -46,11 +47,13 @@ class OffloadStats:
     """Counters of one ``ActivationOffloadHandle`` (cumulative since it was created)."""
 
     offloaded_tensors: int = 0
-    """Tensors moved to host."""
+    """Tensors moved to host memory."""
     offloaded_bytes: int = 0
-    """Bytes moved to host."""
+    """Bytes moved to host memory."""
     restored_bytes: int = 0
     """Bytes brought back to the device for backward."""
+    disk_bytes: int = 0
+    """Bytes written to files instead (``disk_layers``: ``memory.disk_offload``)."""
 
 
 class _Offloaded:
@@ -71,20 +74,24 @@ def _checkpoint_layers(model: nn.Module) -> list[nn.Module]:
 class ActivationOffloadHandle:
     """Returned by ``enable_activation_offload``; ``remove()`` uninstalls the hooks."""
 
-    def __init__(self, model: nn.Module, *, min_bytes: int) -> None:
+    def __init__(self, model: nn.Module, *, min_bytes: int, disk_dir: str | None = None, disk_layers: int = 0) -> None:
         self.stats = OffloadStats()
         self.min_bytes = min_bytes
         self._active: list[saved_tensors_hooks] = []
         self._streams: dict[torch.device, Any] = {}
         self._hooks = []
-        for layer in _checkpoint_layers(model):
+        layers = _checkpoint_layers(model)
+        self._disk = DiskStore(disk_dir) if disk_layers > 0 else None  # the first layers' inputs in files
+        self._on_disk = {id(layer) for layer in layers[:disk_layers]}
+        for layer in layers:
             self._hooks.append(layer.register_forward_pre_hook(self._enter))
             self._hooks.append(layer.register_forward_hook(self._exit, always_call=True))
 
     # -- hooks around each checkpointed layer --
     def _enter(self, layer: nn.Module, args: tuple) -> None:
         if layer.gradient_checkpointing and layer.training and torch.is_grad_enabled():
-            ctx = saved_tensors_hooks(self._pack, self._unpack)
+            pack = self._pack_to_disk if id(layer) in self._on_disk else self._pack
+            ctx = saved_tensors_hooks(pack, self._unpack)
             ctx.__enter__()
             self._active.append(ctx)
         else:
@@ -96,6 +103,19 @@ class ActivationOffloadHandle:
             ctx.__exit__(None, None, None)
 
     # -- pack / unpack --
+    def _stream(self, device: torch.device) -> Any:
+        """The side stream for ``device``'s copies to the host."""
+        if device not in self._streams:
+            self._streams[device] = torch.get_device_module(device.type).Stream(device)
+        return self._streams[device]
+
+    def _pack_to_disk(self, t: torch.Tensor) -> Any:
+        nbytes = t.numel() * t.element_size()
+        if nbytes < self.min_bytes or isinstance(t, nn.Parameter):
+            return t
+        self.stats.disk_bytes += nbytes
+        return self._disk.put(t, None if t.device.type == "cpu" else self._stream(t.device))
+
     def _pack(self, t: torch.Tensor) -> Any:
         nbytes = t.numel() * t.element_size()
         if nbytes < self.min_bytes or isinstance(t, nn.Parameter):
@@ -106,9 +126,7 @@ class ActivationOffloadHandle:
             with host_allocations(), torch.no_grad():
                 return _Offloaded(t.clone(), t.device, None)
         mod = torch.get_device_module(t.device.type)
-        stream = self._streams.get(t.device)
-        if stream is None:
-            stream = self._streams[t.device] = mod.Stream(t.device)
+        stream = self._stream(t.device)
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         stream.wait_stream(mod.current_stream(t.device))  # t is fully written
         with mod.stream(stream):
@@ -117,6 +135,9 @@ class ActivationOffloadHandle:
         return _Offloaded(host, t.device, stream.record_event())
 
     def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, _OnDisk):
+            self.stats.restored_bytes += packed.shape.numel() * packed.dtype.itemsize
+            return self._disk.get(packed)
         if not isinstance(packed, _Offloaded):
             return packed
         self.stats.restored_bytes += packed.host.numel() * packed.host.element_size()
@@ -130,6 +151,8 @@ class ActivationOffloadHandle:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self._disk is not None:
+            self._disk.close()
 
     def __repr__(self) -> str:
         return f"ActivationOffloadHandle(layers={len(self._hooks) // 2}, {self.stats})"
@@ -162,7 +185,9 @@ def enable_activation_checkpointing(model: nn.Module, *, use_reentrant: bool = F
         )
 
 
-def enable_activation_offload(model: nn.Module, *, min_bytes: int = 1) -> ActivationOffloadHandle:
+def enable_activation_offload(
+    model: nn.Module, *, min_bytes: int = 1, disk_dir: str | None = None, disk_layers: int = 0
+) -> ActivationOffloadHandle:
     """Offload the inputs of ``model``'s checkpointed layers to host memory (see module docstring).
 
     Args:
@@ -170,6 +195,9 @@ def enable_activation_offload(model: nn.Module, *, min_bytes: int = 1) -> Activa
             (``enable_activation_checkpointing(model)``, or transformers' own
             ``activation_checkpointing_enable()`` / ``gradient_checkpointing_enable()``).
         min_bytes: tensors smaller than this stay on the device.
+        disk_dir, disk_layers: the first ``disk_layers`` checkpointed layers' inputs go to files in a
+            fresh directory under ``disk_dir`` (default: the system's temporary directory) instead of
+            host memory (``memory.disk_offload``; removed when read and by ``remove()``).
 
     Returns:
         A handle with ``stats`` (bytes offloaded / restored) and ``remove()``.
@@ -190,4 +218,6 @@ def enable_activation_offload(model: nn.Module, *, min_bytes: int = 1) -> Activa
             "the layer inputs alone would save nothing. Call "
             "ulysses_sp.memory.offload.enable_activation_checkpointing(model) (or model.gradient_checkpointing_enable()) first"
         )
-    return ActivationOffloadHandle(model, min_bytes=min_bytes)
+    if disk_layers < 0 or disk_layers > len(layers):
+        raise ValueError(f"disk_layers {disk_layers} must be in [0, {len(layers)}] (the model's checkpointed layers)")
+    return ActivationOffloadHandle(model, min_bytes=min_bytes, disk_dir=disk_dir, disk_layers=disk_layers)

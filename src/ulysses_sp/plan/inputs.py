@@ -176,6 +176,8 @@ class Settings:
     activation_checkpointing: bool = False
     offload_activations: bool = False
     """Checkpointed layer inputs on the host."""
+    disk_layers: int = 0
+    """Of those, the first N layers' in files (``--disk-layers``): neither host nor device memory."""
     recompute_norms: bool = False
     """The decoder layers' RMSNorms keep only their output (the input is the layer's anyway) and
     recompute their internals in backward, one norm at a time (``--recompute-norms``)."""

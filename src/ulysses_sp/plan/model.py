@@ -234,7 +234,7 @@ def _activations(m: ModelShape, s: Settings, hw: Hardware | None = None) -> tupl
             worst_below, worst_full = below * e, full[layer]
     acts = {"activations": at_loss, "backward": worst_layer}
     phase = max(acts, key=acts.get)
-    host = m.layers * h * tok * e if (ckpt and s.offload_activations) else 0
+    host = (m.layers - s.disk_layers) * h * tok * e if (ckpt and s.offload_activations) else 0
     if s.attention == "blockwise":
         host += m.layers * (2 * q + 2 * kv) * tok * e
     if phase == "activations":

@@ -257,6 +257,13 @@ def check_train_options(cfg: RunConfig) -> None:
             "checkpointed layer keeps for backward to host memory; without checkpointing there is "
             "nothing it could offload"
         )
+    if cfg.disk_layers < 0 or (cfg.disk_layers and not cfg.offload_activations):
+        raise ValueError(
+            f"--disk-layers {cfg.disk_layers}: must be >= 0, and > 0 only with --offload-activations (it sends "
+            "the first layers' offloaded inputs to files instead of host memory)"
+        )
+    if cfg.offload_dir is not None and not cfg.disk_layers:
+        raise ValueError("--offload-dir names where --disk-layers writes its files; give --disk-layers N too")
     check_blockwise_options(cfg.attn, cfg.attn_chunk, cfg.offload_attention)
     positive_int("--head-chunks", cfg.head_chunks)
     if cfg.exchange not in EXCHANGES:

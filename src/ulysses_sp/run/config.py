@@ -113,6 +113,11 @@ class RunConfig(tasks.DataSettings):
     """Recompute each decoder layer in backward."""
     offload_activations: bool = False
     """Keep checkpointed layer inputs in host memory (needs ``activation_checkpointing``)."""
+    disk_layers: int = 0
+    """With ``offload_activations``: the first N layers' inputs go to files under ``offload_dir``
+    instead of host memory (``memory.disk_offload``)."""
+    offload_dir: str | None = None
+    """Directory for ``disk_layers``' files (a local NVMe); ``None``: the system's temporary directory."""
     recompute_norms: bool = False
     """Each RMSNorm inside the decoder layers keeps only its input and output and recomputes the rest
     in backward (``memory.norms``: exact, one more norm forward per norm)."""

@@ -50,7 +50,8 @@ def technique_steps(cfg: RunConfig) -> list[tuple[str, Callable[[nn.Module], Any
         ("--tiled-mlp", lambda model: apply_tiled_mlp(model, cfg.tiled_mlp_shards)),
         ("--recompute-norms", apply_norm_recompute),
         ("--activation-checkpointing", enable_activation_checkpointing),
-        ("--offload-activations", enable_activation_offload),
+        ("--offload-activations",
+         lambda model: enable_activation_offload(model, disk_dir=cfg.offload_dir, disk_layers=cfg.disk_layers)),
     ]
     return [(flag, fn) for flag, fn in steps if getattr(cfg, flag[2:].replace("-", "_"))]
 

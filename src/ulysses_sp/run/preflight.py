@@ -35,6 +35,7 @@ def settings_for(cfg: RunConfig, world_size: int, device_type: str) -> Settings:
         offload_states=cfg.cpu_offload, tiled_mlp=cfg.tiled_mlp, tiled_mlp_shards=cfg.tiled_mlp_shards,
         tiled_loss=cfg.tiled_loss, tiled_loss_shards=cfg.tiled_loss_shards,
         activation_checkpointing=cfg.activation_checkpointing, offload_activations=cfg.offload_activations,
+        disk_layers=cfg.disk_layers,
         recompute_norms=cfg.recompute_norms, head_chunks=cfg.head_chunks, exchange=cfg.exchange,
         head_blocks=not cfg.offload_attention,
         device_type=device_type,
