@@ -276,6 +276,38 @@ def test_attention_with_its_own_pair_bias_equals_no_sp(pool):
         assert pool.run(_pair_bias, sp, sp)[0] == [f"{a}{' packed' if p else ''}" for a, p, _ in cases]
 
 
+CASES_SEGMENT_BIAS = {  # float64; each row holds a zero id (the model's left padding: the row's count decides)
+    2: [("cpmant", False, F64)],
+    4: [("cpmant", False, F64)],  # (the model supports no activation checkpointing)
+}
+
+
+def _segment_bias(sp: int) -> list[str]:
+    done = _exact(sp, CASES_SEGMENT_BIAS[sp])
+    from ulysses_sp.mixers.guard import check_document_mixing
+
+    model = hybrid_model("cpmant")
+    with pytest.raises(ValueError, match=r"(?s)cannot be kept apart in CpmAntForCausalLM.*gives the row one prompt"):
+        check_document_mixing(model)
+    mesh = init_mesh((1, sp))
+    handle = apply_mixers(model, mesh)
+    s_l = S // sp
+    pos = _positions(True)[:, mesh.sp_rank * s_l : (mesh.sp_rank + 1) * s_l]
+    with pytest.raises(ValueError, match="CpmAntAttention: packed documents cannot be kept apart: its model reads no"):
+        model(input_ids=global_batch(3, B, S, vocab=V)[:, : pos.shape[1]], position_ids=pos, use_cache=False)
+    handle.remove()
+    return done + ["packed refused"]
+
+
+def test_cpmant_attention_over_its_prompt_prefixed_row_equals_no_sp(pool):
+    """CPM-Ant (``mixers/segment_bias.py``) at sp 2 and 4: its model's mask and segment/position bias built for
+    the whole prompt-prefixed row, its attention head-parallel over it, the prompt rows summed on every rank:
+    per-position logits and every gradient against the plain model (float64), a zero id in each row (its
+    left padding, counted over the row). Packed rows are refused (one prompt per row, attention both ways)."""
+    for sp, cases in CASES_SEGMENT_BIAS.items():
+        assert pool.run(_segment_bias, sp, sp)[0] == [a for a, _, _ in cases] + ["packed refused"]
+
+
 def test_attention_computing_its_own_scores_refuses_heads_that_do_not_divide():
     model = hybrid_model("bloom")
     mesh = SimpleNamespace(sp_size=3, sp_rank=0, ring_size=1)
