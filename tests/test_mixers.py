@@ -10,7 +10,8 @@ across a boundary, wherever it falls relative to the shards). Also: B/C groups f
 short convolutions alone at sp 2 and 4; Inkling, Inkling-2 and Inkling-2 Loop whole (their attention's pair
 bias head-parallel per document) at sp 1, 2 and 4. Phi-MoE,
 whose sliding window lives only in its mask (the SP attention is told it), at sp 2. MiniMax's lightning
-attention (heads sharded) at sp 1, 2 and 4. xLSTM (its mLSTM sharded by head) at sp 2 and 4.
+attention (heads sharded) at sp 1, 2 and 4. xLSTM (its mLSTM sharded by head) at sp 2 and 4. CPM-Ant (its
+model's mask and bias built for the whole prompt-prefixed row, its attention head-parallel) at sp 2 and 4.
 """
 
 from __future__ import annotations
