@@ -103,7 +103,7 @@ def hybrid_config(
     raise ValueError(arch)
 
 
-OWN_SCORES = ("bloom", "falcon", "gpt_neo", "mpt", "doge", "inkling", "inkling2", "inkling2_loop")
+OWN_SCORES = ("bloom", "falcon", "gpt_neo", "mpt", "doge", "inkling", "inkling2", "inkling2_loop", "cpmant")
 """Attention that computes its own scores (the head-parallel fallback, ``mixers/own_scores.py``): eager only."""
 
 
@@ -134,6 +134,12 @@ def _own_scores_config(arch: str, vocab: int, overrides: dict):
                                        max_position_embeddings=512, tie_word_embeddings=False), **overrides})  # fmt: skip
     if arch.startswith("inkling"):
         return _inkling_config(arch, vocab, overrides)
+    if arch == "cpmant":  # a prompt of 3 tokens before the row, attention both ways, a segment/relative-bucket bias
+        # (16 buckets to distance 32: log-spaced past 4); its prompt ids run to vocab + 3 x prompt_length
+        return tf.CpmAntConfig(vocab_size=vocab, hidden_size=32, num_attention_heads=4, dim_head=8, dim_ff=64,
+                               num_hidden_layers=2, dropout_p=0.0, position_bias_num_buckets=16,
+                               position_bias_max_distance=32, prompt_types=3, prompt_length=3, segment_types=3,
+                               use_cache=False, **overrides)  # fmt: skip
     return None
 
 

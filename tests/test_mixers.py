@@ -10,7 +10,8 @@ across a boundary, wherever it falls relative to the shards). Also: B/C groups f
 short convolutions alone at sp 2 and 4; Inkling, Inkling-2 and Inkling-2 Loop whole (their attention's pair
 bias head-parallel per document) at sp 1, 2 and 4. Phi-MoE,
 whose sliding window lives only in its mask (the SP attention is told it), at sp 2. MiniMax's lightning
-attention (heads sharded) at sp 1, 2 and 4. xLSTM (its mLSTM sharded by head) at sp 2 and 4.
+attention (heads sharded) at sp 1, 2 and 4. xLSTM (its mLSTM sharded by head) at sp 2 and 4. CPM-Ant (its
+model's mask and bias built for the whole prompt-prefixed row, its attention head-parallel) at sp 2 and 4.
 """
 
 from __future__ import annotations
@@ -276,6 +277,41 @@ def test_attention_with_its_own_pair_bias_equals_no_sp(pool):
         assert pool.run(_pair_bias, sp, sp)[0] == [f"{a}{' packed' if p else ''}" for a, p, _ in cases]
 
 
+CASES_SEGMENT_BIAS = {  # float64; each row holds a zero id (the model's left padding: the row's count decides)
+    2: [("cpmant", False, F64)],
+    4: [("cpmant", False, F64)],  # (the model supports no activation checkpointing)
+}
+
+
+def _segment_bias(sp: int) -> list[str]:
+    done = _exact(sp, CASES_SEGMENT_BIAS[sp])
+    if sp > 2:
+        return done
+    from ulysses_sp.mixers.guard import check_document_mixing
+
+    model = hybrid_model("cpmant")
+    with pytest.raises(ValueError, match=r"(?s)cannot be kept apart in CpmAntForCausalLM.*gives the row one prompt"):
+        check_document_mixing(model)
+    mesh = init_mesh((1, sp))
+    handle = apply_mixers(model, mesh)
+    s_l = S // sp
+    pos = _positions(True)[:, mesh.sp_rank * s_l : (mesh.sp_rank + 1) * s_l]
+    with pytest.raises(ValueError, match="CpmAntAttention: packed documents cannot be kept apart: its model reads no"):
+        model(input_ids=global_batch(3, B, S, vocab=V)[:, : pos.shape[1]], position_ids=pos, use_cache=False)
+    handle.remove()
+    return done + ["packed refused"]
+
+
+def test_cpmant_attention_over_its_prompt_prefixed_row_equals_no_sp(pool):
+    """CPM-Ant (``mixers/segment_bias.py``) at sp 2 and 4: its model's mask and segment/position bias built for
+    the whole prompt-prefixed row, its attention head-parallel over it, the prompt rows summed on every rank:
+    per-position logits and every gradient against the plain model (float64), a zero id in each row (its
+    left padding, counted over the row). Packed rows are refused (one prompt per row, attention both ways): by
+    ``check_document_mixing`` before a step, and by the handler at sp 2."""
+    for sp, cases in CASES_SEGMENT_BIAS.items():
+        assert pool.run(_segment_bias, sp, sp)[0] == [a for a, _, _ in cases] + ["packed refused"] * (sp == 2)
+
+
 def test_attention_computing_its_own_scores_refuses_heads_that_do_not_divide():
     model = hybrid_model("bloom")
     mesh = SimpleNamespace(sp_size=3, sp_rank=0, ring_size=1)
@@ -375,7 +411,7 @@ def test_every_mixer_is_claimed_and_nothing_else():
     claimed = {}
     for arch in ("lfm2", "nemotron_h", "falcon_h1", "granitemoehybrid", "bamba", "mamba2", "mamba", "falcon_mamba",
                  "jamba", "zamba", "opt", "biogpt", "bloom", "gpt_neo", "zaya", "phimoe", "musicgen",
-                 "musicgen_melody", "recurrent_gemma", "rwkv", "minimax", "xlstm", "doge", "inkling2"):  # fmt: skip
+                 "musicgen_melody", "recurrent_gemma", "rwkv", "minimax", "xlstm", "doge", "inkling2", "cpmant"):  # fmt: skip
         model = hybrid_model(arch)
         claimed[arch] = sorted(
             {(type(m).__name__, h.name) for m in model.modules() if (h := claimed_by(m, HANDLERS))}
@@ -408,6 +444,7 @@ def test_every_mixer_is_claimed_and_nothing_else():
         "inkling2": [("Inkling2BlockAttentionResidual", "depth_attention"), ("Inkling2DynamicShortConvolution", "causal_window"),
                      ("Inkling2FullAttention", "pair_bias"), ("Inkling2ShortConvolution", "causal_window"),
                      ("Inkling2SlidingAttention", "pair_bias")],  # the convolutions inside attention: run with it
+        "cpmant": [("CpmAntAttention", "segment_bias"), ("CpmAntModel", "segment_bias")],  # the model builds the row's bias
     }
     assert not needs_plain_layout(hybrid_model("opt")) and needs_plain_layout(hybrid_model("jamba"))
     assert not needs_plain_layout(hybrid_model("phimoe")) and needs_plain_layout(hybrid_model("zaya"))

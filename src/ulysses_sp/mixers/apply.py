@@ -29,6 +29,7 @@ from ulysses_sp.mixers import (
     pair_bias,
     rg_lru,
     rwkv,
+    segment_bias,
     short_conv,
 )
 from ulysses_sp.mixers._kernels import is_sharded
@@ -39,7 +40,8 @@ from ulysses_sp.mixers.documents import PositionTracker
 
 HANDLERS: tuple[MixerHandler, ...] = (
     short_conv.HANDLER, mamba2.HANDLER, mamba1.HANDLER, mamba1.HEADS_HANDLER, gated_delta.HANDLER, kda.HANDLER,
-    kda.FULL_GATE_HANDLER, learned_positions.HANDLER, own_scores.HANDLER, pair_bias.HANDLER, depth_attention.HANDLER,
+    kda.FULL_GATE_HANDLER, learned_positions.HANDLER, own_scores.HANDLER, pair_bias.HANDLER, segment_bias.HANDLER,
+    depth_attention.HANDLER,
     causal_window.HANDLER, mask_window.HANDLER,
     counted_positions.HANDLER, rg_lru.HANDLER, rwkv.HANDLER, lightning.HANDLER, mlstm.HANDLER,
 )
@@ -68,7 +70,8 @@ def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
     """Shard every short-convolution, Mamba-2, Mamba-1, gated delta-net, KDA (both gates), RG-LRU, RWKV,
     lightning-attention and mLSTM (xLSTM) mixer of ``model`` over ``mesh``'s SP group, give every causal-window module (convolutions inside projections)
     its halo, hold learned and self-numbering position tables to the shard's global position ids, run
-    attention that computes its own scores or its own pair bias head-parallel, and tell the SP attention a sliding window the
+    attention that computes its own scores or its own pair bias head-parallel (CPM-Ant's over its
+    prompt-prefixed row), and tell the SP attention a sliding window the
     model applies only through its mask.
 
     Checks every mixer before changing any (``ValueError`` listing each that cannot be sharded at
@@ -93,6 +96,7 @@ def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
         learned_positions.LearnedPositionsHandler(positions),
         own_scores.OwnScoresHandler(positions),
         pair_bias.PairBiasHandler(positions),
+        segment_bias.SegmentBiasHandler(positions),
         depth_attention.DepthAttentionHandler(positions),
         causal_window.CausalWindowHandler(positions),
         mask_window.MaskWindowHandler(positions),

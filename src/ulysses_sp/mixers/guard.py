@@ -197,8 +197,9 @@ def check_document_mixing(model: Any, *, what: str = "packed documents") -> None
     plain-attention text model) and the mixers a handler claims (applied at sp 1 too). A module the
     guard refuses at sp > 1 mixes the whole row at sp 1, across documents; so does a sparse or
     compressed attention kind other than DSA's (its own forward picks keys from the whole row; DSA's
-    indexer runs per document through ``attention/indexer.py``), and DeepSeek-V4's pooled K/V (windows from
-    the row's first token, at every sp size). Those are refused for packed rows here.
+    indexer runs per document through ``attention/indexer.py``), DeepSeek-V4's pooled K/V (windows from
+    the row's first token, at every sp size), and a claimed module whose handler says so (``packed_refusal``:
+    CPM-Ant's one prompt per row). Those are refused for packed rows here.
     """
     from ulysses_sp.attention.layer_kinds import packed_refusal
 
@@ -208,6 +209,7 @@ def check_document_mixing(model: Any, *, what: str = "packed documents") -> None
     found = [f"layer {i}: {kind!r} {why}" for i, kind in enumerate(getattr(text, "layer_types", None) or ())
              if (why := packed_refusal(text, kind))]  # fmt: skip
     found += refusals(model)
+    found += _packed_refusals(model)
     if found:
         raise ValueError(
             f"{what} cannot be kept apart in {type(model).__name__}: these modules mix tokens across the "
@@ -215,6 +217,18 @@ def check_document_mixing(model: Any, *, what: str = "packed documents") -> None
             + "\n  ".join(found) + "\nTrain it with one sample per row (--packing none), or, for a custom "
             "module that does act on every token alone, call ulysses_sp.declare_position_wise(ItsClass) first."
         )
+
+
+def _packed_refusals(model: nn.Module) -> list[str]:
+    """Claimed modules whose handler says packed documents cannot be kept apart in them (``packed_refusal``:
+    CPM-Ant's attention over one prompt-prefixed row), once per class."""
+    out: dict[str, str] = {}
+    for name, module in model.named_modules():
+        handler = claimed_by(module, SUPPORTED_MIXERS)
+        why = getattr(handler, "packed_refusal", lambda _: None)(module) if handler is not None else None
+        if why:
+            out.setdefault(type(module).__name__, f"{name} ({type(module).__name__}): {why}")
+    return list(out.values())
 
 
 def _walk(
