@@ -121,6 +121,11 @@ def _exact(sp: int, cases: list[tuple[str, bool, dict]]) -> list[str]:
         top = max(r.abs().max().item() for r in ref_grads.values())
         for n in [n for n in grads if n.endswith("k_proj.bias")]:
             assert max(grads.pop(n).abs().max(), ref_grads.pop(n).abs().max()) < 1e-6 * top, n
+        # a one-element parameter (Inkling's MoE gate scale) sums signed terms over every token: fp32 rounding
+        # in another summation order is relative to those terms, not to their (cancelling) sum: held to 1e-5 of
+        # the model's largest gradient, as every other gradient's elements are to their tensor's largest
+        for n in [n for n, g in grads.items() if g.numel() == 1]:
+            torch.testing.assert_close(grads.pop(n), ref_grads.pop(n), rtol=1e-4, atol=1e-5 * top, msg=n)
         # atol 1e-5 x the largest reference gradient (the loss is a sum over B*S*V projected logits)
         assert_grads_close(grads, ref_grads, atol_cap=math.inf)
         handle.remove()
