@@ -46,7 +46,7 @@ def _reference(ref, ids, docs, weight):
     return logits, (logits * weight).sum()
 
 
-def _sp_run(ref, mesh, sp, ring, chunks, ids, pos, weight, ckpt=False, scope="block", **opts):
+def _sp_run(ref, mesh, sp, ring, chunks, ids, pos, weight, ckpt=False, scope="block", overlap=False, **opts):
     """The model under SP with ``chunks`` head groups: ``scope`` "block" (the whole attention block per
     group, ``attention/head_blocks.py``) or "core" (the function-level groups, the block wrappers removed)."""
     model = copy.deepcopy(ref)
@@ -55,7 +55,7 @@ def _sp_run(ref, mesh, sp, ring, chunks, ids, pos, weight, ckpt=False, scope="bl
         model.train()
     reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1, mesh=mesh, head_chunks=chunks,
                                                           **opts)  # fmt: skip
-    blocks = reg.head_blocks
+    blocks, reg.attention.head_chunk_overlap = reg.head_blocks, overlap
     if blocks is not None and scope == "core":
         blocks.remove()
     cols = torch.cat([torch.arange(a, b) for a, b in shard_spans(ids.shape[1], mesh.sp_rank, sp, ring)])
@@ -121,6 +121,39 @@ def _compare(sp, ring, heads, kv, chunks, packed, offload=False, ckpt=False):
 )
 def test_head_chunks_equal_unchunked_and_no_sp(pool, sp, ring, heads, kv, chunks, packed, offload, path, ckpt):
     assert set(pool.run(_compare, sp, sp, ring, heads, kv, chunks, packed, offload, ckpt)) == {path}
+
+
+def _overlapped(sp, heads, kv, chunks, ckpt):
+    """``head_chunk_overlap`` on the whole block per group (``attention/block_overlap.py``): every group's
+    q/k/v exchange posted before the previous group's core, in forward and the checkpoint's recompute;
+    per-position logits and every gradient bitwise those of the groups one at a time, and equal to no SP."""
+    from ulysses_sp.attention import block_overlap
+
+    mesh = init_mesh((1, sp))
+    ref = tiny_model("llama", heads=heads, kv_heads=kv, hidden=8 * heads)
+    ids, pos = global_batch(5, 1, sum(DOCS)), torch.cat([torch.arange(n) for n in DOCS])[None]
+    weight = torch.randn(1, ids.shape[1], ref.config.vocab_size, generator=torch.Generator().manual_seed(7))
+    ref_logits, ref_loss = _reference(ref, ids, DOCS, weight)
+    ref_loss.backward()
+    plain_logits, plain_grads, cols, _ = _sp_run(ref, mesh, sp, 1, chunks, ids, pos, weight, ckpt)
+    posts, real = [], block_overlap.Deferred.post
+    block_overlap.Deferred.post = lambda self, *a: posts.append(1) or real(self, *a)
+    try:
+        logits, grads, _, _ = _sp_run(ref, mesh, sp, 1, chunks, ids, pos, weight, ckpt, overlap=True)
+    finally:
+        block_overlap.Deferred.post = real
+    assert len(posts) == ref.config.num_hidden_layers * chunks * (2 if ckpt else 1), len(posts)
+    assert torch.equal(logits, plain_logits) and all(torch.equal(grads[n], plain_grads[n]) for n in grads)
+    torch.testing.assert_close(logits, ref_logits[:, cols], rtol=1e-5, atol=1e-6)
+    assert_grads_close(grads, {n: p.grad for n, p in ref.named_parameters()}, atol_cap=math.inf)
+    return True
+
+
+@pytest.mark.parametrize("sp, heads, kv, chunks, ckpt", [(2, 8, 2, 4, True), (4, 8, 2, 2, False)])
+def test_head_blocks_overlapped_exchange_bitwise_the_groups_in_turn_and_equal_no_sp(pool, sp, heads, kv, chunks, ckpt):
+    """sp 2: GQA, 4 groups sharing kv heads, packed documents, checkpointed (the recompute overlapped too);
+    sp 4: fewer kv heads than ranks (each rank's group block computes its kv head)."""
+    assert pool.run(_overlapped, sp, sp, heads, kv, chunks, ckpt) == [True] * sp
 
 
 def _block_peaks():
