@@ -171,11 +171,13 @@ def register_attention(cfg: RunConfig, model, model_config: Any, mesh) -> Any:
 
     if not sp_attention_wanted(cfg, model_config):
         return None
-    return UlyssesSPAttentionHF.register_with_transformers(
+    reg = UlyssesSPAttentionHF.register_with_transformers(
         model, cfg.attn, cfg.sp, cfg.micro_batch_size, seq_length=cfg.seq_len, mesh=mesh,
         attn_chunk=cfg.attn_chunk, offload_attention=cfg.offload_attention, head_chunks=cfg.head_chunks,
         exchange=cfg.exchange,
     )  # fmt: skip
+    reg.attention.head_chunk_overlap = cfg.head_chunk_overlap  # read at every call (attention/block_overlap.py)
+    return reg
 
 
 def _preflight(cfg: RunConfig, world: int, model_config: Any, mesh) -> str:
