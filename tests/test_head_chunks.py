@@ -426,10 +426,52 @@ def test_planner_exchange_buffers_scale_by_head_chunks():
     blocks = replace(cuda, head_blocks=True)
     terms = [attention_terms(LLAMA_8B, replace(blocks, head_chunks=n), hw, 0) for n in (2, 4)]
     assert terms[0].saved == terms[1].saved == LLAMA_8B.hidden and terms[1].core < terms[0].core
+    # --head-chunk-overlap: a second group's send/receive buffers, its output buffer and one output exchange
+    from ulysses_sp.plan.attention import block_groups
+
+    over = attention_terms(LLAMA_8B, replace(blocks, head_chunks=4, head_overlap=True), hw, 0)
+    gq, gkv = block_groups(LLAMA_8B, replace(blocks, head_chunks=4))
+    assert over.recompute - terms[1].recompute == 5 * gq + 4 * gkv and over.workspace == terms[1].workspace
+    assert attention_terms(LLAMA_8B, replace(blocks, sp=1, head_chunks=4, head_overlap=True), hw, 0) == \
+        attention_terms(LLAMA_8B, replace(blocks, sp=1, head_chunks=4), hw, 0)  # sp 1: no exchange to overlap
     grouped = [predict(LLAMA_8B, replace(cuda, head_chunks=4, head_blocks=b), hw).peak_bytes for b in (False, True)]
     assert grouped[1] < grouped[0], grouped
     one_gpu = replace(blocks, sp=1, head_chunks=8, offload_states=True, recompute_norms=True)
     assert max_seq_len(LLAMA_8B, one_gpu, hw) > 1.2 * max_seq_len(LLAMA_8B, replace(one_gpu, head_blocks=False), hw)
+
+
+def test_head_chunk_overlap_flag_taken_and_refused_where_it_has_nothing_to_overlap():
+    from ulysses_sp.cli.args import build_parser
+    from ulysses_sp.run.checks import check_train_options
+    from ulysses_sp.run.config import RunConfig
+
+    assert build_parser().parse_args(["train", "--head-chunk-overlap"]).head_chunk_overlap is True
+    check_train_options(RunConfig(sp=2, head_chunks=2, head_chunk_overlap=True))
+    for sp, chunks in ((2, 1), (1, 2)):
+        with pytest.raises(ValueError, match=rf"--head-chunk-overlap .* needs --head-chunks > 1 \(got {chunks}\) and "
+                                             rf"--sp > 1 \(got {sp}, no exchange at 1\)"):  # fmt: skip
+            check_train_options(RunConfig(sp=sp, head_chunks=chunks, head_chunk_overlap=True))
+
+
+def test_rehearsal_time_projects_the_exchange_hidden_behind_the_core_under_overlap():
+    """``rehearse.timing``: under overlap the forward passes' exchanges (2 of 4 with checkpointing) but each
+    pass's first in and last out (1 of N) hide, up to the overlapped passes' attention cores (2 of 3)."""
+    from types import SimpleNamespace
+
+    from ulysses_sp.plan.hardware import DEVICES, link_gbps
+    from ulysses_sp.rehearse.timing import project
+
+    hw = DEVICES["h100"]
+    a2a_bytes, second = 8e9, hw.tflops["bf16"] * 1e12 * hw.mfu  # FLOPs of one second
+    a2a = a2a_bytes / (link_gbps(hw, 8) * 1e9)
+    kw = dict(dtype="bf16", sp=8, shard_group=8, tokens=1 << 16, head_groups=4, checkpointed=True)
+    for core_s, hidden in ((100 * a2a, a2a * 2 / 4 * 3 / 4), (a2a / 100, a2a / 100 * 2 / 3)):
+        result = SimpleNamespace(flops=int(200 * a2a * second), attention_forward_flops=int(core_s * second),
+                                 collectives={"alltoall_base": {"bytes": a2a_bytes}}, host_traffic={})  # fmt: skip
+        plain, over = project(result, hw, **kw), project(result, hw, **kw, head_overlap=True)
+        assert plain.all_to_all_hidden_s == 0 and plain.all_to_all_s == pytest.approx(a2a)
+        assert over.all_to_all_hidden_s == pytest.approx(hidden, rel=1e-6)
+        assert over.step_s == pytest.approx(plain.step_s - hidden) and over.all_to_all_hidden_fraction == pytest.approx(hidden / a2a)
 
 
 def _register_refused(chunks):

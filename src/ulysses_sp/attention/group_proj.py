@@ -6,7 +6,9 @@ weight, and what a whole-layer linear would leave behind is never made:
 
 - **forward** (no autograd): q/k/v ``x W_g^T + b_g``; ``o_proj`` adds ``a W_{o,g}^T`` into the block's
   output in place (``addmm_``; the bias in group 0 only) and returns a placeholder of the output's shape
-  that holds no memory (a one-element tensor expanded);
+  that holds no memory (a one-element tensor expanded); overlapped (``attention/block_overlap.py``) the
+  attention output is still on its way: ``o_proj`` checks its input is a reshape of the buffer the attention
+  handed out and records the ``addmm_`` for when the output has landed;
 - **backward** (the group run again under autograd, its placeholder output back-propagated with the
   layer's output gradient): ``o_proj``'s backward gives the group's attention-output gradient; q/k/v's
   add their input gradient into the block's input gradient in place (``addmm_``: no ``[B, S_l, h]``

@@ -24,6 +24,10 @@ over groups in the input's dtype, the weight gradients written into full-size bu
 rows/columns (summed where groups share a parameter). Activation checkpointing recomputes the layer
 anyway, so the extra cost is one more attention block forward per layer.
 
+**Overlap** (the attention's ``head_chunk_overlap``, at ``P > 1`` without a ring or sinks): the forward
+runs the groups pipelined (``attention/block_overlap.py``): the next group's q/k/v exchange in flight
+during this group's core; two groups' exchanges alive. The backward stays one group at a time.
+
 Modules this cannot cut (a fused qkv projection, a gated q projection, a norm over every head's
 width, MLA's latent projections) keep the function-level head groups; so do KV-cache calls,
 Ulysses-Offload and attention dropout in training (random per call, so a recomputed group would not
@@ -126,10 +130,10 @@ CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")
 """Keyword arguments carrying a KV cache (a call that updates one runs the module whole)."""
 
 Run = Callable[..., torch.Tensor]
-"""``run(g, index, x [B, S_l, h], others, grads, out, dout=None)``: group ``g``'s block (``index``: its
-``_indices``) with ``others`` (the parameters
-that are not projections) in place of the module's; in forward ``out`` accumulates, in backward ``grads`` (the
-group's output back-propagated with ``dout`` inside the call)."""
+"""``run(g, index, x [B, S_l, h], others, grads, out, dout=None, defer=None)``: group ``g``'s block (``index``:
+its ``_indices``) with ``others`` (the parameters that are not projections) in place of the module's; in forward
+``out`` accumulates (``defer``: overlapped, the exchange posted and ``o_proj`` recorded), in backward ``grads``
+(the group's output back-propagated with ``dout`` inside the call)."""
 
 
 class _HeadBlocks(torch.autograd.Function):
