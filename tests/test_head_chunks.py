@@ -440,6 +440,26 @@ def test_planner_exchange_buffers_scale_by_head_chunks():
     assert max_seq_len(LLAMA_8B, one_gpu, hw) > 1.2 * max_seq_len(LLAMA_8B, replace(one_gpu, head_blocks=False), hw)
 
 
+def test_overlapped_o_proj_waits_for_the_attention_output_and_refuses_a_changed_one():
+    """Overlapped, a group's ``o_proj`` records its product on the buffer the attention handed out (run when
+    the output has landed) and refuses an input that is not that buffer (the module changed it)."""
+    from types import SimpleNamespace
+
+    from ulysses_sp.attention.group_proj import GroupProj
+
+    linear, out = torch.nn.Linear(8, 6), torch.zeros(1, 3, 6)
+    buf = torch.empty(1, 3, 2, 2)  # [B, S_l, H_g, D]: empty until the output lands
+    defer = SimpleNamespace(buffer=buf, then=None)
+    proj = GroupProj(linear, "o_proj", torch.tensor([4, 5, 6, 7]), out=out, grads=None, first=True, defer=defer)
+    proj(buf.reshape(1, 3, 4))
+    assert defer.then is not None and not out.any()  # nothing read from the buffer yet
+    buf.copy_(torch.randn(1, 3, 2, 2))
+    defer.then()
+    torch.testing.assert_close(out, linear(torch.cat([torch.zeros(1, 3, 4), buf.reshape(1, 3, 4)], -1)))
+    with pytest.raises(ValueError, match="changes its attention output before o_proj.*turn head_chunk_overlap off"):
+        proj(buf.reshape(1, 3, 4) * 2)
+
+
 def test_head_chunk_overlap_flag_taken_and_refused_where_it_has_nothing_to_overlap():
     from ulysses_sp.cli.args import build_parser
     from ulysses_sp.run.checks import check_train_options
