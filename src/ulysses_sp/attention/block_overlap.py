@@ -23,8 +23,8 @@ order the use; the caching allocator cannot reuse a held buffer). The math is th
 at a time: the same core on the same heads, the same ``o_proj`` sums in the same group order: bitwise.
 
 Memory: two groups' exchanged q/k/v (one arriving, one attended), the next group's output buffer and
-one output exchange in flight: about ``3 gq + 4 gkv`` elements per local token above one group at a time
-(``plan/attention.py``). Backward (each group's block again under autograd, its gradients taken inside
+one output exchange in flight: ``7 gq + 6 gkv`` elements per local token above one group at a time
+(``plan/attention.py``: ``gq``/``gkv`` a group's query/kv features over the ``P`` ranks; measured there). Backward (each group's block again under autograd, its gradients taken inside
 the group's call) runs the groups one at a time: the module's backward must run inside the group's
 ``functional_call`` scope. Not used where the layer's attention is not a plain Ulysses exchange
 (the hybrid ring, Ulysses-Offload) or the module has per-head parameters (sinks: the core reads the

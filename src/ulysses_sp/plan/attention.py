@@ -60,11 +60,14 @@ class AttentionTerms:
     """The checkpoint recompute's set of the attention block per head group (0: the model's own)."""
 
 
-OVERLAP_GQ, OVERLAP_GKV = 5, 4
+OVERLAP_GQ, OVERLAP_GKV = 7, 6
 """The block forward's elements per local token above one group at a time under ``head_overlap``
-(``attention/block_overlap.py``), in a group's query / kv features: the next group's packed send and
-receive buffers (``2 gq + 4 gkv``), its output buffer (``gq``) and the previous group's output exchange
-(send and receive, ``2 gq``)."""
+(``attention/block_overlap.py``), in a group's query / kv features: the next group's q/k/v three times
+(projections, packed send and receive buffers, or receive and unpacked: ``3 gq + 6 gkv``), its output
+buffer (``gq``), the previous group's output exchange (send and receive, ``2 gq``) and its output buffer
+(``gq``). Measured (the library's meter, one attention-dominated layer's forward, sp 2, 4096 tokens, D 64,
+4 groups): 12 ``gq`` with 16 heads (``gkv = gq``), 9 with 16:4 GQA (``gkv = gq/2``), 13 with one query head
+per group (8 heads); 9 and 6 with 2 groups (a shorter pipeline)."""
 
 
 def block_groups(m: ModelShape, s: Settings) -> tuple[int, int] | None:
