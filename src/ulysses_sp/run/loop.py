@@ -151,7 +151,8 @@ def _run(resolved: ResolvedRun, stop: Any, held: ExitStack) -> dict[str, Any]:
     if rank == 0:
         blocks = getattr(mpu, "head_blocks", None)  # --head-chunks: which attention modules run per group, how
         logger.info(startup_summary(cfg, engine, model, dataset, resume_dir) + "\n" + predicted
-                    + ("\n" + blocks.describe(cfg.head_chunks) if blocks is not None else ""))  # fmt: skip
+                    + ("\n" + blocks.describe(cfg.head_chunks) if blocks is not None else "")
+                    + ("; the next group's exchange behind each group's core" if cfg.head_chunk_overlap else ""))  # fmt: skip
         if unpartitioned_warning(cfg, world):
             logger.warning(unpartitioned_warning(cfg, world))
     try:
