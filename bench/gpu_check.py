@@ -6,7 +6,7 @@ after a warm-up), ``torch.cuda.max_memory_allocated``, the loss or the exception
 26): 19 packed documents through the per-document sdpa and the varlen path (``attention/varlen.py``), bf16, vs a
 dense block-diagonal fp32 reference (output and q/k/v gradients), time, peak. ``head-chunks`` (issue 26): 2 ranks
 (NCCL on 2 GPUs, else one GPU over gloo), a 2-layer Llama, 4 packed documents, ``head_chunks`` 1 vs 4: the
-difference and each one's peak, the exchanges packed and head by head (issue 37). Writes ``bench/results/gpu_check.md``.
+difference and each one's peak, the exchanges packed and head by head, 4 groups overlapped (issue 37). Writes ``bench/results/gpu_check.md``.
 
 Run on a CUDA machine (~10 minutes): ``python -m bench.gpu_check [--only packed head-chunks]``; ``--device cpu``
 runs ``packed`` and ``head-chunks`` small in fp32 (a smoke; varlen is CUDA-only). Benchmark code may name CUDA.
@@ -118,7 +118,7 @@ def packed_rows(seq: int, device: str, dtype: torch.dtype) -> list[list]:
 
 
 def head_chunk_rows(seq: int, device: str) -> list:
-    """A rank of 2: fwd+bwd, ``head_chunks`` 1 (packed, head-by-head exchange) and 4 (the block per group); rank 0's peak/time."""
+    """A rank of 2: fwd+bwd, ``head_chunks`` 1 (packed, head-by-head exchange) and 4 (the block per group, overlapped); rank 0's peak/time."""
     cuda = device == "cuda"
     if cuda:  # NCCL with a GPU per rank; else both ranks on GPU 0 over gloo (it stages CUDA tensors on the host)
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
@@ -127,12 +127,12 @@ def head_chunk_rows(seq: int, device: str) -> list:
     ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0)).to(device)
     pos, cols = (torch.arange(seq, device=device) % (seq // 4))[None], slice(mesh.sp_rank * seq // 2, (mesh.sp_rank + 1) * seq // 2)
     runs = []
-    for chunks, exchange in (cases := ((1, "packed"), (1, "headwise"), (4, "auto"))):
+    for chunks, exchange in (cases := ((1, "packed"), (1, "headwise"), (4, "auto"), (4, "packed+overlap"))):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device, torch.bfloat16 if cuda else torch.float32)
         model.gradient_checkpointing_enable()
         model.lm_head = torch.nn.Identity()  # "logits" = the last hidden states: the peak is the layers'
-        reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, 1, mesh=mesh, head_chunks=chunks, exchange=exchange)  # fmt: skip
+        (reg := UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, 1, mesh=mesh, head_chunks=chunks, exchange=exchange.split("+")[0])).attention.head_chunk_overlap = "overlap" in exchange  # fmt: skip
 
         def step(m=model):
             (x := m(input_ids=ids[:, cols], position_ids=pos[:, cols]).logits).float().square().mean().backward()

@@ -74,18 +74,20 @@ STEPS8 = ("--steps", "8", "--zero-stage", "3")
 def runs(tmp_path_factory):
     """The sp=1 reference (reporting to TensorBoard, with loss.png) and the sp=2 run: dp=1, ZeRO 3 (the
     partition auto: all ranks), 8 steps, the sp=2 one saving every 2, its attention block in 2 head groups
-    (each rank's 2 heads one at a time: ``attention/head_blocks.py`` under FSDP2)."""
+    (each rank's 2 heads one at a time: ``attention/head_blocks.py`` under FSDP2), the next group's exchange
+    overlapped with each group's core (``--head-chunk-overlap``; the kill-9 test's run, without it, matches it bitwise)."""
     root = tmp_path_factory.mktemp("cli")
     train_here(root / "sp1", "--sp", "1", *STEPS8, "--report-to", "tensorboard", "--plot")
     proc = train(root / "sp2", "--sp", "2", "--nproc", "2", *STEPS8, "--save-every", "2", "--head-chunks", "2",
-                 "--memory-every", "2")  # fmt: skip
+                 "--head-chunk-overlap", "--memory-every", "2")  # fmt: skip
     (root / "sp2.log").write_text(proc.stderr + proc.stdout)
     return root
 
 
 def test_sp2_matches_sp1_at_dp1_and_metrics_schema(runs):
     ref, sp2 = metrics(runs / "sp1"), metrics(runs / "sp2")
-    assert "head groups 2: the whole attention block per group in 2 attention modules\n" in (runs / "sp2.log").read_text()
+    assert ("head groups 2: the whole attention block per group in 2 attention modules; the next group's exchange "
+            "behind each group's core\n") in (runs / "sp2.log").read_text()  # fmt: skip
     assert [m["step"] for m in sp2] == list(range(1, 9))
     for m in sp2:  # --memory-every 2: the peak measured on steps 1-3, every 2nd and the last
         measured = m["step"] in (1, 2, 3, 4, 6, 8)
@@ -208,7 +210,7 @@ def test_kill_9_one_rank_then_resume_is_exact_zero3(runs, tmp_path):
     done = [m["step"] for m in metrics(run)]
     assert done and done[-1] < 8, "the kill came too late to test anything"
     train(run, *args, "--resume")  # from the newest complete checkpoint
-    assert losses(run) == losses(runs / "sp2")  # the uninterrupted run, to the bit
+    assert losses(run) == losses(runs / "sp2")  # the uninterrupted run (its exchange overlapped), to the bit
 
 
 def test_resume_on_another_nproc_sp_and_zero_stage_continues_the_run(runs, tmp_path):

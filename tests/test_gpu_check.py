@@ -37,9 +37,10 @@ def test_cpu_smoke_runs_packed_and_head_chunk_tables(tmp_path):
     assert packed["segments"][1] == "19" and float(packed["segments"][5]) < 1e-5  # fp32: exact to rounding
     assert re.fullmatch(r"not used here \(cpu, torch.float32\)", packed["varlen"][6])
     chunked = {(r[1], r[2]): r for r in _rows(text, "64")}
-    assert set(chunked) == {("1", "packed"), ("1", "headwise"), ("4", "auto")}, text
+    assert set(chunked) == {("1", "packed"), ("1", "headwise"), ("4", "auto"), ("4", "packed+overlap")}, text
     assert chunked["1", "packed"][5] == "(reference)" and float(chunked["1", "headwise"][5]) == 0.0  # data movement
     # the whole attention block per group sums the groups' gradients in fp32: the same rounding as the run itself
     # (measured at this setting, default-init weights: head_chunks 1 in fp32 is 6.6e-4 from float64, head_chunks 4
     # 8.3e-4; both equal to 1e-15 in float64)
     assert float(chunked["4", "auto"][5]) < 3e-3 and chunked["4", "auto"][3] == "n/a"  # no CUDA allocator on CPU
+    assert chunked["4", "packed+overlap"][5] == chunked["4", "auto"][5]  # overlapped: the groups in turn's bits

@@ -46,7 +46,7 @@ def _reference(ref, ids, docs, weight):
     return logits, (logits * weight).sum()
 
 
-def _sp_run(ref, mesh, sp, ring, chunks, ids, pos, weight, ckpt=False, scope="block", **opts):
+def _sp_run(ref, mesh, sp, ring, chunks, ids, pos, weight, ckpt=False, scope="block", overlap=False, **opts):
     """The model under SP with ``chunks`` head groups: ``scope`` "block" (the whole attention block per
     group, ``attention/head_blocks.py``) or "core" (the function-level groups, the block wrappers removed)."""
     model = copy.deepcopy(ref)
@@ -55,7 +55,7 @@ def _sp_run(ref, mesh, sp, ring, chunks, ids, pos, weight, ckpt=False, scope="bl
         model.train()
     reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1, mesh=mesh, head_chunks=chunks,
                                                           **opts)  # fmt: skip
-    blocks = reg.head_blocks
+    blocks, reg.attention.head_chunk_overlap = reg.head_blocks, overlap
     if blocks is not None and scope == "core":
         blocks.remove()
     cols = torch.cat([torch.arange(a, b) for a, b in shard_spans(ids.shape[1], mesh.sp_rank, sp, ring)])
@@ -121,6 +121,39 @@ def _compare(sp, ring, heads, kv, chunks, packed, offload=False, ckpt=False):
 )
 def test_head_chunks_equal_unchunked_and_no_sp(pool, sp, ring, heads, kv, chunks, packed, offload, path, ckpt):
     assert set(pool.run(_compare, sp, sp, ring, heads, kv, chunks, packed, offload, ckpt)) == {path}
+
+
+def _overlapped(sp, heads, kv, chunks, ckpt):
+    """``head_chunk_overlap`` on the whole block per group (``attention/block_overlap.py``): every group's
+    q/k/v exchange posted before the previous group's core, in forward and the checkpoint's recompute;
+    per-position logits and every gradient bitwise those of the groups one at a time, and equal to no SP."""
+    from ulysses_sp.attention import block_overlap
+
+    mesh = init_mesh((1, sp))
+    ref = tiny_model("llama", heads=heads, kv_heads=kv, hidden=8 * heads)
+    ids, pos = global_batch(5, 1, sum(DOCS)), torch.cat([torch.arange(n) for n in DOCS])[None]
+    weight = torch.randn(1, ids.shape[1], ref.config.vocab_size, generator=torch.Generator().manual_seed(7))
+    ref_logits, ref_loss = _reference(ref, ids, DOCS, weight)
+    ref_loss.backward()
+    plain_logits, plain_grads, cols, _ = _sp_run(ref, mesh, sp, 1, chunks, ids, pos, weight, ckpt)
+    posts, real = [], block_overlap.Deferred.post
+    block_overlap.Deferred.post = lambda self, *a: posts.append(1) or real(self, *a)
+    try:
+        logits, grads, _, _ = _sp_run(ref, mesh, sp, 1, chunks, ids, pos, weight, ckpt, overlap=True)
+    finally:
+        block_overlap.Deferred.post = real
+    assert len(posts) == ref.config.num_hidden_layers * chunks * (2 if ckpt else 1), len(posts)
+    assert torch.equal(logits, plain_logits) and all(torch.equal(grads[n], plain_grads[n]) for n in grads)
+    torch.testing.assert_close(logits, ref_logits[:, cols], rtol=1e-5, atol=1e-6)
+    assert_grads_close(grads, {n: p.grad for n, p in ref.named_parameters()}, atol_cap=math.inf)
+    return True
+
+
+@pytest.mark.parametrize("sp, heads, kv, chunks, ckpt", [(2, 8, 2, 4, True), (4, 8, 2, 2, False)])
+def test_head_blocks_overlapped_exchange_bitwise_the_groups_in_turn_and_equal_no_sp(pool, sp, heads, kv, chunks, ckpt):
+    """sp 2: GQA, 4 groups sharing kv heads, packed documents, checkpointed (the recompute overlapped too);
+    sp 4: fewer kv heads than ranks (each rank's group block computes its kv head)."""
+    assert pool.run(_overlapped, sp, sp, heads, kv, chunks, ckpt) == [True] * sp
 
 
 def _block_peaks():
@@ -393,10 +426,72 @@ def test_planner_exchange_buffers_scale_by_head_chunks():
     blocks = replace(cuda, head_blocks=True)
     terms = [attention_terms(LLAMA_8B, replace(blocks, head_chunks=n), hw, 0) for n in (2, 4)]
     assert terms[0].saved == terms[1].saved == LLAMA_8B.hidden and terms[1].core < terms[0].core
+    # --head-chunk-overlap: a second group's send/receive buffers, its output buffer and one output exchange
+    from ulysses_sp.plan.attention import block_groups
+
+    over = attention_terms(LLAMA_8B, replace(blocks, head_chunks=4, head_overlap=True), hw, 0)
+    gq, gkv = block_groups(LLAMA_8B, replace(blocks, head_chunks=4))
+    assert over.recompute - terms[1].recompute == 7 * gq + 6 * gkv and over.workspace == terms[1].workspace
+    assert attention_terms(LLAMA_8B, replace(blocks, sp=1, head_chunks=4, head_overlap=True), hw, 0) == \
+        attention_terms(LLAMA_8B, replace(blocks, sp=1, head_chunks=4), hw, 0)  # sp 1: no exchange to overlap
     grouped = [predict(LLAMA_8B, replace(cuda, head_chunks=4, head_blocks=b), hw).peak_bytes for b in (False, True)]
     assert grouped[1] < grouped[0], grouped
     one_gpu = replace(blocks, sp=1, head_chunks=8, offload_states=True, recompute_norms=True)
     assert max_seq_len(LLAMA_8B, one_gpu, hw) > 1.2 * max_seq_len(LLAMA_8B, replace(one_gpu, head_blocks=False), hw)
+
+
+def test_overlapped_o_proj_waits_for_the_attention_output_and_refuses_a_changed_one():
+    """Overlapped, a group's ``o_proj`` records its product on the buffer the attention handed out (run when
+    the output has landed) and refuses an input that is not that buffer (the module changed it)."""
+    from types import SimpleNamespace
+
+    from ulysses_sp.attention.group_proj import GroupProj
+
+    linear, out = torch.nn.Linear(8, 6), torch.zeros(1, 3, 6)
+    buf = torch.empty(1, 3, 2, 2)  # [B, S_l, H_g, D]: empty until the output lands
+    defer = SimpleNamespace(buffer=buf, then=None)
+    proj = GroupProj(linear, "o_proj", torch.tensor([4, 5, 6, 7]), out=out, grads=None, first=True, defer=defer)
+    proj(buf.reshape(1, 3, 4))
+    assert defer.then is not None and not out.any()  # nothing read from the buffer yet
+    buf.copy_(torch.randn(1, 3, 2, 2))
+    defer.then()
+    torch.testing.assert_close(out, linear(torch.cat([torch.zeros(1, 3, 4), buf.reshape(1, 3, 4)], -1)))
+    with pytest.raises(ValueError, match="changes its attention output before o_proj.*turn head_chunk_overlap off"):
+        proj(buf.reshape(1, 3, 4) * 2)
+
+
+def test_head_chunk_overlap_flag_taken_and_refused_where_it_has_nothing_to_overlap():
+    from ulysses_sp.cli.args import build_parser
+    from ulysses_sp.run.checks import check_train_options
+    from ulysses_sp.run.config import RunConfig
+
+    assert build_parser().parse_args(["train", "--head-chunk-overlap"]).head_chunk_overlap is True
+    check_train_options(RunConfig(sp=2, head_chunks=2, head_chunk_overlap=True))
+    for sp, chunks in ((2, 1), (1, 2)):
+        with pytest.raises(ValueError, match=rf"--head-chunk-overlap .* needs --head-chunks > 1 \(got {chunks}\) and "
+                                             rf"--sp > 1 \(got {sp}, no exchange at 1\)"):  # fmt: skip
+            check_train_options(RunConfig(sp=sp, head_chunks=chunks, head_chunk_overlap=True))
+
+
+def test_rehearsal_time_projects_the_exchange_hidden_behind_the_core_under_overlap():
+    """``rehearse.timing``: under overlap the forward passes' exchanges (2 of 4 with checkpointing) but each
+    pass's first in and last out (1 of N) hide, up to the overlapped passes' attention cores (2 of 3)."""
+    from types import SimpleNamespace
+
+    from ulysses_sp.plan.hardware import DEVICES, link_gbps
+    from ulysses_sp.rehearse.timing import project
+
+    hw = DEVICES["h100"]
+    a2a_bytes, second = 8e9, hw.tflops["bf16"] * 1e12 * hw.mfu  # FLOPs of one second
+    a2a = a2a_bytes / (link_gbps(hw, 8) * 1e9)
+    kw = dict(dtype="bf16", sp=8, shard_group=8, tokens=1 << 16, head_groups=4, checkpointed=True)
+    for core_s, hidden in ((100 * a2a, a2a * 2 / 4 * 3 / 4), (a2a / 100, a2a / 100 * 2 / 3)):
+        result = SimpleNamespace(flops=int(200 * a2a * second), attention_forward_flops=int(core_s * second),
+                                 collectives={"alltoall_base": {"bytes": a2a_bytes}}, host_traffic={})  # fmt: skip
+        plain, over = project(result, hw, **kw), project(result, hw, **kw, head_overlap=True)
+        assert plain.all_to_all_hidden_s == 0 and plain.all_to_all_s == pytest.approx(a2a)
+        assert over.all_to_all_hidden_s == pytest.approx(hidden, rel=1e-6)
+        assert over.step_s == pytest.approx(plain.step_s - hidden) and over.all_to_all_hidden_fraction == pytest.approx(hidden / a2a)
 
 
 def _register_refused(chunks):

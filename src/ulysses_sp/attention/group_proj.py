@@ -6,7 +6,9 @@ weight, and what a whole-layer linear would leave behind is never made:
 
 - **forward** (no autograd): q/k/v ``x W_g^T + b_g``; ``o_proj`` adds ``a W_{o,g}^T`` into the block's
   output in place (``addmm_``; the bias in group 0 only) and returns a placeholder of the output's shape
-  that holds no memory (a one-element tensor expanded);
+  that holds no memory (a one-element tensor expanded); overlapped (``attention/block_overlap.py``) the
+  attention output is still on its way: ``o_proj`` checks its input is a reshape of the buffer the attention
+  handed out and records the ``addmm_`` for when the output has landed;
 - **backward** (the group run again under autograd, its placeholder output back-propagated with the
   layer's output gradient): ``o_proj``'s backward gives the group's attention-output gradient; q/k/v's
   add their input gradient into the block's input gradient in place (``addmm_``: no ``[B, S_l, h]``
@@ -22,6 +24,7 @@ Shape legend: ``B`` batch, ``S_l`` local tokens, ``h`` hidden size, ``n_g`` the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -97,9 +100,11 @@ class GroupProj(torch.nn.Module):
     """
 
     def __init__(self, linear: torch.nn.Linear, name: str, index: torch.Tensor, *, out: torch.Tensor | None,
-                 grads: BlockGrads | None, first: bool) -> None:  # fmt: skip
+                 grads: BlockGrads | None, first: bool, defer: Any = None) -> None:  # fmt: skip
         super().__init__()
         self.linear, self.name, self.index, self.out, self.grads, self.first = linear, name, index, out, grads, first
+        self.defer = defer
+        """``o_proj`` under overlap: the group's ``block_overlap.Deferred`` (its attention output arrives later)."""
         self.placeholder: torch.Tensor | None = None
         """``o_proj``'s returned placeholder: the module must return it unchanged (checked)."""
 
@@ -114,9 +119,26 @@ class GroupProj(torch.nn.Module):
             return _InProj.apply(t, w, b, self.index, self.grads, self.name)
         if not is_out:  # [B, S_l, h] -> [B, S_l, n_g]
             return F.linear(t, w.index_select(0, self.index), None if b is None else b.index_select(0, self.index))
+        self.placeholder = t.new_zeros(1).expand(*t.shape[:-1], w.shape[0])
+        if self.defer is not None and self.defer.buffer is not None:  # the attention output is still on its way
+            if not _views(t, self.defer.buffer):
+                raise ValueError("head_chunk_overlap: the attention module changes its attention output before "
+                                 "o_proj, so o_proj cannot wait for it; turn head_chunk_overlap off")  # fmt: skip
+            self.defer.then = lambda: self._accumulate(t)
+        else:
+            self._accumulate(t)
+        return self.placeholder
+
+    def _accumulate(self, t: torch.Tensor) -> None:
+        w, b = self.linear.weight, self.linear.bias
         acc = self.out.view(-1, self.out.shape[-1])  # [B*S_l, n_g] @ [n_g, h] added into [B*S_l, h]
         acc.addmm_(t.reshape(-1, t.shape[-1]), w.index_select(1, self.index).t())
         if self.first and b is not None:
             self.out.add_(b)
-        self.placeholder = t.new_zeros(1).expand(*t.shape[:-1], w.shape[0])
-        return self.placeholder
+
+
+def _views(t: torch.Tensor, buffer: torch.Tensor) -> bool:
+    """Whether ``t`` is ``buffer``'s memory, whole and in its order (a reshape of it); storages compared
+    by identity (a fake tensor's ``data_ptr`` is 0)."""
+    same = t.untyped_storage()._cdata == buffer.untyped_storage()._cdata
+    return same and t.storage_offset() == buffer.storage_offset() and t.numel() == buffer.numel() and t.is_contiguous()

@@ -24,6 +24,10 @@ over groups in the input's dtype, the weight gradients written into full-size bu
 rows/columns (summed where groups share a parameter). Activation checkpointing recomputes the layer
 anyway, so the extra cost is one more attention block forward per layer.
 
+**Overlap** (the attention's ``head_chunk_overlap``, at ``P > 1`` without a ring or sinks): the forward
+runs the groups pipelined (``attention/block_overlap.py``): the next group's q/k/v exchange in flight
+during this group's core; two groups' exchanges alive. The backward stays one group at a time.
+
 Modules this cannot cut (a fused qkv projection, a gated q projection, a norm over every head's
 width, MLA's latent projections) keep the function-level head groups; so do KV-cache calls,
 Ulysses-Offload and attention dropout in training (random per call, so a recomputed group would not
@@ -42,6 +46,7 @@ from typing import Any
 import torch
 from torch.func import functional_call
 
+from ulysses_sp.attention.block_overlap import Deferred, pipelined
 from ulysses_sp.attention.group_proj import BlockGrads, GroupProj
 
 PROJS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -125,10 +130,10 @@ CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")
 """Keyword arguments carrying a KV cache (a call that updates one runs the module whole)."""
 
 Run = Callable[..., torch.Tensor]
-"""``run(g, index, x [B, S_l, h], others, grads, out, dout=None)``: group ``g``'s block (``index``: its
-``_indices``) with ``others`` (the parameters
-that are not projections) in place of the module's; in forward ``out`` accumulates, in backward ``grads`` (the
-group's output back-propagated with ``dout`` inside the call)."""
+"""``run(g, index, x [B, S_l, h], others, grads, out, dout=None, defer=None)``: group ``g``'s block (``index``:
+its ``_indices``) with ``others`` (the parameters that are not projections) in place of the module's; in forward
+``out`` accumulates (``defer``: overlapped, the exchange posted and ``o_proj`` recorded), in backward ``grads``
+(the group's output back-propagated with ``dout`` inside the call)."""
 
 
 class _HeadBlocks(torch.autograd.Function):
@@ -137,11 +142,19 @@ class _HeadBlocks(torch.autograd.Function):
     placeholder output back-propagated with the output gradient into in-place accumulators."""
 
     @staticmethod
-    def forward(ctx, run: Run, layout: BlockLayout, ulysses: int, groups: int, x: torch.Tensor, *params):
+    def forward(ctx, run: Run, layout: BlockLayout, ulysses: int, groups: int, overlap: bool, x: torch.Tensor,
+                *params):  # fmt: skip
         out = x.new_zeros(x.shape)  # [B, S_l, h]
-        for g in range(groups):
+
+        def call(g: int, defer: Deferred | None = None) -> None:
             index = _indices(layout, ulysses, groups, g, x.device)
-            run(g, index, x, _others(layout, params, index, None), None, out)
+            run(g, index, x, _others(layout, params, index, None), None, out, defer=defer)
+
+        if overlap:  # the next group's exchange posted before this group's core (attention/block_overlap.py)
+            pipelined(call, groups)
+        else:
+            for g in range(groups):
+                call(g)
         ctx.run, ctx.layout, ctx.ulysses, ctx.groups = run, layout, ulysses, groups
         ctx.save_for_backward(x, *params)
         return out
@@ -149,9 +162,9 @@ class _HeadBlocks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         x, *params = ctx.saved_tensors
-        layout, wants = ctx.layout, ctx.needs_input_grad[5:]
+        layout, wants = ctx.layout, ctx.needs_input_grad[6:]
         proj = [n.partition(".")[0] in PROJS for n in layout.names]
-        grads = BlockGrads(torch.zeros_like(x) if ctx.needs_input_grad[4] else None,
+        grads = BlockGrads(torch.zeros_like(x) if ctx.needs_input_grad[5] else None,
                            {n: torch.zeros_like(p) if w else None
                             for n, p, w, j in zip(layout.names, params, wants, proj) if j})  # fmt: skip
         other = {n: torch.zeros_like(p) if w else None for n, p, w, j in zip(layout.names, params, wants, proj) if not j}
@@ -164,7 +177,7 @@ class _HeadBlocks(torch.autograd.Function):
                 if other.get(n) is not None and leaves[n].grad is not None:
                     _add_grad(other[n], leaves[n].grad, cut, index)
         dparams = [grads.params[n] if j else other[n] for n, j in zip(layout.names, proj)]
-        return (None, None, None, None, grads.dx, *dparams)
+        return (None, None, None, None, None, grads.dx, *dparams)
 
 
 def _others(layout: BlockLayout, params, index: dict[str, torch.Tensor], want: dict | None) -> dict[str, torch.Tensor]:
@@ -270,11 +283,11 @@ def _grouped_forward(module: torch.nn.Module, layout: BlockLayout, attention: An
         rest = args if named else args[1:]
 
         def run(g: int, index: dict[str, torch.Tensor], x_: torch.Tensor, params: dict, grads: BlockGrads | None,
-                out: torch.Tensor | None, dout: torch.Tensor | None = None):  # fmt: skip
+                out: torch.Tensor | None, dout: torch.Tensor | None = None, defer: Deferred | None = None):  # fmt: skip
             swapped = {n: GroupProj(getattr(module, n), n, index[COLS_Q if n == "o_proj" else ROWS_Q if n == "q_proj"
-                                    else ROWS_KV], out=out, grads=grads, first=g == 0) for n in PROJS}  # fmt: skip
+                                    else ROWS_KV], out=out, grads=grads, first=g == 0, defer=defer) for n in PROJS}  # fmt: skip
             saved = {n: module._modules[n] for n in PROJS}
-            prev, attention.in_head_block = attention.in_head_block, True
+            prev, attention.in_head_block, attention.block_overlap = attention.in_head_block, True, defer
             backprop[:] = [swapped["o_proj"], dout]
             try:
                 module._modules.update(swapped)
@@ -282,12 +295,14 @@ def _grouped_forward(module: torch.nn.Module, layout: BlockLayout, attention: An
                 res = functional_call(module, params, call_args, call_kwargs, strict=False, tie_weights=False)
             finally:
                 module._modules.update(saved)
-                attention.in_head_block = prev
+                attention.in_head_block, attention.block_overlap = prev, None
                 backprop[:] = [None, None]
             return res[0] if isinstance(res, tuple) else res
 
         handle.calls += 1
         named_params = dict(module.named_parameters())
-        return _HeadBlocks.apply(run, layout, p, attention.head_chunks, x, *(named_params[n] for n in layout.names)), None
+        overlap = attention.head_chunk_overlap and p > 1 and attention.ring_size == 1 and HEADS_Q not in layout.cuts
+        return _HeadBlocks.apply(run, layout, p, attention.head_chunks, overlap, x,
+                                 *(named_params[n] for n in layout.names)), None  # fmt: skip
 
     return forward

@@ -17,12 +17,10 @@ direct call) we gather the ``position_ids`` over the SP group once per forward. 
 tensor), varlen for flash, a ``BlockMask`` for flex, a dense mask for eager. DSA's picked keys (``indices``):
 gathered, then the blockwise core (``attention/indexed.py``). DeepSeek-V4's pooled K/V (``pooled=``): its local
 queries over their window and the whole sequence's entries, no all-to-all (``attention/pooled_core.py``).
-q, k and v (and the output) cross the SP group packed (one collective each way) below a per-piece byte
-threshold, head by head above (no whole-tensor buffers): ``parallel/headwise.py``, ``exchange_cost.py``.
-Where the positions come from, chunked attention layers and NoPE layers' query temperature:
-``attention/positions.py``; per-head parameters (attention sinks) cut to the rank's heads: ``attention/heads.py``.
-GQA/MQA: kv heads split over ranks like query heads when ``Hkv % P == 0``; when ``Hkv < P`` each kv head goes
-to the ``P/Hkv`` ranks whose queries use it (``headwise.py``): each rank receives the one it needs, no more.
+q/k/v and the output cross packed below a per-piece byte threshold, head by head above: ``parallel/headwise.py``.
+Positions, chunked layers, NoPE temperature: ``attention/positions.py``; sinks cut per rank: ``attention/heads.py``.
+GQA/MQA: kv heads split like query heads when ``Hkv % P == 0``; when ``Hkv < P`` each goes to the ``P/Hkv`` ranks
+whose queries use it (``headwise.py``). A head group's block posting its exchange: ``attention/block_overlap.py``.
 
 Shape legend: ``B`` batch, ``S`` global sequence, ``S_l = S/P``, ``H`` query heads, ``H_l = H/P``,
 ``Hkv`` kv heads, ``Hkv_l`` kv heads per rank, ``D`` head dim, ``P`` sp size.
@@ -103,8 +101,7 @@ class UlyssesSPAttentionHF:
         exchange: str = "auto",
     ) -> None:
         check_core(core_attn_implementation)
-        self.exchange, self.last_exchange = check_exchange(exchange), None
-        """``auto``/``packed``/``headwise`` (``parallel/exchange_cost.py``); ``last_exchange``: the last call's."""
+        self.exchange, self.last_exchange = check_exchange(exchange), None  # auto/packed/headwise; the last call's
         plan_head_chunks(head_chunks, 1, head_chunks, 1)  # its type and sign; each layer's heads: per call
         check_blockwise_options(core_attn_implementation, attn_chunk, offload_attention)
         self.attn_chunk = attn_chunk
@@ -115,9 +112,9 @@ class UlyssesSPAttentionHF:
         """The host K/V store and its streams (``offload_attention``), with byte counters."""
         self.head_chunks = head_chunks
         """Head groups exchanged and attended one at a time (``attention/head_chunks.py``); 1 = all at once."""
-        self.head_chunk_overlap = False
-        """Post the next head group's exchange before attending the current one (two groups in flight)."""
+        self.head_chunk_overlap = False  # the next head group's exchange posted before this one's core (2 in flight)
         self.in_head_block = False  # set while one head group's whole block runs (attention/head_blocks.py)
+        self.block_overlap = None  # with head_chunk_overlap: that group's ``block_overlap.Deferred``
         self.block_counts = BlockCounts()
         """Blocks computed / skipped and their FLOPs in the blockwise core and the ring (cumulative)."""
         self.ring_stats = RingStats()  # bytes and hops ring attention sent from this rank (hybrid layout only)
@@ -212,6 +209,9 @@ class UlyssesSPAttentionHF:
                                                      rank * groups.n + g)  # fmt: skip
             return head_chunked_attention(query, key, value, attend=attend, groups=groups, overlap=self.head_chunk_overlap,
                                           group=self.ulysses_group if a2a else None), None  # fmt: skip
+        if a2a and self.block_overlap is not None and self.ring_size == 1:  # a head group's exchange, posted:
+            attend = lambda q, k, v: self._attend(module, q, k, v, layouts, args, kwargs, h, rank)  # noqa: E731
+            return self.block_overlap.post(query, key, value, attend, self.ulysses_group), None  # [B, S_l, H, D]
         if a2a:  # P below is the Ulysses size U (= sp size without a ring); S the ring rank's S/R tokens
             packed = packed_exchange(self.exchange, self.ulysses_group, query, key, value)  # by a piece's bytes
             self.last_exchange = "packed" if packed else "headwise"

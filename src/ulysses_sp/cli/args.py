@@ -181,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="VLM: split the vision tower's frames over the SP group (one all-to-all of the merged rows); "
                    "auto: for each micro-batch with a whole frame for every rank, off: each rank encodes the frames "
                    "its shard touches, on: refuse a micro-batch that cannot be split (default auto)")  # fmt: skip
+    t.add_argument("--head-chunk-overlap", action="store_true", default=s,
+                   help="with --head-chunks and --sp > 1: the next head group's exchange runs behind this group's core "
+                   "in forward (two groups' q/k/v alive; off by default)")  # fmt: skip
     t.add_argument("--offload-attention", action="store_true", default=s,
                    help="Ulysses-Offload: attention K/V on the host between forward and backward (sdpa)")  # fmt: skip
     t.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=s,

@@ -32,7 +32,8 @@
 
 With the whole attention block per head group (``head_blocks``, the default with head groups): the
 layer keeps the block's input; the backward one group's set next to the input's gradient
-(``_block_terms``), read off rehearsals of Llama-3-8B (2 layers) at sp 1 and 8.
+(``_block_terms``), read off rehearsals of Llama-3-8B (2 layers) at sp 1 and 8. With ``head_overlap`` the
+block's forward (and its checkpoint recompute) holds a second group's exchange: ``OVERLAP_GQ``/``OVERLAP_GKV``.
 """
 
 from __future__ import annotations
@@ -59,6 +60,16 @@ class AttentionTerms:
     """The checkpoint recompute's set of the attention block per head group (0: the model's own)."""
 
 
+OVERLAP_GQ, OVERLAP_GKV = 7, 6
+"""The block forward's elements per local token above one group at a time under ``head_overlap``
+(``attention/block_overlap.py``), in a group's query / kv features: the next group's q/k/v three times
+(projections, packed send and receive buffers, or receive and unpacked: ``3 gq + 6 gkv``), its output
+buffer (``gq``), the previous group's output exchange (send and receive, ``2 gq``) and its output buffer
+(``gq``). Measured (the library's meter, one attention-dominated layer's forward, sp 2, 4096 tokens, D 64,
+4 groups): 12 ``gq`` with 16 heads (``gkv = gq``), 9 with 16:4 GQA (``gkv = gq/2``), 13 with one query head
+per group (8 heads); 9 and 6 with 2 groups (a shorter pipeline)."""
+
+
 def block_groups(m: ModelShape, s: Settings) -> tuple[int, int] | None:
     """With the whole block per head group (``attention/head_blocks.py``): one group's query and kv
     features per rank before the exchange (``P`` ranks' ``H_c`` query heads and one kv set each: a kv head
@@ -81,6 +92,8 @@ def _block_terms(m: ModelShape, s: Settings, norm: int, gq: int, gkv: int) -> At
     if s.device_type == "cuda":
         core = 2 * h + ws + 4 * (gq // d) * (-(-d // 32) * 32 + 1) // e + (2 * gq if gq > gkv else 0)
     recompute = 4 * h + 2 * (gq + 2 * gkv) + 3 * gq  # + the output's sum; q/k/v (and exchanged), the core's output
+    if s.head_overlap and p > 1:  # the next group's send and receive buffers, its output buffer; one output in flight
+        recompute += OVERLAP_GQ * gq + OVERLAP_GKV * gkv
     return AttentionTerms(saved=norm + h, exchange_in=gq + 2 * gkv if p > 1 else 0, workspace=ws, packed=0,
                           backward=0, core=core, recompute=recompute)  # fmt: skip
 

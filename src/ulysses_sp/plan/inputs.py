@@ -192,6 +192,9 @@ class Settings:
     head_blocks: bool = True
     """With ``head_chunks > 1``: each attention module's whole block per group (``attention/head_blocks.py``);
     False: the function-level groups (Ulysses-Offload, LoRA-wrapped projections)."""
+    head_overlap: bool = False
+    """With the block per head group at ``P > 1``: the next group's exchange posted before this group's core
+    (``--head-chunk-overlap``): a second group's q/k/v and an output exchange alive in the block's forward."""
     exchange: str = "auto"
     """The attention all-to-all: ``packed`` (one collective, a transient buffer of the
     exchanged q/k/v), ``headwise`` or ``auto`` (packed below the link's per-piece threshold)."""

@@ -46,6 +46,9 @@ def format_rehearsal(r: Rehearsal) -> str:
             f"compute) + host optimizer {t['host_optimizer_s']:,.1f} s; {t['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU "
             f"(planner: {pred['tokens_per_s'] / r.gpus:,.0f})"
         )  # fmt: skip
+        if t.get("all_to_all_hidden_s"):
+            lines.append(f"  head-group overlap, projected: {t['all_to_all_hidden_s'] * 1e3:,.1f} ms of the all-to-all "
+                         f"({t['all_to_all_hidden_fraction']:.0%}) behind the attention core")  # fmt: skip
     host_line = f"host per node {_g(r.host_per_node)} of {_g(r.host_memory)}"
     verdict = "fits" if r.fits else "DOES NOT FIT"
     lines.append(f"verdict: {verdict}: device {_g(r.device_peak)} + reserve {_g(r.reserve)} of {_g(r.gpu_memory)}; "

@@ -149,7 +149,9 @@ def _projected(cfg: RunConfig, config: Any, results: list[StepResult], hw: Any, 
     shard = gpus if cfg.partition_for(gpus) == "all" else gpus // cfg.sp
     host_opt = 16 * ModelShape.from_hf_config(config.get_text_config()).params // shard if cfg.cpu_offload else 0
     times = [project(r, hw, dtype=cfg.dtype, sp=cfg.sp, shard_group=shard, host_optimizer_bytes=host_opt,
-                     tokens=cfg.micro_batch_size * cfg.seq_len // cfg.sp) for r in results]  # fmt: skip
+                     tokens=cfg.micro_batch_size * cfg.seq_len // cfg.sp, head_groups=cfg.head_chunks,
+                     head_overlap=cfg.head_chunk_overlap and cfg.sp > 1 and not cfg.offload_attention,
+                     checkpointed=cfg.activation_checkpointing) for r in results]  # fmt: skip
     return max(times, key=lambda t: t.step_s).as_dict() | {"device": hw.name, "mfu": hw.mfu}
 
 

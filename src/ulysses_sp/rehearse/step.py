@@ -53,6 +53,8 @@ class StepResult:
     """Per kind: ``count`` and ``bytes`` sent by this rank in the step."""
     flops: int
     seconds: float
+    attention_forward_flops: int = 0
+    """Of ``flops``: the fused attention kernels' forwards (checkpoint recomputes included)."""
     host_traffic: dict[str, int] = field(default_factory=dict)
     """Bytes copied ``h2d`` and ``d2h`` between host and device in the step."""
     largest: dict[str, Any] = field(default_factory=dict)
@@ -252,6 +254,7 @@ def _result(tracker: StepTracker, states: dict[str, set[int]], rank: int) -> Ste
                       top=top, peak_phase=dev.peak_phase,
                       peak_module=dev.peak_module, phase_peaks=dict(tracker.phase_peaks),
                       largest=dict(zip(("numel", "shape", "op"), tracker.largest)), collectives=collectives, flops=tracker.flops,
+                      attention_forward_flops=tracker.attention_forward_flops,
                       host_traffic=dict(tracker.host_traffic),
                       seconds=0.0)  # fmt: skip
 

@@ -127,7 +127,7 @@ class StepTracker(TorchDispatchMode):
         self.live: dict[int, Alloc] = {}
         self.collectives: Counter[str] = Counter()
         self.collective_bytes: Counter[str] = Counter()
-        self.flops = 0
+        self.flops = self.attention_forward_flops = 0  # (the fused attention kernels' forward: rehearse.timing)
         self.largest: tuple[int, tuple[int, ...], str] = (0, (), "")
         """``(elements, shape, op)`` of the largest tensor any op made in the step (an ``S x S`` check)."""
         self.phase_peaks: Counter[str] = Counter()
@@ -231,7 +231,7 @@ class StepTracker(TorchDispatchMode):
         self.collectives.clear()
         self.collective_bytes.clear()
         self.host_traffic.clear()
-        self.flops = 0
+        self.flops = self.attention_forward_flops = 0  # (the fused attention kernels' forward: rehearse.timing)
         for stats in self.places.values():
             stats.peak, stats.peak_at, stats.peak_all = stats.current, [], []
         self.phase_peaks.clear()
@@ -255,6 +255,7 @@ class StepTracker(TorchDispatchMode):
         count = FLOP_FORMULAS.get(func.overloadpacket)
         if attn is not None:
             self.flops += attn
+            self.attention_forward_flops += attn if name.split("::", 1)[-1] in _SDPA_FORWARD else 0
         elif count is not None:
             self.flops += int(count(*args, **kwargs, out_val=out))
         if name.startswith(("c10d::", "_c10d_functional::")):

@@ -266,6 +266,9 @@ def check_train_options(cfg: RunConfig) -> None:
         raise ValueError("--offload-dir names where --disk-layers writes its files; give --disk-layers N too")
     check_blockwise_options(cfg.attn, cfg.attn_chunk, cfg.offload_attention)
     positive_int("--head-chunks", cfg.head_chunks)
+    if cfg.head_chunk_overlap and (cfg.head_chunks == 1 or cfg.sp == 1):
+        raise ValueError(f"--head-chunk-overlap overlaps one head group's exchange with another's core: it needs "
+                         f"--head-chunks > 1 (got {cfg.head_chunks}) and --sp > 1 (got {cfg.sp}, no exchange at 1)")  # fmt: skip
     if cfg.exchange not in EXCHANGES:
         raise ValueError(f"--exchange must be one of {', '.join(EXCHANGES)}, got {cfg.exchange!r}")
     if cfg.split_images not in ("auto", "on", "off"):

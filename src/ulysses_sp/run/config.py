@@ -161,6 +161,9 @@ class RunConfig(tasks.DataSettings):
     head_chunks: int = 1
     """Head groups the SP attention exchanges and attends one at a time (less peak memory, one more
     q/k/v exchange and attention forward per layer in backward); 1 = all heads at once."""
+    head_chunk_overlap: bool = False
+    """With ``head_chunks > 1`` at sp > 1: post the next head group's exchange before this group's core
+    (``attention/block_overlap.py``); two groups' exchanged q/k/v alive."""
     exchange: str = "auto"
     """The SP attention's all-to-all: ``packed``, ``headwise`` or ``auto`` (packed below the link's per-piece
     byte threshold, ``parallel/exchange_cost.py``)."""

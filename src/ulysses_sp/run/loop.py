@@ -151,7 +151,8 @@ def _run(resolved: ResolvedRun, stop: Any, held: ExitStack) -> dict[str, Any]:
     if rank == 0:
         blocks = getattr(mpu, "head_blocks", None)  # --head-chunks: which attention modules run per group, how
         logger.info(startup_summary(cfg, engine, model, dataset, resume_dir) + "\n" + predicted
-                    + ("\n" + blocks.describe(cfg.head_chunks) if blocks is not None else ""))  # fmt: skip
+                    + ("\n" + blocks.describe(cfg.head_chunks) if blocks is not None else "")
+                    + ("; the next group's exchange behind each group's core" if cfg.head_chunk_overlap else ""))  # fmt: skip
         if unpartitioned_warning(cfg, world):
             logger.warning(unpartitioned_warning(cfg, world))
     try:
@@ -171,11 +172,13 @@ def register_attention(cfg: RunConfig, model, model_config: Any, mesh) -> Any:
 
     if not sp_attention_wanted(cfg, model_config):
         return None
-    return UlyssesSPAttentionHF.register_with_transformers(
+    reg = UlyssesSPAttentionHF.register_with_transformers(
         model, cfg.attn, cfg.sp, cfg.micro_batch_size, seq_length=cfg.seq_len, mesh=mesh,
         attn_chunk=cfg.attn_chunk, offload_attention=cfg.offload_attention, head_chunks=cfg.head_chunks,
         exchange=cfg.exchange,
     )  # fmt: skip
+    reg.attention.head_chunk_overlap = cfg.head_chunk_overlap  # read at every call (attention/block_overlap.py)
+    return reg
 
 
 def _preflight(cfg: RunConfig, world: int, resolved: ResolvedRun, mesh) -> str:

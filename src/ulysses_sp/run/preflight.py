@@ -37,7 +37,7 @@ def settings_for(cfg: RunConfig, world_size: int, device_type: str) -> Settings:
         activation_checkpointing=cfg.activation_checkpointing, offload_activations=cfg.offload_activations,
         disk_layers=cfg.disk_layers,
         recompute_norms=cfg.recompute_norms, head_chunks=cfg.head_chunks, exchange=cfg.exchange,
-        head_blocks=not cfg.offload_attention,
+        head_blocks=not cfg.offload_attention, head_overlap=cfg.head_chunk_overlap,
         device_type=device_type,
     )  # fmt: skip
 
