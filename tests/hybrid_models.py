@@ -103,7 +103,7 @@ def hybrid_config(
     raise ValueError(arch)
 
 
-OWN_SCORES = ("bloom", "falcon", "gpt_neo", "mpt", "doge", "inkling", "inkling2", "inkling2_loop", "cpmant")
+OWN_SCORES = ("bloom", "falcon", "gpt_neo", "mpt", "doge", "trocr", "inkling", "inkling2", "inkling2_loop", "cpmant")
 """Attention that computes its own scores (the head-parallel fallback, ``mixers/own_scores.py``): eager only."""
 
 
@@ -111,7 +111,8 @@ def _own_scores_config(arch: str, vocab: int, overrides: dict):
     """4 heads of 8, 2 layers, no dropout: BLOOM (ALiBi, fused [H, 3, D] qkv), Falcon (rotary; multi-query by
     default, ``new_decoder_architecture`` + ``num_kv_heads``: grouped), GPT-Neo (a global and a local layer,
     window 8), MPT (ALiBi position bias, fused [3, H, D] Wqkv), Doge (2 kv heads, its dynamic mask: a key
-    gate per kv head, each query's top 8 keys by it — ``keep_window_size`` 8 of 32 tokens)."""
+    gate per kv head, each query's top 8 keys by it — ``keep_window_size`` 8 of 32 tokens), TrOCR's decoder (its
+    width read from its input, a learned position table numbering its tokens itself, scaled embeddings)."""
     import transformers as tf
 
     if arch == "bloom":
@@ -132,6 +133,10 @@ def _own_scores_config(arch: str, vocab: int, overrides: dict):
         return tf.DogeConfig(**{**dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, keep_window_size=8,
                                        max_position_embeddings=512, tie_word_embeddings=False), **overrides})  # fmt: skip
+    if arch == "trocr":
+        return tf.TrOCRConfig(**{**dict(vocab_size=vocab, d_model=32, decoder_layers=2, decoder_attention_heads=4,
+                                        decoder_ffn_dim=64, dropout=0.0, scale_embedding=True, use_cache=False,
+                                        tie_word_embeddings=False), **overrides})  # fmt: skip
     if arch.startswith("inkling"):
         return _inkling_config(arch, vocab, overrides)
     if arch == "cpmant":  # a prompt of 3 tokens before the row, attention both ways, a segment/relative-bucket bias

@@ -57,7 +57,6 @@ def test_classic_families_pass_with_one_sp_attention_per_layer(family):
         ("bloom", r"layer 0: self_attention \(BloomAttention\) .*computes token-to-token scores itself"),
         ("xlnet", r"layer 0: rel_attn \(XLNetRelativeAttention\) computes its own attention scores .*its heads cannot "
          r"run apart: it is two-stream attention over relative position encodings"),  # no head-parallel fallback
-        ("trocr", r"layer 0: self_attn \(TrOCRAttention\) .*reads the heads' output width from its input"),
         ("musicgen", r"decoder stack: embed_positions \(MusicgenSinusoidalPositionalEmbedding\) .*numbers the tokens "
          r"it is given 0..S-1 itself"),  # a sinusoidal table of arange(S_l): every shard would start at 0
         ("fuyu", r"FuyuForCausalLM is a multimodal model \(fuyu: its forward takes pixel_values, image_patches into "

@@ -234,11 +234,14 @@ CASES_OWN_SCORES = {
         ("mpt", False, F64),  # ALiBi position bias cut by head, fused [3, H, D] Wqkv, a boolean mask
         ("doge", True, F64),  # its key gate gathered, A cut by kv head, each query's top 8 keys by the gate
         ("doge", False, {**F64, "sliding_window": 8}),  # the model's window (8) in the full-sequence mask
+        ("trocr", True, F64),  # its width read from its input, told H_l * D; its learned table numbered per document
+        ("trocr", False, F64),  # one document: its learned table reads each shard's global positions
     ],
     4: [
         ("falcon", True, FALCON_GQA),
         ("bloom", False, {**F64, "checkpointing": True}),  # 2 kv heads < sp 4
         ("doge", True, F64),  # 2 kv heads < sp 4: each kv head's gate and A on two ranks
+        ("trocr", True, {**F64, "docs": EDGES, "checkpointing": True}),  # one head per rank; starts at shard edges
     ],
 }
 
@@ -248,7 +251,7 @@ def _own_scores(sp: int) -> list[str]:
 
 
 def test_attention_computing_its_own_scores_equals_no_sp(pool):
-    """The head-parallel fallback (BLOOM, Falcon, GPT-Neo, MPT, Doge) at sp 1, 2 and 4 in one test: per-position
+    """The head-parallel fallback (BLOOM, Falcon, GPT-Neo, MPT, Doge, TrOCR's decoder) at sp 1, 2 and 4 in one test: per-position
     logits and every gradient against the plain model (float64), packed documents against each one alone."""
     for sp, cases in CASES_OWN_SCORES.items():
         assert pool.run(_own_scores, sp, sp)[0] == [f"{a}{' packed' if p else ''}" for a, p, _ in cases]
@@ -416,7 +419,8 @@ def test_every_mixer_is_claimed_and_nothing_else():
     claimed = {}
     for arch in ("lfm2", "nemotron_h", "falcon_h1", "granitemoehybrid", "bamba", "mamba2", "mamba", "falcon_mamba",
                  "jamba", "zamba", "opt", "biogpt", "bloom", "gpt_neo", "zaya", "phimoe", "musicgen",
-                 "musicgen_melody", "recurrent_gemma", "rwkv", "minimax", "xlstm", "doge", "inkling2", "cpmant"):  # fmt: skip
+                 "musicgen_melody", "recurrent_gemma", "rwkv", "minimax", "xlstm", "doge", "inkling2", "cpmant",
+                 "trocr"):  # fmt: skip
         model = hybrid_model(arch)
         claimed[arch] = sorted(
             {(type(m).__name__, h.name) for m in model.modules() if (h := claimed_by(m, HANDLERS))}
@@ -450,6 +454,7 @@ def test_every_mixer_is_claimed_and_nothing_else():
                      ("Inkling2FullAttention", "pair_bias"), ("Inkling2ShortConvolution", "causal_window"),
                      ("Inkling2SlidingAttention", "pair_bias")],  # the convolutions inside attention: run with it
         "cpmant": [("CpmAntAttention", "segment_bias"), ("CpmAntModel", "segment_bias")],  # the model builds the row's bias
+        "trocr": [("TrOCRAttention", "own_scores"), ("TrOCRLearnedPositionalEmbedding", "counted_lookup")],
     }
     assert not needs_plain_layout(hybrid_model("opt")) and needs_plain_layout(hybrid_model("jamba"))
     assert not needs_plain_layout(hybrid_model("phimoe")) and needs_plain_layout(hybrid_model("zaya"))
@@ -632,6 +637,42 @@ def test_a_self_numbering_position_table_reads_the_shards_positions_and_refuses_
         table(torch.zeros(1, 1, 8, dtype=torch.long), 3)
     handle.remove()
     assert "forward" not in vars(table) and not model._forward_pre_hooks
+
+
+def test_trocr_is_claimed_and_refuses_by_name_what_it_cannot_run():
+    """TrOCR's decoder: its attention (the width read from its input's size) and its learned table are claimed;
+    the table refuses a call without position ids and a cache at sp > 1, the cross-attention encoder states;
+    its sinusoidal table (a cumsum of the non-padding tokens) stays refused, and so does a width read otherwise."""
+    from torch import nn
+
+    from ulysses_sp.mixers.guard import refusals
+    from ulysses_sp.mixers.input_width import input_width, width_refusal
+
+    model = hybrid_model("trocr")
+    assert refusals(model) == [] and input_width(type(model.model.decoder.layers[0].self_attn))
+    handle = apply_mixers(model, SimpleNamespace(sp_size=2, sp_rank=0, ring_size=1, sp_group=None))
+    table, ids = model.model.decoder.embed_positions, torch.zeros(1, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"TrOCRLearnedPositionalEmbedding: given no position ids it numbers the tokens "
+                       r"it is given 0..S_l-1 itself, so every one of the 2 shards would start at position 0"):  # fmt: skip
+        table(ids)
+    with pytest.raises(ValueError, match=r"a cache \(use_cache=True: generation\) is not supported"):
+        table(ids, cache_length=3)
+    assert torch.equal(table(ids, position_ids=torch.arange(8)), table.weight[None, 2:10])  # given ids: its own lookup
+    with pytest.raises(ValueError, match=r"TrOCRAttention: cross-attention to encoder states \(key_value_states\) is "
+                       r"not run under sequence parallelism"):  # fmt: skip
+        model.model.decoder.layers[0].encoder_attn(torch.zeros(1, 8, 32), key_value_states=torch.zeros(1, 5, 32))
+    handle.remove()
+    assert refusals(hybrid_model("trocr", use_learned_position_embeddings=False)) == [
+        "decoder stack: embed_positions (TrOCRSinusoidalPositionalEmbedding) mixes tokens along the sequence (its code "
+        "calls cumsum), which sequence parallelism does not shard"]  # fmt: skip
+
+    class Stored(nn.Module):  # a width from an attribute: what it holds is not known
+        def forward(self, hidden_states, attention_mask=None):
+            embed_dim = self.width
+            return hidden_states.reshape(-1, embed_dim)
+
+    assert width_refusal(Stored()) == ("its forward reads the heads' output width into embed_dim other than from its "
+                                       "input's size, so it cannot run on a share of its heads")  # fmt: skip
 
 
 def test_recurrent_gemma_block_refuses_a_cache_and_channels_that_do_not_divide():

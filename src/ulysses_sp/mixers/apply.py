@@ -43,7 +43,7 @@ HANDLERS: tuple[MixerHandler, ...] = (
     kda.FULL_GATE_HANDLER, learned_positions.HANDLER, own_scores.HANDLER, pair_bias.HANDLER, segment_bias.HANDLER,
     depth_attention.HANDLER,
     causal_window.HANDLER, mask_window.HANDLER,
-    counted_positions.HANDLER, rg_lru.HANDLER, rwkv.HANDLER, lightning.HANDLER, mlstm.HANDLER,
+    counted_positions.HANDLER, counted_positions.LOOKUP_HANDLER, rg_lru.HANDLER, rwkv.HANDLER, lightning.HANDLER, mlstm.HANDLER,
 )
 """The mixers this package shards (for ``claimed_by``; ``apply_mixers`` binds fresh ones)."""
 
@@ -101,6 +101,7 @@ def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
         causal_window.CausalWindowHandler(positions),
         mask_window.MaskWindowHandler(positions),
         counted_positions.CountedPositionsHandler(positions),
+        counted_positions.CountedLookupHandler(positions),
         rg_lru.RgLruHandler(positions),
         rwkv.RwkvHandler(positions),
         lightning.LightningAttentionHandler(positions),

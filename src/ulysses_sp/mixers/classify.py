@@ -172,6 +172,9 @@ def verdict(module: nn.Module) -> Verdict:
 
 def _leaf_verdict(module: nn.Module, names: set[str]) -> Verdict:
     """A custom leaf: position-wise only when it has the shape of a known position-wise module."""
+    if isinstance(module, nn.Embedding) and "arange" in code_names(type(module), depth=0):  # TrOCR's learned table
+        return Verdict(MIXER, "it numbers the tokens it is given 0..S-1 itself when its caller passes no position ids "
+                       "(arange in its forward): on a shard every rank would start at position 0")  # fmt: skip
     dims = [p.dim() for p in module.parameters(recurse=False)]
     if dims and max(dims) >= 3:
         return Verdict(POSITION_WISE)  # MoE experts: stacked per-expert weights [E, ...]

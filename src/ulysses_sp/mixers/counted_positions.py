@@ -19,6 +19,13 @@ table refuses a direct call too), or a cache (generation): the model's own forwa
 at sp > 1. Matched by structure (a non-``nn.Embedding`` module with a 2-D ``weights`` buffer and
 ``make_weights``, whose ``forward`` builds positions with ``arange`` and takes none), never by
 model name. Any layout (the ring's zigzag order included): a lookup needs no neighbour.
+
+Learned tables that number their tokens only when given no ids (TrOCR's decoder; BART's kin): an
+``nn.Embedding`` subclass whose ``forward(input_ids [B, S_l], cache_length, position_ids=None)`` builds
+``arange(S_l) + cache_length`` when its caller passes no ``position_ids`` (TrOCR's decoder never does).
+``CountedLookupHandler`` passes given ids through, and otherwise the forward's position ids row by row
+(``[S_l]`` each: the table's own ``position_ids`` path and offset, ``[B|1, S_l, D]`` out); the same
+refusals and per-document numbering as above.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import torch
 from torch import nn
 
 from ulysses_sp.mixers._kernels import refuse_cache, replace_forward, require_positions
-from ulysses_sp.mixers.classify import _numbers_tokens_itself
+from ulysses_sp.mixers.classify import _numbers_tokens_itself, code_names
 
 
 class CountedPositionsHandler:
@@ -90,5 +97,56 @@ class CountedPositionsHandler:
         return replace_forward(module, forward)
 
 
+class CountedLookupHandler(CountedPositionsHandler):
+    """Makes a learned table that numbers its tokens when given no ids read the shard's global position ids."""
+
+    name = "counted_lookup"
+
+    def matches(self, module: nn.Module) -> bool:
+        return (
+            isinstance(module, nn.Embedding)
+            and type(module) is not nn.Embedding
+            and "position_ids" in inspect.signature(type(module).forward).parameters
+            and "arange" in code_names(type(module), depth=0)
+            and "cumsum" not in code_names(type(module), depth=0)  # a mask's cumsum: learned_positions
+        )
+
+    def wrap(self, module: nn.Module, mesh: Any) -> Callable[[], None]:
+        tracker = require_positions(self.positions, type(self).__name__)
+        what, sp_size = type(module).__name__, mesh.sp_size
+        signature = inspect.signature(type(module).forward)
+
+        def forward(original: Callable[..., Any], *args: Any, **kwargs: Any) -> torch.Tensor:
+            bound = signature.bind(module, *args, **kwargs)
+            bound.apply_defaults()
+            call = dict(bound.arguments)
+            if call.get("position_ids") is not None:  # the caller's ids: a lookup of each token's own
+                return original(*args, **kwargs)
+            call.pop(next(iter(signature.parameters)))  # self
+            ids = next(iter(call.values()))  # [B, S_l] token ids (or a [B, S_l] slice of the embeddings)
+            cache = next((v for k, v in call.items() if k.endswith("length") and isinstance(v, int)), 0)
+            refuse_cache(cache or None, sp_size, what)
+            pos = tracker.current()  # [B|1, S_l]: the shard's global positions, restarting at each document
+            if pos is None or cache:
+                if sp_size > 1:
+                    raise ValueError(
+                        f"{what}: given no position ids it numbers the tokens it is given 0..S_l-1 itself, so every "
+                        f"one of the {sp_size} shards would start at position 0; pass position_ids (the shard's "
+                        "global positions) to the model"
+                    )
+                return original(*args, **kwargs)  # sp 1 without position ids, or generation
+            s_local = ids.shape[1]
+            if pos.dim() != 2 or pos.shape[-1] != s_local:
+                raise ValueError(f"{what}: position_ids {tuple(pos.shape)} do not number the {s_local} positions "
+                                 "it is given; pass [B, S_l] ids")  # fmt: skip
+            # [S_l] ids per row -> [1, S_l, D] each -> [B|1, S_l, D]
+            rows = [original(**{**call, "position_ids": row}).reshape(1, s_local, -1) for row in pos]
+            return torch.cat(rows)
+
+        return replace_forward(module, forward)
+
+
 HANDLER = CountedPositionsHandler()
 """An unbound instance for ``claimed_by`` (the closed-world guard); ``apply_mixers`` binds its own."""
+LOOKUP_HANDLER = CountedLookupHandler()
+"""The learned-table variant, unbound (``claimed_by``)."""

@@ -9,7 +9,8 @@ At ``sp_size`` P each module runs instead, per forward:
 2. the module's **own** forward (``torch.func.functional_call``) on rank ``r``'s heads
    ``[r*H_l, (r+1)*H_l)`` over the full sequence: its q/k/v rows and output-projection columns cut by
    ``head_cuts`` (differentiable ``index_select``: autograd puts each weight's gradient at its rows), its
-   head-count attributes shrunk to ``H_l`` for the call, and full-sequence keyword arguments: a
+   head-count attributes shrunk to ``H_l`` for the call (a width its forward reads from its input's size,
+   TrOCR's decoder's, reported as ``H_l * D``: ``mixers/input_width.py``), and full-sequence keyword arguments: a
    causal mask built from the global positions (block-causal per packed document, so each document
    equals itself run alone; windowed where the model's mask is), ALiBi for the rank's heads over ``S``
    positions, rotary tables and position ids gathered, MPT's per-head bias cut to the rank's heads;
@@ -59,6 +60,7 @@ from ulysses_sp.mixers.head_cuts import (
     returned_biases,
     sp_problem,
 )
+from ulysses_sp.mixers.input_width import input_width, reported_width, width_refusal
 from ulysses_sp.mixers.key_gates import gate_values, gated, mixed_windows, own_registry_core, window
 from ulysses_sp.parallel.comm import all_gather_seq, heads_to_seq
 
@@ -185,11 +187,8 @@ def refusal(module: nn.Module) -> str | None:
         return "its ALiBi bias is folded into the model's attention mask (Falcon with alibi)"
     if mixed_windows(module):
         return "its model windows some layers' masks and not others' (config.layer_types), which it does not read per layer"
-    local = set(inspect.unwrap(type(module).forward).__code__.co_varnames)
-    if local & {"embed_dim", "hidden_size", "split_size"}:
-        width = sorted(local & {"embed_dim", "hidden_size", "split_size"})[0]
-        return (f"its forward reads the heads' output width from its input ({width} = the hidden size), so it "
-                "cannot run on a share of its heads")  # fmt: skip
+    if (width := width_refusal(module)) is not None:
+        return width
     cut = head_cut(module)
     return cut if isinstance(cut, str) else None
 
@@ -205,6 +204,8 @@ def _head_parallel(module: nn.Module, cut: HeadCut, mesh: Any, layout: Any, x_na
     b, seq = x.shape[0], x.shape[1] * p
     full = gather_seq(x, group, p)  # [B, S_l, h] -> [B, S, h]
     kwargs = {x_name: full}
+    # TrOCR: the width its forward reads from its input's size is the rank's heads' H_l * D
+    width = cut.heads // p * cut.head_dim if p > 1 and input_width(type(module)) else None
     residual = None
     for name, value in call.items():
         if name == x_name:
@@ -236,7 +237,7 @@ def _head_parallel(module: nn.Module, cut: HeadCut, mesh: Any, layout: Any, x_na
     try:
         for (m, a), v in attrs.items():
             setattr(m, a, v)
-        with gated(module, cut, gate):
+        with gated(module, cut, gate), reported_width(full, width):
             res = functional_call(module, params, (), kwargs, strict=False, tie_weights=False)
     finally:
         module.forward = wrapped
