@@ -35,6 +35,7 @@ ROWS = {  # name: (shape, gpus, tokens or None for the planner's longest, settin
     "8b-8gpu-states": ("Llama-3-8B", 8, None, {"cpu_offload": False}),  # states on the device: less host
     "8b-8gpu-8m": ("Llama-3-8B", 8, 8_388_608, {"cpu_offload": False, "head_chunks": 4}),  # the 8M goal
     "8b-8gpu-8m-host": ("Llama-3-8B", 8, 8_388_608, {"head_chunks": 4, "host_memory": "2.5TB"}),  # a bigger node
+    "8b-8gpu-8m-disk": ("Llama-3-8B", 8, 8_388_608, {"head_chunks": 4, "disk_layers": 5}),  # 5 layers' inputs on NVMe
     "8b-32gpu": ("Llama-3-8B", 32, None, {}),
     "32b-8gpu": ("Qwen3-32B", 8, None, {}),
     "32b-32gpu": ("Qwen3-32B", 32, None, {}),
