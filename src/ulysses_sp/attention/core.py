@@ -19,6 +19,9 @@ core                plain causal            packed documents / sliding window
 ``eager``           dense ``[S, S]`` mask   dense ``[S, S]`` mask (eager is dense by definition)
 ==================  ======================  =====================================================
 
+Bidirectional spans (Gemma 3's image blocks, ``attention/span_mask.py``): sdpa through the blockwise core,
+eager and flex in their masks; flash and the ring refuse them.
+
 With ``offload_attention`` (sdpa only) every sequence goes through the blockwise core, whose K/V
 then live on the host between forward and backward (``attention/kv_offload.py``). No ``S x S`` tensor is
 built on any path but ``eager``.

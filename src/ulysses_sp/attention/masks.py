@@ -44,7 +44,7 @@ class SeqLayout:
     host: HostLayout | None = None
     """The same layout as host ints when it came from the data adapter (``None``: gathered)."""
     span_ids: torch.Tensor | None = None
-    """``[B, S]`` bidirectional span index per token, ``-1`` outside (``attention/span_mask.py``), or ``None``."""
+    """``[B, S]`` bidirectional span index per token, ``-1`` outside (``span_mask.py``), or ``None``."""
 
     @classmethod
     def from_host(cls, host: HostLayout, device: torch.device) -> SeqLayout:

@@ -69,12 +69,12 @@ class SpanStructure(AttnStructure):
 
 
 def check_span_core(core: str, *, ring_size: int = 1) -> None:
-    """Raise ``ValueError`` naming the alternative when ``core`` (or the ring) cannot honour bidirectional spans."""
+    """Raise ``ValueError`` naming the alternative when ``core`` (or the ring) cannot honour the spans."""
     if ring_size > 1:
         raise ValueError(
             f"bidirectional spans (image tokens attending to each other, token_type_ids) with ring attention "
-            f"(ring_size {ring_size}): its ring steps skip every key chunk after the queries. Use ring_size 1 "
-            "(Ulysses alone) with core 'sdpa' (the blockwise core honours the spans) or 'eager'"
+            f"(ring_size {ring_size}): its ring steps skip every key chunk after the queries. Use "
+            "ring_size 1 (Ulysses alone) with core 'sdpa' (the blockwise core honours the spans) or 'eager'"
         )
     if core.startswith("flash"):
         raise ValueError(

@@ -55,7 +55,7 @@ class HostLayout:
             check_spans(self.spans, len(self.runs), self.seq_len)
 
     def span_ids(self, device: torch.device | str) -> torch.Tensor | None:
-        """``[B, S]`` int64: the index of the span holding each token, ``-1`` outside spans (``None``: no spans)."""
+        """``[B, S]`` int64: the index of each token's span, ``-1`` outside spans (``None``: no spans)."""
         if self.spans is None or not any(self.spans):
             return None
         ids = torch.full((self.batch, self.seq_len), -1, dtype=torch.int64)
@@ -124,19 +124,21 @@ def check_spans(spans: Any, batch: int, seq_len: int) -> None:
     for row in spans if ok else ():
         ends = [0]
         for span in row:
-            ok = ok and len(span) == 2 and all(isinstance(x, int) for x in span) and ends[-1] <= span[0] < span[1]
+            ok = ok and len(span) == 2 and all(isinstance(x, int) for x in span)
+            ok = ok and ends[-1] <= span[0] < span[1]
             ends.append(span[1] if ok else 0)
         ok = ok and ends[-1] <= seq_len
     if not ok:
         raise ValueError(
-            f"bidirectional spans must be, per batch row ({batch} rows), sorted disjoint [start, end) int pairs "
-            f"with 0 <= start < end <= S ({seq_len}); got {spans!r}"
+            f"bidirectional spans must be, per batch row ({batch} rows), sorted disjoint [start, end) int "
+            f"pairs with 0 <= start < end <= S ({seq_len}); got {spans!r}"
         )
 
 
 def bidirectional_spans(token_type_ids: torch.Tensor, kind: int = 1) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """Per row of ``[B, S]`` ``token_type_ids`` (host data, once per step): the ``[start, end)`` maximal runs of
-    ``kind`` — Gemma 3's image blocks (``get_block_sequence_ids_for_mask``: adjacent image tokens form one)."""
+    """Per row of ``[B, S]`` ``token_type_ids`` (host data, once per step): the ``[start, end)`` maximal
+    runs of ``kind`` — Gemma 3's image blocks (``get_block_sequence_ids_for_mask``: adjacent image tokens
+    form one)."""
     is_kind = (token_type_ids.detach().cpu() == kind).to(torch.int8)
     edges = torch.nn.functional.pad(is_kind, (1, 1)).diff(dim=-1)  # [B, S+1]: +1 at a start, -1 at an end
     out = []
