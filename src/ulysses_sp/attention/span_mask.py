@@ -24,10 +24,15 @@ Shape legend: ``B`` batch, ``S`` full sequence, ``bq``/``bk`` query/key block le
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ulysses_sp.attention.blockwise import AttnStructure
+from ulysses_sp.parallel.doc_layout import layout_of
+
+SPAN_MODELS = ("gemma3",)
+"""``config.model_type``s whose own mask makes ``token_type_ids == 1`` runs bidirectional (image blocks)."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,21 @@ def check_span_core(core: str, *, ring_size: int = 1) -> None:
             f"bidirectional spans (image tokens attending to each other, token_type_ids) with core {core!r}: "
             "flash kernels take no mask (transformers' Gemma 3 refuses flash for the same reason). Use core "
             "'sdpa' (the blockwise core honours the spans), 'flex_attention' or 'eager'"
+        )
+
+
+def check_spans_shipped(module: torch.nn.Module, position_ids: Any) -> None:
+    """Raise ``ValueError`` unless ``position_ids`` carry a host layout with spans (``module`` was given
+    ``token_type_ids``, which its own mask turns into bidirectional image blocks): else the SP mask, built
+    from positions alone, would silently be causal over the images."""
+    layout = layout_of(position_ids)
+    if layout is None or layout.spans is None:
+        raise ValueError(
+            f"{type(module).__name__} was given token_type_ids: its image tokens attend to each other "
+            "bidirectionally, and the SP attention needs those spans with the batch's host layout. Use "
+            "UlyssesSPDataLoaderAdapter(..., bidirectional_spans_key='token_type_ids'), or attach "
+            "host_layout(full_position_ids, spans=bidirectional_spans(token_type_ids)) to each rank's "
+            "position_ids shard (ulysses_sp.parallel.doc_layout.attach_layout)"
         )
 
 
