@@ -582,6 +582,17 @@ def test_bidirectional_spans_match_gemma3_blocks_and_bad_spans_and_cores_are_ref
         check_span_core("flash_attention_2")
     with pytest.raises(ValueError, match="ring attention.*ring_size 1"):
         check_span_core("sdpa", ring_size=2)
+    from torch.nn.attention.flex_attention import create_mask
+
+    from ulysses_sp.attention.masks import SeqLayout, mask_for
+
+    # flex's mask_mod and the dense mask (sdpa form) agree with spans, documents and a window of 2
+    host = HostLayout(8, (((0, 0), (3, 0)), ((0, 0),)), spans=spans)  # row 0: documents [0, 3), [3, 8)
+    layout = SeqLayout.from_host(host, torch.device("cpu"))
+    dense = mask_for(layout, "sdpa", torch.float32, 2)  # [B, 1, S, S]
+    assert dense[0, 0, 0, 1] and not dense[0, 0, 1, 4] and dense[0, 0, 4, 6] and not dense[0, 0, 6, 4]  # 6 -> 4: 2 back
+    flex = mask_for(layout, "flex_attention", torch.float32, 2)
+    assert torch.equal(create_mask(flex.mask_mod, 2, 1, 8, 8, device="cpu"), dense.expand(2, 1, 8, 8))
     from ulysses_sp.data.adapter import UlyssesSPDataLoaderAdapter
     from ulysses_sp.parallel.doc_layout import layout_of
 
