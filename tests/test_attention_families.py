@@ -11,6 +11,7 @@ position ids (gpt-oss builds its masks without them), with every document run on
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -466,3 +467,136 @@ def _halo_and_ragged(s_l: int, width: int) -> None:
 
 def test_halo_spanning_ranks_and_ragged_gather_with_gradients(pool):
     pool.run(_halo_and_ragged, 4, 3, 7)  # a 7-token halo over shards of 3: three ranks' tokens
+
+
+SPANS = ((3, 11), (14, 20), (26, 30))  # image blocks crossing the shard edges at sp 2 (16) and sp 4 (8, 16, 24)
+SPAN_DOCS = (18, 14)  # packed: the block (14, 20) crosses the documents' boundary (cut there, as transformers does)
+
+
+def _gemma3(window: int):
+    """Tiny Gemma 3 text model (a sliding then a full layer), eager, weights at std 0.2."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=window,
+                           layer_types=["sliding_attention", "full_attention"], max_position_embeddings=64,
+                           attn_implementation="eager")  # fmt: skip
+    model = Gemma3ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model.float()
+
+
+def _gemma3_logits(ref, ids: torch.Tensor, token_types: torch.Tensor) -> torch.Tensor:
+    """No-SP logits with the image-block masks transformers' own Gemma 3 builds from ``token_types``."""
+    from transformers.models.gemma3.modeling_gemma3 import (
+        create_masks_for_vision_model,
+        get_block_sequence_ids_for_mask,
+    )
+
+    pos = torch.arange(ids.shape[1])[None]
+    masks = create_masks_for_vision_model(ref.config, ref.model.embed_tokens(ids), None, None, pos,
+                                          get_block_sequence_ids_for_mask(token_types))  # fmt: skip
+    return ref(input_ids=ids, position_ids=pos, attention_mask=masks, use_cache=False).logits
+
+
+def _span_cases(sp: int, cases) -> list[tuple]:
+    """Gemma 3 text with bidirectional image blocks (``SPANS``, crossing shard edges), SP vs transformers' own
+    masks: per-position logits and every gradient; packed rows against each document run alone."""
+    from test_host_reads import HostReads
+
+    from ulysses_sp.parallel.doc_layout import attach_layout, bidirectional_spans, host_layout
+
+    mesh, done = init_mesh((1, sp)), []
+    for core, window, packed in cases:
+        ref = _gemma3(window)
+        model = copy.deepcopy(ref)
+        reg = UlyssesSPAttentionHF.register_with_transformers(model, core, sp, 1, mesh=mesh,
+                                                              attn_chunk=8 if core == "sdpa" else None)  # fmt: skip
+        ids, types = global_batch(5, 1, S), torch.zeros(1, S, dtype=torch.long)
+        for a, b in SPANS:
+            types[0, a:b] = 1
+        labels = shift(ids)
+        docs = SPAN_DOCS if packed else (S,)
+        pos = torch.cat([torch.arange(n) for n in docs])[None]
+        labels[0, :-1][pos[0, 1:] == 0] = -100
+        cuts = [0, *torch.tensor(docs).cumsum(0).tolist()]
+        ref_logits = torch.cat([_gemma3_logits(ref, ids[:, a:b], types[:, a:b]) for a, b in zip(cuts, cuts[1:])], 1)
+        ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        ref_loss.backward()
+        cols = slice(mesh.sp_rank * S // sp, (mesh.sp_rank + 1) * S // sp)
+        local = attach_layout(pos[:, cols].clone(), host_layout(pos, spans=bidirectional_spans(types)))
+        with HostReads() if not done else contextlib.nullcontext() as reads:  # spans as host ints: no read back
+            out = model(input_ids=ids[:, cols], position_ids=local, use_cache=False)
+            loss = sp_causal_lm_loss(out.logits, labels[:, cols], mesh.sp_group)
+            loss.backward()
+        assert done or not reads.found, reads.found
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+        case = (core, window, packed, reg.attention.last_path)
+        torch.testing.assert_close(out.logits, ref_logits[:, cols], rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, c=case: f"{c}: {m}")  # fmt: skip
+        assert_step_close(loss.detach(), {n: p.grad for n, p in model.named_parameters()}, ref_loss.detach(),
+                          {n: p.grad for n, p in ref.named_parameters()})  # fmt: skip
+        if not done:  # the multimodal model given token_type_ids without the spans: refused, naming the fix
+            fake = torch.nn.Module()
+            fake.config = type("Config", (), {"model_type": "gemma3"})()
+            with pytest.raises(ValueError, match="given token_type_ids.*bidirectional_spans_key='token_type_ids'"):
+                reg._before_forward(fake, (), {"token_type_ids": types[:, cols], "position_ids": pos[:, cols]})
+            reg._before_forward(fake, (), {"token_type_ids": types[:, cols], "position_ids": local})
+        reg.remove()
+        done.append(case)
+    return done
+
+
+SPAN_SP2 = [("sdpa", 6, False), ("eager", 6, True)]
+SPAN_SP4 = [("sdpa", 5, True)]
+
+
+@pytest.mark.parametrize("sp, cases", [(2, SPAN_SP2), (4, SPAN_SP4)], ids=["sp2", "sp4"])
+def test_gemma3_bidirectional_image_spans_equal_transformers_masks(pool, sp, cases):
+    """Image blocks that see each other (Gemma 3), honoured by the blockwise core (sdpa, blocks of 8 tokens)
+    and eager, with sliding windows shorter than a block and packed documents (``attention/span_mask.py``)."""
+    paths = {"sdpa": "blockwise", "eager": "eager"}
+    assert pool.run(_span_cases, sp, sp, cases)[0] == [(*c, paths[c[0]]) for c in cases]
+
+
+def test_bidirectional_spans_match_gemma3_blocks_and_bad_spans_and_cores_are_refused():
+    from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
+
+    from ulysses_sp.attention.span_mask import check_span_core
+    from ulysses_sp.parallel.doc_layout import HostLayout, bidirectional_spans
+
+    types = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 0], [0, 0, 0, 0, 0, 0, 0, 1]])
+    spans = bidirectional_spans(types)
+    assert spans == (((0, 2), (4, 7)), ((7, 8),))
+    ids = HostLayout(8, (((0, 0),), ((0, 0),)), spans=spans).span_ids("cpu")
+    assert torch.equal(ids, get_block_sequence_ids_for_mask(types))  # the same block ids, -1 for text
+    with pytest.raises(ValueError, match="sorted disjoint"):
+        HostLayout(8, (((0, 0),),), spans=(((4, 6), (5, 7)),))
+    with pytest.raises(ValueError, match="chunked attention"):
+        HostLayout(8, (((0, 0),),), spans=(((4, 6),),)).split_at_chunks(4)
+    with pytest.raises(ValueError, match="flash kernels take no mask.*'sdpa'"):
+        check_span_core("flash_attention_2")
+    with pytest.raises(ValueError, match="ring attention.*ring_size 1"):
+        check_span_core("sdpa", ring_size=2)
+    from torch.nn.attention.flex_attention import create_mask
+
+    from ulysses_sp.attention.masks import SeqLayout, mask_for
+
+    # flex's mask_mod and the dense mask (sdpa form) agree with spans, documents and a window of 2
+    host = HostLayout(8, (((0, 0), (3, 0)), ((0, 0),)), spans=spans)  # row 0: documents [0, 3), [3, 8)
+    layout = SeqLayout.from_host(host, torch.device("cpu"))
+    dense = mask_for(layout, "sdpa", torch.float32, 2)  # [B, 1, S, S]
+    assert dense[0, 0, 0, 1] and not dense[0, 0, 1, 4] and dense[0, 0, 4, 6] and not dense[0, 0, 6, 4]  # 6 -> 4: 2 back
+    flex = mask_for(layout, "flex_attention", torch.float32, 2)
+    assert torch.equal(create_mask(flex.mask_mod, 2, 1, 8, 8, device="cpu"), dense.expand(2, 1, 8, 8))
+    from ulysses_sp.data.adapter import UlyssesSPDataLoaderAdapter
+    from ulysses_sp.parallel.doc_layout import layout_of
+
+    batch = {"input_ids": torch.arange(16).view(2, 8), "token_type_ids": types}
+    for key, want in (("token_type_ids", spans), (None, None)):  # the data path: spans once per step, on the host
+        adapter = UlyssesSPDataLoaderAdapter([batch], 0, None, 1, "cpu", bidirectional_spans_key=key)
+        assert layout_of(next(iter(adapter))["position_ids"]).spans == want

@@ -19,6 +19,9 @@ core                plain causal            packed documents / sliding window
 ``eager``           dense ``[S, S]`` mask   dense ``[S, S]`` mask (eager is dense by definition)
 ==================  ======================  =====================================================
 
+Bidirectional spans (Gemma 3's image blocks, ``attention/span_mask.py``): sdpa through the blockwise core,
+eager and flex in their masks; flash and the ring refuse them.
+
 With ``offload_attention`` (sdpa only) every sequence goes through the blockwise core, whose K/V
 then live on the host between forward and backward (``attention/kv_offload.py``). No ``S x S`` tensor is
 built on any path but ``eager``.
@@ -39,6 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ulysses_sp.attention.blockwise import AUTO_CHUNK, AttnStructure, BlockCounts, blockwise_attention
 from ulysses_sp.attention.heads import apply_sinks
@@ -46,6 +50,7 @@ from ulysses_sp.attention.kv_offload import KVOffload
 from ulysses_sp.attention.masks import SeqLayout, mask_for
 from ulysses_sp.attention.ring import RingStats, ring_attention
 from ulysses_sp.attention.segments import segment_attention
+from ulysses_sp.attention.span_mask import SpanStructure, check_span_core, span_structure
 from ulysses_sp.attention.varlen import use_varlen, varlen_segment_attention
 
 logger = logging.getLogger(__name__)
@@ -93,14 +98,17 @@ def attention_path(
     ``"blockwise"``, ``"blockwise+offload"``, ``"sdpa"`` (is_causal), ``"eager"`` (dense), ``"flash"``
     or ``"flex"``. Attention sinks on sdpa (which has no sink input) run through the blockwise core,
     which applies them exactly; so do windows and an explicit ``attn_chunk`` (the blockwise core's
-    block size: asking for it asks for that core); so do DSA's picked keys (``indexed``, sdpa or eager)."""
+    block size: asking for it asks for that core); so do DSA's picked keys (``indexed``, sdpa or eager)
+    and bidirectional spans (``attention/span_mask.py``; refused for flash)."""
+    if layout.span_ids is not None:
+        check_span_core(core)
     if core in ("sdpa", "eager") and indexed:
         return "blockwise+offload" if offload else "blockwise"
     if core == "sdpa":
         windowed = _windowed(layout, sliding_window)
         if offload:
             return "blockwise+offload"
-        if sinks or windowed or (layout.doc_ids is not None and attn_chunk is not None):
+        if sinks or windowed or layout.span_ids is not None or (layout.doc_ids is not None and attn_chunk is not None):
             return "blockwise"
         return "sdpa" if layout.doc_ids is None else "segments"
     if core.startswith("flash"):
@@ -130,10 +138,11 @@ def _windowed(layout: SeqLayout, sliding_window: int | None) -> bool:
 
 
 def structure_for(layout: SeqLayout, sliding_window: int | None) -> AttnStructure:
-    """The blockwise core's structure (documents, window) of one forward: ``O(S)`` memory."""
+    """The blockwise core's structure (documents, window, bidirectional spans) of one forward: ``O(S)`` memory."""
     window = sliding_window if _windowed(layout, sliding_window) else None
     starts = None if layout.host is None or layout.doc_ids is None else layout.host.doc_starts()
-    return AttnStructure.build(layout.doc_ids, window, starts)
+    spans = None if layout.host is None else layout.host.spans
+    return span_structure(AttnStructure.build(layout.doc_ids, window, starts), layout.span_ids, spans)
 
 
 def core_function(name: str, module: torch.nn.Module) -> Callable[..., Any]:
@@ -238,6 +247,8 @@ def run_ring(
     """Ring attention over the ring group with transformers' keyword arguments:
     ``[B, H_l, S/R, D]`` (this ring rank's zigzag tokens) ``-> [B, S/R, H_l, D]``."""
     _check_kwargs(module, kwargs, ring=True)
+    if isinstance(structure, SpanStructure):  # the ring skips key chunks after the queries
+        check_span_core("sdpa", ring_size=dist.get_world_size(group))
     out = ring_attention(q, k, v, group=group, structure=structure, scale=kwargs.get("scaling"), chunk=chunk,
                          counts=counts, stats=stats)  # fmt: skip
     return out.transpose(1, 2).contiguous()

@@ -43,11 +43,13 @@ class SeqLayout:
     """``[B or 1, S]`` document index per token when documents are packed, else ``None``."""
     host: HostLayout | None = None
     """The same layout as host ints when it came from the data adapter (``None``: gathered)."""
+    span_ids: torch.Tensor | None = None
+    """``[B, S]`` bidirectional span index per token, ``-1`` outside (``span_mask.py``), or ``None``."""
 
     @classmethod
     def from_host(cls, host: HostLayout, device: torch.device) -> SeqLayout:
         """The layout the adapter computed: ids built on the host and copied over, nothing read back."""
-        return cls(host.seq_len, host.positions(device), host.doc_ids(device), host)
+        return cls(host.seq_len, host.positions(device), host.doc_ids(device), host, host.span_ids(device))
 
     def split_at_chunks(self, chunk: int) -> SeqLayout:
         """The layout of chunked attention's segments (``positions.split_at_chunks``)."""
@@ -195,19 +197,24 @@ def mask_for(layout: SeqLayout, core: str, dtype: torch.dtype, sliding_window: i
 
     Returns ``None`` for plain causal attention where the kernel has an ``is_causal`` path (sdpa,
     flash), a boolean ``[B|1, 1, S, S]`` (True = attend) for sdpa, an additive float mask for eager.
+    Bidirectional spans (``layout.span_ids``) as transformers' Gemma 3 composes them:
+    ``(causal | same span) & window & same document``.
     """
     s = layout.seq_len
     device = layout.positions.device
     windowed = sliding_window is not None and s > sliding_window
     if core == "flex_attention":
         return flex_block_mask(layout, sliding_window if windowed else None)
-    if layout.doc_ids is None and not windowed and core != "eager":
+    if layout.doc_ids is None and layout.span_ids is None and not windowed and core != "eager":
         return None
     idx = torch.arange(s, device=device)
-    allowed = idx[None, :] <= idx[:, None]  # [S, S] causal: key <= query
-    if windowed:
+    allowed = (idx[None, :] <= idx[:, None])[None]  # [1, S, S] causal: key <= query
+    if layout.span_ids is not None:  # [B, S, 1] == [B, 1, S] -> [B, S, S]: or within one span
+        span = layout.span_ids
+        allowed = allowed | ((span[:, :, None] == span[:, None, :]) & (span[:, :, None] >= 0))
+    if windowed:  # keys before the query: at most window - 1 back (later keys of a span stay visible)
         allowed = allowed & (idx[:, None] - idx[None, :] < sliding_window)
-    allowed = allowed[None, None]  # [1, 1, S, S]
+    allowed = allowed[:, None]  # [B|1, 1, S, S]
     if layout.doc_ids is not None:
         # [B|1, S] -> [B|1, 1, S, S]: attend only within the same document.
         allowed = allowed & (layout.doc_ids[:, None, :, None] == layout.doc_ids[:, None, None, :])
@@ -221,10 +228,13 @@ def flex_block_mask(layout: SeqLayout, window: int | None):
     """A flex-attention ``BlockMask`` for the full sequence: causal, within documents, windowed."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    doc = layout.doc_ids
+    doc, span = layout.doc_ids, layout.span_ids
 
     def mask_mod(b, h, q, k):
         keep = k <= q
+        if span is not None:
+            row = span[b if span.shape[0] > 1 else 0]
+            keep = keep | ((row[q] == row[k]) & (row[q] >= 0))
         if window is not None:
             keep = keep & (q - k < window)
         if doc is not None:
@@ -232,6 +242,7 @@ def flex_block_mask(layout: SeqLayout, window: int | None):
             keep = keep & (d[q] == d[k])
         return keep
 
-    batch = doc.shape[0] if doc is not None and doc.shape[0] > 1 else None
+    rows = max(1 if t is None else t.shape[0] for t in (doc, span))
+    batch = rows if rows > 1 else None
     s = layout.seq_len
     return create_block_mask(mask_mod, batch, None, s, s, device=layout.positions.device)

@@ -24,6 +24,7 @@ from ulysses_sp.attention.block_indexer import install_block_indexers
 from ulysses_sp.attention.indexer import install_indexers
 from ulysses_sp.attention.pooled_kv import install_pooled_attention
 from ulysses_sp.attention.positions import CallPositions, capture_call
+from ulysses_sp.attention.span_mask import SPAN_MODELS, check_spans_shipped
 from ulysses_sp.parallel.mesh import Mpu, SPMesh, as_sp_mesh, init_mesh
 from ulysses_sp.parallel.mesh_shape import head_counts, resolve_ring_size_for_layers
 
@@ -210,6 +211,9 @@ class SPRegistration(Mpu):
                 "the tokens of type 1 one bidirectional block, but the SP attention builds a causal mask from "
                 "positions alone. Train it causally (without token_type_ids), or without the SP attention"
             )
+        config = getattr(module, "config", None)
+        if kwargs.get("token_type_ids") is not None and getattr(config, "model_type", None) in SPAN_MODELS:
+            check_spans_shipped(module, kwargs.get("position_ids"))
         self.attention.reset_calls()
         self.attention.call = capture_call(module, args, kwargs)
 

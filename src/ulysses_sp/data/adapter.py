@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ulysses_sp.checks import check_seq_len_divisible, positive_int
 from ulysses_sp.data.shard import _is_seq, prepare_batch, shard_batch
 from ulysses_sp.parallel.comm import all_gather_object, exchange_bytes, raise_if_any_rank_failed
-from ulysses_sp.parallel.doc_layout import attach_layout, host_layout
+from ulysses_sp.parallel.doc_layout import attach_layout, bidirectional_spans, host_layout
 from ulysses_sp.parallel.mesh import ring_size_of
 
 logger = logging.getLogger(__name__)
@@ -99,6 +99,9 @@ class UlyssesSPDataLoaderAdapter:
         ring_size: the hybrid Ulysses x Ring layout's ring size; ``None``: the ring size of the
             ``init_mesh`` layout whose ``sp_group`` this is (the one the attention was registered
             on), so the shards have the zigzag token order the ring attention expects.
+        bidirectional_spans_key: the batch key (e.g. ``"token_type_ids"`` for Gemma 3) whose runs of 1
+            mark tokens that attend to each other bidirectionally (image blocks): found on the host once
+            per step and shipped in the layout (``doc_layout.bidirectional_spans``); ``None``: causal only.
 
     Raises:
         ValueError: on every rank of the group when any rank's input is bad (see ``prepare_batch``;
@@ -117,8 +120,11 @@ class UlyssesSPDataLoaderAdapter:
         pad_token_id: int = 0,
         strict: bool = False,
         ring_size: int | None = None,
+        bidirectional_spans_key: str | None = None,
     ) -> None:
         self.dl = dl
+        self.spans_key = bidirectional_spans_key
+        """The batch key whose runs of 1 are bidirectional spans (Gemma 3: ``"token_type_ids"``); ``None``: none."""
         self.sp_rank = sp_rank
         self.sp_group = sp_group
         self.sp_world_size = sp_world_size
@@ -190,7 +196,9 @@ class UlyssesSPDataLoaderAdapter:
             try:
                 prepared = prepare_batch(batch, self.sp_world_size, pad_token_id=self.pad_token_id,
                                          strict=self.strict, ring_size=self.ring_size)  # fmt: skip
-                prepared[_LAYOUT] = host_layout(prepared["position_ids"])  # the group gets it with the metadata
+                types = prepared.get(self.spans_key) if self.spans_key else None  # [B, S] on the host
+                spans = None if types is None else bidirectional_spans(types)  # image blocks: once per step
+                prepared[_LAYOUT] = host_layout(prepared["position_ids"], spans=spans)  # shipped with the metadata
                 prepared[REAL_TOKENS] = real_tokens(batch)  # so does the count (an object of the metadata)
             except ValueError as e:
                 error = str(e)

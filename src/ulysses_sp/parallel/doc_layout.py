@@ -17,6 +17,10 @@ A row's position ids are stored as *runs*: maximal spans where the id goes up by
 (the packed-document convention, ``masks.SeqLayout``) and always starts a run. Typical batches have
 one run per document, so the layout is ``O(documents)`` Python ints, not ``O(S)``.
 
+A layout may also carry **bidirectional spans** (``spans``): per row, ``[start, end)`` token ranges whose
+tokens see each other fully (Gemma 3's image tokens: runs of ``token_type_ids == 1``, found on the host by
+``bidirectional_spans``); the attention ORs them into its causal mask (``attention/span_mask.py``).
+
 Shape legend: ``B`` batch, ``S`` full (padded) sequence.
 """
 
@@ -43,6 +47,22 @@ class HostLayout:
     """Per batch row: ``(first token, its position id)`` of every run of ids going up by one."""
     dtype: torch.dtype = torch.int64
     """The position ids' dtype."""
+    spans: tuple[tuple[tuple[int, int], ...], ...] | None = None
+    """Per batch row: sorted, disjoint ``[start, end)`` bidirectional spans; ``None``: none (causal only)."""
+
+    def __post_init__(self) -> None:
+        if self.spans is not None:
+            check_spans(self.spans, len(self.runs), self.seq_len)
+
+    def span_ids(self, device: torch.device | str) -> torch.Tensor | None:
+        """``[B, S]`` int64: the index of each token's span, ``-1`` outside spans (``None``: no spans)."""
+        if self.spans is None or not any(self.spans):
+            return None
+        ids = torch.full((self.batch, self.seq_len), -1, dtype=torch.int64)
+        for row, spans in zip(ids, self.spans):
+            for i, (a, b) in enumerate(spans):
+                row[a:b] = i
+        return ids.to(device)
 
     @property
     def batch(self) -> int:
@@ -81,6 +101,11 @@ class HostLayout:
         """The layout of ``positions.split_at_chunks(positions, chunk)``: every token whose id is a
         multiple of ``chunk`` (document starts included) and the first token start a segment
         numbered from 0 (chunked attention)."""
+        if self.spans is not None and any(self.spans):
+            raise ValueError(
+                f"bidirectional spans {self.spans} with chunked attention (chunk {chunk}): no model combines "
+                "them and the chunked mask would drop the spans; pass the batch without token_type_ids spans"
+            )
         out = []
         for row in self.runs:
             ends = [t for t, _ in row[1:]] + [self.seq_len]
@@ -92,8 +117,40 @@ class HostLayout:
         return HostLayout(self.seq_len, tuple(out))  # int64, as positions.split_at_chunks makes them
 
 
-def host_layout(position_ids: torch.Tensor) -> HostLayout:
-    """The ``HostLayout`` of ``[B, S]`` full-sequence position ids (read on the host: data path only)."""
+def check_spans(spans: Any, batch: int, seq_len: int) -> None:
+    """Raise ``ValueError`` unless ``spans`` holds, for each of ``batch`` rows, sorted disjoint non-empty
+    ``(start, end)`` int pairs within ``[0, seq_len]``."""
+    ok = isinstance(spans, (tuple, list)) and len(spans) == batch
+    for row in spans if ok else ():
+        ends = [0]
+        for span in row:
+            ok = ok and len(span) == 2 and all(isinstance(x, int) for x in span)
+            ok = ok and ends[-1] <= span[0] < span[1]
+            ends.append(span[1] if ok else 0)
+        ok = ok and ends[-1] <= seq_len
+    if not ok:
+        raise ValueError(
+            f"bidirectional spans must be, per batch row ({batch} rows), sorted disjoint [start, end) int "
+            f"pairs with 0 <= start < end <= S ({seq_len}); got {spans!r}"
+        )
+
+
+def bidirectional_spans(token_type_ids: torch.Tensor, kind: int = 1) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per row of ``[B, S]`` ``token_type_ids`` (host data, once per step): the ``[start, end)`` maximal
+    runs of ``kind`` — Gemma 3's image blocks (``get_block_sequence_ids_for_mask``: adjacent image tokens
+    form one)."""
+    is_kind = (token_type_ids.detach().cpu() == kind).to(torch.int8)
+    edges = torch.nn.functional.pad(is_kind, (1, 1)).diff(dim=-1)  # [B, S+1]: +1 at a start, -1 at an end
+    out = []
+    for row in edges:
+        starts, ends = (row == 1).nonzero().flatten().tolist(), (row == -1).nonzero().flatten().tolist()
+        out.append(tuple(zip(starts, ends)))
+    return tuple(out)
+
+
+def host_layout(position_ids: torch.Tensor, *, spans: tuple | None = None) -> HostLayout:
+    """The ``HostLayout`` of ``[B, S]`` full-sequence position ids (read on the host: data path only), with
+    the rows' bidirectional ``spans`` (``bidirectional_spans``) when given."""
     pos = position_ids.detach().to("cpu", torch.int64)
     brk = torch.ones_like(pos, dtype=torch.bool)  # [B, S]: a run starts here
     brk[:, 1:] = (pos[:, 1:] != pos[:, :-1] + 1) | (pos[:, 1:] == 0)
@@ -101,7 +158,7 @@ def host_layout(position_ids: torch.Tensor) -> HostLayout:
     for row, starts in zip(pos, brk):
         idx = starts.nonzero().flatten()
         runs.append(tuple(zip(idx.tolist(), row[idx].tolist())))
-    return HostLayout(pos.shape[-1], tuple(runs), position_ids.dtype)
+    return HostLayout(pos.shape[-1], tuple(runs), position_ids.dtype, spans)
 
 
 _ATTACHED: dict[int, weakref.ref] = {}
