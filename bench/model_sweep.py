@@ -73,7 +73,15 @@ def tiny_config(model_type: str) -> Any:
     cls, over = CONFIG_MAPPING[spec.get("_config", model_type)], {k: v for k, v in spec.items() if k[0] != "_"}
     if "_config" in spec:  # not an auto key: registered for the class the causal-LM registry names
         AutoModelForCausalLM.register(cls, getattr(transformers, auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]), exist_ok=True)
-    defaults = cls(**over).to_dict()
+    config = cls(**{**shrink(cls(**over).to_dict()), **over})
+    for key, sub in spec.get("_swap", {}).items():  # a sub-config of another kind, set past the config's type check
+        object.__setattr__(config, key, CONFIG_MAPPING[sub["model_type"]](**{k: v for k, v in sub.items() if k != "model_type"}))
+    return config
+
+
+def shrink(defaults: dict) -> dict:
+    """The ``SHRINK`` fields a config's ``defaults`` has, tokens inside the tiny vocabulary, layers enough to hold
+    every default layer type (2 at least)."""
     # a per-layer input embedding (Gemma 3n/4) is shrunk where the family has one (default 0: it has none)
     kw = {k: v for k, v in SHRINK.items() if k in defaults and not (k.endswith("_per_layer_input") and not defaults[k])}
     for key, token in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
@@ -88,10 +96,7 @@ def tiny_config(model_type: str) -> Any:
     if types:
         kw["layer_types"] = list(types[:n])
     kw["num_hidden_layers"] = n
-    config = cls(**{**kw, **over})
-    for key, sub in spec.get("_swap", {}).items():  # a sub-config of another kind, set past the config's type check
-        object.__setattr__(config, key, CONFIG_MAPPING[sub["model_type"]](**{k: v for k, v in sub.items() if k != "model_type"}))
-    return config
+    return kw
 
 
 def build(model_type: str, seed: int = 0) -> Any:
@@ -152,14 +157,8 @@ def compare(model: Any, *, guard: bool = True, seed: int = 1) -> dict[str, Any]:
         if reg is not None:
             reg.remove()
     problems = _mismatches(logits.detach(), ref_logits.detach()[:, part], "logits", 0.0)
-    # a gradient that is zero in exact arithmetic (a key bias under softmax) is rounding noise in
-    # both runs: its floor is 1e-6 of the largest gradient of the model
-    floor, grads = 1e-6 * max(float(r.grad.abs().max()) for r in ref.parameters() if r.grad is not None), {}
-    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
-        grads[name] = g = p.grad if p.grad is not None else torch.zeros_like(p)
-        dist.all_reduce(g)  # sum over the SP group, as the engine reduces gradients
-        if r.grad is not None:
-            problems += _mismatches(g, r.grad, name, floor)
+    floor, grads, more = grad_mismatches(model, ref)
+    problems += more
     if max_over_ranks(len(problems)) and not max_over_ranks(int(any(x.startswith("logits") for x in problems))):
         if max_over_ranks(int(not _within_fp32_noise(ref, grads, ids, labels, floor))) == 0:
             return {"verdict": "exact", "detail": f"gradients to fp32 rounding ({problems[0] if problems else ''}: "
@@ -167,6 +166,19 @@ def compare(model: Any, *, guard: bool = True, seed: int = 1) -> dict[str, Any]:
     if max_over_ranks(len(problems)):  # one verdict for the group
         return {"verdict": "wrong", "detail": problems[0] if problems else "another rank differs"}
     return {"verdict": "exact", "detail": ""}
+
+
+def grad_mismatches(model: Any, ref: Any) -> tuple[float, dict, list[str]]:
+    """``(floor, grads, problems)``: every SP gradient summed over the group (``grads``, in place) against the
+    reference's; a gradient that is zero in exact arithmetic (a key bias under softmax) is rounding noise in
+    both runs: its ``floor`` is 1e-6 of the largest gradient of the model."""
+    floor, grads, problems = 1e-6 * max(float(r.grad.abs().max()) for r in ref.parameters() if r.grad is not None), {}, []
+    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        grads[name] = g = p.grad if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(g)  # sum over the SP group, as the engine reduces gradients
+        if r.grad is not None:
+            problems += _mismatches(g, r.grad, name, floor)
+    return floor, grads, problems
 
 
 def _within_fp32_noise(ref: Any, grads: dict, ids: Any, labels: Any, floor: float) -> bool:
@@ -250,16 +262,17 @@ def _rank_main(model_type: str, rank: int, store: str, mem_bytes: int, out: Any)
             dist.destroy_process_group()
 
 
-def run_family(model_type: str, *, timeout: float, mem_gb: float, tries: int = 2) -> dict[str, Any]:
+def run_family(model_type: str, *, timeout: float, mem_gb: float, tries: int = 2, rank_main: Any = None) -> dict[str, Any]:
     """``{"family", "verdict", "detail"}`` for one family: two fresh ranks, a time limit, a memory cap
-    (a second try when gloo could not connect the two ranks: a loaded machine, not the model)."""
+    (a second try when gloo could not connect the two ranks: a loaded machine, not the model); ``rank_main``:
+    one rank's run (``_rank_main``'s arguments; ``bench.vlm_sweep``'s)."""
     ctx = mp.get_context("fork")  # the parent's imports are shared: no interpreter start per family
     order = ["crash", "wrong", "skipped", "refused", "exact"]
     for _ in range(tries):
         out, results = ctx.Queue(), {}
         with tempfile.TemporaryDirectory() as tmp:
             args = (os.path.join(tmp, "store"), int(mem_gb * 2**30), out)
-            procs = [ctx.Process(target=_rank_main, args=(model_type, r, *args), daemon=True) for r in range(2)]
+            procs = [ctx.Process(target=rank_main or _rank_main, args=(model_type, r, *args), daemon=True) for r in range(2)]
             for p in procs:
                 p.start()
             try:
