@@ -57,6 +57,8 @@ SHRINK = dict(
     attention_chunk_size=8, initializer_range=0.1, use_cache=False, is_decoder=True, n_positions=256, n_ctx=256,
     vocab_size_per_layer_input=128, hidden_size_per_layer_input=16)  # fmt: skip
 """Config fields shrunk where the config class has them (others keep their defaults)."""
+REGISTRY = auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+"""model type -> its class name in transformers."""
 OVERRIDES = json.loads(Path(__file__).with_name("model_sweep_overrides.json").read_text())  # set last (see its "_why"s)
 
 
@@ -312,8 +314,12 @@ def write_table(rows: list[dict[str, Any]], path: Path, run: dict, note: str = "
                  [[r["family"], r["verdict"], p1, p2, r["detail"][:400]] for r, p1, p2 in zip(rows, *packed.values())])])  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = parser(__doc__, "model_sweep.md")
+def main(argv: list[str] | None = None, *, sweep: Any = None) -> None:
+    """The sweep's command line; ``sweep``: the module whose ``__doc__``, ``families``, ``_rank_main``,
+    ``write_table`` and ``REGISTRY`` it runs (default this one; ``bench.vlm_sweep``)."""
+    sweep = sweep or __import__(__name__, fromlist=["_"])
+    name = sweep.__name__.rsplit(".", 1)[-1]
+    ap = parser(sweep.__doc__, f"{name}.md")
     ap.add_argument("--only", default="", help="comma-separated model types (default: every family)")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per family")
     ap.add_argument("--mem-gb", type=float, default=8.0, help="address-space cap per rank (GiB)")
@@ -322,28 +328,28 @@ def main(argv: list[str] | None = None) -> None:
                     "(JSON lines; a later row of a family replaces an earlier one)")  # fmt: skip
     ap.add_argument("--note", default="", help="a line under the counts (with --table-from: which runs)")
     args = ap.parse_args(argv)
-    run = md.provenance(md.command("bench.model_sweep", argv))
+    run = md.provenance(md.command(f"bench.{name}", argv))
     if args.table_from:  # a later row of a family replaces an earlier one
         logs = [json.loads(x) for log in args.table_from for x in Path(log).read_text().splitlines() if x[:1] == "{"]
         latest = {row["family"]: row for row in logs}
-        write_table([latest[f] for f in sorted(latest)], Path(args.out), run, args.note)
+        sweep.write_table([latest[f] for f in sorted(latest)], Path(args.out), run, args.note)
         return
-    todo = [t for t in args.only.split(",") if t] or families()
+    todo = [t for t in args.only.split(",") if t] or sweep.families()
     # every module a family run needs is imported here once, shared by the forked runs (fixed for the whole
     # run): this module's imports, and the modeling modules (a family that fails to import: its run says so)
     for model_type in todo:
         with contextlib.suppress(Exception):
-            getattr(transformers, auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+            getattr(transformers, sweep.REGISTRY[model_type])
 
     def one(model_type: str) -> dict[str, Any]:
-        row = run_family(model_type, timeout=args.timeout, mem_gb=args.mem_gb)
+        row = run_family(model_type, timeout=args.timeout, mem_gb=args.mem_gb, rank_main=sweep._rank_main)
         print(json.dumps(row), flush=True)
         return row
 
     with ThreadPoolExecutor(args.jobs) as pool:  # threads only wait on their families' processes
         rows = list(pool.map(one, todo))
     if not args.only:
-        write_table(rows, Path(args.out), run)
+        sweep.write_table(rows, Path(args.out), run)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
     python -m bench.vlm_sweep [--only qwen2_5_vl,llava]  # all -> bench/results/vlm_sweep.md; a few: printed only
 
-The families come from transformers' ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`` (its vision2seq registry is
-folded into it), not from a list kept here. Each gets a tiny config: the text tower shrunk as the decoder sweep
+The families come from transformers' ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`` (and its vision2seq registry,
+where a version still has one: 5.24 does not), not from a list kept here. Each gets a tiny config: the text tower shrunk as the decoder sweep
 shrinks a decoder (``model_sweep.shrink``), every other tower (vision, audio, ...) to ``TOWER``, the media
 tokens' ids moved inside the 128-token vocabulary, ``vlm_sweep_overrides.json`` last (merged into each
 sub-config). Two gloo ranks (``model_sweep.run_family``'s workers) first build it on the meta device and ask
@@ -13,8 +13,12 @@ N(0, 0.2)) and one sample with two images (pixels of the shape its tower takes, 
 tower gives rows) is run by the model's own forward (the oracle) and at sp=2 through ``ulysses_sp.vlm``
 (``register_with_transformers``, ``shard_vlm``, ``prepare_vlm_batch``, the SP loss). **exact**: every
 position's logits and every gradient (vision tower included), summed over the group, equal the oracle's at
-``rtol 1e-4`` (``model_sweep``'s tolerance); **refused**; **wrong** (a mismatch: a bug); **crash** (anything
-else: the sweep's config is to be fixed).
+``rtol 1e-4`` (``model_sweep``'s tolerance); **refused**; **wrong** (a mismatch, or a model that takes images
+admitted without ``ulysses_sp.vlm``'s path: a bug); **crash** (anything else: the sweep's config is to be fixed).
+A registered class that takes no images (Mistral 4's causal LM) runs the decoder sweep's text step. A tower whose
+config does not shrink is left at its defaults (``"_keep"``) only for families the guard refuses on the meta device.
+Re-run families after a change: ``--only a,b``; their rows into the page: ``--table-from`` the full run's log and
+theirs (a later row of a family replaces an earlier one).
 
 Shape legend: ``S`` tokens of the sample, ``S_l = S/2`` per rank, ``N_p`` pixel rows (Qwen-style patches).
 """
@@ -27,8 +31,8 @@ import inspect
 import json
 import logging
 import resource
+import sys
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -41,8 +45,8 @@ from transformers.models.auto import modeling_auto as auto
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from bench import md, model_sweep
-from bench.launch import max_over_ranks, parser
-from bench.model_sweep import _mismatches, grad_mismatches, run_family, shrink
+from bench.launch import max_over_ranks
+from bench.model_sweep import _mismatches, grad_mismatches, shrink
 from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
 from ulysses_sp.mixers.guard import check_sequence_mixing
 from ulysses_sp.parallel.loss import sp_causal_lm_loss
@@ -54,6 +58,8 @@ TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, depth=2,
 """A vision/audio tower's fields, shrunk where its config has them."""
 MEDIA_TOKENS = 100
 """The first id given to the media tokens (``*_token_id`` / ``*_token_index`` outside the tiny vocabulary)."""
+REGISTRY = auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+"""model type -> its class name in transformers."""
 OVERRIDES = json.loads(Path(__file__).with_name("vlm_sweep_overrides.json").read_text())  # set last ("_why"s)
 
 
@@ -108,7 +114,7 @@ def tiny_config(model_type: str) -> Any:
 def build(model_type: str, *, meta: bool = False, seed: int = 0) -> Any:
     """The tiny model (``meta``: on the meta device, for the guard alone), random weights as the decoder sweep's."""
     config = tiny_config(model_type)
-    cls = getattr(transformers, auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[model_type])
+    cls = getattr(transformers, REGISTRY[model_type])
     torch.manual_seed(seed)
     with torch.device("meta") if meta else contextlib.nullcontext():
         model = cls._from_config(config, attn_implementation="eager")
@@ -229,7 +235,7 @@ def _rank_main(model_type: str, rank: int, store: str, mem_bytes: int, out: Any)
 
 def write_table(rows: list[dict[str, Any]], path: Path, run: dict, note: str = "") -> str:
     """The results page (the run's header, the counts, ``note``, one row per family); returns the text."""
-    counts = {v: sum(r["verdict"] == v for r in rows) for v in ("exact", "refused", "crash", "wrong")}
+    counts = {v: sum(r["verdict"] == v for r in rows) for v in ("exact", "refused", "skipped", "crash", "wrong")}
     return md.page(path, "VLM coverage sweep", run, [
         f"transformers {transformers.__version__}: {len(rows)} image-text-to-text families from its auto registry, "
         "each at sp=2 through `ulysses_sp.vlm` against the same model without SP (two images; per-position "
@@ -240,35 +246,7 @@ def write_table(rows: list[dict[str, Any]], path: Path, run: dict, note: str = "
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = parser(__doc__, "vlm_sweep.md")
-    ap.add_argument("--only", default="", help="comma-separated model types (default: every family)")
-    ap.add_argument("--timeout", type=float, default=240.0, help="seconds per family")
-    ap.add_argument("--mem-gb", type=float, default=8.0, help="address-space cap per rank (GiB)")
-    ap.add_argument("--jobs", type=int, default=1, help="families run at once (2 processes each)")
-    ap.add_argument("--table-from", nargs="*", help="only write the table from these runs' printed rows "
-                    "(JSON lines; a later row of a family replaces an earlier one)")  # fmt: skip
-    ap.add_argument("--note", default="", help="a line under the counts (with --table-from: which runs)")
-    args = ap.parse_args(argv)
-    run = md.provenance(md.command("bench.vlm_sweep", argv))
-    if args.table_from:
-        latest = {r["family"]: r for log in args.table_from for x in Path(log).read_text().splitlines()
-                  if x[:1] == "{" for r in [json.loads(x)]}  # fmt: skip
-        write_table([latest[f] for f in sorted(latest)], Path(args.out), run, args.note)
-        return
-    todo = [t for t in args.only.split(",") if t] or families()
-    for model_type in todo:  # the modeling modules imported once, shared by the forked runs
-        with contextlib.suppress(Exception):
-            getattr(transformers, auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[model_type])
-
-    def one(model_type: str) -> dict[str, Any]:
-        row = run_family(model_type, timeout=args.timeout, mem_gb=args.mem_gb, rank_main=_rank_main)
-        print(json.dumps(row), flush=True)
-        return row
-
-    with ThreadPoolExecutor(args.jobs) as pool:  # threads only wait on their families' processes
-        rows = list(pool.map(one, todo))
-    if not args.only:
-        write_table(rows, Path(args.out), run)
+    model_sweep.main(argv, sweep=sys.modules[__name__])  # its command line, workers and log replay
 
 
 if __name__ == "__main__":
