@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None, *, sweep: Any = None) -> None:
     """The sweep's command line; ``sweep``: the module whose ``__doc__``, ``families``, ``_rank_main``,
     ``write_table`` and ``REGISTRY`` it runs (default this one; ``bench.vlm_sweep``)."""
     sweep = sweep or __import__(__name__, fromlist=["_"])
-    name = sweep.__name__.rsplit(".", 1)[-1]
+    name = getattr(sweep.__spec__, "name", sweep.__name__).rsplit(".", 1)[-1]  # python -m: __name__ is __main__
     ap = parser(sweep.__doc__, f"{name}.md")
     ap.add_argument("--only", default="", help="comma-separated model types (default: every family)")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per family")
