@@ -137,14 +137,19 @@ def sample(model: Any, seed: int = 1) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     if hasattr(vision, "spatial_merge_size"):
         t, p, m = getattr(vision, "temporal_patch_size", 1), vision.patch_size, vision.spatial_merge_size
-        out["pixel_values"] = torch.randn(2 * 16, vision.in_channels * t * p * p, generator=g)  # [N_p, C*T*P*P]
+        c = getattr(vision, "in_channels", None) or getattr(vision, "num_channels", 3)
+        out["pixel_values"] = torch.randn(2 * 16, c * t * p * p, generator=g)  # [N_p, C*T*P*P]
         out["image_grid_thw"] = torch.tensor([[1, 4, 4], [1, 4, 4]])
-        per = [cfg.vision_start_token_id, *[image] * (16 // m**2), cfg.vision_end_token_id]
+        start, end = ([i for w in ("vision", "image") if (i := getattr(cfg, f"{w}_{e}_token_id", None)) is not None][:1]
+                      for e in ("start", "end"))  # Qwen's vision_*, GLM-4V's image_* markers  # fmt: skip
+        per = [*start, *[image] * (16 // m**2), *end]
     else:
         size = vision.image_size
         out["pixel_values"] = torch.randn(2, getattr(vision, "num_channels", 3), size, size, generator=g)
+        if "image_sizes" in inspect.signature(model.forward).parameters:  # LLaVA-NeXT, Mistral 3: each image's [H, W]
+            out["image_sizes"] = torch.tensor([[size, size]] * 2)
         with torch.no_grad():
-            feats = model.get_image_features(pixel_values=out["pixel_values"][:1])
+            feats = model.get_image_features(**{k: v[:1] for k, v in out.items()})
         feats = getattr(feats, "pooler_output", feats)
         rows = sum(f.numel() for f in (feats if isinstance(feats, (list, tuple)) else [feats])) // cfg.get_text_config().hidden_size
         per = [image] * rows
