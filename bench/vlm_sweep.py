@@ -146,7 +146,8 @@ def sample(model: Any, seed: int = 1) -> dict[str, torch.Tensor]:
     else:
         size = vision.image_size
         out["pixel_values"] = torch.randn(2, getattr(vision, "num_channels", 3), size, size, generator=g)
-        if "image_sizes" in inspect.signature(model.forward).parameters:  # LLaVA-NeXT, Mistral 3: each image's [H, W]
+        sizes = inspect.signature(model.get_image_features).parameters.get("image_sizes")
+        if sizes is not None and sizes.default is inspect.Parameter.empty:  # Mistral 3, LLaVA-NeXT: each image's [H, W]
             out["image_sizes"] = torch.tensor([[size, size]] * 2)
         with torch.no_grad():
             feats = model.get_image_features(**{k: v[:1] for k, v in out.items()})
@@ -157,6 +158,8 @@ def sample(model: Any, seed: int = 1) -> dict[str, torch.Tensor]:
     ids += text(-(len(ids) + 9) % 4 + 9)
     out["input_ids"] = torch.tensor([ids])
     out["mm_token_type_ids"] = (out["input_ids"] == image).int()
+    if "token_type_ids" in inspect.signature(model.forward).parameters:  # Gemma 3: its image tokens' bidirectional mask
+        out["token_type_ids"] = out["mm_token_type_ids"]
     media = torch.tensor([i >= MEDIA_TOKENS for i in ids])
     out["labels"] = out["input_ids"].masked_fill(media[None], -100)
     return out
