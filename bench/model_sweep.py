@@ -57,6 +57,8 @@ SHRINK = dict(
     attention_chunk_size=8, initializer_range=0.1, use_cache=False, is_decoder=True, n_positions=256, n_ctx=256,
     vocab_size_per_layer_input=128, hidden_size_per_layer_input=16)  # fmt: skip
 """Config fields shrunk where the config class has them (others keep their defaults)."""
+REGISTRY = auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+"""model type -> its class name in transformers."""
 OVERRIDES = json.loads(Path(__file__).with_name("model_sweep_overrides.json").read_text())  # set last (see its "_why"s)
 
 
@@ -73,7 +75,15 @@ def tiny_config(model_type: str) -> Any:
     cls, over = CONFIG_MAPPING[spec.get("_config", model_type)], {k: v for k, v in spec.items() if k[0] != "_"}
     if "_config" in spec:  # not an auto key: registered for the class the causal-LM registry names
         AutoModelForCausalLM.register(cls, getattr(transformers, auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]), exist_ok=True)
-    defaults = cls(**over).to_dict()
+    config = cls(**{**shrink(cls(**over).to_dict()), **over})
+    for key, sub in spec.get("_swap", {}).items():  # a sub-config of another kind, set past the config's type check
+        object.__setattr__(config, key, CONFIG_MAPPING[sub["model_type"]](**{k: v for k, v in sub.items() if k != "model_type"}))
+    return config
+
+
+def shrink(defaults: dict) -> dict:
+    """The ``SHRINK`` fields a config's ``defaults`` has, tokens inside the tiny vocabulary, layers enough to hold
+    every default layer type (2 at least)."""
     # a per-layer input embedding (Gemma 3n/4) is shrunk where the family has one (default 0: it has none)
     kw = {k: v for k, v in SHRINK.items() if k in defaults and not (k.endswith("_per_layer_input") and not defaults[k])}
     for key, token in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
@@ -88,10 +98,7 @@ def tiny_config(model_type: str) -> Any:
     if types:
         kw["layer_types"] = list(types[:n])
     kw["num_hidden_layers"] = n
-    config = cls(**{**kw, **over})
-    for key, sub in spec.get("_swap", {}).items():  # a sub-config of another kind, set past the config's type check
-        object.__setattr__(config, key, CONFIG_MAPPING[sub["model_type"]](**{k: v for k, v in sub.items() if k != "model_type"}))
-    return config
+    return kw
 
 
 def build(model_type: str, seed: int = 0) -> Any:
@@ -152,14 +159,8 @@ def compare(model: Any, *, guard: bool = True, seed: int = 1) -> dict[str, Any]:
         if reg is not None:
             reg.remove()
     problems = _mismatches(logits.detach(), ref_logits.detach()[:, part], "logits", 0.0)
-    # a gradient that is zero in exact arithmetic (a key bias under softmax) is rounding noise in
-    # both runs: its floor is 1e-6 of the largest gradient of the model
-    floor, grads = 1e-6 * max(float(r.grad.abs().max()) for r in ref.parameters() if r.grad is not None), {}
-    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
-        grads[name] = g = p.grad if p.grad is not None else torch.zeros_like(p)
-        dist.all_reduce(g)  # sum over the SP group, as the engine reduces gradients
-        if r.grad is not None:
-            problems += _mismatches(g, r.grad, name, floor)
+    floor, grads, more = grad_mismatches(model, ref)
+    problems += more
     if max_over_ranks(len(problems)) and not max_over_ranks(int(any(x.startswith("logits") for x in problems))):
         if max_over_ranks(int(not _within_fp32_noise(ref, grads, ids, labels, floor))) == 0:
             return {"verdict": "exact", "detail": f"gradients to fp32 rounding ({problems[0] if problems else ''}: "
@@ -167,6 +168,19 @@ def compare(model: Any, *, guard: bool = True, seed: int = 1) -> dict[str, Any]:
     if max_over_ranks(len(problems)):  # one verdict for the group
         return {"verdict": "wrong", "detail": problems[0] if problems else "another rank differs"}
     return {"verdict": "exact", "detail": ""}
+
+
+def grad_mismatches(model: Any, ref: Any) -> tuple[float, dict, list[str]]:
+    """``(floor, grads, problems)``: every SP gradient summed over the group (``grads``, in place) against the
+    reference's; a gradient that is zero in exact arithmetic (a key bias under softmax) is rounding noise in
+    both runs: its ``floor`` is 1e-6 of the largest gradient of the model."""
+    floor, grads, problems = 1e-6 * max(float(r.grad.abs().max()) for r in ref.parameters() if r.grad is not None), {}, []
+    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        grads[name] = g = p.grad if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(g)  # sum over the SP group, as the engine reduces gradients
+        if r.grad is not None:
+            problems += _mismatches(g, r.grad, name, floor)
+    return floor, grads, problems
 
 
 def _within_fp32_noise(ref: Any, grads: dict, ids: Any, labels: Any, floor: float) -> bool:
@@ -250,16 +264,17 @@ def _rank_main(model_type: str, rank: int, store: str, mem_bytes: int, out: Any)
             dist.destroy_process_group()
 
 
-def run_family(model_type: str, *, timeout: float, mem_gb: float, tries: int = 2) -> dict[str, Any]:
+def run_family(model_type: str, *, timeout: float, mem_gb: float, tries: int = 2, rank_main: Any = None) -> dict[str, Any]:
     """``{"family", "verdict", "detail"}`` for one family: two fresh ranks, a time limit, a memory cap
-    (a second try when gloo could not connect the two ranks: a loaded machine, not the model)."""
+    (a second try when gloo could not connect the two ranks: a loaded machine, not the model); ``rank_main``:
+    one rank's run (``_rank_main``'s arguments; ``bench.vlm_sweep``'s)."""
     ctx = mp.get_context("fork")  # the parent's imports are shared: no interpreter start per family
     order = ["crash", "wrong", "skipped", "refused", "exact"]
     for _ in range(tries):
         out, results = ctx.Queue(), {}
         with tempfile.TemporaryDirectory() as tmp:
             args = (os.path.join(tmp, "store"), int(mem_gb * 2**30), out)
-            procs = [ctx.Process(target=_rank_main, args=(model_type, r, *args), daemon=True) for r in range(2)]
+            procs = [ctx.Process(target=rank_main or _rank_main, args=(model_type, r, *args), daemon=True) for r in range(2)]
             for p in procs:
                 p.start()
             try:
@@ -299,8 +314,12 @@ def write_table(rows: list[dict[str, Any]], path: Path, run: dict, note: str = "
                  [[r["family"], r["verdict"], p1, p2, r["detail"][:400]] for r, p1, p2 in zip(rows, *packed.values())])])  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = parser(__doc__, "model_sweep.md")
+def main(argv: list[str] | None = None, *, sweep: Any = None) -> None:
+    """The sweep's command line; ``sweep``: the module whose ``__doc__``, ``families``, ``_rank_main``,
+    ``write_table`` and ``REGISTRY`` it runs (default this one; ``bench.vlm_sweep``)."""
+    sweep = sweep or __import__(__name__, fromlist=["_"])
+    name = getattr(sweep.__spec__, "name", sweep.__name__).rsplit(".", 1)[-1]  # python -m: __name__ is __main__
+    ap = parser(sweep.__doc__, f"{name}.md")
     ap.add_argument("--only", default="", help="comma-separated model types (default: every family)")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per family")
     ap.add_argument("--mem-gb", type=float, default=8.0, help="address-space cap per rank (GiB)")
@@ -309,28 +328,28 @@ def main(argv: list[str] | None = None) -> None:
                     "(JSON lines; a later row of a family replaces an earlier one)")  # fmt: skip
     ap.add_argument("--note", default="", help="a line under the counts (with --table-from: which runs)")
     args = ap.parse_args(argv)
-    run = md.provenance(md.command("bench.model_sweep", argv))
+    run = md.provenance(md.command(f"bench.{name}", argv))
     if args.table_from:  # a later row of a family replaces an earlier one
         logs = [json.loads(x) for log in args.table_from for x in Path(log).read_text().splitlines() if x[:1] == "{"]
         latest = {row["family"]: row for row in logs}
-        write_table([latest[f] for f in sorted(latest)], Path(args.out), run, args.note)
+        sweep.write_table([latest[f] for f in sorted(latest)], Path(args.out), run, args.note)
         return
-    todo = [t for t in args.only.split(",") if t] or families()
+    todo = [t for t in args.only.split(",") if t] or sweep.families()
     # every module a family run needs is imported here once, shared by the forked runs (fixed for the whole
     # run): this module's imports, and the modeling modules (a family that fails to import: its run says so)
     for model_type in todo:
         with contextlib.suppress(Exception):
-            getattr(transformers, auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+            getattr(transformers, sweep.REGISTRY[model_type])
 
     def one(model_type: str) -> dict[str, Any]:
-        row = run_family(model_type, timeout=args.timeout, mem_gb=args.mem_gb)
+        row = run_family(model_type, timeout=args.timeout, mem_gb=args.mem_gb, rank_main=sweep._rank_main)
         print(json.dumps(row), flush=True)
         return row
 
     with ThreadPoolExecutor(args.jobs) as pool:  # threads only wait on their families' processes
         rows = list(pool.map(one, todo))
     if not args.only:
-        write_table(rows, Path(args.out), run)
+        sweep.write_table(rows, Path(args.out), run)
 
 
 if __name__ == "__main__":

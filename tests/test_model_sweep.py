@@ -14,6 +14,7 @@ is ``python -m bench.model_sweep``.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -193,3 +194,32 @@ def test_issue_36_handlers_are_exact_and_their_families_wrong_without_them(pool)
     ``test_attention_families``): exact, and wrong without the handler, so each one is needed."""
     for family in HANDLED:
         assert pool.run(_with_and_without, 2, family) == [["exact", "wrong"]] * 2, family
+
+
+def _vlm(name: str, positions: bool = True) -> dict:
+    """``bench.vlm_sweep``'s verdict for one family (its rank worker's steps); ``positions=False``: each rank's
+    3-D rotary positions replaced by plain text positions (a bug the comparison must catch)."""
+    from unittest import mock
+
+    from bench import vlm_sweep
+    from ulysses_sp.vlm import batch
+
+    why = vlm_sweep.refusal(vlm_sweep.build(name, meta=True))
+    if why is not None:
+        return {"verdict": "refused", "detail": why}
+    flat = lambda model, ids, **kw: kw["position_ids"].expand(4, *ids.shape)  # noqa: E731 - text row for every axis
+    with mock.patch.object(batch, "vlm_position_ids", flat) if not positions else contextlib.nullcontext():
+        return vlm_sweep.compare(vlm_sweep.build(name))
+
+
+def test_vlm_sweep_judges_qwen2_5_vl_exact_a_position_bug_wrong_and_emu3_refused(pool):
+    """The VLM sweep's CI subset (``python -m bench.vlm_sweep``): Qwen2.5-VL at sp 2 through ``ulysses_sp.vlm``
+    equals the model without SP (logits and every gradient, its vision tower's included) and a position bug in
+    the same run is judged wrong; Emu3 (a VQ image tokenizer scattered into the sequence) is refused with
+    ulysses-sp's reason, on the meta device."""
+    assert pool.run(_vlm, 2, "qwen2_5_vl") == [{"verdict": "exact", "detail": ""}] * 2
+    assert [r["verdict"] for r in pool.run(_vlm, 2, "qwen2_5_vl", False)] == ["wrong"] * 2
+    (emu3,) = pool.run(_vlm, 1, "emu3")
+    assert emu3["verdict"] == "refused", emu3
+    assert "Emu3ForConditionalGeneration is a multimodal model (emu3: vq_config)" in emu3["detail"]
+    assert "its VQ-VAE (vqmodel) turns each image into discrete codes" in emu3["detail"]

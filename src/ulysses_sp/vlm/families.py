@@ -26,6 +26,10 @@ SUPPORTED_VLMS: dict[str, str] = {
 REFUSED_VLMS: dict[str, str] = {
     "gemma3": "its image tokens attend to each other bidirectionally (token_type_ids in the model's mask), which "
     "the SP attention's causal, position-built mask does not reproduce",
+    "emu3": "its VQ-VAE (vqmodel) turns each image into discrete codes whose embeddings its forward scatters into the "
+    "placeholders of the whole sequence (masked_scatter over inputs_embeds)",
+    "chameleon": "its VQ-VAE (vqmodel) turns each image into discrete codes its forward writes into the placeholders of "
+    "the whole sequence",
     "gemma3n": "it scatters its vision and audio towers' soft tokens into the sequence and builds per-layer inputs "
     "from the token ids (its mask stays causal), a merge and per-shard split this path has not been built or "
     "tested for",
@@ -37,7 +41,7 @@ REFUSED_VLMS: dict[str, str] = {
 }
 """``config.model_type`` -> the specific reason a known multimodal family is refused."""
 
-_ENCODER_KEYS = ("vision_config", "audio_config", "vision_tower", "audio_tower", "speech_config")
+_ENCODER_KEYS = ("vision_config", "audio_config", "vision_tower", "audio_tower", "speech_config", "vq_config")
 
 
 @dataclass(frozen=True)
@@ -97,7 +101,7 @@ def multimodal_refusal(model: nn.Module) -> str | None:
         return None
     encoders = _encoders(model)
     has_encoder = any(
-        name.split(".")[-1] in ("visual", "vision_tower", "vision_model", "audio_tower", "vision_encoder")
+        name.split(".")[-1] in ("visual", "vision_tower", "vision_model", "audio_tower", "vision_encoder", "vqmodel")
         for name, _ in model.named_modules()
     )
     media = [p for p in MEDIA_INPUTS if p in inspect.signature(type(model).forward).parameters]
