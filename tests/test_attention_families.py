@@ -344,17 +344,17 @@ def test_dsa_indexed_attention_equals_no_sp(pool, sp, cases):
     assert pool.run(_cases, sp, sp, cases)[0] == [c[:4] for c in cases]
 
 
-def _qsa_reads_and_gap() -> tuple[list[str], float]:
-    """Qwen4-Exp's QSA at sp 1 through the SP attention with the adapter's host layout: the host reads of
-    its forward and backward, and the largest logit gap to each packed document run alone."""
+def _qsa_reads_and_gap(family: str = "qwen4_exp_text", kind: str = "docs") -> tuple[list[str], float]:
+    """Qwen4-Exp's QSA (or ``family``) at sp 1 through the SP attention with the adapter's host layout: the host
+    reads of its forward and backward, and the largest logit gap to each packed document run alone."""
     from test_host_reads import HostReads
 
     from ulysses_sp.parallel.doc_layout import attach_layout, host_layout
 
-    ref = family_model("qwen4_exp_text", num_key_value_heads=2)
+    ref = family_model(family, num_key_value_heads=2 if family == "qwen4_exp_text" else 1)
     model = copy.deepcopy(ref)
     reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 1, 1, mesh=init_mesh(sp_size=1))
-    ids, pos = global_batch(3, 1, S), _positions("docs", 1)
+    ids, pos = global_batch(3, 1, S), _positions(kind, 1)
     attached = attach_layout(pos.clone(), host_layout(pos))  # the adapter's host layout, before the step
     try:
         with HostReads() as reads:  # the model's own indexer reads the device once per query
@@ -367,9 +367,11 @@ def _qsa_reads_and_gap() -> tuple[list[str], float]:
     return reads.found, (logits.detach() - want).abs().max().item()
 
 
-def test_qsa_selection_reads_no_device_value(pool):
-    """The QSA picks come from host layout values and device ops only (``attention/block_indexer.py``)."""
-    found, gap = pool.run(_qsa_reads_and_gap, 1)[0]
+@pytest.mark.parametrize("family, kind", [("qwen4_exp_text", "docs"), ("deepseek_v4", "v4docs")])
+def test_qsa_and_v4_pooling_read_no_device_value(pool, family, kind):
+    """The QSA picks (``attention/block_indexer.py``) and DeepSeek-V4's per-document pooling and picks
+    (``attention/pooled_docs.py``) come from host layout values and device ops only."""
+    found, gap = pool.run(_qsa_reads_and_gap, 1, family, kind)[0]
     assert found == [] and gap < 1e-5, (found, gap)
 
 

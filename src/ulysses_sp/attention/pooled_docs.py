@@ -60,8 +60,8 @@ class RowPlan:
     rows: slice
     pieces: list[Piece] = field(default_factory=list)
     spans: list[Span] = field(default_factory=list)
-    slots: list[int] | None = None
-    """Where each of the row's entries lies in the gathered ``[B, P most, D]``, in document order."""
+    slots: torch.Tensor | None = None
+    """``[n]`` int64 on the host: where each of the row's entries lies in the gathered ``[B, P most, D]``, in document order."""
 
 
 @dataclass
@@ -105,7 +105,7 @@ def _row(rows: slice, lengths: list[int], rate: int, overlap: bool, lo: int, s_l
     # every entry of the row: the rank its window ends on, its index among that rank's entries
     ends = torch.cat([s + rate * torch.arange(1, c + 1) - 1 for s, c in zip(starts, counts)] + [torch.zeros(0, dtype=torch.long)])
     rank = ends // s_local
-    plan.slots = (rank * most + torch.arange(len(ends)) - torch.searchsorted(rank, rank)).tolist()
+    plan.slots = rank * most + torch.arange(len(ends)) - torch.searchsorted(rank, rank)
     return plan
 
 
@@ -120,15 +120,15 @@ def pool_plan(lengths: list[list[int]], batch: int, rate: int, overlap: bool, lo
     width = min((size - 1) * s_local, rate - 1 + (rate if overlap else 0))
     halo = max([0] + [lo - p.start for g in groups for p in g.pieces])
     t = max(len(g.slots) for g in groups)
-    slots = torch.tensor([g.slots + [0] * (t - len(g.slots)) for g in groups], dtype=torch.long).to(device)
+    slots = torch.stack([torch.cat([g.slots, g.slots.new_zeros(t - len(g.slots))]) for g in groups]).to(device)
     packed = any(len(row) > 1 for row in lengths)
     doc_first = entry_first = None
     if packed:
         firsts, entries = [], []
         for g in groups:
-            n = torch.tensor([sp.q1 - sp.q0 for sp in g.spans])
-            firsts.append(torch.repeat_interleave(torch.tensor([sp.doc for sp in g.spans]), n))
-            entries.append(torch.repeat_interleave(torch.tensor([sp.e0 for sp in g.spans]), n))
+            n = torch.tensor([sp.q1 - sp.q0 for sp in g.spans])  # host ints: their sum is S_l
+            firsts.append(torch.repeat_interleave(torch.tensor([sp.doc for sp in g.spans]), n, output_size=s_local))
+            entries.append(torch.repeat_interleave(torch.tensor([sp.e0 for sp in g.spans]), n, output_size=s_local))
         doc_first = torch.stack(firsts).to(device)
         entry_first = torch.stack(entries).to(device)
     return PoolPlan(groups, most, width, halo, slots, doc_first, entry_first)
