@@ -36,6 +36,7 @@ from ulysses_sp.parallel.mesh import init_mesh
 
 S = 32
 DOCS = (5, 7, 4, 9, 7)  # boundaries inside shards at sp 2 and 4
+V4_DOCS = (2, 9, 4, 11, 6)  # DeepSeek-V4 (rates 3, 5): 2 and 4 shorter than a window; 2-11, 15-26 cross edges
 
 
 def _positions(kind: str, sp: int) -> torch.Tensor:
@@ -43,6 +44,8 @@ def _positions(kind: str, sp: int) -> torch.Tensor:
         return torch.arange(S)[None]
     if kind == "docs":
         return torch.cat([torch.arange(n) for n in DOCS])[None]
+    if kind == "v4docs":
+        return torch.cat([torch.arange(n) for n in V4_DOCS])[None]
     return torch.arange(S // sp).repeat(1, sp)  # "edges": one document per shard, 0..S_l-1 on every rank
 
 
@@ -342,17 +345,17 @@ def test_dsa_indexed_attention_equals_no_sp(pool, sp, cases):
     assert pool.run(_cases, sp, sp, cases)[0] == [c[:4] for c in cases]
 
 
-def _qsa_reads_and_gap() -> tuple[list[str], float]:
-    """Qwen4-Exp's QSA at sp 1 through the SP attention with the adapter's host layout: the host reads of
-    its forward and backward, and the largest logit gap to each packed document run alone."""
+def _qsa_reads_and_gap(family: str = "qwen4_exp_text", kind: str = "docs") -> tuple[list[str], float]:
+    """Qwen4-Exp's QSA (or ``family``) at sp 1 through the SP attention with the adapter's host layout: the host
+    reads of its forward and backward, and the largest logit gap to each packed document run alone."""
     from test_host_reads import HostReads
 
     from ulysses_sp.parallel.doc_layout import attach_layout, host_layout
 
-    ref = family_model("qwen4_exp_text", num_key_value_heads=2)
+    ref = family_model(family, num_key_value_heads=2 if family == "qwen4_exp_text" else 1)
     model = copy.deepcopy(ref)
     reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 1, 1, mesh=init_mesh(sp_size=1))
-    ids, pos = global_batch(3, 1, S), _positions("docs", 1)
+    ids, pos = global_batch(3, 1, S), _positions(kind, 1)
     attached = attach_layout(pos.clone(), host_layout(pos))  # the adapter's host layout, before the step
     try:
         with HostReads() as reads:  # the model's own indexer reads the device once per query
@@ -365,44 +368,28 @@ def _qsa_reads_and_gap() -> tuple[list[str], float]:
     return reads.found, (logits.detach() - want).abs().max().item()
 
 
-def test_qsa_selection_reads_no_device_value(pool):
-    """The QSA picks come from host layout values and device ops only (``attention/block_indexer.py``)."""
-    found, gap = pool.run(_qsa_reads_and_gap, 1)[0]
+@pytest.mark.parametrize("family, kind", [("qwen4_exp_text", "docs"), ("deepseek_v4", "v4docs")])
+def test_qsa_and_v4_pooling_read_no_device_value(pool, family, kind):
+    """The QSA picks (``attention/block_indexer.py``) and DeepSeek-V4's per-document pooling and picks
+    (``attention/pooled_docs.py``) come from host layout values and device ops only."""
+    found, gap = pool.run(_qsa_reads_and_gap, 1, family, kind)[0]
     assert found == [] and gap < 1e-5, (found, gap)
 
 
-V4_SP2 = [("deepseek_v4", "eager", 1, "plain", "model")]  # HCA window 15-19 and CSA's 12-17 straddle the edge (16)
-V4_SP4 = [("deepseek_v4", "sdpa", 1, "plain", "model")]  # halos on three edges; CSA's reach the rank before the last
+V4_SP2 = [("deepseek_v4", "eager", 1, "plain", "model"),  # HCA window 15-19 and CSA's 12-17 straddle the edge (16)
+          ("deepseek_v4", "sdpa", 1, "v4docs", "documents")]  # packed: windows from each document's first token
+V4_SP4 = [("deepseek_v4", "sdpa", 1, "plain", "model"),  # halos on three edges; CSA's reach the rank before the last
+          ("deepseek_v4", "eager", 1, "v4docs", "documents")]  # ranks hold 2, 2, 2 and 1 documents' pieces
 
 
 @pytest.mark.parametrize("sp, cases", [(1, V4_SP4), (2, V4_SP2), (4, V4_SP4)], ids=["sp1", "sp2", "sp4"])
 def test_deepseek_v4_pooled_attention_equals_no_sp(pool, sp, cases):
     """DeepSeek-V4's compressed layers (issue 36): the model's compressor on ``[halo | local]`` tokens, the
     entries gathered, CSA's indexer over all of them, each rank's queries over their window, entries and sinks
-    in one softmax (``attention/pooled_kv.py``, ``pooled_core.py``); per-position logits and every gradient."""
+    in one softmax (``attention/pooled_kv.py``, ``pooled_core.py``); per-position logits and every gradient.
+    Packed rows against each document alone: windows restart at each document (two shorter than a window),
+    its queries see its own entries and keys only, ranks with no entry of a layer join every gather."""
     assert pool.run(_cases, sp, sp, cases)[0] == [c[:4] for c in cases]
-
-
-def _v4_packed_refusal(sp: int) -> str:
-    mesh = init_mesh((1, sp))
-    reg = UlyssesSPAttentionHF.register_with_transformers(family_model("deepseek_v4"), "sdpa", sp, 1, mesh=mesh)
-    ids, pos = global_batch(3, 1, S), _positions("docs", sp)
-    cols = slice(mesh.sp_rank * S // sp, (mesh.sp_rank + 1) * S // sp)
-    try:
-        reg.model(input_ids=ids[:, cols], position_ids=pos[:, cols], use_cache=False)
-    except ValueError as e:
-        return str(e)
-    finally:
-        reg.remove()
-    return "ran"
-
-
-def test_deepseek_v4_refuses_packed_documents_in_its_pooled_layers_naming_why(pool):
-    """The model's own pooling mixes the documents of a packed row: refused at run time too (before the step,
-    ``check_document_mixing`` refuses it at every sp size: ``tests/test_model_sweep.py``)."""
-    for message in pool.run(_v4_packed_refusal, 2, 2):
-        assert "layer 0: packed documents in DeepseekV4Attention: its compressor pools K/V in windows from the " \
-               "row's first token" in message and "--packing none" in message, message
 
 
 @pytest.mark.parametrize("kind", ["hca", "csa"])

@@ -12,8 +12,8 @@ the rank's own tokens: where no handler below runs them, refused before the firs
 
 DeepSeek-V4's pooled kinds (``POOLED_KINDS``) run exactly: the model's compressor on ``[halo | local]``
 tokens, the entries gathered, CSA's indexer over all of them (``attention/pooled_kv.py``), each rank's
-queries over their window and the entries (``attention/pooled_core.py``); without a ring. Packed rows are
-refused for them at every sp size (``packed_refusal``: the model's own pooling mixes documents).
+queries over their window and the entries (``attention/pooled_core.py``); without a ring. Packed rows too:
+windows restart at each document, whose queries see its own entries only (``attention/pooled_docs.py``).
 
 Except DeepSeek Sparse Attention's ``indexed_attention`` (``dsa_indexed``: a config with ``index_topk``,
 ``index_n_heads`` and ``index_head_dim`` — DeepSeek-V3.2, GLM-5, Hunyuan-V4, A.X-K2, dots3-note): its
@@ -42,16 +42,12 @@ REASONS = {
 
 
 POOLED_KINDS = ("compressed_sparse_attention", "heavily_compressed_attention")
-"""DeepSeek-V4's kinds that pool K/V along the sequence (``attention/pooled_kv.py``): exact under SP for rows
-of one sequence; rows of packed documents are refused at every sp size (``packed_refusal``)."""
+"""DeepSeek-V4's kinds that pool K/V along the sequence (``attention/pooled_kv.py``): exact under SP, packed
+rows included (each document pooled and attended as if alone, ``attention/pooled_docs.py``)."""
 
 
 def packed_refusal(config: Any, kind: str) -> str | None:
     """Why layers of ``kind`` cannot keep packed documents apart (at any sp size), or ``None``."""
-    if kind in POOLED_KINDS:
-        rate = (getattr(config, "compress_rates", None) or {}).get(kind, "n")
-        return (f"attention pools K/V in windows of {rate} tokens from the row's first token (not each "
-                "document's), so its windows and the entries a query sees span documents")  # fmt: skip
     return "attention picks its keys from the whole row" if refused_kind(config, kind) else None
 
 

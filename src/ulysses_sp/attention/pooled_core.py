@@ -9,7 +9,8 @@ the keys ``t - W < j <= t`` (``W`` the sliding window), the entries it may see (
 CSA: the ``index_topk`` its indexer picked, ``-1`` none) and one sink logit per head. That is what runs
 here, without an all-to-all: the queries stay on their rank (all ``H`` heads), the keys of the window
 before the shard come from the previous ranks (``W - 1`` tokens, ``parallel/seq_gather.tokens_before``),
-the entries are already whole. Per block of ``bq`` local queries the scores are
+the entries are already whole. Packed rows: a query sees only its document's keys (from
+``doc_first``) and entries (HCA from ``entry_first``; CSA's picks are its document's). Per block of ``bq`` local queries the scores are
 ``[B, H, bq, bq + W - 1 + E]`` (``E``: ``T`` for HCA, ``k`` for CSA, whose picked entries are gathered
 ``[B, bq, k, D]``), fp32; each block is recomputed in backward (activation checkpointing), so no block's
 scores outlive it and nothing of size ``S x S`` (or ``S_l x T`` beyond one block) exists.
@@ -36,19 +37,23 @@ SCORE_BYTES = 128 << 20
 its picked entries ``[B, bq, k, D]`` (keys and values)."""
 
 
-def _block(q, kw, vw, ent_k, ent_v, sel, sinks, q0: int, window: int, scale: float) -> torch.Tensor:
+def _block(q, kw, vw, ent_k, ent_v, sel, sinks, q0: int, window: int, scale: float, kfirst=None, efirst=None):
     """One query block, ``q [B, H, bq, D]`` -> ``[B, H, bq, D]`` in ``q``'s dtype: its window keys ``kw, vw
-    [B, 1, bk, D]`` (query ``i`` is key ``q0 + i``; it sees the keys ``q0 + i - W < j <= q0 + i``), the
-    entries ``ent_k, ent_v [B, 1, T, D]`` it may see — HCA: ``sel [B|1, bq]`` = ``(p+1)//r``, entries
-    ``w < sel``; CSA: ``sel [B, bq, k]`` the picks (``-1`` none) — and the sinks ``[H]``, in one softmax.
-    Everything of the block's size is made here, so recomputing it in backward saves none of it."""
+    [B, 1, bk, D]`` (query ``i`` is key ``q0 + i``; it sees the keys ``q0 + i - W < j <= q0 + i``, packed:
+    ``j >= kfirst [B|1, bq]``, its document's first key), the entries ``ent_k, ent_v [B, 1, T, D]`` it may
+    see — HCA: ``sel [B|1, bq]`` = ``(p+1)//r``, entries ``efirst <= w < efirst + sel`` (``efirst [B|1, bq]``
+    its document's first entry, 0 unpacked); CSA: ``sel [B, bq, k]`` the picks (``-1`` none) — and the sinks
+    ``[H]``, in one softmax. Everything of the block's size is made here, so recomputing it in backward saves
+    none of it."""
     dtype, acc = q.dtype, torch.promote_types(q.dtype, torch.float32)
     bq, dev = q.shape[2], q.device
     qi = torch.arange(q0, q0 + bq, device=dev)[:, None]
     ki = torch.arange(kw.shape[2], device=dev)[None, :]
     allowed = (ki <= qi) & (qi - ki < window)  # [bq, bk]
+    allowed = allowed if kfirst is None else allowed & (ki >= kfirst[..., None])  # [B|1, bq, bk]: its document
+    allowed = allowed if allowed.dim() == 3 else allowed[None]
     q, kw, vw = (t.to(acc) for t in (q, kw, vw))
-    s_win = torch.matmul(q, kw.transpose(-1, -2)).mul_(scale).masked_fill_(~allowed, float("-inf"))  # [B, H, bq, bk]
+    s_win = torch.matmul(q, kw.transpose(-1, -2)).mul_(scale).masked_fill_(~allowed[:, None], float("-inf"))  # [B, H, bq, bk]
     if sel.dim() == 3:  # CSA: the picked entries, [B, T, D][rows, picks] -> [B, bq, k, D]
         rows = torch.arange(sel.shape[0], device=dev)[:, None, None]
         ek, ev = (e[:, 0][rows, sel.clamp_min(0)].to(acc) for e in (ent_k, ent_v))
@@ -57,7 +62,8 @@ def _block(q, kw, vw, ent_k, ent_v, sel, sinks, q0: int, window: int, scale: flo
     else:  # HCA: every entry, [B, H, bq, D] x [B, 1, T, D] -> [B, H, bq, T]
         ek, ev = ent_k.to(acc), ent_v.to(acc)
         s_ent = torch.matmul(q, ek.transpose(-1, -2))
-        seen = torch.arange(ent_k.shape[2], device=dev) < sel[..., None]  # [B|1, bq, T]
+        ent = torch.arange(ent_k.shape[2], device=dev)
+        seen = ent < sel[..., None] if efirst is None else (ent >= efirst[..., None]) & (ent < (sel + efirst)[..., None])
     s_ent = s_ent.mul_(scale).masked_fill_(~seen[:, None], float("-inf"))
     sink = sinks.to(acc).view(1, -1, 1, 1).expand(*s_win.shape[:3], 1)  # [B, H, bq, 1]
     probs = torch.softmax(torch.cat([s_win, s_ent, sink], dim=-1), dim=-1)  # one softmax per query
@@ -99,7 +105,9 @@ def pooled_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     for a in range(0, s_l, block):  # queries [a, e): window keys from global lo + a - W + 1 (k_win index k0)
         e = min(a + block, s_l)
         k0 = max(0, a - window + 1 + n)
+        kfirst = None if call.doc_first is None else call.doc_first[:, a:e] - (call.lo - n + k0)  # in k_win[k0:]
+        efirst = None if call.entry_first is None or picks is not None else call.entry_first[:, a:e]
         args = (query[:, :, a:e], k_win[:, :, k0 : e + n], v_win[:, :, k0 : e + n], ent_k, ent_v, sel[:, a:e], sinks,
-                a + n - k0, window, float(scale))  # fmt: skip
+                a + n - k0, window, float(scale), kfirst, efirst)  # fmt: skip
         outs.append(checkpoint(_block, *args, use_reentrant=False) if grad else _block(*args))
     return torch.cat(outs, dim=2).transpose(1, 2)  # [B, H, S_l, D] -> [B, S_l, H, D]

@@ -10,25 +10,30 @@ appended to the layer's own keys; HCA's query ``t`` sees entries ``w < (t+1)//r`
 ``index_topk`` entries its Lightning Indexer picks (its own pooled index keys, the same windows). On a
 shard the windows would start at the shard. Here each such attention module — claimed by its shape
 (``compressor`` with ``compress_rate``/``kv_proj``/``gate_proj``/``position_bias``, ``sinks``,
-``sliding_window``), not its name — gets a pre-hook that hands it a stand-in ``cache`` (``PooledCall``),
-which the module passes on to its compressor and its compressor to its indexer:
+``sliding_window``), not its name — gets a pre-hook that hands it a stand-in ``cache`` (``PooledCall``)
+and the rank's ``PoolPlan`` (``attention/pooled_docs.py``: per packed document, host ints from the
+forward's layout), which the module passes on to its compressor and its compressor to its indexer:
 
 1. ``store_compression_weights`` (the model calls it with its own projections of the local tokens)
-   prepends the tokens from the start of the first window touching the shard (``r - 1`` at most; CSA:
-   one window earlier too, for its ``Ca`` half, whose own entry is dropped) and returns that window's
-   global start, at which the model's own pooling, norm and rotary then run: the entries of every window
-   that *ends* on this rank, as without SP;
-2. ``update_compressor_states`` all-gathers them over the SP group (``[B, S//r, D]``, differentiable: a
-   window's tokens on the previous rank get their gradient back) and stops the compressor there (its
-   ``[B, 1, S_l, S//r]`` block bias is never built);
-3. for CSA the indexer runs the same way once (its keys, under ``no_grad``: the model's picks carry no
-   gradient), then on blocks of local queries with its ``cache`` returning all the keys: the model's own
-   scores, causal mask and ``topk``, ``[B, S_l, k]`` global entry indices (``-1`` invalid).
+   prepends the tokens before the shard that the first window touching it reads (``r - 1`` at most;
+   CSA: one window earlier too, for its ``Ca`` half, whose own entry is dropped; never before the
+   document's first token) and stops the compressor;
+2. the model's own compressor then runs once per document piece on this rank (no tokens of its own: the
+   cache returns the piece's ``[halo | local]`` slice and its first window's position *in its document*):
+   its own pooling, norm and rotary on the windows of that document that *end* on this rank, as when the
+   document runs alone; ``update_compressor_states`` keeps them and stops it;
+3. the pieces' entries, padded to ``ceil(S_l / r)`` (a count every rank knows), are all-gathered once
+   (differentiable: a window's tokens on the previous rank get their gradient back) and each row's put in
+   document order (``[B, T, D]``); the ``[B, 1, S_l, T]`` block bias is never built. Every collective runs
+   once per call on every rank, however the documents fall on the ranks;
+4. for CSA the indexer runs the same way once (its keys, under ``no_grad``: the model's picks carry no
+   gradient), then per document on blocks of its local queries with its ``cache`` returning that
+   document's keys: the model's own scores, causal mask and ``topk``, ``[B, S_l, k]`` entry indices in the
+   row (``-1`` invalid).
 
 The module then appends the gathered entries to its local keys and calls the SP attention function with
-``pooled=`` this call, which attends its local queries (``attention/pooled_core.py``). Packed documents:
-the model's own pooling mixes documents (windows from the row's first token), so rows of several
-documents are refused at every sp size (``mixers.guard.check_document_mixing``, and here at run time).
+``pooled=`` this call, which attends its local queries (``attention/pooled_core.py``; packed, within their
+document). Packed rows are thus exact: each document as if run alone.
 
 Cost per rank and layer: the halo ``[B, <2r, F]`` (``F``: the compressor's ``2 D`` or ``4 D`` projected
 features, the indexer's too), gathered as every rank's last ``min(S_l, 2r)`` tokens; the entries
@@ -51,15 +56,11 @@ import torch
 from torch import nn
 
 from ulysses_sp.attention.indexer import IndexerHandle, call_layout, query_block
-from ulysses_sp.parallel.seq_gather import all_gather_ragged, tokens_before
+from ulysses_sp.attention.pooled_docs import Piece, PoolPlan, pool_plan
+from ulysses_sp.parallel.seq_gather import all_gather_seq_grad, tokens_before
 
 ATTENTION_ATTRS = ("compressor", "sinks", "sliding_window", "layer_idx")
 COMPRESSOR_ATTRS = ("compress_rate", "kv_proj", "gate_proj", "position_bias", "kv_norm", "head_dim")
-PACKED_REASON = (
-    "its compressor pools K/V in windows from the row's first token and its entries carry no document, so "
-    "a window and the entries a query sees span the documents of a packed row (the model's own forward mixes "
-    "them too)"
-)
 
 
 def is_pooled_attention(module: nn.Module) -> bool:
@@ -74,59 +75,84 @@ class _Stop(Exception):
     """Raised by ``PooledCall.update_compressor_states`` once the gathered entries exist."""
 
 
-def windows_per_rank(rate: int, s_local: int, size: int) -> list[int]:
-    """Pooled entries each rank emits: the windows ``[w r, (w+1) r)`` that end on it (host ints)."""
-    return [((j + 1) * s_local) // rate - (j * s_local) // rate for j in range(size)]
-
-
 class PooledCall:
     """One call of a pooled attention layer: the ``cache`` its compressor and indexer see, and what the SP
-    attention reads (``lo``, ``group``, ``positions``, ``picks``)."""
+    attention reads (``lo``, ``group``, ``positions``, ``picks``, the documents' ``doc_first``/``entry_first``)."""
 
-    def __init__(self, rate: int, overlap: bool, lo: int, s_local: int, group: Any, positions: torch.Tensor) -> None:
+    def __init__(self, rate: int, overlap: bool, lo: int, s_local: int, group: Any, positions: torch.Tensor,
+                 plan: PoolPlan | None = None) -> None:  # fmt: skip
         self.rate, self.overlap, self.lo, self.s_local, self.group = rate, overlap, lo, s_local, group
         self.positions = positions
-        """``[B|1, S_l]`` the local queries' full-sequence position ids."""
+        """``[B|1, S_l]`` the local queries' position ids (each document's own, packed)."""
+        self.plan = plan
+        self.doc_first = None if plan is None else plan.doc_first
+        self.entry_first = None if plan is None else plan.entry_first
         self.picks: torch.Tensor | None = None
-        """CSA: ``[B, S_l, k]`` each local query's picked entries (global, ``-1`` invalid); HCA: ``None``."""
-        self.stored: torch.Tensor | None = None
+        """CSA: ``[B, S_l, k]`` each local query's picked entries (in its row, ``-1`` invalid); HCA: ``None``."""
         self.index_keys: torch.Tensor | None = None
+        self._ext: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._piece: tuple[slice, Piece] | None = None
+        self._out: torch.Tensor | None = None
         self.layers = _EveryLayer(self)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         """The sliding-window cache update the module calls: nothing held, the local keys as they are."""
         return key_states, value_states
 
-    def _start(self, lo: int) -> int:
-        """The first token pooled with a rank starting at ``lo``: its first window's (CSA: one earlier)."""
-        start = (lo // self.rate) * self.rate
-        return start - self.rate if self.overlap and start >= self.rate else start
-
     def store_compression_weights(self, name: str, kv: torch.Tensor, gate: torch.Tensor):
-        """``(kv, gate, first window's position)`` of ``[halo | local]``, cut to whole windows."""
+        """The first call: ``[halo | local]`` kept (one gather), the compressor stopped. Then per piece:
+        ``(kv, gate, first window's position in its document)`` of the piece's whole windows."""
         if self.index_keys is not None:  # the indexer's scoring runs: no pooling, its keys come whole
             return kv[:, :0], gate[:, :0], 0
-        size = 1 if self.group is None else torch.distributed.get_world_size(self.group)
-        width = max(j * self.s_local - self._start(j * self.s_local) for j in range(size))
-        start = self._start(self.lo)
-        # [B, S_l, F] -> [B, lo - start + S_l, F]: the straddling window's tokens from the ranks before
-        kv, gate = (torch.cat([tokens_before(t, start, width, self.group), t], dim=1) for t in (kv, gate))
-        usable = (kv.shape[1] // self.rate) * self.rate
-        return kv[:, :usable], gate[:, :usable], start
+        plan = self.plan
+        if self._piece is None:  # [B, S_l, F] -> [B, halo + S_l, F]: the tokens before the shard it pools
+            self._ext = tuple(torch.cat([tokens_before(t, self.lo - plan.halo, plan.width, self.group), t], dim=1)
+                              for t in (kv, gate))  # fmt: skip
+            raise _Stop
+        rows, piece = self._piece
+        base = self.lo - plan.halo
+        kv, gate = (t[rows, piece.start - base : piece.end - base] for t in self._ext)
+        return kv, gate, piece.first
 
     def update_overlap_state(self, name: str, chunk_kv: torch.Tensor, chunk_gate: torch.Tensor, head_dim: int):
-        """CSA's previous-call ``Ca`` half: none (the halo brought the previous window itself)."""
+        """CSA's previous-call ``Ca`` half: none (a piece brings its previous window itself, or is alone)."""
         return None, None
 
     def update_compressor_states(self, name: str, compressed: torch.Tensor) -> torch.Tensor:
-        """Gather every rank's entries ``[B, n_r, D] -> [B, S//r, D]`` and stop the compressor."""
+        """One piece's entries ``[b, n, D]`` kept (CSA: less a window lending only its ``Ca`` half); stop."""
         if self.index_keys is not None:
             return self.index_keys
-        if self.overlap and self._start(self.lo) < (self.lo // self.rate) * self.rate and compressed.shape[1]:
-            compressed = compressed[:, 1:]  # the window before the shard's: only its Ca half was wanted
-        size = 1 if self.group is None else torch.distributed.get_world_size(self.group)
-        self.stored = all_gather_ragged(compressed, windows_per_rank(self.rate, self.s_local, size), self.group)
+        self._out = compressed[:, 1:] if self._piece[1].drop else compressed
         raise _Stop
+
+    def pool(self, forward: Callable[..., Any], module: nn.Module, hidden: torch.Tensor, q_residual: torch.Tensor,
+             position_ids: torch.Tensor, layer_idx: int) -> torch.Tensor:  # fmt: skip
+        """``[B, T, D]``: every row's entries in document order, by the model's own ``forward`` (a compressor
+        or an indexer with ``head_dim``) once on the local tokens and once per document piece (no tokens: its
+        ``[halo | local]`` slice comes from the cache), padded to ``plan.most`` and gathered once."""
+        plan, self._piece, self._ext = self.plan, None, None
+        _run_to_stop(forward, hidden, q_residual, position_ids, self, layer_idx)
+        parts = []
+        for group in plan.groups:
+            got = []
+            for piece in group.pieces:  # no collective in here: each rank runs its own number of pieces
+                self._piece = (group.rows, piece)
+                _run_to_stop(forward, hidden[group.rows, :0], q_residual[group.rows, :0], position_ids[:, :0], self,
+                             layer_idx)  # fmt: skip
+                got.append(self._out)
+            rows = hidden[group.rows].shape[0]
+            pad = self._ext[0].new_zeros((rows, plan.most - sum(x.shape[1] for x in got), module.head_dim))
+            parts.append(torch.cat([*got, pad.to(got[0].dtype if got else pad.dtype)], dim=1))  # [b, most, D]
+        # [B, most, D]; every gather's backward (an all-reduce) must run on every rank, also where no piece
+        # read the halo: the empty slices link it (a zero, no NaN), and zeros join as a leaf
+        mine = torch.cat(parts) + sum(t[:, :0].sum() for t in self._ext)
+        if torch.is_grad_enabled() and not mine.requires_grad:
+            mine.requires_grad_()
+        self._piece = self._ext = self._out = None
+        gathered = all_gather_seq_grad(mine, self.group, dim=1)  # [B, P most, D]
+        if plan.slots.shape[0] == 1:
+            return gathered.index_select(1, plan.slots[0])
+        return gathered.gather(1, plan.slots[..., None].expand(-1, -1, gathered.shape[-1]))  # [B, T, D]
 
 
 class _EveryLayer:
@@ -152,35 +178,40 @@ def _run_to_stop(fn: Callable[..., Any], *args: Any) -> None:
 @torch.no_grad()
 def indexer_picks(indexer: nn.Module, call: PooledCall, hidden: torch.Tensor, q_residual: torch.Tensor,
                   position_ids: torch.Tensor, layer_idx: int) -> torch.Tensor:  # fmt: skip
-    """``[B, S_l, k]`` the CSA indexer's picks for the local queries over the whole sequence's entries."""
+    """``[B, S_l, k]`` the CSA indexer's picks for the local queries, each among its document's entries (its
+    row's entry indices, ``-1`` none): the model's own scores, causal mask and ``topk`` per document."""
     call.index_keys = None
-    _run_to_stop(indexer, hidden, q_residual, position_ids, call, layer_idx)  # its keys [B, S//r, D_idx]
-    keys, (b, s_l) = call.stored, hidden.shape[:2]
-    call.index_keys = keys
+    keys, (b, s_l) = call.pool(indexer, indexer, hidden, q_residual, position_ids, layer_idx), hidden.shape[:2]
     out = torch.full((b, s_l, min(indexer.index_topk, keys.shape[1])), -1, dtype=torch.int32, device=hidden.device)  # S/r < 2^31
-    block = query_block(b, indexer.num_heads, max(1, keys.shape[1]), s_l)  # no entries yet: one block
-    for a in range(0, s_l, block):  # [B, bq, H_idx, S//r] scores at a time -> [B, bq, k]
-        e = min(a + block, s_l)
-        pos = position_ids[:, a:e]
-        out[:, a:e] = indexer(hidden[:, a:e], q_residual[:, a:e], pos, call, layer_idx)
+    for group in call.plan.groups:
+        for span in group.spans:  # each document alone: its keys [b, n, D_idx], its queries
+            if span.e1 == span.e0:
+                continue  # no entry (the model alone: topk of none)
+            call.index_keys = keys[group.rows, span.e0 : span.e1]
+            q0, q1 = span.q0 - call.lo, span.q1 - call.lo
+            block = query_block(b, indexer.num_heads, span.e1 - span.e0, q1 - q0)
+            for a in range(q0, q1, block):  # [b, bq, H_idx, n] scores at a time -> [b, bq, min(k, n)]
+                e, rows = min(a + block, q1), group.rows
+                pos = position_ids[:, a:e] if position_ids.shape[0] == 1 else position_ids[rows, a:e]
+                picks = indexer(hidden[rows, a:e], q_residual[rows, a:e], pos, call, layer_idx)
+                out[rows, a:e, : picks.shape[-1]] = torch.where(picks >= 0, picks + span.e0, -1).to(out.dtype)
     call.index_keys = None
     return out
 
 
 def pooled_compressor_forward(forward: Callable[..., Any], compressor: nn.Module) -> Callable[..., Any]:
-    """``compressor``'s forward that, given a ``PooledCall`` as its cache, returns the whole sequence's
-    entries ``[B, 1, S//r, D]`` and no block bias (CSA: the picks left on the call)."""
+    """``compressor``'s forward that, given a ``PooledCall`` as its cache, returns every row's
+    entries ``[B, 1, T, D]`` and no block bias (CSA: the picks left on the call)."""
 
     def pooled(hidden_states, q_residual, position_ids, cache=None, layer_idx=None, **kwargs):
         cache = kwargs.pop("past_key_values", cache)
         if not isinstance(cache, PooledCall):
             return forward(hidden_states, q_residual, position_ids, cache, layer_idx)
-        _run_to_stop(forward, hidden_states, q_residual, position_ids, cache, layer_idx)
-        entries = cache.stored  # [B, S//r, D] with its gradient
+        entries = cache.pool(forward, compressor, hidden_states, q_residual, position_ids, layer_idx)  # [B, T, D]
         indexer = getattr(compressor, "indexer", None)
         if indexer is not None:
             cache.picks = indexer_picks(indexer, cache, hidden_states, q_residual, position_ids, layer_idx)
-        return entries.unsqueeze(1), None  # [B, 1, S//r, D]
+        return entries.unsqueeze(1), None  # [B, 1, T, D]
 
     return pooled
 
@@ -196,12 +227,15 @@ def _pre_hook(attention: Any):
         position_ids = args[2] if len(args) > 2 else kwargs.get("position_ids")
         (b, s_l), device = hidden.shape[:2], hidden.device
         seq, lo, group = call_layout(attention, module, position_ids, s_l, b, device)
-        if seq.doc_ids is not None:
-            raise ValueError(f"layer {module.layer_idx}: packed documents in {type(module).__name__}: {PACKED_REASON}. "
-                             "Train it with one sample per row (--packing none)")  # fmt: skip
-        compressor = module.compressor
-        call = PooledCall(compressor.compress_rate, hasattr(compressor, "indexer"), lo, s_l, group,
-                          seq.positions[:, lo : lo + s_l])  # fmt: skip
+        rate, overlap = module.compressor.compress_rate, hasattr(module.compressor, "indexer")
+        size = 1 if group is None else torch.distributed.get_world_size(group)
+
+        def plan() -> PoolPlan:  # once per forward and kind: host ints (read back only without the adapter's)
+            lengths = [[seq.seq_len]] if seq.doc_ids is None else seq.doc_lengths()
+            return pool_plan(lengths, b, rate, overlap, lo, s_l, size, device)
+
+        plan = attention._per_forward(seq, ("pooled", rate, overlap, lo, s_l, b), plan)
+        call = PooledCall(rate, overlap, lo, s_l, group, seq.positions[:, lo : lo + s_l], plan)
         kwargs.pop("past_key_values", None)
         kwargs["cache"], kwargs["pooled"] = call, call
         return args, kwargs

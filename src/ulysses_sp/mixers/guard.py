@@ -197,8 +197,8 @@ def check_document_mixing(model: Any, *, what: str = "packed documents") -> None
     plain-attention text model) and the mixers a handler claims (applied at sp 1 too). A module the
     guard refuses at sp > 1 mixes the whole row at sp 1, across documents; so does a sparse or
     compressed attention kind other than DSA's (its own forward picks keys from the whole row; DSA's
-    indexer runs per document through ``attention/indexer.py``), DeepSeek-V4's pooled K/V (windows from
-    the row's first token, at every sp size), and a claimed module whose handler says so (``packed_refusal``:
+    indexer runs per document through ``attention/indexer.py``; DeepSeek-V4's pooled K/V per document
+    through ``attention/pooled_kv.py``), and a claimed module whose handler says so (``packed_refusal``:
     CPM-Ant's one prompt per row). Those are refused for packed rows here.
     """
     from ulysses_sp.attention.layer_kinds import packed_refusal
