@@ -236,12 +236,14 @@ CASES_OWN_SCORES = {
         ("doge", False, {**F64, "sliding_window": 8}),  # the model's window (8) in the full-sequence mask
         ("trocr", True, F64),  # its width read from its input, told H_l * D; its learned table numbered per document
         ("trocr", False, F64),  # one document: its learned table reads each shard's global positions
+        ("xlnet", False, F64),  # relative encodings of the model for S, residual + LayerNorm after the reduction
     ],
     4: [
         ("falcon", True, FALCON_GQA),
         ("bloom", False, {**F64, "checkpointing": True}),  # 2 kv heads < sp 4
         ("doge", True, F64),  # 2 kv heads < sp 4: each kv head's gate and A on two ranks
         ("trocr", True, {**F64, "docs": EDGES, "checkpointing": True}),  # one head per rank; starts at shard edges
+        ("xlnet", False, {**F64, "attn_type": "uni", "clamp_len": 20}),  # the model's causal mask for S; clamped r
     ],
 }
 
@@ -251,7 +253,8 @@ def _own_scores(sp: int) -> list[str]:
 
 
 def test_attention_computing_its_own_scores_equals_no_sp(pool):
-    """The head-parallel fallback (BLOOM, Falcon, GPT-Neo, MPT, Doge, TrOCR's decoder) at sp 1, 2 and 4 in one test: per-position
+    """The head-parallel fallback (BLOOM, Falcon, GPT-Neo, MPT, Doge, TrOCR's decoder;
+    XLNet's relative attention, ``mixers/xlnet.py``, unpacked) at sp 1, 2 and 4 in one test: per-position
     logits and every gradient against the plain model (float64), packed documents against each one alone."""
     for sp, cases in CASES_OWN_SCORES.items():
         assert pool.run(_own_scores, sp, sp)[0] == [f"{a}{' packed' if p else ''}" for a, p, _ in cases]
