@@ -11,7 +11,8 @@ short convolutions alone at sp 2 and 4; Inkling, Inkling-2 and Inkling-2 Loop wh
 bias head-parallel per document) at sp 1, 2 and 4. Phi-MoE,
 whose sliding window lives only in its mask (the SP attention is told it), at sp 2. MiniMax's lightning
 attention (heads sharded) at sp 1, 2 and 4. xLSTM (its mLSTM sharded by head) at sp 2 and 4. CPM-Ant (its
-model's mask and bias built for the whole prompt-prefixed row, its attention head-parallel) at sp 2 and 4.
+model's mask and bias built for the whole prompt-prefixed row, its attention head-parallel) at sp 2 and 4. XLNet
+(its relative attention head-parallel, ``mixers/xlnet.py``) at sp 2 and 4, unpacked, and its refusals by name.
 """
 
 from __future__ import annotations
@@ -763,3 +764,33 @@ def test_xlstm_keeps_packed_documents_apart_at_sp1_and_refuses_a_state_heads_and
         model(input_ids=ids, position_ids=pos, use_cache=False)
     handle.remove()
     assert not any("forward" in vars(m) for m in model.modules()) and not model._forward_pre_hooks
+
+
+def _xlnet_refusals(sp: int) -> list[str]:
+    from hybrid_models import hybrid_model
+
+    mesh = init_mesh((1, sp))
+    model = hybrid_model("xlnet").eval()
+    apply_mixers(model, mesh)
+    s_l = S // sp
+    ids = global_batch(3, B, S, vocab=V)[:, :s_l]
+    pos = torch.arange(mesh.sp_rank * s_l, (mesh.sp_rank + 1) * s_l).expand(B, -1)
+    out = []
+    for extra in ({"token_type_ids": torch.zeros_like(ids)}, {"perm_mask": torch.zeros(B, s_l, s_l)},
+                  {"attention_mask": torch.ones_like(ids)}, {"output_attentions": True}):  # fmt: skip
+        try:
+            model(input_ids=ids, position_ids=pos, **extra)
+            out.append("ran")
+        except ValueError as e:
+            out.append(str(e).split(" is not supported")[0])
+    return out
+
+
+def test_xlnet_refuses_by_name_what_its_model_builds_per_shard(pool):
+    """Under SP, XLNet's segment matrix, permutation and padding masks and attention maps are refused by name."""
+    assert pool.run(_xlnet_refusals, 2, 2)[0] == [
+        "XLNetRelativeAttention: token_type_ids (a segment matrix over the shard's token pairs)",
+        "XLNetRelativeAttention: a padding or permutation mask (attention_mask / input_mask / perm_mask)",
+        "XLNetRelativeAttention: a padding or permutation mask (attention_mask / input_mask / perm_mask)",
+        "XLNetRelativeAttention: output_attentions",
+    ]
