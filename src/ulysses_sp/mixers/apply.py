@@ -71,7 +71,8 @@ def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
     """Shard every short-convolution, Mamba-2, Mamba-1, gated delta-net, KDA (both gates), RG-LRU, RWKV,
     lightning-attention and mLSTM (xLSTM) mixer of ``model`` over ``mesh``'s SP group, give every causal-window module (convolutions inside projections)
     its halo, hold learned and self-numbering position tables to the shard's global position ids, run
-    attention that computes its own scores or its own pair bias head-parallel (CPM-Ant's over its
+    attention that computes its own scores or its own pair bias head-parallel (XLNet's relative attention over its
+    model's encodings for the full sequence; CPM-Ant's over its
     prompt-prefixed row), and tell the SP attention a sliding window the
     model applies only through its mask.
 
