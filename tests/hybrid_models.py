@@ -103,7 +103,8 @@ def hybrid_config(
     raise ValueError(arch)
 
 
-OWN_SCORES = ("bloom", "falcon", "gpt_neo", "mpt", "doge", "trocr", "inkling", "inkling2", "inkling2_loop", "cpmant")
+OWN_SCORES = ("bloom", "falcon", "gpt_neo", "mpt", "doge", "trocr", "inkling", "inkling2", "inkling2_loop", "cpmant",
+              "xlnet")
 """Attention that computes its own scores (the head-parallel fallback, ``mixers/own_scores.py``): eager only."""
 
 
@@ -137,6 +138,9 @@ def _own_scores_config(arch: str, vocab: int, overrides: dict):
         return tf.TrOCRConfig(**{**dict(vocab_size=vocab, d_model=32, decoder_layers=2, decoder_attention_heads=4,
                                         decoder_ffn_dim=64, dropout=0.0, scale_embedding=True, use_cache=False,
                                         tie_word_embeddings=False), **overrides})  # fmt: skip
+    if arch == "xlnet":  # relative attention over encodings its model builds, residual + LayerNorm inside
+        return tf.XLNetConfig(**{**dict(vocab_size=vocab, d_model=32, n_head=4, d_inner=64, n_layer=2, dropout=0.0,
+                                        use_mems_train=False, use_mems_eval=False), **overrides})  # fmt: skip
     if arch.startswith("inkling"):
         return _inkling_config(arch, vocab, overrides)
     if arch == "cpmant":  # a prompt of 3 tokens before the row, attention both ways, a segment/relative-bucket bias

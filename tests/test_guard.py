@@ -69,6 +69,7 @@ def test_classic_families_pass_with_one_sp_attention_per_layer(family):
     ],
 )
 def test_families_sp_would_get_wrong_are_refused_naming_the_cause(family, expected):
+    """Without handlers (``handlers=()``); with them, XLNet is handled (``test_xlnet_is_handled``)."""
     model = build(family)
     with pytest.raises(ValueError, match=expected) as err:
         check_sequence_mixing(model, sp_size=2, handlers=())  # no mixer handler registered
@@ -350,3 +351,13 @@ def test_a_window_kept_only_in_the_mask_is_passed_to_the_sp_attention():
     assert refusals(model) == []
     found = [(f.layer, f.kind, f.why) for f in classify_model(model) if f.path == "self_attn"]
     assert found == [(i, "attention", "its window is set by the mask_window handler") for i in range(2)]
+
+
+def test_xlnet_is_handled_and_refuses_packed_rows_naming_why():
+    from ulysses_sp.mixers.guard import check_document_mixing
+
+    model = build("xlnet")
+    check_sequence_mixing(model, sp_size=2)  # its relative attention runs head-parallel (mixers/xlnet.py)
+    with pytest.raises(ValueError, match=r"rel_attn \(XLNetRelativeAttention\): its relative attention takes no "
+                       r"per-document positions"):  # fmt: skip
+        check_document_mixing(model)

@@ -11,7 +11,8 @@ short convolutions alone at sp 2 and 4; Inkling, Inkling-2 and Inkling-2 Loop wh
 bias head-parallel per document) at sp 1, 2 and 4. Phi-MoE,
 whose sliding window lives only in its mask (the SP attention is told it), at sp 2. MiniMax's lightning
 attention (heads sharded) at sp 1, 2 and 4. xLSTM (its mLSTM sharded by head) at sp 2 and 4. CPM-Ant (its
-model's mask and bias built for the whole prompt-prefixed row, its attention head-parallel) at sp 2 and 4.
+model's mask and bias built for the whole prompt-prefixed row, its attention head-parallel) at sp 2 and 4. XLNet
+(its relative attention head-parallel, ``mixers/xlnet.py``) at sp 2 and 4, unpacked, and its refusals by name.
 """
 
 from __future__ import annotations
@@ -236,12 +237,14 @@ CASES_OWN_SCORES = {
         ("doge", False, {**F64, "sliding_window": 8}),  # the model's window (8) in the full-sequence mask
         ("trocr", True, F64),  # its width read from its input, told H_l * D; its learned table numbered per document
         ("trocr", False, F64),  # one document: its learned table reads each shard's global positions
+        ("xlnet", False, F64),  # relative encodings of the model for S, residual + LayerNorm after the reduction
     ],
     4: [
         ("falcon", True, FALCON_GQA),
         ("bloom", False, {**F64, "checkpointing": True}),  # 2 kv heads < sp 4
         ("doge", True, F64),  # 2 kv heads < sp 4: each kv head's gate and A on two ranks
         ("trocr", True, {**F64, "docs": EDGES, "checkpointing": True}),  # one head per rank; starts at shard edges
+        ("xlnet", False, {**F64, "attn_type": "uni", "clamp_len": 20}),  # the model's causal mask for S; clamped r
     ],
 }
 
@@ -251,7 +254,8 @@ def _own_scores(sp: int) -> list[str]:
 
 
 def test_attention_computing_its_own_scores_equals_no_sp(pool):
-    """The head-parallel fallback (BLOOM, Falcon, GPT-Neo, MPT, Doge, TrOCR's decoder) at sp 1, 2 and 4 in one test: per-position
+    """The head-parallel fallback (BLOOM, Falcon, GPT-Neo, MPT, Doge, TrOCR's decoder;
+    XLNet's relative attention, ``mixers/xlnet.py``, unpacked) at sp 1, 2 and 4 in one test: per-position
     logits and every gradient against the plain model (float64), packed documents against each one alone."""
     for sp, cases in CASES_OWN_SCORES.items():
         assert pool.run(_own_scores, sp, sp)[0] == [f"{a}{' packed' if p else ''}" for a, p, _ in cases]
@@ -760,3 +764,33 @@ def test_xlstm_keeps_packed_documents_apart_at_sp1_and_refuses_a_state_heads_and
         model(input_ids=ids, position_ids=pos, use_cache=False)
     handle.remove()
     assert not any("forward" in vars(m) for m in model.modules()) and not model._forward_pre_hooks
+
+
+def _xlnet_refusals(sp: int) -> list[str]:
+    from hybrid_models import hybrid_model
+
+    mesh = init_mesh((1, sp))
+    model = hybrid_model("xlnet").eval()
+    apply_mixers(model, mesh)
+    s_l = S // sp
+    ids = global_batch(3, B, S, vocab=V)[:, :s_l]
+    pos = torch.arange(mesh.sp_rank * s_l, (mesh.sp_rank + 1) * s_l).expand(B, -1)
+    out = []
+    for extra in ({"token_type_ids": torch.zeros_like(ids)}, {"perm_mask": torch.zeros(B, s_l, s_l)},
+                  {"attention_mask": torch.ones_like(ids)}, {"output_attentions": True}):  # fmt: skip
+        try:
+            model(input_ids=ids, position_ids=pos, **extra)
+            out.append("ran")
+        except ValueError as e:
+            out.append(str(e).split(" is not supported")[0])
+    return out
+
+
+def test_xlnet_refuses_by_name_what_its_model_builds_per_shard(pool):
+    """Under SP, XLNet's segment matrix, permutation and padding masks and attention maps are refused by name."""
+    assert pool.run(_xlnet_refusals, 2, 2)[0] == [
+        "XLNetRelativeAttention: token_type_ids (a segment matrix over the shard's token pairs)",
+        "XLNetRelativeAttention: a padding or permutation mask (attention_mask / input_mask / perm_mask)",
+        "XLNetRelativeAttention: a padding or permutation mask (attention_mask / input_mask / perm_mask)",
+        "XLNetRelativeAttention: output_attentions",
+    ]

@@ -47,8 +47,9 @@ def _packed(name: str, route: bool = True) -> dict:
 def test_packed_documents_stay_apart_at_sp_1_and_2_or_are_refused(pool):
     """Every family ``train`` packs for: the packed row equals each document run alone, at sp 1 (the
     SP attention registered there, the mixer handlers applied) and sp 2 — Doge's dynamic mask too (its
-    attention run head-parallel over a per-document mask, ``mixers/key_gates.py``); XLNet (two-stream
-    attention: no head-parallel split) is refused at both; gpt-oss's own forward (sinks) leaks, which is
+    attention run head-parallel over a per-document mask, ``mixers/key_gates.py``); XLNet (bidirectional
+    relative attention over the whole row, run head-parallel unpacked by ``mixers/xlnet.py``) is refused
+    packed at both; gpt-oss's own forward (sinks) leaks, which is
     why sp 1 is routed."""
     for family in ("llama", "gpt_oss", "lfm2", "bamba", "deepseek_v32", "doge"):  # DSA: its picks per document
         assert pool.run(_packed, 2, family) == [{"sp1": "exact", "sp2": "exact"}] * 2, family

@@ -149,6 +149,7 @@ def test_layer_kinds_of_the_other_hybrids():
     ``block_auto_adjust_ff_dim`` rounds 128 up to 256)."""
     from hybrid_models import hybrid_config
 
+    from bench.model_sweep import tiny_config as model_sweep_config
     from ulysses_sp.cli.plan import mixers_shard
     from ulysses_sp.run.preflight import model_shape
 
@@ -170,6 +171,8 @@ def test_layer_kinds_of_the_other_hybrids():
     xlstm = model_shape(hybrid_config("xlstm"))  # the mLSTM planned as a gated delta-net (q, k, v, two gates per head)
     assert kinds(xlstm) == ["M:gated_delta_net"] * 2 and mixers_shard(xlstm, 4, 1) and not mixers_shard(xlstm, 3, 1)
     assert (xlstm.layer_kinds[0].mixer.key_dim, xlstm.layer_kinds[0].mixer.head_dim, xlstm.layer_kinds[0].mixer.chunk) == (4, 8, 4)
+    xlnet = model_shape(model_sweep_config("xlnet"))  # XLNet's relative attention: its own dense scores, head-parallel
+    assert kinds(xlnet) == ["AM"] * 2 and all(k.own_scores for k in xlnet.layer_kinds)
     lfm2 = model_shape(hybrid_config("lfm2", intermediate_size=128))
     assert kinds(lfm2) == ["M:short_conv", "AM", "M:short_conv"] and lfm2.intermediate == 256
     # Ling 3's KDA (full-rank decay gate): Kimi-Linear's terms, its decay [H, D] in the exchange

@@ -31,6 +31,7 @@ from ulysses_sp.mixers import (
     rwkv,
     segment_bias,
     short_conv,
+    xlnet,
 )
 from ulysses_sp.mixers._kernels import is_sharded
 from ulysses_sp.mixers.base import MixerHandle, MixerHandler, claimed_by, shard_mixers
@@ -41,7 +42,7 @@ from ulysses_sp.mixers.documents import PositionTracker
 HANDLERS: tuple[MixerHandler, ...] = (
     short_conv.HANDLER, mamba2.HANDLER, mamba1.HANDLER, mamba1.HEADS_HANDLER, gated_delta.HANDLER, kda.HANDLER,
     kda.FULL_GATE_HANDLER, learned_positions.HANDLER, own_scores.HANDLER, pair_bias.HANDLER, segment_bias.HANDLER,
-    depth_attention.HANDLER,
+    depth_attention.HANDLER, xlnet.HANDLER,
     causal_window.HANDLER, mask_window.HANDLER,
     counted_positions.HANDLER, counted_positions.LOOKUP_HANDLER, rg_lru.HANDLER, rwkv.HANDLER, lightning.HANDLER, mlstm.HANDLER,
 )
@@ -70,7 +71,8 @@ def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
     """Shard every short-convolution, Mamba-2, Mamba-1, gated delta-net, KDA (both gates), RG-LRU, RWKV,
     lightning-attention and mLSTM (xLSTM) mixer of ``model`` over ``mesh``'s SP group, give every causal-window module (convolutions inside projections)
     its halo, hold learned and self-numbering position tables to the shard's global position ids, run
-    attention that computes its own scores or its own pair bias head-parallel (CPM-Ant's over its
+    attention that computes its own scores or its own pair bias head-parallel (XLNet's relative attention over its
+    model's encodings for the full sequence; CPM-Ant's over its
     prompt-prefixed row), and tell the SP attention a sliding window the
     model applies only through its mask.
 
@@ -85,6 +87,8 @@ def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
             f"split its attention heads and its mixers' heads: {usable_sp_sizes(model)}"
         )
     positions = PositionTracker(mesh)
+    xlnet_handler = xlnet.XlnetHandler(positions)
+    xlnet_handler.bind(model)  # each relative attention's model: it builds r and the mask for S
     handlers = (
         short_conv.ShortConvHandler(positions),
         mamba2.Mamba2Handler(positions),
@@ -98,6 +102,7 @@ def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
         pair_bias.PairBiasHandler(positions),
         segment_bias.SegmentBiasHandler(positions),
         depth_attention.DepthAttentionHandler(positions),
+        xlnet_handler,
         causal_window.CausalWindowHandler(positions),
         mask_window.MaskWindowHandler(positions),
         counted_positions.CountedPositionsHandler(positions),

@@ -177,7 +177,8 @@ def refusal(module: nn.Module) -> str | None:
     params = list(inspect.signature(type(module).forward).parameters)[1:]
     if {"mems", "target_mapping", "seg_mat"} & set(params):
         return ("it is two-stream attention over relative position encodings, a segment matrix and memory "
-                "(mems) that its model builds for the tokens it is given; no head-parallel split of those is built")  # fmt: skip
+                "(mems) that its model builds for the tokens it is given; mixers/xlnet.py runs it head-parallel, "
+                "with its model's encodings for the full sequence (apply_mixers)")  # fmt: skip
     if len(params) > 1 and params[1].startswith("hidden"):
         return (f"its keys and values come from a second input ({params[1]}) with a per-pair position bias its "
                 "model builds for the tokens it is given")  # fmt: skip
