@@ -8,6 +8,8 @@ inputs whole and cuts only the pre-shifted labels:
     {input_ids [B, S], position_ids [4, B, S], mm_token_type_ids [B, S], pixel_values, ...grids,
      shift_labels [B, S_l]}
 
+(a LLaVA-style family, ``families.SCATTER_VLMS``: ``position_ids [B, S]``, no ``mm_token_type_ids``).
+
 ``S`` is padded to a multiple of ``P`` (``data.shard.prepare_batch``: pad ids, labels ``-100``,
 positions continuing). The per-shard forward (``merge``) embeds and merges this rank's tokens only.
 
@@ -25,11 +27,12 @@ import torch
 
 from ulysses_sp.data.shard import prepare_batch
 from ulysses_sp.parallel.mesh_shape import shard_spans
-from ulysses_sp.vlm.families import vlm_parts
+from ulysses_sp.vlm.families import VLMParts, vlm_parts
 from ulysses_sp.vlm.positions import token_types, vlm_position_ids
 
 _GRIDS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
 _MEDIA = ("pixel_values", "pixel_values_videos")
+_PER_IMAGE = ("image_sizes",)  # LLaVA-style: Mistral 3's / LLaVA's image sizes [N_img, 2]
 SAMPLE_MEDIA = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 """A sample's per-image / per-video keys (``vlm.data``): concatenated in sample order when samples
 are packed into a row or collated into a micro-batch."""
@@ -46,40 +49,42 @@ def prepare_vlm_batch(
 ) -> dict[str, Any]:
     """The inputs of SP rank ``sp_rank`` for one full-sequence VLM batch (module docstring).
 
-    ``batch`` is what a Qwen-VL processor returns (``input_ids``, ``pixel_values``,
-    ``image_grid_thw``, ...), optionally with ``labels`` and packed ``position_ids [B, S]``.
-    Pass the same batch on every rank of the SP group.
+    ``batch`` is what the model's processor returns: Qwen-VL's (``input_ids``, ``pixel_values``,
+    ``image_grid_thw``, ...) or a LLaVA-style family's (``input_ids``, ``pixel_values
+    [N_img, C, H, W]``, Mistral 3's ``image_sizes``; its positions stay ``[B, S]``), optionally with
+    ``labels`` and packed ``position_ids [B, S]``. Pass the same batch on every rank of the SP group.
 
     Raises:
         ValueError: malformed batch (``data.shard``'s checks) or placeholders that do not match
             the grids (``positions.check_placeholders``).
     """
-    full = dict(batch)
-    if full.get("mm_token_type_ids") is None:
-        full["mm_token_type_ids"] = token_types(_inner_config(model), full["input_ids"])
+    full, parts = dict(batch), _parts(model)
+    if parts.scatter is None and full.get("mm_token_type_ids") is None:
+        full["mm_token_type_ids"] = token_types(parts.inner.config, full["input_ids"])
     # pixels and grids are per patch / per image, not per token: kept out of the per-token checks and padding
     # (a pixel_values [N_p, C] whose N_p or C happens to equal B or S would be taken for a per-token tensor)
-    media = {k: full.pop(k) for k in (*_MEDIA, *_GRIDS) if k in full}
+    media = {k: full.pop(k) for k in (*_MEDIA, *_GRIDS, *_PER_IMAGE) if k in full}
     prepared = {**prepare_batch(full, sp_size, pad_token_id=pad_token_id, ring_size=ring_size), **media}
     ids = prepared["input_ids"]
-    prepared["position_ids"] = vlm_position_ids(
-        model,
-        ids,
-        mm_token_type_ids=prepared["mm_token_type_ids"],
-        position_ids=prepared["position_ids"],
-        **{k: prepared[k] for k in _GRIDS if prepared.get(k) is not None},
-    )
+    if parts.scatter is None:  # Qwen: [B, S] -> [4, B, S] (text row + mrope rows); LLaVA-style: [B, S] as is
+        prepared["position_ids"] = vlm_position_ids(
+            model,
+            ids,
+            mm_token_type_ids=prepared["mm_token_type_ids"],
+            position_ids=prepared["position_ids"],
+            **{k: prepared[k] for k in _GRIDS if prepared.get(k) is not None},
+        )
     spans = shard_spans(ids.shape[1], sp_rank, sp_size, ring_size)
     labels = prepared["shift_labels"]
     prepared["shift_labels"] = torch.cat([labels[:, a:e] for a, e in spans], dim=1)  # [B, S] -> [B, S_l]
     return prepared
 
 
-def _inner_config(model: Any) -> Any:
+def _parts(model: Any) -> VLMParts:
     parts = vlm_parts(model)
     if parts is None:
         raise ValueError(f"{type(model).__name__} is not a VLM ulysses_sp.vlm supports (see SUPPORTED_VLMS)")
-    return parts.inner.config
+    return parts
 
 
 def pack_vlm_samples(samples: list[dict[str, torch.Tensor]], seq_len: int) -> list[dict[str, torch.Tensor]]:

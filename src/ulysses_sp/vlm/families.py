@@ -2,10 +2,19 @@
 
 Closed world, like the guard (``mixers.guard``): the path of this package relies on what the
 model's own forward does between its vision tower and its language model — it merges the visual
-embeddings into ``inputs_embeds`` over the full sequence, takes (or computes) ``[3|4, B, S]``
-positions, and passes every other per-token input to the language model by keyword, which the
-per-shard forward of ``merge`` rebuilds for one shard. That is read from the model's code for the families below and
-tested against the same model without SP (``tests/test_vlm.py``); any other model with a vision or
+embeddings into ``inputs_embeds`` over the full sequence, takes (or computes) its positions, and
+passes every other per-token input to the language model by keyword, which the per-shard forward
+rebuilds for one shard. Two shapes of that forward are admitted:
+
+- ``QWEN_VLMS`` (``merge``): ``[4, B, S]`` mrope positions from ``get_rope_index``, a vision tower
+  over patch rows and ``[t, h, w]`` grids (its frames split over the SP group, ``split``);
+- ``SCATTER_VLMS`` (``scatter``): the LLaVA pattern — 1-D positions, ``get_image_features`` (vision
+  tower + projector over whole images) scattered into ``inputs_embeds`` at the image placeholder
+  tokens, a standard text decoder. What differs between these families is only what their forward
+  passes to ``get_image_features`` (``ScatterFamily``).
+
+That is read from the model's code for the families below and tested against the same model
+without SP (``tests/test_vlm.py``, ``tests/test_vlm_llava.py``); any other model with a vision or
 audio encoder is refused by name with the reason, before the first step.
 """
 
@@ -17,10 +26,36 @@ from typing import Any
 
 from torch import nn
 
-SUPPORTED_VLMS: dict[str, str] = {
+QWEN_VLMS: dict[str, str] = {
     "qwen2_5_vl": "Qwen2.5-VL: window-attention vision tower, 3-D mrope",
     "qwen3_vl": "Qwen3-VL: vision tower with deepstack features added in the first decoder layers, interleaved mrope",
 }
+"""``config.model_type`` -> what the Qwen path (``merge``) handles for it (exact, tested)."""
+
+
+@dataclass(frozen=True)
+class ScatterFamily:
+    """What one LLaVA-style family's forward does differently (``scatter``): the rest is shared."""
+
+    what: str
+    """The family in a line (the supported table)."""
+    image_kwargs: tuple[str, ...] = ()
+    """The forward's keyword arguments it passes on to ``get_image_features`` (not to the language model)."""
+    cast_pixels: bool = False
+    """The forward casts ``pixel_values`` to the embeddings' dtype before the tower (GOT-OCR2)."""
+
+
+_LAYER, _SELECT = "vision_feature_layer", "vision_feature_select_strategy"
+SCATTER_VLMS: dict[str, ScatterFamily] = {
+    "llava": ScatterFamily("LLaVA: CLIP/SigLIP tower + MLP projector", (_LAYER, _SELECT, "image_sizes")),
+    "got_ocr2": ScatterFamily("GOT-OCR2: windowed SAM-style tower + conv projector, Qwen2 decoder", cast_pixels=True),
+    "mistral3": ScatterFamily("Mistral 3: Pixtral tower (2-D rope, image_sizes) + patch merger", (_LAYER, "image_sizes")),
+    "aya_vision": ScatterFamily("Aya Vision: SigLIP tower + pixel-shuffle projector, Cohere 2 decoder", (_LAYER, _SELECT)),
+    "internvl": ScatterFamily("InternVL: InternViT tower + pixel-shuffle projector", (_LAYER, _SELECT)),
+}
+"""``config.model_type`` -> the LLaVA-style families the ``scatter`` path handles (exact, tested)."""
+
+SUPPORTED_VLMS: dict[str, str] = {**QWEN_VLMS, **{k: f.what for k, f in SCATTER_VLMS.items()}}
 """``config.model_type`` -> what the path handles for it (exact, tested)."""
 
 REFUSED_VLMS: dict[str, str] = {
@@ -34,6 +69,10 @@ REFUSED_VLMS: dict[str, str] = {
     "from the token ids (its mask stays causal), a merge and per-shard split this path has not been built or "
     "tested for",
     "paligemma": "its prefix (image + prompt) attends bidirectionally (a prefix-LM mask built from token_type_ids)",
+    "llava_next": "its anyres tiles and image-newline rows have not been tested against the model without SP (the "
+    "LLaVA path very likely applies)",
+    "llava_onevision": "its anyres tiles, image-newline rows and videos have not been tested against the model "
+    "without SP",
     "llama4": "its merge and chunked attention over image tokens have not been proven exact under this path",
     "qwen2_vl": "the Qwen2.5-VL path very likely applies, but it has not been tested against the model without SP",
     "qwen3_5": "its language model mixes gated delta-net and attention layers behind the vision merge, a "
@@ -49,11 +88,13 @@ class VLMParts:
     """The three modules of an admitted VLM the SP path works with."""
 
     inner: nn.Module
-    """The module whose forward merges and positions (``Qwen2_5_VLModel``; has ``get_rope_index``)."""
+    """The module whose forward merges and positions (``Qwen2_5_VLModel``, ``LlavaModel``)."""
     vision: nn.Module
-    """The vision tower: encodes whole frames (split over the SP group, ``split``)."""
+    """The vision tower: encodes whole frames (Qwen: split over the SP group, ``split``) or whole images."""
     language_model: nn.Module
     """The decoder stack: runs on each rank's ``S_l`` tokens with the Ulysses attention."""
+    scatter: ScatterFamily | None = None
+    """A LLaVA-style family (``SCATTER_VLMS``: 1-D positions, ``scatter``); ``None``: Qwen (mrope, ``merge``)."""
 
 
 def _model_type(model: Any) -> str | None:
@@ -62,16 +103,19 @@ def _model_type(model: Any) -> str | None:
 
 def vlm_parts(model: Any) -> VLMParts | None:
     """The parts of an admitted VLM (``SUPPORTED_VLMS``), else ``None``. PEFT wrappers are looked
-    through: the first module of the model's tree that has ``visual``, ``language_model`` and
-    ``get_rope_index`` and whose config is of an admitted family."""
+    through: the first module of the model's tree whose config is of an admitted family and that holds
+    the vision tower and the language model as children (Qwen: ``visual`` and ``get_rope_index``;
+    LLaVA-style: ``vision_tower`` and ``get_image_features``)."""
     if not isinstance(model, nn.Module):
         return None
     for module in model.modules():
-        if _model_type(module) not in SUPPORTED_VLMS:
+        kind = _model_type(module)
+        if kind not in SUPPORTED_VLMS:
             continue
-        vision, lm = getattr(module, "visual", None), getattr(module, "language_model", None)
-        if isinstance(vision, nn.Module) and isinstance(lm, nn.Module) and hasattr(module, "get_rope_index"):
-            return VLMParts(module, vision, lm)
+        tower, method = ("visual", "get_rope_index") if kind in QWEN_VLMS else ("vision_tower", "get_image_features")
+        vision, lm = module._modules.get(tower), module._modules.get("language_model")
+        if isinstance(vision, nn.Module) and isinstance(lm, nn.Module) and hasattr(module, method):
+            return VLMParts(module, vision, lm, SCATTER_VLMS.get(str(kind)))
     return None
 
 

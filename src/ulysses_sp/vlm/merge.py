@@ -42,12 +42,22 @@ def shard_index(seq_len: int, sp_rank: int, sp_size: int, ring_size: int, device
     return torch.cat([torch.arange(a, e, device=device) for a, e in spans])
 
 
-def _check(input_ids: Any, position_ids: Any, attention_mask: Any, inputs_embeds: Any, encoded: Any) -> None:
+def check_inputs(input_ids: Any, attention_mask: Any, inputs_embeds: Any, encoded: Any) -> None:
+    """Raise ``ValueError`` for what a per-shard VLM forward cannot take (both paths)."""
     if input_ids is None or inputs_embeds is not None or encoded:
         raise ValueError(
             "under sequence parallelism a VLM is called with the full sample's input_ids and pixels (each "
             "rank embeds and merges its own shard); inputs_embeds and mm_encoder_outputs are not supported"
         )
+    if torch.is_tensor(attention_mask):
+        raise ValueError(
+            "a VLM under sequence parallelism takes no attention_mask (the SP attention builds the causal, "
+            "per-document mask from position_ids); drop it, pad on the right"
+        )
+
+
+def _check(input_ids: Any, position_ids: Any, attention_mask: Any, inputs_embeds: Any, encoded: Any) -> None:
+    check_inputs(input_ids, attention_mask, inputs_embeds, encoded)
     b, s = input_ids.shape
     if position_ids is None or position_ids.dim() != 3 or tuple(position_ids.shape) != (4, b, s):
         got = None if position_ids is None else tuple(position_ids.shape)
@@ -55,11 +65,6 @@ def _check(input_ids: Any, position_ids: Any, attention_mask: Any, inputs_embeds
             f"a VLM under sequence parallelism needs position_ids [4, B, S] = [4, {b}, {s}] over the full "
             f"sequence (text row + 3-D mrope rows), got {got}: pass position_ids="
             "ulysses_sp.vlm.vlm_position_ids(...) (prepare_vlm_batch does)"
-        )
-    if torch.is_tensor(attention_mask):
-        raise ValueError(
-            "a VLM under sequence parallelism takes no attention_mask (the SP attention builds the causal, "
-            "per-document mask from position_ids); drop it, pad on the right"
         )
 
 

@@ -61,6 +61,11 @@ def vlm_position_ids(
     parts = vlm_parts(model)
     if parts is None:
         raise ValueError(f"{type(model).__name__} is not a VLM ulysses_sp.vlm supports (see SUPPORTED_VLMS)")
+    if parts.scatter is not None:
+        raise ValueError(
+            f"{parts.inner.config.model_type} is a LLaVA-style VLM: its positions are the text's [B, S] "
+            "(no mrope rows); pass position_ids [B, S] (or none) and no vlm_position_ids"
+        )
     b, s = input_ids.shape
     types = token_types(parts.inner.config, input_ids) if mm_token_type_ids is None else mm_token_type_ids
     text = torch.arange(s, device=input_ids.device).repeat(b, 1) if position_ids is None else position_ids

@@ -3,14 +3,15 @@
 ``shard_vlm(model, sp_rank=, sp_size=, split_images_over=)`` installs, on an admitted VLM
 (``families``):
 
-- ``merge.sharded_forward`` in place of the forward of the module that merges (``VLMParts.inner``):
-  each rank embeds its own ``S_l`` text tokens, gets the visual rows of its shard only (``split``),
-  cuts the full-sequence ``[4, B, S]`` positions to its tokens and runs the language model on
-  ``[B, S_l, Hd]``. No rank holds the sample's ``[B, S, Hd]`` embeddings;
+- ``merge.sharded_forward`` (Qwen) or ``scatter.scatter_forward`` (LLaVA-style) in place of the
+  forward of the module that merges (``VLMParts.inner``): each rank embeds its own ``S_l`` text
+  tokens, scatters the visual rows of its shard only, cuts the full-sequence positions (Qwen's
+  ``[4, B, S]``, LLaVA's ``[B, S]``) to its tokens and runs the language model on ``[B, S_l, Hd]``.
+  No rank holds the sample's ``[B, S, Hd]`` embeddings;
 - the vision tower's attention back on the core attention: ``register_with_transformers`` points
   every sub-config at the SP attention, but the tower runs whole frames on a rank.
 
-Where the tower runs (``split``): with ``split_images_over=`` the SP group (``initialize`` and
+Where a Qwen tower runs (``split``; a LLaVA-style tower encodes every image on each rank): with ``split_images_over=`` the SP group (``initialize`` and
 ``prepare`` pass it), the sample's frames are split over the group by patch count when there are at
 least as many frames as ranks, and one all-to-all sends every merged row to the rank whose shard
 holds it; otherwise (no group, or fewer frames than ranks) each rank encodes the frames its shard
@@ -28,6 +29,7 @@ from torch import nn
 from ulysses_sp.attention.registration import ATTN_NAME
 from ulysses_sp.vlm.families import vlm_parts
 from ulysses_sp.vlm.merge import install, sharded_forward
+from ulysses_sp.vlm.scatter import scatter_forward
 
 INSTALLED = "_ulysses_sp_vlm_shard"
 """The language model's attribute holding its ``VLMShardHandle`` while installed."""
@@ -86,7 +88,10 @@ def shard_vlm(
     prev = vision_config._attn_implementation
     vision_config._attn_implementation = core  # the tower's own attention over its whole frames
     group = split_images_over if sp_size > 1 else None
-    forward = sharded_forward(parts, sp_rank=sp_rank, sp_size=sp_size, ring_size=ring_size, group=group)
+    if parts.scatter is None:  # Qwen: mrope, the tower's frames split over the group
+        forward = sharded_forward(parts, sp_rank=sp_rank, sp_size=sp_size, ring_size=ring_size, group=group)
+    else:  # LLaVA-style: 1-D positions, every image encoded on each rank
+        forward = scatter_forward(parts, sp_rank=sp_rank, sp_size=sp_size, ring_size=ring_size)
     handle = VLMShardHandle(model, parts.language_model, vision_config, prev, install(parts, forward))
     parts.language_model.__dict__[INSTALLED] = handle
     return handle
