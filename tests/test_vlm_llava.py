@@ -102,7 +102,7 @@ def _cases(sp, cases):
     return done
 
 
-SP2 = [*((f, "packed") for f in FAMILIES), ("llava", "single"), ("got_ocr2", "single")]
+SP2 = [*((f, "packed") for f in FAMILIES), ("got_ocr2", "single")]  # the single case also proves a wrong merge fails
 
 
 @pytest.mark.parametrize("sp, cases", [(2, SP2)], ids=["sp2"])

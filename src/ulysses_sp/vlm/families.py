@@ -59,8 +59,8 @@ SUPPORTED_VLMS: dict[str, str] = {**QWEN_VLMS, **{k: f.what for k, f in SCATTER_
 """``config.model_type`` -> what the path handles for it (exact, tested)."""
 
 REFUSED_VLMS: dict[str, str] = {
-    "gemma3": "its image tokens attend to each other bidirectionally (token_type_ids in the model's mask), which "
-    "the SP attention's causal, position-built mask does not reproduce",
+    "gemma3": "its image tokens attend to each other bidirectionally (token_type_ids in the model's mask): the SP "
+    "attention honours such spans (attention/span_mask.py) but this path does not yet ship them with its merge",
     "emu3": "its VQ-VAE (vqmodel) turns each image into discrete codes whose embeddings its forward scatters into the "
     "placeholders of the whole sequence (masked_scatter over inputs_embeds)",
     "chameleon": "its VQ-VAE (vqmodel) turns each image into discrete codes its forward writes into the placeholders of "
