@@ -97,3 +97,10 @@ def test_patches_per_rank_is_the_busiest_ranks_share_of_the_biggest_micro_batch(
     # two samples a micro-batch, in sample order: images 16 64 | 16 32 (frame centres at 8, 48 | 88, 112 of 128)
     assert patches_per_rank([small, big], replace(cfg, micro_batch_size=2)) == 80 + 16
     assert patches_per_rank([small], replace(cfg, sp=4)) == 16  # one frame for 4 ranks: not split
+
+
+def test_patches_per_rank_counts_a_sample_whose_one_big_frame_cannot_split():
+    """The most patches in one micro-batch need not be the busiest rank's: one frame of 300 patches (no
+    split over 2 ranks: a rank encodes it whole) outweighs 4 frames of 100 split 200 | 200."""
+    four, one = _sample([[1, 10, 10]] * 4), _sample([[1, 15, 20]])
+    assert patches_per_rank([four, one], RunConfig(model="tiny-llama", sp=2, micro_batch_size=1)) == 300

@@ -203,3 +203,17 @@ def test_disk_layer_options_that_do_nothing_are_refused(flags, match):
 
     with pytest.raises(ValueError, match=match):
         check_train_options(RunConfig(**flags))
+
+
+def test_disk_layers_are_the_decoders_first_layers_not_a_vlms_vision_blocks(tmp_path):
+    """A VLM's vision blocks come first in ``model.modules()``; the disk tier takes the decoder's first layers,
+    the ones the planner's host term counts (``memory.offload.decoder_layers``)."""
+    from vlm_models import tiny_vlm
+
+    model = _checkpointed(tiny_vlm("qwen2_5_vl"))  # 2 vision blocks, then 2 decoder layers
+    handle = enable_activation_offload(model, disk_dir=str(tmp_path), disk_layers=1)
+    first = model.get_decoder().layers[0]
+    assert handle._on_disk == {id(first)}
+    handle.remove()
+    with pytest.raises(ValueError, match=r"disk_layers 3 must be in \[0, 2\] \(the decoder's"):
+        enable_activation_offload(model, disk_layers=3)

@@ -31,6 +31,9 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+MAX_PENDING = 2
+"""Writes in flight at most: each holds a staged copy of a layer input in (pinned) host memory."""
+
 
 class _OnDisk:
     """A saved tensor written to a file (the packed form autograd keeps instead of the tensor)."""
@@ -64,6 +67,7 @@ class DiskStore:
         self.directory = tempfile.mkdtemp(prefix="ulysses-sp-activations-", dir=base)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ulysses-sp-disk")
         self._count = 0
+        self._pending: list[Future] = []  # writes not known to be done: at most MAX_PENDING staged copies held
         self.written_bytes = 0
         """Bytes written so far (cumulative)."""
 
@@ -86,7 +90,11 @@ class DiskStore:
             t.record_stream(stream)  # the allocator must not reuse t's memory before the copy ends
             event = stream.record_event()
         self.written_bytes += t.numel() * t.element_size()
-        packed = _OnDisk(path, self._writer.submit(_write, staged, event, path), t.shape, t.dtype, t.device)
+        written = self._writer.submit(_write, staged, event, path)
+        self._pending = [f for f in self._pending if not f.done()] + [written]
+        while len(self._pending) > MAX_PENDING:  # the disk is behind: wait, rather than hold more staged copies
+            self._pending.pop(0).result()
+        packed = _OnDisk(path, written, t.shape, t.dtype, t.device)
         weakref.finalize(packed, _remove, path)  # autograd dropped it unread (an exception, no backward)
         return packed
 

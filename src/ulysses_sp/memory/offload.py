@@ -71,6 +71,15 @@ def _checkpoint_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
+def decoder_layers(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module]:
+    """Of ``layers``, those of the model's decoder stack (``get_decoder()``), in order: a VLM's vision blocks
+    come first in ``model.modules()`` and are not the layers the planner's disk term counts."""
+    get = getattr(model, "get_decoder", None)
+    decoder = get() if callable(get) else None
+    inside = {id(m) for m in decoder.modules()} if isinstance(decoder, nn.Module) else None
+    return [m for m in layers if inside is None or id(m) in inside]
+
+
 class ActivationOffloadHandle:
     """Returned by ``enable_activation_offload``; ``remove()`` uninstalls the hooks."""
 
@@ -82,7 +91,7 @@ class ActivationOffloadHandle:
         self._hooks = []
         layers = _checkpoint_layers(model)
         self._disk = DiskStore(disk_dir) if disk_layers > 0 else None  # the first layers' inputs in files
-        self._on_disk = {id(layer) for layer in layers[:disk_layers]}
+        self._on_disk = {id(layer) for layer in decoder_layers(model, layers)[:disk_layers]}
         for layer in layers:
             self._hooks.append(layer.register_forward_pre_hook(self._enter))
             self._hooks.append(layer.register_forward_hook(self._exit, always_call=True))
@@ -218,6 +227,7 @@ def enable_activation_offload(
             "the layer inputs alone would save nothing. Call "
             "ulysses_sp.memory.offload.enable_activation_checkpointing(model) (or model.gradient_checkpointing_enable()) first"
         )
-    if disk_layers < 0 or disk_layers > len(layers):
-        raise ValueError(f"disk_layers {disk_layers} must be in [0, {len(layers)}] (the model's checkpointed layers)")
+    decoder = decoder_layers(model, layers)
+    if disk_layers < 0 or disk_layers > len(decoder):
+        raise ValueError(f"disk_layers {disk_layers} must be in [0, {len(decoder)}] (the decoder's checkpointed layers)")
     return ActivationOffloadHandle(model, min_bytes=min_bytes, disk_dir=disk_dir, disk_layers=disk_layers)

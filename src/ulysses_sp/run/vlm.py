@@ -114,18 +114,34 @@ def vlm_dataset(cfg: RunConfig, config: Any) -> list[dict[str, torch.Tensor]]:
 
 def patches_per_rank(samples: list[dict[str, torch.Tensor]], cfg: RunConfig) -> int:
     """The most patches one rank's vision tower encodes in a micro-step over ``samples`` (rows as the
-    run feeds them): the ``--micro-batch-size`` samples with the most patches together, each modality's
-    frames placed as ``vlm.split`` places them over the SP group (contiguous runs balanced by patch
-    count: the busiest rank's share), or all of them where a rank may encode every frame (``--split-images
-    off``, or too few frames to split: an upper bound of what the frames its shard touches hold)."""
-    from ulysses_sp.vlm.split import frame_owners, frames
+    run feeds them), each modality's frames placed as ``vlm.split`` places them over the SP group
+    (contiguous runs balanced by patch count: the busiest rank's share), or all of them where a rank
+    may encode every frame (``--split-images off``, or too few frames to split: an upper bound of what
+    the frames its shard touches hold). The largest over every sample alone (exact at
+    ``--micro-batch-size 1``) and over the ``--micro-batch-size`` samples with the most patches
+    together (at larger micro-batches an estimate: the sampler forms the batches)."""
+    biggest = sorted(samples, key=lambda s: sum(int(_patches(s, k).sum()) for k in _GRIDS))[-cfg.micro_batch_size:]
+    return max([_busiest(biggest, cfg)] + [_busiest([s], cfg) for s in samples])
 
-    grids = ("image_grid_thw", "video_grid_thw")
-    counts = lambda s, k: frames(s[k].cpu(), 1)[1] if s.get(k) is not None else torch.zeros(0, dtype=torch.long)  # noqa: E731
-    biggest = sorted(samples, key=lambda s: sum(int(counts(s, k).sum()) for k in grids))[-cfg.micro_batch_size:]
+
+_GRIDS = ("image_grid_thw", "video_grid_thw")
+
+
+def _patches(sample: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+    from ulysses_sp.vlm.split import frames
+
+    grid = sample.get(key)
+    return frames(grid.cpu(), 1)[1] if grid is not None else torch.zeros(0, dtype=torch.long)
+
+
+def _busiest(batch: list[dict[str, torch.Tensor]], cfg: RunConfig) -> int:
+    """The patches the busiest rank encodes for this micro-batch (summed over the modalities: each is
+    encoded by its own tower call, and what the first keeps is alive during the second)."""
+    from ulysses_sp.vlm.split import frame_owners
+
     total = 0
-    for key in grids:  # each modality is encoded by its own tower call
-        patches = torch.cat([counts(s, key) for s in biggest]) if biggest else torch.zeros(0, dtype=torch.long)
+    for key in _GRIDS:
+        patches = torch.cat([_patches(s, key) for s in batch]) if batch else torch.zeros(0, dtype=torch.long)
         split = cfg.sp > 1 and cfg.split_images != "off" and len(patches) >= cfg.sp
         owners = frame_owners(patches, cfg.sp) if split else None
         total += int(patches.sum()) if owners is None else int(torch.bincount(owners, patches, cfg.sp).max())
