@@ -144,7 +144,7 @@ def sample(model: Any, seed: int = 1) -> dict[str, torch.Tensor]:
                       for e in ("start", "end"))  # Qwen's vision_*, GLM-4V's image_* markers  # fmt: skip
         per = [*start, *[image] * (16 // m**2), *end]
     else:
-        size = vision.image_size
+        size = vision.image_size if isinstance(vision.image_size, int) else int(vision.image_size[0])  # InternVL: [H, W]
         out["pixel_values"] = torch.randn(2, getattr(vision, "num_channels", 3), size, size, generator=g)
         sizes = inspect.signature(model.get_image_features).parameters.get("image_sizes")
         if sizes is not None and sizes.default is inspect.Parameter.empty:  # Mistral 3, LLaVA-NeXT: each image's [H, W]
