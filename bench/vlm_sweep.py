@@ -48,9 +48,11 @@ from bench import md, model_sweep
 from bench.launch import max_over_ranks
 from bench.model_sweep import _mismatches, grad_mismatches, shrink
 from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
+from ulysses_sp.mixers.apply import apply_mixers, has_unsharded_mixers
 from ulysses_sp.mixers.guard import check_sequence_mixing
 from ulysses_sp.parallel.loss import sp_causal_lm_loss
 from ulysses_sp.vlm import prepare_vlm_batch, shard_vlm, vlm_parts
+from ulysses_sp.vlm.prefix import prefix_tokens
 
 TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, depth=2, num_attention_heads=2, num_heads=2,
              num_key_value_heads=2, head_dim=16, image_size=32, patch_size=8, out_hidden_size=64, embed_dim=32,
@@ -135,6 +137,13 @@ def sample(model: Any, seed: int = 1) -> dict[str, torch.Tensor]:
     image = getattr(cfg, "image_token_id", None) or getattr(cfg, "image_token_index", None)
     text = lambda n: torch.randint(3, MEDIA_TOKENS - 4, (n,), generator=g).tolist()  # noqa: E731
     out: dict[str, torch.Tensor] = {}
+    if (parts := vlm_parts(model)) is not None and parts.prefix:  # GIT: one image prepended inside the model
+        size = vision.image_size
+        out["pixel_values"] = torch.randn(1, getattr(vision, "num_channels", 3), size, size, generator=g)
+        n = prefix_tokens(cfg, out["pixel_values"])  # the image straddles the sp-2 shard boundary: S < N
+        out["input_ids"] = torch.tensor([text(-(n + n // 2) % 4 + n // 2)])
+        out["labels"] = out["input_ids"].clone()
+        return out
     if hasattr(vision, "spatial_merge_size"):
         t, p, m = getattr(vision, "temporal_patch_size", 1), vision.patch_size, vision.spatial_merge_size
         c = getattr(vision, "in_channels", None) or getattr(vision, "num_channels", 3)
@@ -173,24 +182,29 @@ def compare(model: Any, *, seed: int = 1) -> dict[str, str]:
     batch = sample(ref, seed)
     labels = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)  # [1, S], shifted
     ref_logits = ref(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits  # [1, S, V]
+    labels = F.pad(labels, (ref_logits.shape[1] - labels.shape[1], 0), value=-100)  # GIT: [1, N + S], prefix first
     F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(), ignore_index=-100).backward()
     try:
         reg = UlyssesSPAttentionHF.register_with_transformers(model, "eager", sp, 1)
     except ValueError as err:
         return {"verdict": "refused", "detail": str(err).replace("\n", " ")[:400]}
+    handles = [reg]
     try:
-        handle = shard_vlm(model, sp_rank=rank, sp_size=sp)
+        handles.append(shard_vlm(model, sp_rank=rank, sp_size=sp))
+        if has_unsharded_mixers(model):  # GIT's self-attention: head-parallel (mixers/prefix_attention.py)
+            handles.append(apply_mixers(model, reg.mesh))
         inputs = prepare_vlm_batch(model, batch, sp_rank=rank, sp_size=sp)
     except ValueError as err:
-        reg.remove()
+        for h in reversed(handles):
+            h.remove()
         return {"verdict": "refused", "detail": str(err).replace("\n", " ")[:400]}
     try:
         shift = inputs.pop("shift_labels")
         logits = model(**inputs, use_cache=False).logits  # [1, S_l, V]
         sp_causal_lm_loss(logits, shift, reg.mesh.sp_group).backward()
     finally:
-        handle.remove()
-        reg.remove()
+        for h in reversed(handles):
+            h.remove()
     s_l = logits.shape[1]
     problems = _mismatches(logits.detach(), ref_logits.detach()[:, rank * s_l : (rank + 1) * s_l], "logits", 0.0)
     problems += grad_mismatches(model, ref)[2]

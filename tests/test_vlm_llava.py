@@ -109,3 +109,83 @@ SP2 = [*((f, "packed") for f in FAMILIES), ("got_ocr2", "single")]  # the single
 def test_llava_style_vlm_logits_loss_and_every_gradient_equal_no_sp(pool, sp, cases):
     results = pool.run(_cases, sp, sp, cases)
     assert all(r == [(f, c, sp) for f, c in cases] for r in results)
+
+
+def _tiny_git():
+    """A tiny GIT (CLIP tower of 17 tokens an image: 4x4 patches + class), fp32, weights at std 0.2, no dropout."""
+    from transformers import GitConfig, GitForCausalLM
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=8)  # fmt: skip
+    config = GitConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                       max_position_embeddings=64, bos_token_id=1, eos_token_id=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                       vision_config=vision)  # fmt: skip
+    torch.manual_seed(0)
+    model = GitForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.dim() >= 2 else p.normal_(1.0, 0.1)
+    return model.float().eval()
+
+
+def _git_cases(sp):
+    """GIT (image prefix prepended inside its forward, ``vlm.prefix``) at ``sp`` against no SP: two rows with an
+    image each (the 17-token prefix straddles the shard boundaries, the text padded to ``N + S`` a multiple of
+    ``sp``), and text alone; logits, loss and every gradient (tower and projection included)."""
+    import ulysses_sp.mixers.prefix_attention as prefix_attention
+    from ulysses_sp.mixers.apply import apply_mixers
+
+    mesh, done = init_mesh((1, sp)), []
+    for case in ("image", "text"):
+        ref = _tiny_git()
+        model = copy.deepcopy(ref)
+        g = torch.Generator().manual_seed(sp)
+        batch = {"input_ids": torch.randint(3, 64, (2, 12), generator=g)}
+        if case == "image":
+            batch["pixel_values"] = torch.randn(2, 3, 32, 32, generator=g)
+        n = 17 if case == "image" else 0
+        ref_logits = ref(**batch, use_cache=False).logits  # [2, N + S, V]
+        ref_labels = F.pad(batch["input_ids"][:, 1:], (n, 1), value=-100)  # the logit at N + i predicts text i + 1
+        ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), ref_labels.flatten(), ignore_index=-100)
+        ref_loss.backward()
+        reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1, mesh=mesh)
+        handles = [reg, shard_vlm(model, sp_rank=mesh.sp_rank, sp_size=sp, core="sdpa"), apply_mixers(model, mesh)]
+        inputs = prepare_vlm_batch(model, batch, sp_rank=mesh.sp_rank, sp_size=sp)
+        labels = inputs.pop("shift_labels")
+        out = model(**inputs, use_cache=False)
+        loss = sp_causal_lm_loss(out.logits, labels, mesh.sp_group)
+        loss.backward()
+        for p in model.parameters():  # a rank without text (or image) tokens has no gradient for their modules
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+            dist.all_reduce(p.grad, group=mesh.sp_group)
+        t_l, total = out.logits.shape[1], n + 12
+        lo, hi = mesh.sp_rank * t_l, min((mesh.sp_rank + 1) * t_l, total)  # the padded tail has no reference
+        tag = (case, sp)
+        torch.testing.assert_close(out.logits[:, : hi - lo], ref_logits[:, lo:hi], rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, t=tag: f"{t}: {m}")  # fmt: skip
+        # a key bias's gradient is zero in exact arithmetic (softmax is shift-invariant): rounding noise, not compared
+        floor = 1e-7 * max(float(p.grad.abs().max()) for p in ref.parameters() if p.grad is not None)
+        used = {n for n, p in ref.named_parameters() if p.grad is not None and float(p.grad.abs().max()) > floor}
+        assert all(float(p.grad.abs().max()) <= 10 * floor for n, p in model.named_parameters() if n not in used), tag
+        assert case == "text" or any(n.startswith("git.image_encoder.") for n in used) and "git.visual_projection.visual_projection.0.weight" in used
+        assert_step_close(loss.detach(), {n: p.grad for n, p in model.named_parameters() if n in used}, ref_loss.detach(),
+                          {n: p.grad for n, p in ref.named_parameters() if n in used})  # fmt: skip
+        assert reg.attention.calls == 2  # both layers' self-attention ran head-parallel
+        if case == "image":  # a causal mask over the image (its prefix dropped) changes every rank's logits
+            right = prefix_attention.prefix_mask
+            prefix_attention.prefix_mask = lambda prefix, *a: right(0, *a)
+            try:
+                with torch.no_grad():
+                    wrong = model(**inputs, use_cache=False).logits
+            finally:
+                prefix_attention.prefix_mask = right
+            assert not torch.allclose(wrong, out.logits, atol=1e-3), tag
+        for h in reversed(handles):
+            h.remove()
+        done.append(tag)
+    return done
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+def test_git_image_prefix_logits_loss_and_every_gradient_equal_no_sp(pool, sp):
+    assert all(r == [("image", sp), ("text", sp)] for r in pool.run(_git_cases, sp, sp))

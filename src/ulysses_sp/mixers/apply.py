@@ -26,6 +26,7 @@ from ulysses_sp.mixers import (
     mask_window,
     mlstm,
     own_scores,
+    prefix_attention,
     pair_bias,
     rg_lru,
     rwkv,
@@ -41,7 +42,7 @@ from ulysses_sp.mixers.documents import PositionTracker
 
 HANDLERS: tuple[MixerHandler, ...] = (
     short_conv.HANDLER, mamba2.HANDLER, mamba1.HANDLER, mamba1.HEADS_HANDLER, gated_delta.HANDLER, kda.HANDLER,
-    kda.FULL_GATE_HANDLER, learned_positions.HANDLER, own_scores.HANDLER, pair_bias.HANDLER, segment_bias.HANDLER,
+    kda.FULL_GATE_HANDLER, learned_positions.HANDLER, prefix_attention.HANDLER, own_scores.HANDLER, pair_bias.HANDLER, segment_bias.HANDLER,
     depth_attention.HANDLER, xlnet.HANDLER,
     causal_window.HANDLER, mask_window.HANDLER,
     counted_positions.HANDLER, counted_positions.LOOKUP_HANDLER, rg_lru.HANDLER, rwkv.HANDLER, lightning.HANDLER, mlstm.HANDLER,
@@ -98,6 +99,7 @@ def apply_mixers(model: nn.Module, mesh: Any) -> MixerHandle:
         kda.KimiDeltaAttentionHandler(positions),
         kda.FullGateKdaHandler(positions),
         learned_positions.LearnedPositionsHandler(positions),
+        prefix_attention.PrefixAttentionHandler(positions),
         own_scores.OwnScoresHandler(positions),
         pair_bias.PairBiasHandler(positions),
         segment_bias.SegmentBiasHandler(positions),

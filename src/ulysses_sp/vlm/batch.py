@@ -8,7 +8,8 @@ inputs whole and cuts only the pre-shifted labels:
     {input_ids [B, S], position_ids [4, B, S], mm_token_type_ids [B, S], pixel_values, ...grids,
      shift_labels [B, S_l]}
 
-(a LLaVA-style family, ``families.SCATTER_VLMS``: ``position_ids [B, S]``, no ``mm_token_type_ids``).
+(a LLaVA-style family, ``families.SCATTER_VLMS``: ``position_ids [B, S]``, no ``mm_token_type_ids``; GIT,
+``families.PREFIX_VLMS``: ``prefix.prepare_prefix_batch``, its sequence the image prefix and the text).
 
 ``S`` is padded to a multiple of ``P`` (``data.shard.prepare_batch``: pad ids, labels ``-100``,
 positions continuing). The per-shard forward (``merge``) embeds and merges this rank's tokens only.
@@ -29,6 +30,7 @@ from ulysses_sp.data.shard import prepare_batch
 from ulysses_sp.parallel.mesh_shape import shard_spans
 from ulysses_sp.vlm.families import VLMParts, vlm_parts
 from ulysses_sp.vlm.positions import token_types, vlm_position_ids
+from ulysses_sp.vlm.prefix import prepare_prefix_batch
 
 _GRIDS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
 _MEDIA = ("pixel_values", "pixel_values_videos")
@@ -59,6 +61,9 @@ def prepare_vlm_batch(
             the grids (``positions.check_placeholders``).
     """
     full, parts = dict(batch), _parts(model)
+    if parts.prefix:  # GIT: the image prepended inside the model, the sequence N + S (``prefix``)
+        return prepare_prefix_batch(parts, full, sp_rank=sp_rank, sp_size=sp_size, ring_size=ring_size,
+                                    pad_token_id=pad_token_id)  # fmt: skip
     if parts.scatter is None and full.get("mm_token_type_ids") is None:
         full["mm_token_type_ids"] = token_types(parts.inner.config, full["input_ids"])
     # pixels and grids are per patch / per image, not per token: kept out of the per-token checks and padding

@@ -4,10 +4,12 @@ Closed world, like the guard (``mixers.guard``): the path of this package relies
 model's own forward does between its vision tower and its language model — it merges the visual
 embeddings into ``inputs_embeds`` over the full sequence, takes (or computes) its positions, and
 passes every other per-token input to the language model by keyword, which the per-shard forward
-rebuilds for one shard. Two shapes of that forward are admitted:
+rebuilds for one shard. Three shapes of that forward are admitted:
 
 - ``QWEN_VLMS`` (``merge``): ``[4, B, S]`` mrope positions from ``get_rope_index``, a vision tower
   over patch rows and ``[t, h, w]`` grids (its frames split over the SP group, ``split``);
+- ``PREFIX_VLMS`` (``prefix``): GIT — the vision tower's projected tokens prepended to the text inside
+  the forward, a bidirectional image prefix in its mask (``mixers/prefix_attention.py``);
 - ``SCATTER_VLMS`` (``scatter``): the LLaVA pattern — 1-D positions, ``get_image_features`` (vision
   tower + projector over whole images) scattered into ``inputs_embeds`` at the image placeholder
   tokens, a standard text decoder. What differs between these families is only what their forward
@@ -55,7 +57,12 @@ SCATTER_VLMS: dict[str, ScatterFamily] = {
 }
 """``config.model_type`` -> the LLaVA-style families the ``scatter`` path handles (exact, tested)."""
 
-SUPPORTED_VLMS: dict[str, str] = {**QWEN_VLMS, **{k: f.what for k, f in SCATTER_VLMS.items()}}
+PREFIX_VLMS: dict[str, str] = {
+    "git": "GIT: CLIP tower + projection prepended to the text (a bidirectional image prefix), BERT-style decoder",
+}
+"""``config.model_type`` -> the families whose forward prepends the image's tokens to the text (``prefix``)."""
+
+SUPPORTED_VLMS: dict[str, str] = {**QWEN_VLMS, **{k: f.what for k, f in SCATTER_VLMS.items()}, **PREFIX_VLMS}
 """``config.model_type`` -> what the path handles for it (exact, tested)."""
 
 REFUSED_VLMS: dict[str, str] = {
@@ -95,6 +102,8 @@ class VLMParts:
     """The decoder stack: runs on each rank's ``S_l`` tokens with the Ulysses attention."""
     scatter: ScatterFamily | None = None
     """A LLaVA-style family (``SCATTER_VLMS``: 1-D positions, ``scatter``); ``None``: Qwen (mrope, ``merge``)."""
+    prefix: bool = False
+    """The image's tokens prepended to the text inside the forward (``PREFIX_VLMS``: GIT, ``prefix``)."""
 
 
 def _model_type(model: Any) -> str | None:
@@ -111,6 +120,11 @@ def vlm_parts(model: Any) -> VLMParts | None:
     for module in model.modules():
         kind = _model_type(module)
         if kind not in SUPPORTED_VLMS:
+            continue
+        if kind in PREFIX_VLMS:  # GIT: image_encoder + visual_projection prepended, the encoder as the decoder
+            tower, stack = module._modules.get("image_encoder"), module._modules.get("encoder")
+            if isinstance(tower, nn.Module) and isinstance(stack, nn.Module) and "visual_projection" in module._modules:
+                return VLMParts(module, tower, stack, prefix=True)
             continue
         tower, method = ("visual", "get_rope_index") if kind in QWEN_VLMS else ("vision_tower", "get_image_features")
         vision, lm = module._modules.get(tower), module._modules.get("language_model")

@@ -3,7 +3,8 @@
 ``shard_vlm(model, sp_rank=, sp_size=, split_images_over=)`` installs, on an admitted VLM
 (``families``):
 
-- ``merge.sharded_forward`` (Qwen) or ``scatter.scatter_forward`` (LLaVA-style) in place of the
+- ``merge.sharded_forward`` (Qwen), ``scatter.scatter_forward`` (LLaVA-style) or ``prefix.prefix_forward``
+  (GIT: the image prefix and the text cut together, ``N + S`` tokens in ``P`` shards) in place of the
   forward of the module that merges (``VLMParts.inner``): each rank embeds its own ``S_l`` text
   tokens, scatters the visual rows of its shard only, cuts the full-sequence positions (Qwen's
   ``[4, B, S]``, LLaVA's ``[B, S]``) to its tokens and runs the language model on ``[B, S_l, Hd]``.
@@ -29,6 +30,7 @@ from torch import nn
 from ulysses_sp.attention.registration import ATTN_NAME
 from ulysses_sp.vlm.families import vlm_parts
 from ulysses_sp.vlm.merge import install, sharded_forward
+from ulysses_sp.vlm.prefix import prefix_forward
 from ulysses_sp.vlm.scatter import scatter_forward
 
 INSTALLED = "_ulysses_sp_vlm_shard"
@@ -88,7 +90,9 @@ def shard_vlm(
     prev = vision_config._attn_implementation
     vision_config._attn_implementation = core  # the tower's own attention over its whole frames
     group = split_images_over if sp_size > 1 else None
-    if parts.scatter is None:  # Qwen: mrope, the tower's frames split over the group
+    if parts.prefix:  # GIT: the image prefix prepended, the sequence N + S cut in P
+        forward = prefix_forward(parts, sp_rank=sp_rank, sp_size=sp_size, ring_size=ring_size)
+    elif parts.scatter is None:  # Qwen: mrope, the tower's frames split over the group
         forward = sharded_forward(parts, sp_rank=sp_rank, sp_size=sp_size, ring_size=ring_size, group=group)
     else:  # LLaVA-style: 1-D positions, every image encoded on each rank
         forward = scatter_forward(parts, sp_rank=sp_rank, sp_size=sp_size, ring_size=ring_size)
