@@ -47,6 +47,7 @@ from ulysses_sp.mixers._kernels import check_layout, refuse_cache, replace_forwa
 from ulysses_sp.mixers.own_scores import count_sp_call, full_mask, gather_seq, own_attention, refuse_dropout
 from ulysses_sp.parallel.comm import heads_to_seq
 from ulysses_sp.vlm.prefix import PREFIX_KWARG
+
 _ATTRS = ("num_attention_heads", "attention_head_size", "all_head_size", "image_patch_tokens")
 
 

@@ -85,7 +85,7 @@ def layer_kinds(model: nn.Module) -> list[dict[str, Any]]:
             if module in owned:
                 continue
             handler = claimed_by(module, HANDLERS)
-            if handler is not None and handler.name in ("own_scores", "pair_bias", "xlnet"):  # attention run head-parallel
+            if handler is not None and handler.name in ("own_scores", "prefix_attention", "pair_bias", "xlnet"):  # attention run head-parallel
                 attention = own_scores = True  # its own dense [B, H/P, S, S] scores (and pair bias)
                 owned.update(module.modules())
                 continue
