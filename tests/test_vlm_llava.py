@@ -190,3 +190,19 @@ def _git_cases(sp):
 @pytest.mark.parametrize("sp", [2])  # sp 4 passes too (``_git_cases(4)``: 3 s warm), left out for the suite's time
 def test_git_image_prefix_logits_loss_and_every_gradient_equal_no_sp(pool, sp):
     assert all(r == [("image", sp), ("text", sp)] for r in pool.run(_git_cases, sp, sp))
+
+
+def test_git_batch_pads_the_text_to_n_plus_s_and_refuses_packed_rows():
+    """``prepare_vlm_batch`` for GIT: its sequence is the 17 image tokens + the text, padded on the right to a
+    multiple of sp; the labels ``-100`` over the image; packed positions refused (the image is the row's prefix)."""
+    model = _tiny_git()
+    ids = torch.arange(3, 15)[None]  # S = 12: N + S = 29 -> 32 at sp 4
+    batch = {"input_ids": ids, "pixel_values": torch.zeros(1, 3, 32, 32)}
+    shards = [prepare_vlm_batch(model, batch, sp_rank=r, sp_size=4, pad_token_id=0) for r in range(4)]
+    assert shards[0]["input_ids"].shape == (1, 15) and shards[0]["input_ids"][0, 12:].tolist() == [0, 0, 0]
+    labels = torch.cat([s["shift_labels"] for s in shards], dim=1)  # [1, 32]
+    assert labels[0, :17].eq(-100).all() and labels[0, 17:28].tolist() == list(range(4, 15))
+    assert labels[0, 28:].eq(-100).all()
+    with pytest.raises(ValueError, match="a row packs no documents"):
+        prepare_vlm_batch(model, {**batch, "position_ids": torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]])},
+                          sp_rank=0, sp_size=2)  # fmt: skip
