@@ -39,6 +39,7 @@ ROWS = {  # name: (shape, gpus, tokens or None for the planner's longest, settin
     "8b-32gpu": ("Llama-3-8B", 32, None, {}),
     "32b-8gpu": ("Qwen3-32B", 8, None, {}),
     "32b-32gpu": ("Qwen3-32B", 32, None, {}),
+    "8b-8gpu-trainer": ("Llama-3-8B", 8, None, {"trainer": True}),  # HF Trainer + prepare(): trainer_row
 }
 SETTINGS = dict(zero_stage=3, zero_partition="all", dtype="bf16", tiled_mlp=True, tiled_loss=True,
                 activation_checkpointing=True, offload_activations=True, recompute_norms=True, cpu_offload=True)  # fmt: skip
@@ -59,6 +60,7 @@ def _model_dir(shape: str) -> str:
 def _cfg(model_dir: str, gpus: int, seq_len: int, head_chunks: int = 1, over: dict | None = None):
     from ulysses_sp.run.config import config_from_dict
 
+    over = {k: v for k, v in (over or {}).items() if k != "trainer"}  # the Trainer's equivalent is these settings
     return config_from_dict(dict(model=model_dir, sp=gpus, seq_len=seq_len, micro_batch_size=1, progress=False,
                                  **{**SETTINGS, "head_chunks": head_chunks, **(over or {})}))  # fmt: skip
 
@@ -84,8 +86,27 @@ def rehearse_row(model_dir: str, gpus: int, seq_len: int, head_chunks: int, over
     from ulysses_sp.rehearse.run import rehearse_run
 
     host = over.pop("host_memory", None)  # per node (default: rehearse_run's, 2 TB)
+    if over.pop("trainer", False):
+        return trainer_row(model_dir, gpus, seq_len, head_chunks, host)
     r = rehearse_run(_cfg(model_dir, gpus, seq_len, head_chunks, over), gpus=gpus, device="cuda", ranks=(0,), host_memory=host)
     return r.as_dict()
+
+
+def trainer_row(model_dir: str, gpus: int, seq_len: int, head_chunks: int, host: str | None) -> dict:
+    """The HF Trainer path with SETTINGS' equivalents: a meta model in a ``Trainer`` (bf16, gradient
+    checkpointing), ``prepare()``'s ALST options, FSDP2 ``full_shard offload`` (``rehearse.trainer``)."""
+    import torch
+    from transformers import AutoConfig, Trainer, TrainingArguments
+
+    from ulysses_sp.rehearse.trainer import meta_model, rehearse_trainer
+
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(prefix="scale-trainer-"), bf16=True, report_to=[],
+                             use_cpu=not torch.cuda.is_available(), gradient_checkpointing=True,
+                             gradient_checkpointing_kwargs={"use_reentrant": False}, per_device_train_batch_size=1)  # fmt: skip
+    trainer = Trainer(model=meta_model(AutoConfig.from_pretrained(model_dir)), args=args)
+    return rehearse_trainer(trainer, sp_size=gpus, seq_len=seq_len, gpus=gpus, fsdp="full_shard offload", ranks=(0,),
+                            host_memory=host, tiled_mlp=True, tiled_loss=True, offload_activations=True,
+                            recompute_norms=True, head_chunks=head_chunks).as_dict()  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
