@@ -164,6 +164,7 @@ def trainer_step_parts(trainer: Any, cfg: RunConfig, options: dict[str, Any], *,
     def micro_step(engine: Any, batch: dict[str, Any]) -> None:
         batch = dict(batch)
         items = batch.pop("_num_items", None)  # the Trainer's N (get_batch_samples), a host number
+        items = items if getattr(sp_trainer, "model_accepts_loss_kwargs", False) else None  # as get_batch_samples
         sp_trainer.training_step(engine.module, batch, items)
 
     return build, make_engine, micro_step
@@ -225,6 +226,12 @@ def rehearse_trainer(
     unknown = sorted(set(options) - set(PREPARE_OPTIONS))
     if unknown:
         raise ValueError(f"rehearse_trainer got {unknown}: not prepare() options (those are {list(PREPARE_OPTIONS)})")
+    if hasattr(trainer.model, "peft_config"):
+        raise ValueError(
+            "trainer.model is a PEFT model: the rehearsal builds the model from its config alone, without the "
+            "adapter, and would train every weight; rehearse the base model's Trainer (full fine-tuning: an "
+            "upper bound of the adapter run's memory)"
+        )
     gpus = sp_size if gpus is None else gpus
     positive_int("gpus", gpus)
     positive_int("sp_size", sp_size)
