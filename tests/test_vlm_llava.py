@@ -109,3 +109,62 @@ SP2 = [*((f, "packed") for f in FAMILIES), ("got_ocr2", "single")]  # the single
 def test_llava_style_vlm_logits_loss_and_every_gradient_equal_no_sp(pool, sp, cases):
     results = pool.run(_cases, sp, sp, cases)
     assert all(r == [(f, c, sp) for f, c in cases] for r in results)
+
+
+GEMMA3N_BATCH = [[8, "image", 2, "audio", 8], [17, "audio", 1, "image"]]  # sp 2: an image, a clip over the boundary
+GEMMA3N_PACKED = [[3, "audio", 10, "image", 2], ["audio", 2, "image", 3]]  # packed, an image over the boundary
+
+
+def _gemma3n_cases(sp):
+    """Gemma 3n (``vlm.gemma3n``): a ``[2, S]`` batch without packing, then packed documents."""
+    from gemma3n_model import gemma3n_join, gemma3n_labels, gemma3n_sample, tiny_gemma3n
+
+    mesh = init_mesh((1, sp))
+    ref = tiny_gemma3n()
+    model = copy.deepcopy(ref)
+    reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1, mesh=mesh)
+    handle = shard_vlm(model, sp_rank=mesh.sp_rank, sp_size=sp, core="sdpa")
+    done = []
+    for case, specs in (("batch", GEMMA3N_BATCH), ("packed", GEMMA3N_PACKED)):
+        ref.zero_grad()
+        model.zero_grad()
+        docs = [gemma3n_sample(spec, seed=i) for i, spec in enumerate(specs)]
+        batch = gemma3n_join(docs, packed=case == "packed")
+        runs = docs if case == "packed" else [batch]  # the reference: each document alone, or the batch
+        ref_logits = torch.cat([ref(**d, use_cache=False).logits for d in runs], dim=1)  # [B, S, V]
+        labels = torch.cat([F.pad(gemma3n_labels(d["input_ids"])[:, 1:], (0, 1), value=-100) for d in runs], dim=1)
+        ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        ref_loss.backward()
+        inputs = prepare_vlm_batch(model, {**batch, "labels": gemma3n_labels(batch["input_ids"])}, sp_rank=mesh.sp_rank,
+                                   sp_size=sp)  # fmt: skip
+        shift = inputs.pop("shift_labels")
+        b, s = batch["input_ids"].shape
+        with _Shapes() as shapes:
+            out = model(**inputs, use_cache=False)
+            loss = sp_causal_lm_loss(out.logits, shift, mesh.sp_group)
+            loss.backward()
+        assert not _full_hidden(shapes.shapes, s, 64) and (b, s // sp, 64) in shapes.shapes  # [B, S_l, Hd] only
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=mesh.sp_group)
+        cols = slice(mesh.sp_rank * s // sp, (mesh.sp_rank + 1) * s // sp)
+        tag = ("gemma3n", case, sp)
+        torch.testing.assert_close(out.logits, ref_logits[:, cols], rtol=1e-5, atol=1e-5, msg=lambda m, t=tag: f"{t}: {m}")
+        # a key bias's gradient is zero in exact arithmetic (softmax is shift-invariant): rounding noise at most
+        floor = 1e-7 * max(float(p.grad.abs().max()) for p in ref.parameters() if p.grad is not None)
+        ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None and float(p.grad.abs().max()) > floor}
+        grads = {n: p.grad for n, p in model.named_parameters() if n in ref_grads}
+        assert all(p.grad is None or float(p.grad.abs().max()) <= 10 * floor
+                   for n, p in model.named_parameters() if n not in ref_grads), tag  # fmt: skip
+        for part in ("vision_tower.", "audio_tower.", "embed_vision.", "embed_audio.", "embed_tokens_per_layer"):
+            assert any(part in n for n in grads), (tag, part)
+        assert_step_close(loss.detach(), grads, ref_loss.detach(), ref_grads)
+        done.append(tag)
+    handle.remove()
+    reg.remove()
+    return done
+
+
+def test_gemma3n_image_and_audio_logits_loss_and_every_gradient_equal_no_sp(pool):
+    results = pool.run(_gemma3n_cases, 2, 2)
+    assert all(r == [("gemma3n", c, 2) for c in ("batch", "packed")] for r in results)

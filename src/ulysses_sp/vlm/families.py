@@ -11,7 +11,8 @@ rebuilds for one shard. Two shapes of that forward are admitted:
 - ``SCATTER_VLMS`` (``scatter``): the LLaVA pattern — 1-D positions, ``get_image_features`` (vision
   tower + projector over whole images) scattered into ``inputs_embeds`` at the image placeholder
   tokens, a standard text decoder. What differs between these families is only what their forward
-  passes to ``get_image_features`` (``ScatterFamily``).
+  passes to ``get_image_features`` (``ScatterFamily``); Gemma 3n also scatters an audio tower's soft
+  tokens and builds per-layer inputs from the ids (``gemma3n``).
 
 That is read from the model's code for the families below and tested against the same model
 without SP (``tests/test_vlm.py``, ``tests/test_vlm_llava.py``); any other model with a vision or
@@ -43,6 +44,9 @@ class ScatterFamily:
     """The forward's keyword arguments it passes on to ``get_image_features`` (not to the language model)."""
     cast_pixels: bool = False
     """The forward casts ``pixel_values`` to the embeddings' dtype before the tower (GOT-OCR2)."""
+    per_layer_audio: bool = False
+    """Gemma 3n's forward (``gemma3n``): media ids hard-embedded from their own vocabularies, per-layer inputs
+    from the ids, and an audio tower's soft tokens scattered as the images' are."""
 
 
 _LAYER, _SELECT = "vision_feature_layer", "vision_feature_select_strategy"
@@ -52,6 +56,8 @@ SCATTER_VLMS: dict[str, ScatterFamily] = {
     "mistral3": ScatterFamily("Mistral 3: Pixtral tower (2-D rope, image_sizes) + patch merger", (_LAYER, "image_sizes")),
     "aya_vision": ScatterFamily("Aya Vision: SigLIP tower + pixel-shuffle projector, Cohere 2 decoder", (_LAYER, _SELECT)),
     "internvl": ScatterFamily("InternVL: InternViT tower + pixel-shuffle projector", (_LAYER, _SELECT)),
+    "gemma3n": ScatterFamily("Gemma 3n: vision and audio (conformer) towers' soft tokens, per-layer inputs from the "
+                             "ids, AltUp/LAuReL decoder with KV sharing", per_layer_audio=True),  # fmt: skip
 }
 """``config.model_type`` -> the LLaVA-style families the ``scatter`` path handles (exact, tested)."""
 
@@ -65,9 +71,6 @@ REFUSED_VLMS: dict[str, str] = {
     "placeholders of the whole sequence (masked_scatter over inputs_embeds)",
     "chameleon": "its VQ-VAE (vqmodel) turns each image into discrete codes its forward writes into the placeholders of "
     "the whole sequence",
-    "gemma3n": "it scatters its vision and audio towers' soft tokens into the sequence and builds per-layer inputs "
-    "from the token ids (its mask stays causal), a merge and per-shard split this path has not been built or "
-    "tested for",
     "paligemma": "its prefix (image + prompt) attends bidirectionally (a prefix-LM mask built from token_type_ids)",
     "llava_next": "its anyres tiles and image-newline rows have not been tested against the model without SP (the "
     "LLaVA path very likely applies)",
