@@ -8,6 +8,10 @@ loss and every parameter gradient (vision tower and projector included) with the
 SP (each document alone, by its own forward), and checks that no ``[B, S, Hd]`` tensor exists on a
 rank. A wrong merge (the rows of the shard taken from the first placeholder on, as if the shard were
 the whole sequence) is checked to change the logits.
+
+Gemma 3n (``vlm.gemma3n``, ``gemma3n_model``): an image and an audio clip each across the shard edge, in a
+``[2, S]`` batch and in packed documents; its hard-embedded media ids, per-layer inputs and padded audio soft
+tokens included. Its layouts hold at sp 4 too (``S`` divides by 8; run there once by hand: exact).
 """
 
 from __future__ import annotations
@@ -111,8 +115,10 @@ def test_llava_style_vlm_logits_loss_and_every_gradient_equal_no_sp(pool, sp, ca
     assert all(r == [(f, c, sp) for f, c in cases] for r in results)
 
 
-GEMMA3N_BATCH = [[8, "image", 2, "audio", 8], [17, "audio", 1, "image"]]  # sp 2: an image, a clip over the boundary
-GEMMA3N_PACKED = [[3, "audio", 10, "image", 2], ["audio", 2, "image", 3]]  # packed, an image over the boundary
+GEMMA3N_BATCH = [[12, "image", 2, "audio", 8], [21, "audio", 1, "image"]]  # sp 2: an image, a clip over the edge
+GEMMA3N_PACKED = [[3, "audio", 10, "image", 2], ["audio", 2, "image", 3]]  # packed, an image over the edge (S = 72)
+"""Gemma 3n's documents (ints: text runs): S = 48 and 72; at sp 4 the image of row 0 spans an edge, the clip of row 1
+another, and row 1's image a third."""
 
 
 def _gemma3n_cases(sp):
@@ -160,6 +166,9 @@ def _gemma3n_cases(sp):
             assert any(part in n for n in grads), (tag, part)
         assert_step_close(loss.detach(), grads, ref_loss.detach(), ref_grads)
         done.append(tag)
+    one_clip = {k: v[:1] if k.startswith("input_features") else v for k, v in inputs.items()}
+    with pytest.raises(ValueError, match=r"12 audio placeholder tokens \(id 105\) but its audio inputs make 6 soft"):
+        model(**one_clip, use_cache=False)  # a clip short: named before any collective
     handle.remove()
     reg.remove()
     return done

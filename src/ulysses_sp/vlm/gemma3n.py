@@ -73,13 +73,15 @@ def audio_rows(inner: Any, features: torch.Tensor, valid: torch.Tensor) -> torch
     return feats.reshape(-1, hd)  # [N_clip, T_aud, Hd] -> [N_a, Hd]: masked_scatter's order
 
 
-def _scatter(embeds: torch.Tensor, full: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor, what: str) -> torch.Tensor:
-    """``embeds [B, S_l, Hd]`` with this shard's rows of ``rows [N, Hd]`` at its placeholders (``full [B, S]``)."""
+def _scatter(embeds: torch.Tensor, ids: torch.Tensor, token: int, idx: torch.Tensor, rows: torch.Tensor,
+             what: str) -> torch.Tensor:  # fmt: skip
+    """``embeds [B, S_l, Hd]`` with this shard's rows of ``rows [N, Hd]`` at its placeholders (``ids [B, S] == token``)."""
+    full = ids == token  # [B, S]: the placeholders of the whole batch
     if rows.shape[0] != int(full.sum()):
         raise ValueError(
-            f"the batch has {int(full.sum())} {what} placeholder tokens but its {what} inputs make {rows.shape[0]} "
-            f"soft tokens: the text must hold one placeholder per soft token, in order (build samples with the "
-            "model's processor)"
+            f"the batch has {int(full.sum())} {what} placeholder tokens (id {token}) but its {what} inputs make "
+            f"{rows.shape[0]} soft tokens: the text must hold one placeholder per soft token, in order (build "
+            "samples with the model's processor)"
         )
     mine = rows_by_rank(full, [idx])[0]  # [N_l] rows of this shard's placeholders among all
     local = full.index_select(1, idx)  # [B, S] -> [B, S_l]
@@ -106,10 +108,10 @@ def gemma3n_forward(parts: VLMParts, *, sp_rank: int, sp_size: int, ring_size: i
         embeds, per_layer = shard_embeddings(inner, input_ids.index_select(1, idx))
         if pixel_values is not None:
             rows = image_rows(parts, pixel_values, embeds.dtype, {})  # [N_v, Hd]
-            embeds = _scatter(embeds, input_ids == image, idx, rows, f"image (id {image})")
+            embeds = _scatter(embeds, input_ids, image, idx, rows, "image")
         if input_features is not None and input_features_mask is not None:
             rows = audio_rows(inner, input_features, input_features_mask)  # [N_a, Hd]
-            embeds = _scatter(embeds, input_ids == audio, idx, rows, f"audio (id {audio})")
+            embeds = _scatter(embeds, input_ids, audio, idx, rows, "audio")
         outputs = parts.language_model(
             input_ids=None,
             per_layer_inputs=per_layer,
