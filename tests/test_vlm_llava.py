@@ -109,3 +109,81 @@ SP2 = [*((f, "packed") for f in FAMILIES), ("got_ocr2", "single")]  # the single
 def test_llava_style_vlm_logits_loss_and_every_gradient_equal_no_sp(pool, sp, cases):
     results = pool.run(_cases, sp, sp, cases)
     assert all(r == [(f, c, sp) for f, c in cases] for r in results)
+
+
+def _gemma3_cases(sp, cases):
+    """Gemma 3 (``vlm.scatter`` with ``token_type_ids``): each image's 16 tokens see each other in the sliding
+    (window 4) and full layers; the spans, found on the host by ``prepare_vlm_batch``, reach every rank's
+    attention with the positions' layout. Packed documents, an image across the shard edge."""
+    import dataclasses
+
+    from ulysses_sp.parallel.doc_layout import attach_layout, layout_of
+    from ulysses_sp.vlm import VLMDataLoaderAdapter
+
+    mesh, done = init_mesh((1, sp)), []
+    for core, chunk in cases:
+        ref = tiny_llava("gemma3")
+        model = copy.deepcopy(ref)
+        reg = UlyssesSPAttentionHF.register_with_transformers(model, core, sp, 1, mesh=mesh, attn_chunk=chunk)
+        handle = shard_vlm(model, sp_rank=mesh.sp_rank, sp_size=sp, core=core)
+        docs, batch = llava_pack([llava_sample(spec, "gemma3", seed=i) for i, spec in enumerate((DOC_A, DOC_B, DOC_C))], 2 * sp)
+        batch["labels"] = llava_labels(batch["input_ids"])
+        ref_logits, ref_loss = _reference(ref, docs)  # each document alone, transformers' own image-block masks
+        ref_loss.backward()
+        inputs = prepare_vlm_batch(model, batch, sp_rank=mesh.sp_rank, sp_size=sp)
+        labels = inputs.pop("shift_labels")
+        out = model(**inputs, use_cache=False)
+        loss = sp_causal_lm_loss(out.logits, labels, mesh.sp_group)
+        loss.backward()
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=mesh.sp_group)
+        s, tag = batch["input_ids"].shape[1], ("gemma3", core, sp)
+        cols = slice(mesh.sp_rank * s // sp, (mesh.sp_rank + 1) * s // sp)
+        torch.testing.assert_close(out.logits, ref_logits[:, cols], rtol=1e-5, atol=1e-5, msg=lambda m, t=tag: f"{t}: {m}")
+        floor = 1e-7 * max(float(p.grad.abs().max()) for p in ref.parameters() if p.grad is not None)
+        used = {n for n, p in ref.named_parameters() if p.grad is not None and float(p.grad.abs().max()) > floor}
+        assert any(n.startswith("model.vision_tower.") for n in used) and any("projector" in n for n in used), tag
+        assert_step_close(loss.detach(), {n: p.grad for n, p in model.named_parameters() if n in used},
+                          ref_loss.detach(), {n: p.grad for n, p in ref.named_parameters() if n in used})  # fmt: skip
+        # the spans not shipped (the same layout without them: causal over the images) move both ranks' logits
+        pos = inputs["position_ids"]
+        causal = attach_layout(pos.clone(), dataclasses.replace(layout_of(pos), spans=None))
+        with torch.no_grad():
+            wrong = model(**{**inputs, "token_type_ids": None, "position_ids": causal}, use_cache=False).logits
+        assert not torch.allclose(wrong, out.logits, atol=1e-3), tag
+        with pytest.raises(ValueError, match="given token_type_ids.*prepare_vlm_batch"):  # types without the spans
+            model.model(**{**inputs, "position_ids": pos.clone()}, use_cache=False)
+        handle.remove()
+        reg.remove()
+        done.append(tag)
+    adapter = VLMDataLoaderAdapter([batch], 0, None, 1, "meta", model=ref)  # the spans survive the move to a device
+    assert layout_of(next(iter(adapter))["position_ids"]).spans == (((5, 21), (24, 40), (49, 65)),)
+    _gemma3_image_token_outside_the_vocabulary()
+    return done
+
+
+def _gemma3_image_token_outside_the_vocabulary():
+    """An image token id past the text vocabulary is embedded as id 0, as Gemma 3's own forward does (one shard)."""
+    ref = tiny_llava("gemma3")
+    ref.config.image_token_id = oov = 2 * ref.config.text_config.vocab_size
+    model = copy.deepcopy(ref)
+    _, batch = llava_pack([llava_sample(DOC_B, "gemma3")], 2)
+    batch["input_ids"] = batch["input_ids"].masked_fill(batch["input_ids"] == 120, oov)
+    del batch["token_type_ids"]
+    handle = shard_vlm(model, sp_rank=0, sp_size=1, core="sdpa")  # the per-shard forward, one shard
+    inputs = prepare_vlm_batch(model, batch, sp_rank=0, sp_size=1)
+    inputs.pop("shift_labels")
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs).logits, ref(**batch).logits, rtol=1e-5, atol=1e-5)
+    handle.remove()
+
+
+GEMMA3_SP2 = [("sdpa", 8), ("eager", None)]  # sdpa: the blockwise core, blocks of 8 (spans reach across them)
+
+
+@pytest.mark.parametrize("sp, cases", [(2, GEMMA3_SP2)], ids=["sp2"])
+def test_gemma3_image_blocks_bidirectional_logits_loss_and_every_gradient_equal_no_sp(pool, sp, cases):
+    results = pool.run(_gemma3_cases, sp, sp, cases)
+    assert all(r == [("gemma3", c, sp) for c, _ in cases] for r in results)
+

@@ -11,7 +11,10 @@ rebuilds for one shard. Two shapes of that forward are admitted:
 - ``SCATTER_VLMS`` (``scatter``): the LLaVA pattern — 1-D positions, ``get_image_features`` (vision
   tower + projector over whole images) scattered into ``inputs_embeds`` at the image placeholder
   tokens, a standard text decoder. What differs between these families is only what their forward
-  passes to ``get_image_features`` (``ScatterFamily``).
+  passes to ``get_image_features`` (``ScatterFamily``). Gemma 3 (and ShieldGemma 2, the same class)
+  also makes each image's tokens attend to each other both ways (``token_type_ids`` in its mask): the
+  runs are found on the host from the full batch (``batch``) and shipped with the positions' host
+  layout to the SP attention, which ORs them into its mask (``attention/span_mask.py``).
 
 That is read from the model's code for the families below and tested against the same model
 without SP (``tests/test_vlm.py``, ``tests/test_vlm_llava.py``); any other model with a vision or
@@ -43,6 +46,9 @@ class ScatterFamily:
     """The forward's keyword arguments it passes on to ``get_image_features`` (not to the language model)."""
     cast_pixels: bool = False
     """The forward casts ``pixel_values`` to the embeddings' dtype before the tower (GOT-OCR2)."""
+    spans_key: str | None = None
+    """The forward's ``[B, S]`` input whose runs of 1 its own mask makes bidirectional (Gemma 3's
+    ``token_type_ids``): shipped as host spans (``batch``, ``scatter``); ``None``: causal only."""
 
 
 _LAYER, _SELECT = "vision_feature_layer", "vision_feature_select_strategy"
@@ -52,6 +58,10 @@ SCATTER_VLMS: dict[str, ScatterFamily] = {
     "mistral3": ScatterFamily("Mistral 3: Pixtral tower (2-D rope, image_sizes) + patch merger", (_LAYER, "image_sizes")),
     "aya_vision": ScatterFamily("Aya Vision: SigLIP tower + pixel-shuffle projector, Cohere 2 decoder", (_LAYER, _SELECT)),
     "internvl": ScatterFamily("InternVL: InternViT tower + pixel-shuffle projector", (_LAYER, _SELECT)),
+    "gemma3": ScatterFamily("Gemma 3: SigLIP tower + pooling projector, each image's tokens bidirectional "
+                            "(token_type_ids)", spans_key="token_type_ids"),
+    "shieldgemma2": ScatterFamily("ShieldGemma 2: Gemma 3's model (its image tokens bidirectional, "
+                                  "token_type_ids)", spans_key="token_type_ids"),
 }
 """``config.model_type`` -> the LLaVA-style families the ``scatter`` path handles (exact, tested)."""
 
@@ -59,8 +69,6 @@ SUPPORTED_VLMS: dict[str, str] = {**QWEN_VLMS, **{k: f.what for k, f in SCATTER_
 """``config.model_type`` -> what the path handles for it (exact, tested)."""
 
 REFUSED_VLMS: dict[str, str] = {
-    "gemma3": "its image tokens attend to each other bidirectionally (token_type_ids in the model's mask): the SP "
-    "attention honours such spans (attention/span_mask.py) but this path does not yet ship them with its merge",
     "emu3": "its VQ-VAE (vqmodel) turns each image into discrete codes whose embeddings its forward scatters into the "
     "placeholders of the whole sequence (masked_scatter over inputs_embeds)",
     "chameleon": "its VQ-VAE (vqmodel) turns each image into discrete codes its forward writes into the placeholders of "

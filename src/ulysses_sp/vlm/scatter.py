@@ -17,6 +17,15 @@ feature rows into the ``[B, S, Hd]`` embeddings at the image placeholder tokens,
    scattered into the ``[B, S_l, Hd]`` embeddings;
 4. the language model runs on ``S_l`` tokens with the Ulysses attention.
 
+A family whose own mask makes each image's tokens see each other (Gemma 3's ``token_type_ids``,
+``ScatterFamily.spans_key``) gets that input consumed here, not passed to its language model: the
+runs are the host layout's spans, found once per batch on the host from the full ``[B, S]`` types
+(``batch.prepare_vlm_batch``) and attached to the full positions; this forward attaches the same
+layout to its ``[B, S_l]`` cut, where every rank's SP attention reads it (``attention/span_mask.py``:
+full and sliding layers alike). The types given without such a layout are refused (the mask would
+silently be causal over the images). An image token outside the text vocabulary is embedded as id 0
+before its row replaces it, as Gemma 3's forward does.
+
 No tensor of ``[B, S, Hd]`` exists on a rank; the largest visual tensor is the batch's ``[N_v, Hd]``
 features. Each rank encodes every image (the split of the tower's work over the group, ``split``,
 is Qwen-specific: its tower takes patch rows and grids, not images), so the tower's compute is
@@ -35,6 +44,7 @@ from typing import Any
 
 import torch
 
+from ulysses_sp.parallel.doc_layout import attach_layout, layout_of
 from ulysses_sp.vlm.families import VLMParts
 from ulysses_sp.vlm.merge import check_inputs, rows_by_rank, shard_index
 
@@ -49,6 +59,22 @@ def _positions(position_ids: torch.Tensor | None, b: int, s: int, device: Any) -
             f"sequence (packed documents restarting at 0), got {tuple(position_ids.shape)}"
         )
     return position_ids
+
+
+def _local_positions(positions: torch.Tensor, idx: torch.Tensor, spans: bool, key: str | None) -> torch.Tensor:
+    """``[B, S] -> [B, S_l]``: this rank's positions, carrying the full positions' host layout (if any: the
+    bidirectional spans travel in it). ``spans``: the ``key`` input was given, so the layout must hold spans."""
+    layout = layout_of(positions)
+    local = positions.index_select(1, idx.to(positions.device))
+    if spans and (layout is None or layout.spans is None):
+        raise ValueError(
+            f"the model was given {key}: its own mask makes each image's tokens attend to each other, and under "
+            "sequence parallelism those spans travel as host values with the full position_ids. Build the rank's "
+            "inputs with ulysses_sp.vlm.prepare_vlm_batch (it finds them on the host), or attach "
+            f"host_layout(position_ids, spans=bidirectional_spans({key})) (ulysses_sp.parallel.doc_layout."
+            "attach_layout) to the full position_ids"
+        )
+    return local if layout is None else attach_layout(local, layout)
 
 
 def image_rows(parts: VLMParts, pixel_values: torch.Tensor, dtype: torch.dtype, kwargs: dict[str, Any]) -> torch.Tensor:
@@ -75,10 +101,16 @@ def scatter_forward(parts: VLMParts, *, sp_rank: int, sp_size: int, ring_size: i
                 **kwargs: Any) -> Any:  # fmt: skip
         check_inputs(input_ids, attention_mask, inputs_embeds, mm_encoder_outputs)
         image_kwargs = {k: kwargs.pop(k) for k in family.image_kwargs if k in kwargs}
+        types = kwargs.pop(family.spans_key, None) if family.spans_key else None  # [B, S]: in the layout's spans
         b, s = input_ids.shape
         positions = _positions(position_ids, b, s, input_ids.device)
         idx = shard_index(s, sp_rank, sp_size, ring_size, input_ids.device)
-        embeds = inner.get_input_embeddings()(input_ids.index_select(1, idx))  # [B, S_l] -> [B, S_l, Hd]
+        local_pos = _local_positions(positions, idx, types is not None, family.spans_key)  # [B, S] -> [B, S_l]
+        embed = inner.get_input_embeddings()
+        ids = input_ids.index_select(1, idx)  # [B, S] -> [B, S_l]
+        if token >= getattr(embed, "num_embeddings", token + 1):  # out of the vocabulary: id 0 (its row replaces it)
+            ids = ids.masked_fill(ids == token, 0)
+        embeds = embed(ids)  # [B, S_l] -> [B, S_l, Hd]
         full = input_ids == token  # [B, S]: the placeholders of the whole batch
         if pixel_values is not None:
             rows = image_rows(parts, pixel_values, embeds.dtype, image_kwargs)  # [N_v, Hd]
@@ -93,7 +125,7 @@ def scatter_forward(parts: VLMParts, *, sp_rank: int, sp_size: int, ring_size: i
             embeds = embeds.masked_scatter(local[..., None], rows.index_select(0, mine).to(embeds.device, embeds.dtype))
         outputs = parts.language_model(
             input_ids=None,
-            position_ids=positions.index_select(1, idx.to(positions.device)),  # [B, S] -> [B, S_l]
+            position_ids=local_pos,
             attention_mask=None,
             cache=cache,
             inputs_embeds=embeds,
