@@ -7,7 +7,9 @@ documents kept apart by their positions. Each case compares each rank's per-posi
 loss and every parameter gradient (vision tower and projector included) with the model run without
 SP (each document alone, by its own forward), and checks that no ``[B, S, Hd]`` tensor exists on a
 rank. A wrong merge (the rows of the shard taken from the first placeholder on, as if the shard were
-the whole sequence) is checked to change the logits.
+the whole sequence) is checked to change the logits. Gemma 3 also makes each image's tokens see each other
+(``token_type_ids``): those spans, shipped with the positions' host layout, are checked the same way, and
+checked to change the logits when left out.
 """
 
 from __future__ import annotations
@@ -144,6 +146,8 @@ def _gemma3_cases(sp, cases):
         floor = 1e-7 * max(float(p.grad.abs().max()) for p in ref.parameters() if p.grad is not None)
         used = {n for n, p in ref.named_parameters() if p.grad is not None and float(p.grad.abs().max()) > floor}
         assert any(n.startswith("model.vision_tower.") for n in used) and any("projector" in n for n in used), tag
+        assert all(p.grad is None or float(p.grad.abs().max()) <= 10 * floor
+                   for n, p in model.named_parameters() if n not in used), tag  # fmt: skip
         assert_step_close(loss.detach(), {n: p.grad for n, p in model.named_parameters() if n in used},
                           ref_loss.detach(), {n: p.grad for n, p in ref.named_parameters() if n in used})  # fmt: skip
         # the spans not shipped (the same layout without them: causal over the images) move both ranks' logits
@@ -165,11 +169,13 @@ def _gemma3_cases(sp, cases):
 
 def _gemma3_image_token_outside_the_vocabulary():
     """An image token id past the text vocabulary is embedded as id 0, as Gemma 3's own forward does (one shard)."""
+    from llava_models import IMAGE
+
     ref = tiny_llava("gemma3")
     ref.config.image_token_id = oov = 2 * ref.config.text_config.vocab_size
     model = copy.deepcopy(ref)
     _, batch = llava_pack([llava_sample(DOC_B, "gemma3")], 2)
-    batch["input_ids"] = batch["input_ids"].masked_fill(batch["input_ids"] == 120, oov)
+    batch["input_ids"] = batch["input_ids"].masked_fill(batch["input_ids"] == IMAGE, oov)
     del batch["token_type_ids"]
     handle = shard_vlm(model, sp_rank=0, sp_size=1, core="sdpa")  # the per-shard forward, one shard
     inputs = prepare_vlm_batch(model, batch, sp_rank=0, sp_size=1)
