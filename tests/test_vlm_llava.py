@@ -1,13 +1,15 @@
 """LLaVA-style vision-language models under sequence parallelism vs the same model without SP (issue 35).
 
-Tiny LLaVA, GOT-OCR2, Mistral 3, Aya Vision and InternVL (transformers' own code, configs built in
+Tiny LLaVA, GOT-OCR2, Mistral 3, Aya Vision, InternVL and Fuyu (transformers' own code, configs built in
 ``llava_models``, fp32, weights at std 0.2): each rank embeds its own ``S/P`` tokens and scatters
 only the image rows of its shard (``vlm.scatter``), images straddling the shard boundaries, packed
 documents kept apart by their positions. Each case compares each rank's per-position logits, the
 loss and every parameter gradient (vision tower and projector included) with the model run without
 SP (each document alone, by its own forward), and checks that no ``[B, S, Hd]`` tensor exists on a
 rank. A wrong merge (the rows of the shard taken from the first placeholder on, as if the shard were
-the whole sequence) is checked to change the logits. Gemma 3 also makes each image's tokens see each other
+the whole sequence) is checked to change the logits. Fuyu (issue 36: patch rows through one Linear, a
+Persimmon decoder whose layers do not pass position_ids to their attention) is admitted by its
+``SCATTER_VLMS`` entry and refused without it. Gemma 3 also makes each image's tokens see each other
 (``token_type_ids``): those spans, shipped with the positions' host layout, are checked the same way, and
 checked to change the logits when left out.
 """
@@ -92,7 +94,8 @@ def _cases(sp, cases):
         grads = {n: p.grad for n, p in model.named_parameters() if n in used}
         assert all(p.grad is None or float(p.grad.abs().max()) <= 10 * floor
                    for n, p in model.named_parameters() if n not in used), tag  # fmt: skip
-        assert any(n.startswith("model.vision_tower.") for n in used) and any("projector" in n for n in used), tag
+        tower = "model.vision_embed_tokens." if family == "fuyu" else "model.vision_tower."  # Fuyu: one Linear, no projector
+        assert any(n.startswith(tower) for n in used) and (family == "fuyu" or any("projector" in n for n in used)), tag
         assert_step_close(loss.detach(), grads, ref_loss.detach(), {n: p.grad for n, p in ref.named_parameters() if n in used})
         assert reg.attention.calls == model.config.text_config.num_hidden_layers  # the tower's are not SP's
         if case == "single":  # every rank runs it (the SP attention's collectives); the last shard's rows move
@@ -104,13 +107,40 @@ def _cases(sp, cases):
     return done
 
 
-SP2 = [*((f, "packed") for f in FAMILIES), ("got_ocr2", "single")]  # the single case also proves a wrong merge fails
+SP2 = [*((f, "packed") for f in FAMILIES), ("got_ocr2", "single"), ("fuyu", "single")]  # the single case also proves a wrong merge fails
 
 
 @pytest.mark.parametrize("sp, cases", [(2, SP2)], ids=["sp2"])
 def test_llava_style_vlm_logits_loss_and_every_gradient_equal_no_sp(pool, sp, cases):
     results = pool.run(_cases, sp, sp, cases)
     assert all(r == [(f, c, sp) for f, c in cases] for r in results)
+
+
+def _fuyu_admitted_then_refused() -> bool:
+    from ulysses_sp.mixers.guard import check_sequence_mixing
+    from ulysses_sp.vlm.families import SCATTER_VLMS, SUPPORTED_VLMS
+
+    model = tiny_llava("fuyu")
+    check_sequence_mixing(model, sp_size=2)  # admitted: the scatter path shards its merge
+    patches = torch.randn(1, 15, 48)  # its processor's legacy image_patches [B, N, C*p*p], N == S: not per token
+    batch = prepare_vlm_batch(model, {"input_ids": torch.randint(3, 100, (1, 15)), "image_patches": patches},
+                              sp_rank=0, sp_size=2)  # fmt: skip
+    assert batch["input_ids"].shape == (1, 16) and batch["image_patches"] is patches  # ids padded, patches whole
+    family = SCATTER_VLMS.pop("fuyu"), SUPPORTED_VLMS.pop("fuyu")
+    try:
+        with pytest.raises(ValueError, match=r"FuyuForCausalLM is a multimodal model \(fuyu: its forward takes "
+                           r"pixel_values, image_patches into model.vision_embed_tokens\)"):  # fmt: skip
+            check_sequence_mixing(model, sp_size=2)
+    finally:
+        SCATTER_VLMS["fuyu"], SUPPORTED_VLMS["fuyu"] = family
+    return True
+
+
+def test_fuyu_is_admitted_by_its_scatter_entry_and_refused_without_it(pool):
+    """Fuyu has no vision sub-config: its image path (``vision_embed_tokens``) is what the guard refuses without
+    ``SCATTER_VLMS["fuyu"]`` (its own forward would merge over the whole sequence). On the pool: its workers have
+    transformers' VLM classes imported already."""
+    assert pool.run(_fuyu_admitted_then_refused, 1) == [True]
 
 
 def _gemma3_cases(sp, cases):

@@ -35,7 +35,7 @@ from ulysses_sp.vlm.families import VLMParts, vlm_parts
 from ulysses_sp.vlm.positions import token_types, vlm_position_ids
 
 _GRIDS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
-_MEDIA = ("pixel_values", "pixel_values_videos")
+_MEDIA = ("pixel_values", "pixel_values_videos", "image_patches")  # Fuyu's processor: image_patches (legacy name)
 _PER_IMAGE = ("image_sizes",)  # LLaVA-style: Mistral 3's / LLaVA's image sizes [N_img, 2]
 SAMPLE_MEDIA = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 """A sample's per-image / per-video keys (``vlm.data``): concatenated in sample order when samples

@@ -1,8 +1,9 @@
 """The per-shard merge of a LLaVA-style VLM: this rank's ``[B, S_l, Hd]`` input from its own tokens.
 
 Without SP, a LLaVA-style model's forward (``LlavaModel``, ``GotOcr2Model``, ``Mistral3Model``,
-``AyaVisionModel``, ``InternVLModel``: ``families.SCATTER_VLMS``) embeds all ``S`` tokens, runs
-``get_image_features`` (vision tower + projector) on the batch's images, scatters the ``N_v``
+``AyaVisionModel``, ``InternVLModel``, ``FuyuModel``: ``families.SCATTER_VLMS``) embeds all ``S`` tokens, runs
+``get_image_features`` (vision tower + projector; Fuyu: one linear projection of the raw patch rows
+``[N_img, T, C*p*p]``) on the batch's images, scatters the ``N_v``
 feature rows into the ``[B, S, Hd]`` embeddings at the image placeholder tokens, in order
 (``masked_scatter``), and calls its language model with 1-D positions. Under SP,
 ``scatter_forward`` replaces that forward on each rank:
@@ -15,7 +16,11 @@ feature rows into the ``[B, S, Hd]`` embeddings at the image placeholder tokens,
    order; the row of each of this rank's placeholders is its rank among all the batch's
    placeholders (``merge.rows_by_rank``, from the ids alone), and only those ``[N_l, Hd]`` rows are
    scattered into the ``[B, S_l, Hd]`` embeddings;
-4. the language model runs on ``S_l`` tokens with the Ulysses attention.
+4. the language model runs on ``S_l`` tokens with the Ulysses attention, given this shard's positions
+   ``[B, S_l]``; they are also recorded as the forward's call positions on the SP attention
+   (``attention.positions``), for decoders whose layers do not pass ``position_ids`` on to their
+   attention (Fuyu's Persimmon): the registration's hook recorded the VLM's call, whose ``[B, S]``
+   positions are the full sample's, not this shard's. The next forward's hook records anew.
 
 A family whose own mask makes each image's tokens see each other (Gemma 3's ``token_type_ids``,
 ``ScatterFamily.spans_key``) gets that input consumed here, not passed to its language model: the
@@ -40,10 +45,13 @@ the batch (one per placeholder), ``N_l`` this rank's, ``P`` sp size.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 
+from ulysses_sp.attention.positions import CallPositions
+from ulysses_sp.attention.registration import ATTN_NAME
 from ulysses_sp.parallel.doc_layout import attach_layout, layout_of
 from ulysses_sp.vlm.families import VLMParts
 from ulysses_sp.vlm.merge import check_inputs, rows_by_rank, shard_index
@@ -59,6 +67,15 @@ def _positions(position_ids: torch.Tensor | None, b: int, s: int, device: Any) -
             f"sequence (packed documents restarting at 0), got {tuple(position_ids.shape)}"
         )
     return position_ids
+
+
+def _record_call(positions: torch.Tensor) -> None:
+    """This shard's ``[B, S_l]`` positions as the forward's call positions on the SP attention (step 4)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    attention = ALL_ATTENTION_FUNCTIONS.get(ATTN_NAME)
+    if hasattr(attention, "call"):  # registered (a plain core attention keeps no positions)
+        attention.call = CallPositions(given=True, source=weakref.ref(positions))
 
 
 def _local_positions(positions: torch.Tensor, idx: torch.Tensor, spans: bool, key: str | None) -> torch.Tensor:
@@ -83,7 +100,7 @@ def image_rows(parts: VLMParts, pixel_values: torch.Tensor, dtype: torch.dtype, 
     if parts.scatter.cast_pixels:
         pixel_values = pixel_values.to(dtype)
     out = parts.inner.get_image_features(pixel_values=pixel_values, **kwargs, return_dict=True)
-    pooled = out.pooler_output  # [N_img, T, Hd], or a list of [T_i, Hd] (per-image sizes)
+    pooled = getattr(out, parts.scatter.features)  # [N_img, T, Hd] (Fuyu's [N_v, Hd] too), or a list of [T_i, Hd]
     if isinstance(pooled, (list, tuple)):
         return torch.cat(list(pooled), dim=0)
     return pooled.reshape(-1, pooled.shape[-1])  # [N_img, T, Hd] -> [N_v, Hd]: masked_scatter's order
@@ -123,6 +140,7 @@ def scatter_forward(parts: VLMParts, *, sp_rank: int, sp_size: int, ring_size: i
             mine = rows_by_rank(full, [idx])[0]  # [N_l] rows of this shard's placeholders among all
             local = full.index_select(1, idx)  # [B, S] -> [B, S_l]
             embeds = embeds.masked_scatter(local[..., None], rows.index_select(0, mine).to(embeds.device, embeds.dtype))
+        _record_call(local_pos)
         outputs = parts.language_model(
             input_ids=None,
             position_ids=local_pos,
