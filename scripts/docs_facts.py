@@ -166,6 +166,7 @@ def _verdict(rows: list[dict[str, str]], column: str) -> str:
 def models_table() -> str:
     """The README's supported-models table: ~20 popular families, verdicts from the sweep."""
     from ulysses_sp.vlm import SUPPORTED_VLMS
+    from ulysses_sp.vlm.families import QWEN_VLMS
 
     rows = sweep()
     out = [
@@ -183,7 +184,7 @@ def models_table() -> str:
         name = VLM_NAMES.get(model_type, model_type)
         out.append(
             f"| {name} | `{model_type}` | **exact** (VLM tests) | — | {LIMITS[VLM_LIMITS.get(model_type, 'vlm')]} | "
-            "CLI · Trainer · library |"
+            + ("CLI · Trainer · library |" if model_type in QWEN_VLMS else "library (the CLI reads Qwen's images only) |")
         )
     return "\n".join(out)
 
