@@ -28,6 +28,9 @@ SHAPES = {  # transformers config fields
                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
     "Qwen3-32B": dict(model_type="qwen3", hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
                       num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "Nemotron-H-8B": dict(model_type="nemotron_h", hybrid_override_pattern="M-M-M-M*-" + "M-M-M-M-M*-" * 3 + "M-" * 5,  # nvidia/Nemotron-H-8B-Base-8K
+                          hidden_size=4096, intermediate_size=21504, num_attention_heads=32, num_key_value_heads=8,  # config.json
+                          head_dim=128, mamba_num_heads=128, mamba_head_dim=64, n_groups=8, ssm_state_size=128, chunk_size=128, vocab_size=131072),
 }  # fmt: skip
 ROWS = {  # name: (shape, gpus, tokens or None for the planner's longest, settings over SETTINGS)
     "8b-1gpu": ("Llama-3-8B", 1, None, {}),
@@ -39,6 +42,7 @@ ROWS = {  # name: (shape, gpus, tokens or None for the planner's longest, settin
     "8b-32gpu": ("Llama-3-8B", 32, None, {}),
     "32b-8gpu": ("Qwen3-32B", 8, None, {}),
     "32b-32gpu": ("Qwen3-32B", 32, None, {}),
+    "nemotron-h-8gpu": ("Nemotron-H-8B", 8, None, {}),
 }
 SETTINGS = dict(zero_stage=3, zero_partition="all", dtype="bf16", tiled_mlp=True, tiled_loss=True,
                 activation_checkpointing=True, offload_activations=True, recompute_norms=True, cpu_offload=True)  # fmt: skip
