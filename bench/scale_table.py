@@ -31,6 +31,9 @@ SHAPES = {  # transformers config fields
     "Nemotron-H-8B": dict(model_type="nemotron_h", hybrid_override_pattern="M-M-M-M*-" + "M-M-M-M-M*-" * 3 + "M-" * 5,  # nvidia/Nemotron-H-8B-Base-8K
                           hidden_size=4096, intermediate_size=21504, num_attention_heads=32, num_key_value_heads=8,  # config.json
                           head_dim=128, mamba_num_heads=128, mamba_head_dim=64, n_groups=8, ssm_state_size=128, chunk_size=128, vocab_size=131072),
+    "Qwen3-Next-80B-A3B": dict(model_type="qwen3_next", hidden_size=2048, num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2,  # Qwen/Qwen3-Next-
+                               head_dim=256, moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=512, num_experts_per_tok=10,  # 80B-A3B-
+                               linear_key_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32, linear_value_head_dim=128, vocab_size=151936),  # Instruct
 }  # fmt: skip
 ROWS = {  # name: (shape, gpus, tokens or None for the planner's longest, settings over SETTINGS)
     "8b-1gpu": ("Llama-3-8B", 1, None, {}),
@@ -43,6 +46,7 @@ ROWS = {  # name: (shape, gpus, tokens or None for the planner's longest, settin
     "32b-8gpu": ("Qwen3-32B", 8, None, {}),
     "32b-32gpu": ("Qwen3-32B", 32, None, {}),
     "nemotron-h-8gpu": ("Nemotron-H-8B", 8, None, {}),
+    "qwen3-next-8gpu": ("Qwen3-Next-80B-A3B", 8, None, {"tiled_mlp": False}),  # --tiled-mlp refuses its experts' router
 }
 SETTINGS = dict(zero_stage=3, zero_partition="all", dtype="bf16", tiled_mlp=True, tiled_loss=True,
                 activation_checkpointing=True, offload_activations=True, recompute_norms=True, cpu_offload=True)  # fmt: skip
