@@ -129,13 +129,18 @@ def sample(model: Any, seed: int = 1) -> dict[str, torch.Tensor]:
     """Two images between text, ``S`` a multiple of 4, and its labels (text tokens only). Qwen-style (a
     ``spatial_merge_size`` tower): 4x4-patch grids, ``[N_p, C*T*P*P]`` pixels, 4 placeholders an image between
     vision start/end tokens; otherwise ``[2, C, H, W]`` pixels at the tower's ``image_size``, as many placeholders
-    as its ``get_image_features`` gives rows."""
+    as its ``get_image_features`` gives rows; a model without a vision sub-config (Fuyu) ``[2, T, C*P*P]`` patch rows,
+    one placeholder a row."""
     g, cfg = torch.Generator().manual_seed(seed), model.config
-    vision = cfg.vision_config
+    vision = getattr(cfg, "vision_config", None)
     image = getattr(cfg, "image_token_id", None) or getattr(cfg, "image_token_index", None)
     text = lambda n: torch.randint(3, MEDIA_TOKENS - 4, (n,), generator=g).tolist()  # noqa: E731
     out: dict[str, torch.Tensor] = {}
-    if hasattr(vision, "spatial_merge_size"):
+    if vision is None:  # Fuyu: no tower, each image its [T, C*P*P] patch rows through one Linear
+        t = (cfg.image_size // cfg.patch_size) ** 2
+        out["pixel_values"] = torch.randn(2, t, cfg.num_channels * cfg.patch_size**2, generator=g)  # [2, T, C*P*P]
+        per = [image] * t
+    elif hasattr(vision, "spatial_merge_size"):
         t, p, m = getattr(vision, "temporal_patch_size", 1), vision.patch_size, vision.spatial_merge_size
         c = getattr(vision, "in_channels", None) or getattr(vision, "num_channels", 3)
         out["pixel_values"] = torch.randn(2 * 16, c * t * p * p, generator=g)  # [N_p, C*T*P*P]

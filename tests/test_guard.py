@@ -59,8 +59,6 @@ def test_classic_families_pass_with_one_sp_attention_per_layer(family):
          r"run apart: it is two-stream attention over relative position encodings"),  # no head-parallel fallback
         ("musicgen", r"decoder stack: embed_positions \(MusicgenSinusoidalPositionalEmbedding\) .*numbers the tokens "
          r"it is given 0..S-1 itself"),  # a sinusoidal table of arange(S_l): every shard would start at 0
-        ("fuyu", r"FuyuForCausalLM is a multimodal model \(fuyu: its forward takes pixel_values, image_patches into "
-         r"model.vision_embed_tokens\)"),
         (
             "phimoe",
             r"layer 0: self_attn \(PhimoeAttention\) applies its sliding window \(config.sliding_window = 8\) "

@@ -21,8 +21,9 @@ Steps 1-2 are token-local; 3-4 are the LLaVA-style scatter (``scatter``). Under 
 (``merge.shard_index``), both towers on **all** the batch's images and clips (each rank repeats the
 towers' compute, as ``scatter`` does), and only the rows of this shard's placeholders
 (``merge.rows_by_rank``, from the ids alone) scattered; the language model then runs on ``S_l``
-tokens with the Ulysses attention, given the shard's per-layer inputs (its mask stays causal: the
-model builds no bidirectional span). Gradients reach both towers and both embedders through this
+tokens with the Ulysses attention, given the shard's per-layer inputs and positions (recorded as the
+SP attention's call positions, as ``scatter`` does; its mask stays causal: the model builds no
+bidirectional span). Gradients reach both towers and both embedders through this
 rank's rows only; summed over the SP group they are those of the model without SP.
 
 Shape legend: ``B`` batch, ``S`` global sequence, ``S_l = S/P``, ``Hd`` hidden, ``L`` decoder layers,
@@ -38,7 +39,7 @@ import torch
 
 from ulysses_sp.vlm.families import VLMParts
 from ulysses_sp.vlm.merge import check_inputs, rows_by_rank, shard_index
-from ulysses_sp.vlm.scatter import _positions, image_rows
+from ulysses_sp.vlm.scatter import _local_positions, _positions, _record_call, image_rows
 
 
 def shard_embeddings(inner: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,10 +113,12 @@ def gemma3n_forward(parts: VLMParts, *, sp_rank: int, sp_size: int, ring_size: i
         if input_features is not None and input_features_mask is not None:
             rows = audio_rows(inner, input_features, input_features_mask)  # [N_a, Hd]
             embeds = _scatter(embeds, input_ids, audio, idx, rows, "audio")
+        local_pos = _local_positions(positions, idx, False, None)  # [B, S] -> [B, S_l] (a host layout kept)
+        _record_call(local_pos)  # the SP attention's call positions: this shard's (``scatter``, step 4)
         outputs = parts.language_model(
             input_ids=None,
             per_layer_inputs=per_layer,
-            position_ids=positions.index_select(1, idx.to(positions.device)),  # [B, S] -> [B, S_l]
+            position_ids=local_pos,
             attention_mask=None,
             cache=cache,
             inputs_embeds=embeds,

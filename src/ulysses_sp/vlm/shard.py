@@ -49,7 +49,8 @@ class VLMShardHandle:
         self._undo()
         self._undo = None
         self.language_model.__dict__.pop(INSTALLED, None)
-        self._vision_config._attn_implementation = self._prev
+        if self._vision_config is not None:
+            self._vision_config._attn_implementation = self._prev
 
 
 def shard_vlm(
@@ -85,9 +86,10 @@ def shard_vlm(
         raise ValueError(
             f"{type(model).__name__} is sharded for SP already (shard_vlm was called); remove() it first"
         )
-    vision_config = parts.vision.config
-    prev = vision_config._attn_implementation
-    vision_config._attn_implementation = core  # the tower's own attention over its whole frames
+    vision_config = getattr(parts.vision, "config", None)  # None: Fuyu's patch projection, no attention
+    prev = None if vision_config is None else vision_config._attn_implementation
+    if vision_config is not None:
+        vision_config._attn_implementation = core  # the tower's own attention over its whole frames
     group = split_images_over if sp_size > 1 else None
     if parts.scatter is None:  # Qwen: mrope, the tower's frames split over the group
         forward = sharded_forward(parts, sp_rank=sp_rank, sp_size=sp_size, ring_size=ring_size, group=group)
