@@ -28,6 +28,7 @@ from torch import nn
 
 from ulysses_sp.attention.registration import ATTN_NAME
 from ulysses_sp.vlm.families import vlm_parts
+from ulysses_sp.vlm.gemma3n import gemma3n_forward
 from ulysses_sp.vlm.merge import install, sharded_forward
 from ulysses_sp.vlm.scatter import scatter_forward
 
@@ -48,7 +49,8 @@ class VLMShardHandle:
         self._undo()
         self._undo = None
         self.language_model.__dict__.pop(INSTALLED, None)
-        self._vision_config._attn_implementation = self._prev
+        if self._vision_config is not None:
+            self._vision_config._attn_implementation = self._prev
 
 
 def shard_vlm(
@@ -84,14 +86,16 @@ def shard_vlm(
         raise ValueError(
             f"{type(model).__name__} is sharded for SP already (shard_vlm was called); remove() it first"
         )
-    vision_config = parts.vision.config
-    prev = vision_config._attn_implementation
-    vision_config._attn_implementation = core  # the tower's own attention over its whole frames
+    vision_config = getattr(parts.vision, "config", None)  # None: Fuyu's patch projection, no attention
+    prev = None if vision_config is None else vision_config._attn_implementation
+    if vision_config is not None:
+        vision_config._attn_implementation = core  # the tower's own attention over its whole frames
     group = split_images_over if sp_size > 1 else None
     if parts.scatter is None:  # Qwen: mrope, the tower's frames split over the group
         forward = sharded_forward(parts, sp_rank=sp_rank, sp_size=sp_size, ring_size=ring_size, group=group)
-    else:  # LLaVA-style: 1-D positions, every image encoded on each rank
-        forward = scatter_forward(parts, sp_rank=sp_rank, sp_size=sp_size, ring_size=ring_size)
+    else:  # LLaVA-style: 1-D positions, every image (Gemma 3n: and audio clip) encoded on each rank
+        make = gemma3n_forward if parts.scatter.per_layer_audio else scatter_forward
+        forward = make(parts, sp_rank=sp_rank, sp_size=sp_size, ring_size=ring_size)
     handle = VLMShardHandle(model, parts.language_model, vision_config, prev, install(parts, forward))
     parts.language_model.__dict__[INSTALLED] = handle
     return handle
