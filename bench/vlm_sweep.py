@@ -50,7 +50,7 @@ from bench.model_sweep import _mismatches, grad_mismatches, shrink
 from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
 from ulysses_sp.mixers.guard import check_sequence_mixing
 from ulysses_sp.parallel.loss import sp_causal_lm_loss
-from ulysses_sp.vlm import prepare_vlm_batch, shard_vlm, vlm_parts
+from ulysses_sp.vlm import SUPPORTED_VLMS, prepare_vlm_batch, shard_vlm, vlm_parts
 
 TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, depth=2, num_attention_heads=2, num_heads=2,
              num_key_value_heads=2, head_dim=16, image_size=32, patch_size=8, out_hidden_size=64, embed_dim=32,
@@ -58,14 +58,16 @@ TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, depth=2,
 """A vision/audio tower's fields, shrunk where its config has them."""
 MEDIA_TOKENS = 100
 """The first id given to the media tokens (``*_token_id`` / ``*_token_index`` outside the tiny vocabulary)."""
-REGISTRY = auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-"""model type -> its class name in transformers."""
+REGISTRY = {**auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+            **{k: v for k, v in auto.MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES.items() if k in SUPPORTED_VLMS}}  # fmt: skip
+"""model type -> its class name in transformers (and the multimodal-LM registry's families ``ulysses_sp.vlm`` admits:
+Phi-4-multimodal, a causal LM whose decoder holds its towers)."""
 OVERRIDES = json.loads(Path(__file__).with_name("vlm_sweep_overrides.json").read_text())  # set last ("_why"s)
 
 
 def families() -> list[str]:
     """The image-text-to-text model types of the installed transformers, from its auto registries."""
-    return sorted({*auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, *getattr(auto, "MODEL_FOR_VISION_2_SEQ_MAPPING_NAMES", {})})
+    return sorted({*REGISTRY, *getattr(auto, "MODEL_FOR_VISION_2_SEQ_MAPPING_NAMES", {})})
 
 
 def _tokens(defaults: dict, vocab: int) -> dict:
@@ -135,6 +137,8 @@ def sample(model: Any, seed: int = 1) -> dict[str, torch.Tensor]:
     image = getattr(cfg, "image_token_id", None) or getattr(cfg, "image_token_index", None)
     text = lambda n: torch.randint(3, MEDIA_TOKENS - 4, (n,), generator=g).tolist()  # noqa: E731
     out: dict[str, torch.Tensor] = {}
+    if "image_pixel_values" in inspect.signature(model.forward).parameters:  # Phi-4-multimodal: images and audio
+        return _phi4_sample(model, text)
     if hasattr(vision, "spatial_merge_size"):
         t, p, m = getattr(vision, "temporal_patch_size", 1), vision.patch_size, vision.spatial_merge_size
         c = getattr(vision, "in_channels", None) or getattr(vision, "num_channels", 3)
@@ -162,6 +166,29 @@ def sample(model: Any, seed: int = 1) -> dict[str, torch.Tensor]:
         out["token_type_ids"] = out["mm_token_type_ids"]
     media = torch.tensor([i >= MEDIA_TOKENS for i in ids])
     out["labels"] = out["input_ids"].masked_fill(media[None], -100)
+    return out
+
+
+def _phi4_sample(model: Any, text: Any) -> dict[str, torch.Tensor]:
+    """Phi-4-multimodal's sample: two ``crop_size x 2 crop_size`` images (their global crop and two sub-crops,
+    ``image_attention_mask`` all valid) and one clip of 40 mel frames, as many placeholders as its image and
+    audio embeddings make rows."""
+    cfg, g = model.config, torch.Generator().manual_seed(2)
+    vision, audio = cfg.vision_config, cfg.audio_config
+    crop, side = vision.crop_size, vision.image_size // vision.patch_size
+    base = (side + side % 2) // 2  # pooled patches per crop side
+    frames = 40
+    out = {"image_pixel_values": torch.randn(2, 3, vision.num_channels, crop, crop, generator=g),  # [N_img, crops, C, H, W]
+           "image_sizes": torch.tensor([[crop, 2 * crop]] * 2),
+           "image_attention_mask": torch.ones(2, 3, side, side, dtype=torch.long),
+           "audio_input_features": torch.randn(1, frames, audio.input_size, generator=g),  # [N_a, T, mel]
+           "audio_attention_mask": torch.ones(1, frames, dtype=torch.bool),
+           "audio_embed_sizes": torch.tensor([-(-frames // audio.time_reduction)])}  # fmt: skip
+    image = [vision.image_token_id] * (base * (2 * base + 1) + 1 + base * (base + 1))  # sub-crops, separator, global
+    ids = text(5) + image + text(3) + image + text(2) + [audio.audio_token_id] * int(out["audio_embed_sizes"][0])
+    ids += text(-(len(ids) + 9) % 4 + 9)  # the second image straddles the sp-2 shard boundary
+    out["input_ids"] = torch.tensor([ids])
+    out["labels"] = out["input_ids"].masked_fill(out["input_ids"] >= MEDIA_TOKENS, -100)
     return out
 
 

@@ -109,3 +109,65 @@ SP2 = [*((f, "packed") for f in FAMILIES), ("got_ocr2", "single")]  # the single
 def test_llava_style_vlm_logits_loss_and_every_gradient_equal_no_sp(pool, sp, cases):
     results = pool.run(_cases, sp, sp, cases)
     assert all(r == [(f, c, sp) for f, c in cases] for r in results)
+
+
+PHI4_A = [3, ("image", 32, 64), 2, ("audio", 40), 2, ("image", 64, 32), 3]
+"""Phi-4-multimodal: 3 text, 17 image rows, 2 text, 5 audio rows, 2 text, 19 image rows (29-47), 3 text (51 tokens)."""
+PHI4_B = [4, ("audio", 40), 1, ("image", 32, 64), 5]
+"""32 tokens packed after PHI4_A (84 with padding): the sp-2 boundary (42) falls in PHI4_A's second image, and rank
+1's audio rows are the batch's 6th to 10th."""
+
+
+def _phi4_cases(sp):
+    import numpy as np
+    from phi4_models import phi4_labels, phi4_pack, phi4_sample, tiny_phi4
+
+    mesh = init_mesh((1, sp))
+    ref = tiny_phi4()
+    hd = ref.config.hidden_size
+    model = copy.deepcopy(ref)
+    reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1, mesh=mesh)
+    handle = shard_vlm(model, sp_rank=mesh.sp_rank, sp_size=sp, core="sdpa")
+    docs = [phi4_sample(spec, seed=i) for i, spec in enumerate((PHI4_A, PHI4_B))]
+    batch = phi4_pack(docs, 2 * sp)
+    s = batch["input_ids"].shape[1]
+    batch["labels"] = phi4_labels(batch["input_ids"])
+    logits = []
+    for d in docs:  # the conformer draws from numpy on each call: the same draw for every call
+        np.random.seed(0)
+        logits.append(ref(**d, use_cache=False).logits)
+    ref_logits = torch.cat(logits, dim=1)
+    labels = torch.cat([F.pad(phi4_labels(d["input_ids"])[:, 1:], (0, 1), value=-100) for d in docs], dim=1)
+    ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    ref_loss.backward()
+    inputs = prepare_vlm_batch(model, batch, sp_rank=mesh.sp_rank, sp_size=sp)
+    shift = inputs.pop("shift_labels")
+    np.random.seed(0)
+    with _Shapes() as shapes:
+        out = model(**inputs, use_cache=False)
+        loss = sp_causal_lm_loss(out.logits, shift, mesh.sp_group)
+        loss.backward()
+    assert not _full_hidden(shapes.shapes, s, hd), _full_hidden(shapes.shapes, s, hd)  # no [B, S, Hd]
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=mesh.sp_group)
+    cols = slice(mesh.sp_rank * s // sp, (mesh.sp_rank + 1) * s // sp)
+    n = ref_logits.shape[1]  # the padding's logits are not the oracle's
+    torch.testing.assert_close(out.logits[:, : max(0, n - cols.start)], ref_logits[:, cols], rtol=1e-5, atol=1e-5)
+    floor = 1e-7 * max(float(p.grad.abs().max()) for p in ref.parameters() if p.grad is not None)
+    used = {n for n, p in ref.named_parameters() if p.grad is not None and float(p.grad.abs().max()) > floor}
+    assert all(p.grad is None or float(p.grad.abs().max()) <= 10 * floor
+               for n, p in model.named_parameters() if n not in used)  # fmt: skip
+    towers = ("image_embed.img_processor.", "image_embed.img_projection", "audio_embed.encoder.", "audio_embed.up_proj")
+    assert all(any(t in n for n in used) for t in towers), sorted(used)
+    grads = {n: p.grad for n, p in model.named_parameters() if n in used}
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if n in used}
+    assert_step_close(loss.detach().to(ref_loss.dtype), grads, ref_loss.detach(), ref_grads)  # the SP loss sums in fp32
+    assert reg.attention.calls == ref.config.num_hidden_layers  # the towers' attention is not SP's
+    handle.remove()
+    reg.remove()
+    return "phi4_multimodal"
+
+
+def test_phi4_multimodal_image_and_audio_rows_equal_no_sp(pool):
+    assert pool.run(_phi4_cases, 2, 2) == ["phi4_multimodal"] * 2
