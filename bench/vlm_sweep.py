@@ -58,10 +58,8 @@ TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, depth=2,
 """A vision/audio tower's fields, shrunk where its config has them."""
 MEDIA_TOKENS = 100
 """The first id given to the media tokens (``*_token_id`` / ``*_token_index`` outside the tiny vocabulary)."""
-REGISTRY = {**auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
-            **{k: v for k, v in auto.MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES.items() if k in SUPPORTED_VLMS}}  # fmt: skip
-"""model type -> its class name in transformers (and the multimodal-LM registry's families ``ulysses_sp.vlm`` admits:
-Phi-4-multimodal, a causal LM whose decoder holds its towers)."""
+REGISTRY = {**auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, **{k: v for k, v in auto.MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES.items() if k in SUPPORTED_VLMS}}
+"""model type -> its class name in transformers (and Phi-4-multimodal: the multimodal-LM registry's admitted VLMs)."""
 OVERRIDES = json.loads(Path(__file__).with_name("vlm_sweep_overrides.json").read_text())  # set last ("_why"s)
 
 
@@ -170,26 +168,18 @@ def sample(model: Any, seed: int = 1) -> dict[str, torch.Tensor]:
 
 
 def _phi4_sample(model: Any, text: Any) -> dict[str, torch.Tensor]:
-    """Phi-4-multimodal's sample: two ``crop_size x 2 crop_size`` images (their global crop and two sub-crops,
-    ``image_attention_mask`` all valid) and one clip of 40 mel frames, as many placeholders as its image and
-    audio embeddings make rows."""
-    cfg, g = model.config, torch.Generator().manual_seed(2)
-    vision, audio = cfg.vision_config, cfg.audio_config
-    crop, side = vision.crop_size, vision.image_size // vision.patch_size
-    base = (side + side % 2) // 2  # pooled patches per crop side
-    frames = 40
-    out = {"image_pixel_values": torch.randn(2, 3, vision.num_channels, crop, crop, generator=g),  # [N_img, crops, C, H, W]
-           "image_sizes": torch.tensor([[crop, 2 * crop]] * 2),
-           "image_attention_mask": torch.ones(2, 3, side, side, dtype=torch.long),
-           "audio_input_features": torch.randn(1, frames, audio.input_size, generator=g),  # [N_a, T, mel]
-           "audio_attention_mask": torch.ones(1, frames, dtype=torch.bool),
-           "audio_embed_sizes": torch.tensor([-(-frames // audio.time_reduction)])}  # fmt: skip
-    image = [vision.image_token_id] * (base * (2 * base + 1) + 1 + base * (base + 1))  # sub-crops, separator, global
-    ids = text(5) + image + text(3) + image + text(2) + [audio.audio_token_id] * int(out["audio_embed_sizes"][0])
-    ids += text(-(len(ids) + 9) % 4 + 9)  # the second image straddles the sp-2 shard boundary
-    out["input_ids"] = torch.tensor([ids])
-    out["labels"] = out["input_ids"].masked_fill(out["input_ids"] >= MEDIA_TOKENS, -100)
-    return out
+    """Phi-4-multimodal: two ``crop x 2 crop`` images (global crop + 2 sub-crops) and a 40-frame audio clip."""
+    g, v, a = torch.Generator().manual_seed(2), model.config.vision_config, model.config.audio_config
+    crop, side = v.crop_size, v.image_size // v.patch_size
+    out = {"image_pixel_values": torch.randn(2, 3, v.num_channels, crop, crop, generator=g), "image_sizes":
+           torch.tensor([[crop, 2 * crop]] * 2), "image_attention_mask": torch.ones(2, 3, side, side, dtype=torch.long),
+           "audio_input_features": torch.randn(1, 40, a.input_size, generator=g), "audio_attention_mask":
+           torch.ones(1, 40, dtype=torch.bool), "audio_embed_sizes": torch.tensor([-(-40 // a.time_reduction)])}  # fmt: skip
+    base = (side + side % 2) // 2  # rows: sub-crops (a separator column), one separator, global crop
+    image = [v.image_token_id] * (base * (2 * base + 1) + 1 + base * (base + 1))
+    ids = text(5) + image + text(3) + image + text(2) + [a.audio_token_id] * int(out["audio_embed_sizes"][0])
+    out["input_ids"] = torch.tensor([ids + text(-(len(ids) + 9) % 4 + 9)])  # the 2nd image straddles the boundary
+    return {**out, "labels": out["input_ids"].masked_fill(out["input_ids"] >= MEDIA_TOKENS, -100)}
 
 
 def compare(model: Any, *, seed: int = 1) -> dict[str, str]:
