@@ -2,8 +2,8 @@
 
     python -m bench.vlm_sweep [--only qwen2_5_vl,llava]  # all -> bench/results/vlm_sweep.md; a few: printed only
 
-The families come from transformers' ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`` (and its vision2seq registry,
-where a version still has one: 5.24 does not), not from a list kept here. Each gets a tiny config: the text tower shrunk as the decoder sweep
+The families come from transformers' ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`` (its vision2seq registry, where a
+version still has one, and the multimodal-LM one's admitted VLMs: Phi-4-multimodal), not from a list kept here. Each gets a tiny config: the text tower shrunk as the decoder sweep
 shrinks a decoder (``model_sweep.shrink``), every other tower (vision, audio, ...) to ``TOWER``, the media
 tokens' ids moved inside the 128-token vocabulary, ``vlm_sweep_overrides.json`` last (merged into each
 sub-config). Two gloo ranks (``model_sweep.run_family``'s workers) first build it on the meta device and ask
@@ -262,7 +262,7 @@ def write_table(rows: list[dict[str, Any]], path: Path, run: dict, note: str = "
     """The results page (the run's header, the counts, ``note``, one row per family); returns the text."""
     counts = {v: sum(r["verdict"] == v for r in rows) for v in ("exact", "refused", "skipped", "crash", "wrong")}
     return md.page(path, "VLM coverage sweep", run, [
-        f"transformers {transformers.__version__}: {len(rows)} image-text-to-text families from its auto registry, "
+        f"transformers {transformers.__version__}: {len(rows)} image-text-to-text families from its auto registries (Phi-4-multimodal: its multimodal-LM one), "
         "each at sp=2 through `ulysses_sp.vlm` against the same model without SP (two images; per-position "
         "logits and every gradient, vision tower included, fp32, rtol 1e-4), or refused by ulysses-sp's guard "
         "with its reason. `python -m bench.vlm_sweep` regenerates this file.",
