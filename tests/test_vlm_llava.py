@@ -118,39 +118,48 @@ PHI4_B = [4, ("audio", 40), 1, ("image", 32, 64), 5]
 1's audio rows are the batch's 6th to 10th."""
 
 
+def _phi4_reference(ref, docs):
+    """No-SP logits ``[1, S, V]`` of each document alone (the conformer's numpy draw the same each call), the loss."""
+    import numpy as np
+    from phi4_models import phi4_labels
+
+    logits = []
+    for d in docs:
+        np.random.seed(0)
+        logits.append(ref(**d, use_cache=False).logits)
+    ref_logits = torch.cat(logits, dim=1)
+    labels = torch.cat([F.pad(phi4_labels(d["input_ids"])[:, 1:], (0, 1), value=-100) for d in docs], dim=1)
+    return ref_logits, F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
 def _phi4_cases(sp):
+    """Through ``initialize`` at ZeRO 0 (DDP, which installs the merge): the towers' unused parameters (layers
+    past the feature layer, the pooling head, the speech projection beside images) must not keep DDP from
+    summing the other gradients over the SP group."""
     import numpy as np
     from phi4_models import phi4_labels, phi4_pack, phi4_sample, tiny_phi4
+
+    from ulysses_sp import initialize
 
     mesh = init_mesh((1, sp))
     ref = tiny_phi4()
     hd = ref.config.hidden_size
     model = copy.deepcopy(ref)
     reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1, mesh=mesh)
-    handle = shard_vlm(model, sp_rank=mesh.sp_rank, sp_size=sp, core="sdpa")
+    cfg = {"train_batch_size": 1, "zero_optimization": {"stage": 0}, "optimizer": {"type": "SGD", "params": {"lr": 0.5}}}
+    engine, _, _, _ = initialize(model, cfg, mpu=reg)
     docs = [phi4_sample(spec, seed=i) for i, spec in enumerate((PHI4_A, PHI4_B))]
     batch = phi4_pack(docs, 2 * sp)
     s = batch["input_ids"].shape[1]
     batch["labels"] = phi4_labels(batch["input_ids"])
-    logits = []
-    for d in docs:  # the conformer draws from numpy on each call: the same draw for every call
-        np.random.seed(0)
-        logits.append(ref(**d, use_cache=False).logits)
-    ref_logits = torch.cat(logits, dim=1)
-    labels = torch.cat([F.pad(phi4_labels(d["input_ids"])[:, 1:], (0, 1), value=-100) for d in docs], dim=1)
-    ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    ref_logits, ref_loss = _phi4_reference(ref, docs)
     ref_loss.backward()
     inputs = prepare_vlm_batch(model, batch, sp_rank=mesh.sp_rank, sp_size=sp)
-    shift = inputs.pop("shift_labels")
     np.random.seed(0)
     with _Shapes() as shapes:
-        out = model(**inputs, use_cache=False)
-        loss = sp_causal_lm_loss(out.logits, shift, mesh.sp_group)
-        loss.backward()
+        out = engine(**inputs, use_cache=False)
+        engine.backward(out.loss)  # gradients summed over the SP group by DDP's hook
     assert not _full_hidden(shapes.shapes, s, hd), _full_hidden(shapes.shapes, s, hd)  # no [B, S, Hd]
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad, group=mesh.sp_group)
     cols = slice(mesh.sp_rank * s // sp, (mesh.sp_rank + 1) * s // sp)
     n = ref_logits.shape[1]  # the padding's logits are not the oracle's
     torch.testing.assert_close(out.logits[:, : max(0, n - cols.start)], ref_logits[:, cols], rtol=1e-5, atol=1e-5)
@@ -162,9 +171,9 @@ def _phi4_cases(sp):
     assert all(any(t in n for n in used) for t in towers), sorted(used)
     grads = {n: p.grad for n, p in model.named_parameters() if n in used}
     ref_grads = {n: p.grad for n, p in ref.named_parameters() if n in used}
-    assert_step_close(loss.detach().to(ref_loss.dtype), grads, ref_loss.detach(), ref_grads)  # the SP loss sums in fp32
+    assert_step_close(out.loss.detach().to(ref_loss.dtype), grads, ref_loss.detach(), ref_grads)  # SP loss: fp32 sums
     assert reg.attention.calls == ref.config.num_hidden_layers  # the towers' attention is not SP's
-    handle.remove()
+    engine.vlm.remove()
     reg.remove()
     return "phi4_multimodal"
 
