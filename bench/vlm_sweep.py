@@ -10,7 +10,7 @@ sub-config). Two gloo ranks (``model_sweep.run_family``'s workers) first build i
 ulysses-sp's closed-world guard (``check_sequence_mixing``, which holds the multimodal refusal): a refusal is
 the verdict, with ulysses-sp's reason. Otherwise the model is built with random weights (fp32, matrices
 N(0, 0.2)) and one sample with two images (pixels of the shape its tower takes, as many placeholders as the
-tower gives rows) is run by the model's own forward (the oracle) and at sp=2 through ``ulysses_sp.vlm``
+tower gives rows; Gemma 3n: an audio clip after them) is run by the model's own forward (the oracle) and at sp=2 through ``ulysses_sp.vlm``
 (``register_with_transformers``, ``shard_vlm``, ``prepare_vlm_batch``, the SP loss). **exact**: every
 position's logits and every gradient (vision tower included), summed over the group, equal the oracle's at
 ``rtol 1e-4`` (``model_sweep``'s tolerance); **refused**; **wrong** (a mismatch, or a model that takes images
@@ -129,15 +129,20 @@ def sample(model: Any, seed: int = 1) -> dict[str, torch.Tensor]:
     """Two images between text, ``S`` a multiple of 4, and its labels (text tokens only). Qwen-style (a
     ``spatial_merge_size`` tower): 4x4-patch grids, ``[N_p, C*T*P*P]`` pixels, 4 placeholders an image between
     vision start/end tokens; otherwise ``[2, C, H, W]`` pixels at the tower's ``image_size``, as many placeholders
-    as its ``get_image_features`` gives rows."""
+    as its ``get_image_features`` gives rows; a model without a vision sub-config (Fuyu) ``[2, T, C*P*P]`` patch rows,
+    one placeholder a row."""
     g, cfg = torch.Generator().manual_seed(seed), model.config
-    vision = cfg.vision_config
+    vision = getattr(cfg, "vision_config", None)
     image = getattr(cfg, "image_token_id", None) or getattr(cfg, "image_token_index", None)
     text = lambda n: torch.randint(3, MEDIA_TOKENS - 4, (n,), generator=g).tolist()  # noqa: E731
     out: dict[str, torch.Tensor] = {}
     if "image_pixel_values" in inspect.signature(model.forward).parameters:  # Phi-4-multimodal: images and audio
         return _phi4_sample(model, text)
-    if hasattr(vision, "spatial_merge_size"):
+    elif vision is None:  # Fuyu: no tower, each image its [T, C*P*P] patch rows through one Linear
+        t = (cfg.image_size // cfg.patch_size) ** 2
+        out["pixel_values"] = torch.randn(2, t, cfg.num_channels * cfg.patch_size**2, generator=g)  # [2, T, C*P*P]
+        per = [image] * t
+    elif hasattr(vision, "spatial_merge_size"):
         t, p, m = getattr(vision, "temporal_patch_size", 1), vision.patch_size, vision.spatial_merge_size
         c = getattr(vision, "in_channels", None) or getattr(vision, "num_channels", 3)
         out["pixel_values"] = torch.randn(2 * 16, c * t * p * p, generator=g)  # [N_p, C*T*P*P]
@@ -157,6 +162,12 @@ def sample(model: Any, seed: int = 1) -> dict[str, torch.Tensor]:
         rows = sum(f.numel() for f in (feats if isinstance(feats, (list, tuple)) else [feats])) // cfg.get_text_config().hidden_size
         per = [image] * rows
     ids = text(5) + per + text(3) + per  # the second image straddles the sp-2 shard boundary
+    clip = getattr(cfg, "audio_soft_tokens_per_image", None)
+    if clip and "input_features_mask" in inspect.signature(model.forward).parameters:  # Gemma 3n: an audio clip too
+        frames = 64  # 4 soft tokens from the tiny conformer, 1 of them padding, the rest up to `clip` filled
+        out["input_features"] = torch.randn(1, frames, cfg.audio_config.input_feat_size, generator=g)
+        out["input_features_mask"] = (torch.arange(frames) < frames - 20)[None]  # [1, T] True: a valid frame
+        ids += text(2) + [cfg.audio_token_id] * clip
     ids += text(-(len(ids) + 9) % 4 + 9)
     out["input_ids"] = torch.tensor([ids])
     out["mm_token_type_ids"] = (out["input_ids"] == image).int()

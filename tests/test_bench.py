@@ -69,10 +69,11 @@ def test_bench_stays_lean():
     by issue 35's bench/vlm_sweep.py (every image-text-to-text family at sp 2 through ulysses_sp.vlm: the tiny
     multi-tower configs, the image samples, the VLM step; model_sweep's workers, comparison and command line reused);
     to 3,830 by the scale table's 8M-token row with the disk tier (issues 31 and 37: the record on a 2 TB node); to
-    3,845 by issue 36's Phi-4-multimodal row in the VLM sweep (its own inputs: images in HD crops and an audio clip)."""
+    3,860 by issue 36's VLM-sweep samples of Fuyu (patch rows), Gemma 3n (an audio clip) and Phi-4-multimodal (its own
+    inputs: images in HD crops and an audio clip)."""
     lines = {p.name: len(p.read_text().splitlines()) for p in (ROOT / "bench").glob("*.py")}
     biggest = sorted(lines.items(), key=lambda kv: -kv[1])[:5]
-    assert sum(lines.values()) <= 3845, f"bench/*.py has {sum(lines.values())} lines (cap 3,845); biggest: {biggest}"
+    assert sum(lines.values()) <= 3860, f"bench/*.py has {sum(lines.values())} lines (cap 3,860); biggest: {biggest}"
 
 
 def test_a_cycle_is_found_by_the_check():

@@ -29,6 +29,7 @@ from torch import nn
 
 from ulysses_sp.attention.registration import ATTN_NAME
 from ulysses_sp.vlm.families import VLMParts, vlm_parts
+from ulysses_sp.vlm.gemma3n import gemma3n_forward
 from ulysses_sp.vlm.merge import install, sharded_forward
 from ulysses_sp.vlm.phi4mm import phi4_forward
 from ulysses_sp.vlm.scatter import scatter_forward
@@ -96,8 +97,9 @@ def shard_vlm(
         forward = sharded_forward(parts, sp_rank=sp_rank, sp_size=sp_size, ring_size=ring_size, group=group)
     elif parts.media is not None:  # Phi-4-multimodal: the decoder holds its towers, every image and clip on each rank
         forward = phi4_forward(parts, sp_rank=sp_rank, sp_size=sp_size, ring_size=ring_size)
-    else:  # LLaVA-style: 1-D positions, every image encoded on each rank
-        forward = scatter_forward(parts, sp_rank=sp_rank, sp_size=sp_size, ring_size=ring_size)
+    else:  # LLaVA-style: 1-D positions, every image (Gemma 3n: and audio clip) encoded on each rank
+        make = gemma3n_forward if parts.scatter.per_layer_audio else scatter_forward
+        forward = make(parts, sp_rank=sp_rank, sp_size=sp_size, ring_size=ring_size)
     handle = VLMShardHandle(model, parts.language_model, configs, prev, install(parts, forward))
     parts.language_model.__dict__[INSTALLED] = handle
     return handle
@@ -107,7 +109,8 @@ def tower_configs(parts: VLMParts) -> list[Any]:
     """The configs of the towers (the vision tower's; with ``VLMParts.media``, every tower model in it: Phi-4's
     image and audio towers), which ``register_with_transformers`` pointed at the SP attention too."""
     if parts.media is None:
-        return [parts.vision.config]
+        config = getattr(parts.vision, "config", None)  # None: Fuyu's patch projection, no attention
+        return [] if config is None else [config]
     from transformers import PreTrainedModel
 
     towers = [m.config for m in parts.media.modules() if isinstance(m, PreTrainedModel)]
