@@ -2,8 +2,8 @@
 
     python -m bench.vlm_sweep [--only qwen2_5_vl,llava]  # all -> bench/results/vlm_sweep.md; a few: printed only
 
-The families come from transformers' ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`` (and its vision2seq registry,
-where a version still has one: 5.24 does not), not from a list kept here. Each gets a tiny config: the text tower shrunk as the decoder sweep
+The families come from transformers' ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`` (its vision2seq registry, where a
+version still has one, and the multimodal-LM one's admitted VLMs: Phi-4-multimodal), not from a list kept here. Each gets a tiny config: the text tower shrunk as the decoder sweep
 shrinks a decoder (``model_sweep.shrink``), every other tower (vision, audio, ...) to ``TOWER``, the media
 tokens' ids moved inside the 128-token vocabulary, ``vlm_sweep_overrides.json`` last (merged into each
 sub-config). Two gloo ranks (``model_sweep.run_family``'s workers) first build it on the meta device and ask
@@ -50,7 +50,7 @@ from bench.model_sweep import _mismatches, grad_mismatches, shrink
 from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
 from ulysses_sp.mixers.guard import check_sequence_mixing
 from ulysses_sp.parallel.loss import sp_causal_lm_loss
-from ulysses_sp.vlm import prepare_vlm_batch, shard_vlm, vlm_parts
+from ulysses_sp.vlm import SUPPORTED_VLMS, prepare_vlm_batch, shard_vlm, vlm_parts
 
 TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, depth=2, num_attention_heads=2, num_heads=2,
              num_key_value_heads=2, head_dim=16, image_size=32, patch_size=8, out_hidden_size=64, embed_dim=32,
@@ -58,14 +58,14 @@ TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, depth=2,
 """A vision/audio tower's fields, shrunk where its config has them."""
 MEDIA_TOKENS = 100
 """The first id given to the media tokens (``*_token_id`` / ``*_token_index`` outside the tiny vocabulary)."""
-REGISTRY = auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-"""model type -> its class name in transformers."""
+REGISTRY = {**auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, **{k: v for k, v in auto.MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES.items() if k in SUPPORTED_VLMS}}
+"""model type -> its class name in transformers (and Phi-4-multimodal: the multimodal-LM registry's admitted VLMs)."""
 OVERRIDES = json.loads(Path(__file__).with_name("vlm_sweep_overrides.json").read_text())  # set last ("_why"s)
 
 
 def families() -> list[str]:
     """The image-text-to-text model types of the installed transformers, from its auto registries."""
-    return sorted({*auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, *getattr(auto, "MODEL_FOR_VISION_2_SEQ_MAPPING_NAMES", {})})
+    return sorted({*REGISTRY, *getattr(auto, "MODEL_FOR_VISION_2_SEQ_MAPPING_NAMES", {})})
 
 
 def _tokens(defaults: dict, vocab: int) -> dict:
@@ -136,7 +136,9 @@ def sample(model: Any, seed: int = 1) -> dict[str, torch.Tensor]:
     image = getattr(cfg, "image_token_id", None) or getattr(cfg, "image_token_index", None)
     text = lambda n: torch.randint(3, MEDIA_TOKENS - 4, (n,), generator=g).tolist()  # noqa: E731
     out: dict[str, torch.Tensor] = {}
-    if vision is None:  # Fuyu: no tower, each image its [T, C*P*P] patch rows through one Linear
+    if "image_pixel_values" in inspect.signature(model.forward).parameters:  # Phi-4-multimodal: images and audio
+        return _phi4_sample(model, text)
+    elif vision is None:  # Fuyu: no tower, each image its [T, C*P*P] patch rows through one Linear
         t = (cfg.image_size // cfg.patch_size) ** 2
         out["pixel_values"] = torch.randn(2, t, cfg.num_channels * cfg.patch_size**2, generator=g)  # [2, T, C*P*P]
         per = [image] * t
@@ -174,6 +176,21 @@ def sample(model: Any, seed: int = 1) -> dict[str, torch.Tensor]:
     media = torch.tensor([i >= MEDIA_TOKENS for i in ids])
     out["labels"] = out["input_ids"].masked_fill(media[None], -100)
     return out
+
+
+def _phi4_sample(model: Any, text: Any) -> dict[str, torch.Tensor]:
+    """Phi-4-multimodal: two ``crop x 2 crop`` images (global crop + 2 sub-crops) and a 40-frame audio clip."""
+    g, v, a = torch.Generator().manual_seed(2), model.config.vision_config, model.config.audio_config
+    crop, side = v.crop_size, v.image_size // v.patch_size
+    out = {"image_pixel_values": torch.randn(2, 3, v.num_channels, crop, crop, generator=g), "image_sizes":
+           torch.tensor([[crop, 2 * crop]] * 2), "image_attention_mask": torch.ones(2, 3, side, side, dtype=torch.long),
+           "audio_input_features": torch.randn(1, 40, a.input_size, generator=g), "audio_attention_mask":
+           torch.ones(1, 40, dtype=torch.bool), "audio_embed_sizes": torch.tensor([-(-40 // a.time_reduction)])}  # fmt: skip
+    base = (side + side % 2) // 2  # rows: sub-crops (a separator column), one separator, global crop
+    image = [v.image_token_id] * (base * (2 * base + 1) + 1 + base * (base + 1))
+    ids = text(5) + image + text(3) + image + text(2) + [a.audio_token_id] * int(out["audio_embed_sizes"][0])
+    out["input_ids"] = torch.tensor([ids + text(-(len(ids) + 9) % 4 + 9)])  # the 2nd image straddles the boundary
+    return {**out, "labels": out["input_ids"].masked_fill(out["input_ids"] >= MEDIA_TOKENS, -100)}
 
 
 def compare(model: Any, *, seed: int = 1) -> dict[str, str]:
@@ -256,7 +273,7 @@ def write_table(rows: list[dict[str, Any]], path: Path, run: dict, note: str = "
     """The results page (the run's header, the counts, ``note``, one row per family); returns the text."""
     counts = {v: sum(r["verdict"] == v for r in rows) for v in ("exact", "refused", "skipped", "crash", "wrong")}
     return md.page(path, "VLM coverage sweep", run, [
-        f"transformers {transformers.__version__}: {len(rows)} image-text-to-text families from its auto registry, "
+        f"transformers {transformers.__version__}: {len(rows)} image-text-to-text families from its auto registries (Phi-4-multimodal: its multimodal-LM one), "
         "each at sp=2 through `ulysses_sp.vlm` against the same model without SP (two images; per-position "
         "logits and every gradient, vision tower included, fp32, rtol 1e-4), or refused by ulysses-sp's guard "
         "with its reason. `python -m bench.vlm_sweep` regenerates this file.",

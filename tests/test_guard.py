@@ -99,6 +99,17 @@ def test_gemma3n_is_admitted_and_checked_through_its_language_model():
     assert [f.layer for f in classify_model(model) if f.kind == "attention"] == [0, 1, 2, 3]
 
 
+def test_phi4_multimodal_s_towers_inside_its_decoder_are_left_alone_and_its_layers_checked():
+    """Phi-4-multimodal's decoder holds its towers (``embed_tokens_extend``: a Conv2d patch embedding, a
+    MultiheadAttention pooling head, a conformer); admitted as a VLM (``vlm/phi4mm.py`` encodes whole images and
+    clips on a rank), only the decoder's own modules are read."""
+    model = build("phi4_multimodal")
+    findings = classify_model(model)
+    assert refusals(model) == []
+    assert [f.layer for f in findings if f.kind == "attention"] == [0, 1]
+    assert not [f for f in findings if "embed_tokens_extend" in f.path]
+
+
 def test_a_looped_model_s_layers_are_found_in_its_stacks():
     """HRM runs its H and L stacks (2 layers each) in cycles: num_hidden_layers (16) counts the runs; every
     layer module of both stacks is checked, each once, and the stacks' own final norms around them."""

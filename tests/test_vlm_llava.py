@@ -289,3 +289,74 @@ def _gemma3n_cases(sp):
 def test_gemma3n_image_and_audio_logits_loss_and_every_gradient_equal_no_sp(pool):
     results = pool.run(_gemma3n_cases, 2, 2)
     assert all(r == [("gemma3n", c, 2) for c in ("batch", "packed")] for r in results)
+
+
+PHI4_A = [3, ("image", 32, 64), 2, ("audio", 40), 2, ("image", 64, 32), 3]
+"""Phi-4-multimodal: 3 text, 17 image rows, 2 text, 5 audio rows, 2 text, 19 image rows (29-47), 3 text (51 tokens)."""
+PHI4_B = [4, ("audio", 40), 1, ("image", 32, 64), 5]
+"""32 tokens packed after PHI4_A (84 with padding): the sp-2 boundary (42) falls in PHI4_A's second image, and rank
+1's audio rows are the batch's 6th to 10th."""
+
+
+def _phi4_reference(ref, docs):
+    """No-SP logits ``[1, S, V]`` of each document alone (the conformer's numpy draw the same each call), the loss."""
+    import numpy as np
+    from phi4_models import phi4_labels
+
+    logits = []
+    for d in docs:
+        np.random.seed(0)
+        logits.append(ref(**d, use_cache=False).logits)
+    ref_logits = torch.cat(logits, dim=1)
+    labels = torch.cat([F.pad(phi4_labels(d["input_ids"])[:, 1:], (0, 1), value=-100) for d in docs], dim=1)
+    return ref_logits, F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def _phi4_cases(sp):
+    """Through ``initialize`` at ZeRO 0 (DDP, which installs the merge): the towers' unused parameters (layers
+    past the feature layer, the pooling head, the speech projection beside images) must not keep DDP from
+    summing the other gradients over the SP group."""
+    import numpy as np
+    from phi4_models import phi4_labels, phi4_pack, phi4_sample, tiny_phi4
+
+    from ulysses_sp import initialize
+
+    mesh = init_mesh((1, sp))
+    ref = tiny_phi4()
+    hd = ref.config.hidden_size
+    model = copy.deepcopy(ref)
+    reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1, mesh=mesh)
+    cfg = {"train_batch_size": 1, "zero_optimization": {"stage": 0}, "optimizer": {"type": "SGD", "params": {"lr": 0.5}}}
+    engine, _, _, _ = initialize(model, cfg, mpu=reg)
+    docs = [phi4_sample(spec, seed=i) for i, spec in enumerate((PHI4_A, PHI4_B))]
+    batch = phi4_pack(docs, 2 * sp)
+    s = batch["input_ids"].shape[1]
+    batch["labels"] = phi4_labels(batch["input_ids"])
+    ref_logits, ref_loss = _phi4_reference(ref, docs)
+    ref_loss.backward()
+    inputs = prepare_vlm_batch(model, batch, sp_rank=mesh.sp_rank, sp_size=sp)
+    np.random.seed(0)
+    with _Shapes() as shapes:
+        out = engine(**inputs, use_cache=False)
+        engine.backward(out.loss)  # gradients summed over the SP group by DDP's hook
+    assert not _full_hidden(shapes.shapes, s, hd), _full_hidden(shapes.shapes, s, hd)  # no [B, S, Hd]
+    cols = slice(mesh.sp_rank * s // sp, (mesh.sp_rank + 1) * s // sp)
+    n = ref_logits.shape[1]  # the padding's logits are not the oracle's
+    torch.testing.assert_close(out.logits[:, : max(0, n - cols.start)], ref_logits[:, cols], rtol=1e-5, atol=1e-5)
+    floor = 1e-7 * max(float(p.grad.abs().max()) for p in ref.parameters() if p.grad is not None)
+    used = {n for n, p in ref.named_parameters() if p.grad is not None and float(p.grad.abs().max()) > floor}
+    assert all(p.grad is None or float(p.grad.abs().max()) <= 10 * floor
+               for n, p in model.named_parameters() if n not in used)  # fmt: skip
+    towers = ("image_embed.img_processor.", "image_embed.img_projection", "audio_embed.encoder.", "audio_embed.up_proj")
+    assert all(any(t in n for n in used) for t in towers), sorted(used)
+    grads = {n: p.grad for n, p in model.named_parameters() if n in used}
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if n in used}
+    assert_step_close(out.loss.detach().to(ref_loss.dtype), grads, ref_loss.detach(), ref_grads)  # SP loss: fp32 sums
+    assert reg.attention.calls == ref.config.num_hidden_layers  # the towers' attention is not SP's
+    engine.vlm.remove()
+    reg.remove()
+    return "phi4_multimodal"
+
+
+def test_phi4_multimodal_image_and_audio_rows_equal_no_sp(pool):
+    assert pool.run(_phi4_cases, 2, 2) == ["phi4_multimodal"] * 2

@@ -37,6 +37,8 @@ from ulysses_sp.vlm.positions import token_types, vlm_position_ids
 _GRIDS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
 _MEDIA = ("pixel_values", "pixel_values_videos", "image_patches")  # Fuyu's processor: image_patches (legacy name)
 _PER_IMAGE = ("image_sizes",)  # LLaVA-style: Mistral 3's / LLaVA's image sizes [N_img, 2]
+_PHI4 = ("image_pixel_values", "image_attention_mask", "audio_input_features", "audio_embed_sizes", "audio_attention_mask")
+"""Phi-4-multimodal's per-image crops and masks, per-clip features, sizes and masks (not per token)."""
 _AUDIO = ("input_features", "input_features_mask")  # Gemma 3n's clips: [N_clip, T, F] mel frames, [N_clip, T] valid
 SAMPLE_MEDIA = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 """A sample's per-image / per-video keys (``vlm.data``): concatenated in sample order when samples
@@ -68,7 +70,7 @@ def prepare_vlm_batch(
         full["mm_token_type_ids"] = token_types(parts.inner.config, full["input_ids"])
     # pixels and grids are per patch / per image, not per token: kept out of the per-token checks and padding
     # (a pixel_values [N_p, C] whose N_p or C happens to equal B or S would be taken for a per-token tensor)
-    media = {k: full.pop(k) for k in (*_MEDIA, *_GRIDS, *_PER_IMAGE, *_AUDIO) if k in full}
+    media = {k: full.pop(k) for k in (*_MEDIA, *_GRIDS, *_PER_IMAGE, *_AUDIO, *_PHI4) if k in full}
     prepared = {**prepare_batch(full, sp_size, pad_token_id=pad_token_id, ring_size=ring_size), **media}
     ids = prepared["input_ids"]
     if parts.scatter is None:  # Qwen: [B, S] -> [4, B, S] (text row + mrope rows); LLaVA-style: [B, S] as is

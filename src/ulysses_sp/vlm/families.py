@@ -4,7 +4,7 @@ Closed world, like the guard (``mixers.guard``): the path of this package relies
 model's own forward does between its vision tower and its language model — it merges the visual
 embeddings into ``inputs_embeds`` over the full sequence, takes (or computes) its positions, and
 passes every other per-token input to the language model by keyword, which the per-shard forward
-rebuilds for one shard. Two shapes of that forward are admitted:
+rebuilds for one shard. Three shapes of that forward are admitted:
 
 - ``QWEN_VLMS`` (``merge``): ``[4, B, S]`` mrope positions from ``get_rope_index``, a vision tower
   over patch rows and ``[t, h, w]`` grids (its frames split over the SP group, ``split``);
@@ -17,7 +17,9 @@ rebuilds for one shard. Two shapes of that forward are admitted:
   ways (``token_type_ids`` in its mask): the runs are found on the host from the full batch (``batch``)
   and shipped with the positions' host layout to the SP attention, which ORs them into its mask
   (``attention/span_mask.py``). Gemma 3n also scatters an audio tower's soft tokens and builds
-  per-layer inputs from the ids (``gemma3n``).
+  per-layer inputs from the ids (``gemma3n``);
+- ``PHI4_VLMS`` (``phi4mm``): Phi-4-multimodal, whose decoder holds its image and audio towers
+  (``embed_tokens_extend``, ``VLMParts.media``) and writes their rows into its own embeddings; 1-D positions.
 
 That is read from the model's code for the families below and tested against the same model
 without SP (``tests/test_vlm.py``, ``tests/test_vlm_llava.py``); any other model with a vision or
@@ -79,7 +81,13 @@ SCATTER_VLMS: dict[str, ScatterFamily] = {
 }
 """``config.model_type`` -> the LLaVA-style families the ``scatter`` path handles (exact, tested)."""
 
-SUPPORTED_VLMS: dict[str, str] = {**QWEN_VLMS, **{k: f.what for k, f in SCATTER_VLMS.items()}}
+PHI4_VLMS: dict[str, ScatterFamily] = {
+    "phi4_multimodal": ScatterFamily("Phi-4-multimodal: SigLIP-style image tower (HD crops) and conformer audio tower, "
+                                     "their rows put into the decoder's own embeddings (phi4mm)"),
+}
+"""``config.model_type`` -> the families whose decoder holds its towers (``media``, ``phi4mm``): 1-D positions."""
+
+SUPPORTED_VLMS: dict[str, str] = {**QWEN_VLMS, **{k: f.what for k, f in {**SCATTER_VLMS, **PHI4_VLMS}.items()}}
 """``config.model_type`` -> what the path handles for it (exact, tested)."""
 
 REFUSED_VLMS: dict[str, str] = {
@@ -115,6 +123,10 @@ class VLMParts:
     """The decoder stack: runs on each rank's ``S_l`` tokens with the Ulysses attention."""
     scatter: ScatterFamily | None = None
     """A LLaVA-style family (``SCATTER_VLMS``: 1-D positions, ``scatter``); ``None``: Qwen (mrope, ``merge``)."""
+    media: nn.Module | None = None
+    """The module of the decoder stack that holds the towers (Phi-4-multimodal's ``embed_tokens_extend``,
+    ``PHI4_VLMS``: its forward is ``phi4mm``'s); it encodes whole images and audio on a rank, so the guard
+    does not read it as a sequence mixer. ``None``: the towers sit beside the language model."""
 
 
 def _model_type(model: Any) -> str | None:
@@ -125,12 +137,19 @@ def vlm_parts(model: Any) -> VLMParts | None:
     """The parts of an admitted VLM (``SUPPORTED_VLMS``), else ``None``. PEFT wrappers are looked
     through: the first module of the model's tree whose config is of an admitted family and that holds
     the vision tower and the language model as children (Qwen: ``visual`` and ``get_rope_index``;
-    LLaVA-style: ``ScatterFamily.tower`` (``vision_tower``) and ``get_image_features``)."""
+    LLaVA-style: ``ScatterFamily.tower`` (``vision_tower``) and ``get_image_features``; Phi-4: the decoder, with
+    ``embed_tokens_extend`` and ``layers``)."""
     if not isinstance(model, nn.Module):
         return None
     for module in model.modules():
         kind = _model_type(module)
         if kind not in SUPPORTED_VLMS:
+            continue
+        if kind in PHI4_VLMS:  # the decoder (Phi4MultimodalModel) holds the towers and merges itself
+            media, layers = module._modules.get("embed_tokens_extend"), module._modules.get("layers")
+            if isinstance(media, nn.Module) and isinstance(layers, nn.Module):
+                vision = media.get_submodule("image_embed.img_processor")
+                return VLMParts(module, vision, module, PHI4_VLMS[str(kind)], media)
             continue
         scatter = SCATTER_VLMS.get(str(kind))
         tower, method = ("visual", "get_rope_index") if scatter is None else (scatter.tower, "get_image_features")
