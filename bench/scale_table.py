@@ -9,8 +9,7 @@ rehearsal runs in its own process (the fake process group), rank 0 only. The tab
 rehearsed device peak (without the reserve), their ratio, host bytes per node (predicted and
 rehearsed, 2 TB = 2,048 GB per node available), the verdict, and the projected step time.
 
-``python -m bench.scale_table [--rows NAME ...] [--out bench/results/scale_table.md]``
-(CPU minutes per row: Llama-3-8B on one GPU ~10 quiet, 25 beside other work).
+``python -m bench.scale_table [--rows NAME ...] [--out FILE]`` (CPU minutes a row: 1-25, Llama-3-8B on one GPU the most).
 """
 
 from __future__ import annotations
@@ -23,11 +22,14 @@ import tempfile
 
 from bench import md
 
-SHAPES = {  # transformers config fields
+SHAPES = {  # transformers config fields (the published config.json: nvidia/Nemotron-H-8B-Base-8K, Qwen/Qwen3-Next-80B-A3B-Instruct)
     "Llama-3-8B": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
     "Qwen3-32B": dict(model_type="qwen3", hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
                       num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "Nemotron-H-8B": dict(model_type="nemotron_h", hybrid_override_pattern="M-M-M-M*-" + "M-M-M-M-M*-" * 3 + "M-" * 5, hidden_size=4096,
+                          intermediate_size=21504, mamba_num_heads=128, mamba_head_dim=64, n_groups=8, ssm_state_size=128, vocab_size=131072),
+    "Qwen3-Next-80B-A3B": dict(model_type="qwen3_next"),  # transformers' defaults are its config.json's (48 layers, 512 experts)
 }  # fmt: skip
 ROWS = {  # name: (shape, gpus, tokens or None for the planner's longest, settings over SETTINGS)
     "8b-1gpu": ("Llama-3-8B", 1, None, {}),
@@ -39,6 +41,9 @@ ROWS = {  # name: (shape, gpus, tokens or None for the planner's longest, settin
     "8b-32gpu": ("Llama-3-8B", 32, None, {}),
     "32b-8gpu": ("Qwen3-32B", 8, None, {}),
     "32b-32gpu": ("Qwen3-32B", 32, None, {}),
+    "nemotron-h-8gpu": ("Nemotron-H-8B", 8, None, {}),
+    "qwen3-next-8gpu": ("Qwen3-Next-80B-A3B", 8, None, {"tiled_mlp": False}),  # --tiled-mlp refuses its experts' router
+    "8b-8gpu-trainer": ("Llama-3-8B", 8, None, {"trainer": True}),  # HF Trainer + prepare(): trainer_row
 }
 SETTINGS = dict(zero_stage=3, zero_partition="all", dtype="bf16", tiled_mlp=True, tiled_loss=True,
                 activation_checkpointing=True, offload_activations=True, recompute_norms=True, cpu_offload=True)  # fmt: skip
@@ -59,6 +64,7 @@ def _model_dir(shape: str) -> str:
 def _cfg(model_dir: str, gpus: int, seq_len: int, head_chunks: int = 1, over: dict | None = None):
     from ulysses_sp.run.config import config_from_dict
 
+    over = {k: v for k, v in (over or {}).items() if k != "trainer"}  # the Trainer's equivalent is these settings
     return config_from_dict(dict(model=model_dir, sp=gpus, seq_len=seq_len, micro_batch_size=1, progress=False,
                                  **{**SETTINGS, "head_chunks": head_chunks, **(over or {})}))  # fmt: skip
 
@@ -84,8 +90,27 @@ def rehearse_row(model_dir: str, gpus: int, seq_len: int, head_chunks: int, over
     from ulysses_sp.rehearse.run import rehearse_run
 
     host = over.pop("host_memory", None)  # per node (default: rehearse_run's, 2 TB)
+    if over.pop("trainer", False):
+        return trainer_row(model_dir, gpus, seq_len, head_chunks, host)
     r = rehearse_run(_cfg(model_dir, gpus, seq_len, head_chunks, over), gpus=gpus, device="cuda", ranks=(0,), host_memory=host)
     return r.as_dict()
+
+
+def trainer_row(model_dir: str, gpus: int, seq_len: int, head_chunks: int, host: str | None) -> dict:
+    """The HF Trainer path with SETTINGS' equivalents: a meta model in a ``Trainer`` (bf16, gradient
+    checkpointing), ``prepare()``'s ALST options, FSDP2 ``full_shard offload`` (``rehearse.trainer``)."""
+    import torch
+    from transformers import AutoConfig, Trainer, TrainingArguments
+
+    from ulysses_sp.rehearse.trainer import meta_model, rehearse_trainer
+
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(prefix="scale-trainer-"), bf16=True, report_to=[],
+                             use_cpu=not torch.cuda.is_available(), gradient_checkpointing=True,
+                             gradient_checkpointing_kwargs={"use_reentrant": False}, per_device_train_batch_size=1)  # fmt: skip
+    trainer = Trainer(model=meta_model(AutoConfig.from_pretrained(model_dir)), args=args)
+    return rehearse_trainer(trainer, sp_size=gpus, seq_len=seq_len, gpus=gpus, fsdp="full_shard offload", ranks=(0,),
+                            host_memory=host, tiled_mlp=True, tiled_loss=True, offload_activations=True,
+                            recompute_norms=True, head_chunks=head_chunks).as_dict()  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

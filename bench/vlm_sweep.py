@@ -2,15 +2,15 @@
 
     python -m bench.vlm_sweep [--only qwen2_5_vl,llava]  # all -> bench/results/vlm_sweep.md; a few: printed only
 
-The families come from transformers' ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`` (and its vision2seq registry,
-where a version still has one: 5.24 does not), not from a list kept here. Each gets a tiny config: the text tower shrunk as the decoder sweep
+The families come from transformers' ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`` (its vision2seq registry, where a
+version still has one, and the multimodal-LM one's admitted VLMs: Phi-4-multimodal), not from a list kept here. Each gets a tiny config: the text tower shrunk as the decoder sweep
 shrinks a decoder (``model_sweep.shrink``), every other tower (vision, audio, ...) to ``TOWER``, the media
 tokens' ids moved inside the 128-token vocabulary, ``vlm_sweep_overrides.json`` last (merged into each
 sub-config). Two gloo ranks (``model_sweep.run_family``'s workers) first build it on the meta device and ask
 ulysses-sp's closed-world guard (``check_sequence_mixing``, which holds the multimodal refusal): a refusal is
 the verdict, with ulysses-sp's reason. Otherwise the model is built with random weights (fp32, matrices
 N(0, 0.2)) and one sample with two images (pixels of the shape its tower takes, as many placeholders as the
-tower gives rows) is run by the model's own forward (the oracle) and at sp=2 through ``ulysses_sp.vlm``
+tower gives rows; Gemma 3n: an audio clip after them) is run by the model's own forward (the oracle) and at sp=2 through ``ulysses_sp.vlm``
 (``register_with_transformers``, ``shard_vlm``, ``prepare_vlm_batch``, the SP loss). **exact**: every
 position's logits and every gradient (vision tower included), summed over the group, equal the oracle's at
 ``rtol 1e-4`` (``model_sweep``'s tolerance); **refused**; **wrong** (a mismatch, or a model that takes images
@@ -51,7 +51,7 @@ from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
 from ulysses_sp.mixers.apply import apply_mixers, has_unsharded_mixers
 from ulysses_sp.mixers.guard import check_sequence_mixing
 from ulysses_sp.parallel.loss import sp_causal_lm_loss
-from ulysses_sp.vlm import prepare_vlm_batch, shard_vlm, vlm_parts
+from ulysses_sp.vlm import SUPPORTED_VLMS, prepare_vlm_batch, shard_vlm, vlm_parts
 from ulysses_sp.vlm.prefix import prefix_tokens
 
 TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, depth=2, num_attention_heads=2, num_heads=2,
@@ -60,14 +60,14 @@ TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, depth=2,
 """A vision/audio tower's fields, shrunk where its config has them."""
 MEDIA_TOKENS = 100
 """The first id given to the media tokens (``*_token_id`` / ``*_token_index`` outside the tiny vocabulary)."""
-REGISTRY = auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-"""model type -> its class name in transformers."""
+REGISTRY = {**auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, **{k: v for k, v in auto.MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES.items() if k in SUPPORTED_VLMS}}
+"""model type -> its class name in transformers (and Phi-4-multimodal: the multimodal-LM registry's admitted VLMs)."""
 OVERRIDES = json.loads(Path(__file__).with_name("vlm_sweep_overrides.json").read_text())  # set last ("_why"s)
 
 
 def families() -> list[str]:
     """The image-text-to-text model types of the installed transformers, from its auto registries."""
-    return sorted({*auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, *getattr(auto, "MODEL_FOR_VISION_2_SEQ_MAPPING_NAMES", {})})
+    return sorted({*REGISTRY, *getattr(auto, "MODEL_FOR_VISION_2_SEQ_MAPPING_NAMES", {})})
 
 
 def _tokens(defaults: dict, vocab: int) -> dict:
@@ -131,9 +131,10 @@ def sample(model: Any, seed: int = 1) -> dict[str, torch.Tensor]:
     """Two images between text, ``S`` a multiple of 4, and its labels (text tokens only). Qwen-style (a
     ``spatial_merge_size`` tower): 4x4-patch grids, ``[N_p, C*T*P*P]`` pixels, 4 placeholders an image between
     vision start/end tokens; otherwise ``[2, C, H, W]`` pixels at the tower's ``image_size``, as many placeholders
-    as its ``get_image_features`` gives rows."""
+    as its ``get_image_features`` gives rows; a model without a vision sub-config (Fuyu) ``[2, T, C*P*P]`` patch rows,
+    one placeholder a row."""
     g, cfg = torch.Generator().manual_seed(seed), model.config
-    vision = cfg.vision_config
+    vision = getattr(cfg, "vision_config", None)
     image = getattr(cfg, "image_token_id", None) or getattr(cfg, "image_token_index", None)
     text = lambda n: torch.randint(3, MEDIA_TOKENS - 4, (n,), generator=g).tolist()  # noqa: E731
     out: dict[str, torch.Tensor] = {}
@@ -144,7 +145,13 @@ def sample(model: Any, seed: int = 1) -> dict[str, torch.Tensor]:
         out["input_ids"] = torch.tensor([text(-(n + n // 2) % 4 + n // 2)])
         out["labels"] = out["input_ids"].clone()
         return out
-    if hasattr(vision, "spatial_merge_size"):
+    if "image_pixel_values" in inspect.signature(model.forward).parameters:  # Phi-4-multimodal: images and audio
+        return _phi4_sample(model, text)
+    elif vision is None:  # Fuyu: no tower, each image its [T, C*P*P] patch rows through one Linear
+        t = (cfg.image_size // cfg.patch_size) ** 2
+        out["pixel_values"] = torch.randn(2, t, cfg.num_channels * cfg.patch_size**2, generator=g)  # [2, T, C*P*P]
+        per = [image] * t
+    elif hasattr(vision, "spatial_merge_size"):
         t, p, m = getattr(vision, "temporal_patch_size", 1), vision.patch_size, vision.spatial_merge_size
         c = getattr(vision, "in_channels", None) or getattr(vision, "num_channels", 3)
         out["pixel_values"] = torch.randn(2 * 16, c * t * p * p, generator=g)  # [N_p, C*T*P*P]
@@ -164,6 +171,12 @@ def sample(model: Any, seed: int = 1) -> dict[str, torch.Tensor]:
         rows = sum(f.numel() for f in (feats if isinstance(feats, (list, tuple)) else [feats])) // cfg.get_text_config().hidden_size
         per = [image] * rows
     ids = text(5) + per + text(3) + per  # the second image straddles the sp-2 shard boundary
+    clip = getattr(cfg, "audio_soft_tokens_per_image", None)
+    if clip and "input_features_mask" in inspect.signature(model.forward).parameters:  # Gemma 3n: an audio clip too
+        frames = 64  # 4 soft tokens from the tiny conformer, 1 of them padding, the rest up to `clip` filled
+        out["input_features"] = torch.randn(1, frames, cfg.audio_config.input_feat_size, generator=g)
+        out["input_features_mask"] = (torch.arange(frames) < frames - 20)[None]  # [1, T] True: a valid frame
+        ids += text(2) + [cfg.audio_token_id] * clip
     ids += text(-(len(ids) + 9) % 4 + 9)
     out["input_ids"] = torch.tensor([ids])
     out["mm_token_type_ids"] = (out["input_ids"] == image).int()
@@ -172,6 +185,21 @@ def sample(model: Any, seed: int = 1) -> dict[str, torch.Tensor]:
     media = torch.tensor([i >= MEDIA_TOKENS for i in ids])
     out["labels"] = out["input_ids"].masked_fill(media[None], -100)
     return out
+
+
+def _phi4_sample(model: Any, text: Any) -> dict[str, torch.Tensor]:
+    """Phi-4-multimodal: two ``crop x 2 crop`` images (global crop + 2 sub-crops) and a 40-frame audio clip."""
+    g, v, a = torch.Generator().manual_seed(2), model.config.vision_config, model.config.audio_config
+    crop, side = v.crop_size, v.image_size // v.patch_size
+    out = {"image_pixel_values": torch.randn(2, 3, v.num_channels, crop, crop, generator=g), "image_sizes":
+           torch.tensor([[crop, 2 * crop]] * 2), "image_attention_mask": torch.ones(2, 3, side, side, dtype=torch.long),
+           "audio_input_features": torch.randn(1, 40, a.input_size, generator=g), "audio_attention_mask":
+           torch.ones(1, 40, dtype=torch.bool), "audio_embed_sizes": torch.tensor([-(-40 // a.time_reduction)])}  # fmt: skip
+    base = (side + side % 2) // 2  # rows: sub-crops (a separator column), one separator, global crop
+    image = [v.image_token_id] * (base * (2 * base + 1) + 1 + base * (base + 1))
+    ids = text(5) + image + text(3) + image + text(2) + [a.audio_token_id] * int(out["audio_embed_sizes"][0])
+    out["input_ids"] = torch.tensor([ids + text(-(len(ids) + 9) % 4 + 9)])  # the 2nd image straddles the boundary
+    return {**out, "labels": out["input_ids"].masked_fill(out["input_ids"] >= MEDIA_TOKENS, -100)}
 
 
 def compare(model: Any, *, seed: int = 1) -> dict[str, str]:
@@ -259,7 +287,7 @@ def write_table(rows: list[dict[str, Any]], path: Path, run: dict, note: str = "
     """The results page (the run's header, the counts, ``note``, one row per family); returns the text."""
     counts = {v: sum(r["verdict"] == v for r in rows) for v in ("exact", "refused", "skipped", "crash", "wrong")}
     return md.page(path, "VLM coverage sweep", run, [
-        f"transformers {transformers.__version__}: {len(rows)} image-text-to-text families from its auto registry, "
+        f"transformers {transformers.__version__}: {len(rows)} image-text-to-text families from its auto registries (Phi-4-multimodal: its multimodal-LM one), "
         "each at sp=2 through `ulysses_sp.vlm` against the same model without SP (two images; per-position "
         "logits and every gradient, vision tower included, fp32, rtol 1e-4), or refused by ulysses-sp's guard "
         "with its reason. `python -m bench.vlm_sweep` regenerates this file.",

@@ -104,8 +104,10 @@ LIMITS = {
     "conv": "conv channels % sp = 0; no ring",
     "gdn": "value heads % sp = 0; no ring",
     "vlm": _ATTN + "; images encoded whole",
+    "vlm_spans": "heads % sp = 0; no ring; no flash (image blocks bidirectional); images encoded whole",
     "dsa": "heads % sp = 0; cores sdpa/eager; no ring",
     "own": "heads % sp = 0; no ring; O(S²/sp) scores (its own eager attention)",
+    "vlm_prefix": "heads % sp = 0; no ring; O(S²/sp) scores (its own eager attention); image encoded whole",
     "pair": "heads % sp = 0; no ring; O(L²/sp) bias and scores per document (its own)",
     "rnn": "channels % sp = 0; no ring",
     "lightning": "lightning and attention heads % sp = 0; no ring",
@@ -153,6 +155,8 @@ FAMILIES = [
     ("Phi-MoE", ["phimoe"], "moe"),
 ]
 VLM_NAMES = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL"}
+VLM_LIMITS = {"gemma3": "vlm_spans", "shieldgemma2": "vlm_spans", "git": "vlm_prefix"}
+"""VLM families whose sp limit is not ``LIMITS["vlm"]`` (Gemma 3: its image blocks, ``attention/span_mask.py``)."""
 
 
 def _verdict(rows: list[dict[str, str]], column: str) -> str:
@@ -163,6 +167,7 @@ def _verdict(rows: list[dict[str, str]], column: str) -> str:
 def models_table() -> str:
     """The README's supported-models table: ~20 popular families, verdicts from the sweep."""
     from ulysses_sp.vlm import SUPPORTED_VLMS
+    from ulysses_sp.vlm.families import QWEN_VLMS
 
     rows = sweep()
     out = [
@@ -179,8 +184,8 @@ def models_table() -> str:
     for model_type in SUPPORTED_VLMS:
         name = VLM_NAMES.get(model_type, model_type)
         out.append(
-            f"| {name} | `{model_type}` | **exact** (VLM tests) | — | {LIMITS['vlm']} | "
-            "CLI · Trainer · library |"
+            f"| {name} | `{model_type}` | **exact** (VLM tests) | — | {LIMITS[VLM_LIMITS.get(model_type, 'vlm')]} | "
+            + ("CLI · Trainer · library |" if model_type in QWEN_VLMS else "library (the CLI reads Qwen's images only) |")
         )
     return "\n".join(out)
 

@@ -2,6 +2,7 @@
 
     python scripts/fit_mixer_terms.py                      # every kind (about a minute on 2 CPU cores)
     python scripts/fit_mixer_terms.py --kinds short_conv mamba1
+    python scripts/fit_mixer_terms.py --kinds mamba2 --dtype bf16   # Mamba-2's 16-bit terms (fake tensors, ~15 s)
 
 For each mixer kind, one sharded mixer module of transformers' own code (Bamba's Mamba-2, Qwen3.5's
 gated delta-net, LFM2's short convolution, Mamba's Mamba-1, Kimi-Linear's KDA; the torch fallbacks
@@ -11,7 +12,9 @@ tests/test_plan_mixers.py measures it: the bytes kept for backward per token (th
 it is the caller's) and the backward's high point above them (the incoming gradient excluded, for
 the same reason). A least-squares fit of each on the monomials of ``plan.mixers.memory_per_token``
 (``MONOMIALS``, in fp32 elements per token) prints the coefficients beside the largest relative
-error of the fit and of the formula the code holds now. Paste coefficients that moved into
+error of the fit and of the formula the code holds now. ``--dtype bf16`` (Mamba-2 only) measures a bf16
+mixer at ``REAL_GRID``'s real sizes on fake tensors instead (``measure_fake``: the rehearsal's own
+counting, ``rehearse.tracker.StepTracker``; no memory, so 256 heads of 64 cost nothing). Paste coefficients that moved into
 ``plan/mixers.py``; tests/test_plan_mixers.py then checks them at sizes no grid here uses.
 tests/test_docs_reference.py runs the short-convolution fit against the code's coefficients.
 """
@@ -72,6 +75,11 @@ GRIDS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "kimi_delta_attention": [_kda(*s) for s in [(4, 8), (4, 16), (8, 8), (2, 16), (8, 16), (4, 32), (6, 8), (2, 32)]],
 }  # fmt: skip
 """Per kind, ``(transformers config class, its keyword arguments)`` of each measured size."""
+REAL_GRID = [_mamba2(*s) for s in [(128, 64, 128, 8, 128), (128, 64, 128, 1, 256), (80, 64, 128, 1, 256),
+                                   (64, 64, 256, 8, 128), (48, 64, 64, 2, 128), (96, 32, 128, 4, 256), (32, 128, 128, 1, 128),
+                                   (64, 64, 128, 8, 64), (128, 32, 64, 4, 128), (24, 64, 128, 1, 256), (32, 64, 256, 2, 256),
+                                   (256, 64, 256, 8, 128)]]  # fmt: skip
+"""Mamba-2 at real sizes (Nemotron-H, Bamba, Mamba2-2.7B and their kin): ``--dtype bf16``'s grid."""
 
 Monomials = dict[str, Callable[[Any], float]]
 MONOMIALS: dict[str, tuple[Monomials, Monomials]] = {
@@ -135,9 +143,48 @@ def measure(kind: str, cls: str, kwargs: dict[str, Any]) -> tuple[Any, float, fl
     return MixerShape(**mixer_sizes(module, kind)), saved / S, (mem.peak_bytes - after - out_bytes) / S
 
 
-def measure_grid(kinds: tuple[str, ...]) -> dict[str, list[tuple[Any, float, float]]]:
-    """``measure`` at every size of ``GRIDS[kind]``, in the current process group (or a gloo group
-    of this one process, started and ended here)."""
+def measure_fake(kind: str, cls: str, kwargs: dict[str, Any], dtype: torch.dtype = torch.bfloat16,
+                 tokens: int = 8192) -> tuple[Any, float, float]:  # fmt: skip
+    """``measure`` on fake tensors in ``dtype``: the rehearsal's counting (``StepTracker``) of one ``kind``
+    mixer's forward and backward over ``tokens`` tokens (needs a process group, as ``measure``)."""
+    import transformers
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_sp.mixers.apply import apply_mixers
+    from ulysses_sp.mixers.shapes import mixer_sizes
+    from ulysses_sp.parallel.mesh import init_mesh
+    from ulysses_sp.plan.inputs import MixerShape
+    from ulysses_sp.rehearse.tracker import StepTracker
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(getattr(transformers, cls)(**{**_COMMON, **kwargs})).to(dtype)
+    handle, tracker, dev = apply_mixers(model, init_mesh((1, 1))), StepTracker("cpu"), None
+    try:
+        name, handler = handle.wrapped[0]
+        if handler != kind:
+            raise ValueError(f"{cls}: its first sharded mixer is {handler!r}, not {kind!r}")
+        module = model.get_submodule(name)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            module.to_empty(device="cpu")
+            x = torch.empty(1, tokens, model.config.hidden_size, dtype=dtype, requires_grad=True)  # [B, S, hidden]
+            with tracker:
+                tracker.start_step()
+                dev = tracker.places["device"]
+                base = dev.current
+                y = module(x)
+                y = y[0] if isinstance(y, tuple) else y
+                out_bytes, after = y.numel() * y.element_size(), dev.current
+                y.backward(torch.ones_like(y))
+                tracker.finish()
+    finally:
+        handle.remove()
+    return MixerShape(**mixer_sizes(module, kind)), (after - base - out_bytes) / tokens, (dev.peak - after - out_bytes) / tokens
+
+
+def measure_grid(kinds: tuple[str, ...], dtype: str = "fp32") -> dict[str, list[tuple[Any, float, float]]]:
+    """``measure`` at every size of ``GRIDS[kind]`` (``dtype`` bf16: ``measure_fake`` at ``REAL_GRID``'s), in the
+    current process group (or a gloo group of this one process, started and ended here)."""
     import torch.distributed as dist
 
     own = not dist.is_initialized()
@@ -148,16 +195,17 @@ def measure_grid(kinds: tuple[str, ...]) -> dict[str, list[tuple[Any, float, flo
         out: dict[str, list[tuple[Any, float, float]]] = {}
         for kind in kinds:
             out[kind] = []
-            for i, (cls, kw) in enumerate(GRIDS[kind]):
-                print(f"{kind}: size {i + 1} of {len(GRIDS[kind])}", file=sys.stderr, flush=True)  # noqa: T201
-                out[kind].append(measure(kind, cls, kw))
+            grid = GRIDS[kind] if dtype == "fp32" else REAL_GRID
+            for i, (cls, kw) in enumerate(grid):
+                print(f"{kind}: size {i + 1} of {len(grid)}", file=sys.stderr, flush=True)  # noqa: T201
+                out[kind].append(measure(kind, cls, kw) if dtype == "fp32" else measure_fake(kind, cls, kw))
         return out
     finally:
         if own:
             dist.destroy_process_group()
 
 
-def fit(kind: str, rows: list[tuple[Any, float, float]]) -> dict[str, Any]:
+def fit(kind: str, rows: list[tuple[Any, float, float]], dtype_bytes: int = 4) -> dict[str, Any]:
     """The least-squares coefficients (fp32 elements per token) of the saved bytes and of the
     backward workspace on ``MONOMIALS[kind]``, each with the largest residual of the fit and of the
     formula the code holds now (``memory_per_token`` at sp 1), relative to the saved bytes (the
@@ -173,7 +221,7 @@ def fit(kind: str, rows: list[tuple[Any, float, float]]) -> dict[str, Any]:
         # at a small size would make any error look large)
         total = torch.tensor([r[1] + (r[2] if part == "workspace" else 0.0) for r in rows], dtype=torch.float64)
         scale = (total / FP32).abs().clamp_min(1.0)
-        now = torch.tensor([memory_per_token(m, 1)[0 if part == "saved" else 1] / FP32 for m, _, _ in rows],
+        now = torch.tensor([memory_per_token(m, 1, dtype_bytes)[0 if part == "saved" else 1] / FP32 for m, _, _ in rows],
                            dtype=torch.float64)  # fmt: skip
         out[part] = {
             "coefficients": dict(zip(monomials, coef.tolist(), strict=True)),
@@ -186,10 +234,13 @@ def fit(kind: str, rows: list[tuple[Any, float, float]]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kinds", nargs="+", choices=tuple(GRIDS), default=list(GRIDS))
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: Mamba-2's 16-bit terms")
     args = ap.parse_args(argv)
-    for kind, rows in measure_grid(tuple(args.kinds)).items():
+    if args.dtype == "bf16" and args.kinds != ["mamba2"]:
+        ap.error("--dtype bf16 fits Mamba-2's 16-bit terms only: pass --kinds mamba2")
+    for kind, rows in measure_grid(tuple(args.kinds), args.dtype).items():
         print(f"{kind} ({len(rows)} sizes)")  # noqa: T201 - the script's report
-        for part, r in fit(kind, rows).items():
+        for part, r in fit(kind, rows, 4 if args.dtype == "fp32" else 2).items():
             terms = " + ".join(f"{c:.4g} {name}" for name, c in r["coefficients"].items())
             print(f"  {part:9s} = 4 x ({terms})")  # noqa: T201
             print(f"  {'':9s}   largest error: fit {r['fit_error']:.1%}, code now {r['code_error']:.1%}")  # noqa: T201

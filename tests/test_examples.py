@@ -64,7 +64,8 @@ def _readme_scripts():
 README_SCRIPTS = list(_readme_scripts())
 # Scripts another test already runs with their documented command, then uses what they made: running
 # them here as well would only repeat that test's first step.
-RUN_ELSEWHERE = {"make_tiny_vlm.py": "test_vlm_cli.py::test_readme_vlm_cli_example_trains_at_sp2_as_at_sp1"}
+RUN_ELSEWHERE = {"make_tiny_vlm.py": "test_vlm_cli.py::test_readme_vlm_cli_example_trains_at_sp2_as_at_sp1",
+                 "hf_trainer_rehearse.py": "test_rehearse.py::test_the_hf_trainer_path_rehearses_near_the_planner"}
 RUN_HERE = [s for s in README_SCRIPTS if s[0] not in RUN_ELSEWHERE]
 
 

@@ -59,8 +59,6 @@ def test_classic_families_pass_with_one_sp_attention_per_layer(family):
          r"run apart: it is two-stream attention over relative position encodings"),  # no head-parallel fallback
         ("musicgen", r"decoder stack: embed_positions \(MusicgenSinusoidalPositionalEmbedding\) .*numbers the tokens "
          r"it is given 0..S-1 itself"),  # a sinusoidal table of arange(S_l): every shard would start at 0
-        ("fuyu", r"FuyuForCausalLM is a multimodal model \(fuyu: its forward takes pixel_values, image_patches into "
-         r"model.vision_embed_tokens\)"),
         (
             "phimoe",
             r"layer 0: self_attn \(PhimoeAttention\) applies its sliding window \(config.sliding_window = 8\) "
@@ -85,14 +83,31 @@ def test_families_sp_would_get_wrong_are_refused_naming_the_cause(family, expect
         ("gemma4_unified_assistant", r"Gemma4UnifiedAssistantForCausalLM is a draft model"),
         ("blt", r"decoder stack: BltForCausalLM is a byte-latent transformer: .*patches whose boundaries its patcher "
          r"picks from each byte's entropy"),
-        ("gemma3n", r"Gemma3nForConditionalGeneration is a multimodal model \(gemma3n: vision_config, audio_config\)"
-         r".*scatters its vision and audio towers' soft tokens into the sequence"),
     ],
 )
 def test_families_without_one_sequence_to_shard_are_refused_by_name(family, expected):
     """Refused whole (``mixers/stack.py``, ``vlm/families.py``) before their layers are looked for."""
     with pytest.raises(ValueError, match=expected):
         check_sequence_mixing(build(family), sp_size=2)
+
+
+def test_gemma3n_is_admitted_and_checked_through_its_language_model():
+    """Gemma 3n's merge is ``vlm.gemma3n``'s (``tests/test_vlm_llava.py``): the guard checks its decoder stack
+    only (its towers encode whole images and clips on a rank), and finds every layer's attention there."""
+    model = build("gemma3n")
+    check_sequence_mixing(model, sp_size=2)
+    assert [f.layer for f in classify_model(model) if f.kind == "attention"] == [0, 1, 2, 3]
+
+
+def test_phi4_multimodal_s_towers_inside_its_decoder_are_left_alone_and_its_layers_checked():
+    """Phi-4-multimodal's decoder holds its towers (``embed_tokens_extend``: a Conv2d patch embedding, a
+    MultiheadAttention pooling head, a conformer); admitted as a VLM (``vlm/phi4mm.py`` encodes whole images and
+    clips on a rank), only the decoder's own modules are read."""
+    model = build("phi4_multimodal")
+    findings = classify_model(model)
+    assert refusals(model) == []
+    assert [f.layer for f in findings if f.kind == "attention"] == [0, 1]
+    assert not [f for f in findings if "embed_tokens_extend" in f.path]
 
 
 def test_a_looped_model_s_layers_are_found_in_its_stacks():

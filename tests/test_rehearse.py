@@ -12,6 +12,9 @@ another process group of the test session) runs every rehearsal below and prints
 * Bamba-9B's shapes (a Mamba-2 hybrid; 8 layers, attention in one) at 262,144 tokens on 8 ranks: near
   the planner, no ``S^2/P`` tensor.
 * a tiny preset at sp 2 with packed documents through the CLI: exit 0 and the report; ``plan --rehearse``.
+* the HF Trainer path: the whole script of docs/readme/hf.md (``hf_trainer_rehearse.py``: a ``Trainer`` after
+  ``prepare()``'s ALST options, ``rehearse_trainer``), run in the same subprocess: near the planner, the
+  user's trainer untouched.
 """
 
 from __future__ import annotations
@@ -46,16 +49,39 @@ cfg = config_from_dict(dict(model=d, sp=8, seq_len=1 << 18, micro_batch_size=1, 
                             dtype="bf16", tiled_mlp=True, tiled_loss=True, activation_checkpointing=True))
 r = rehearse_run(cfg, gpus=8, device="cuda", ranks=(0,))
 print("HYBRID" + json.dumps(r.as_dict(), default=str))
+
+ns = {"__name__": "hf_trainer_rehearse"}
+exec(sys.argv[1], ns)  # docs/readme/hf.md's hf_trainer_rehearse.py
+untouched = type(ns["trainer"]).__name__ == "Trainer" and ns["trainer"].model is ns["model"]
+from types import SimpleNamespace
+from ulysses_sp.rehearse.trainer import rehearse_trainer, trainer_run_config
+stub, refusals = SimpleNamespace(args=SimpleNamespace(fsdp=[]), model=None), []
+for call in (lambda: rehearse_trainer(stub, sp_size=2, seq_len=64, tiled_mpl=True),  # not a prepare() option
+             lambda: trainer_run_config(stub, sp_size=2, seq_len=64, fsdp="no_shard")):  # DDP-like: not FSDP2
+    try:
+        call()
+    except ValueError as e:
+        refusals.append(str(e))
+print("TRAINER" + json.dumps({**ns["rehearsal"].as_dict(), "untouched": untouched, "refusals": refusals}, default=str))
 """
+
+
+def trainer_script() -> str:
+    """The whole script ``hf_trainer_rehearse.py`` of docs/readme/hf.md."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from docs_pages import ROOT, code_blocks
+
+    page = ROOT / "docs" / "readme" / "hf.md"
+    return next(b for lang, b, _, _ in code_blocks(page) if b.startswith("# hf_trainer_rehearse.py"))
 
 
 @pytest.fixture(scope="module")
 def rehearsals() -> dict[str, dict]:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, check=False)
+    out = subprocess.run([sys.executable, "-c", SCRIPT, trainer_script()], capture_output=True, text=True, env=env, check=False)
     assert out.returncode == 0, out.stderr[-4000:]
     found = {}
-    for tag in ("JSON", "HYBRID"):
+    for tag in ("JSON", "HYBRID", "TRAINER"):
         line = next(ln for ln in out.stdout.splitlines() if ln.startswith(tag))
         found[tag] = json.loads(line[len(tag) :])
     return found
@@ -76,6 +102,27 @@ def test_a_hybrid_at_its_real_size_rehearses_near_the_planner(rehearsals):
     planned = r["predicted"]["peak_bytes"] - r["reserve"]
     assert planned == pytest.approx(rank["device_peak"], rel=0.10), (planned, rank["device_peak"])
     assert rank["largest"]["numel"] < r["seq_len"] ** 2 // 8, rank["largest"]
+
+
+def test_the_hf_trainer_path_rehearses_near_the_planner(rehearsals):
+    """docs/readme/hf.md's script: a ``Trainer`` (bf16, gradient checkpointing) after ``prepare()``'s ALST options
+    (tiled MLP and loss, offloaded checkpoints, norm recompute) rehearsed through ``Trainer.training_step`` under
+    FSDP2: the planner's peak for the equivalent ``train`` settings within 5 % of the rehearsal's, the layer
+    inputs on the host, and the user's trainer left as it was (class, model)."""
+    r = rehearsals["TRAINER"]
+    rank = r["ranks"][0]
+    assert r["untouched"] and {"forward", "backward", "optimizer"} <= set(rank["phase_peaks"])
+    assert rank["collectives"]["alltoall_base"]["count"] > 0 and rank["host_peak"] > 0
+    planned = r["predicted"]["peak_bytes"] - r["reserve"]
+    assert planned == pytest.approx(rank["device_peak"], rel=0.05), (planned, rank["device_peak"])
+
+
+def test_the_trainer_rehearsal_refuses_what_it_cannot_rehearse(rehearsals):
+    """An option prepare() does not take, and DDP / an FSDP mode other than FSDP2's sharding: ValueErrors naming
+    the fix, before any process group or model exists (run in the module's subprocess)."""
+    unknown, ddp = rehearsals["TRAINER"]["refusals"]
+    assert "['tiled_mpl']: not prepare() options" in unknown
+    assert "fsdp='no_shard'" in ddp and "DDP cannot be rehearsed" in ddp
 
 
 def test_llama_8b_at_1m_tokens_on_8_ranks_rehearses_one_real_step(llama8b):

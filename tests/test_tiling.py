@@ -156,16 +156,18 @@ def test_tiled_mlp_same_loss_and_gradients(arch, ckpt):
 
 
 def test_tiled_mlp_finds_feed_forward_blocks_of_hybrids():
-    """Bamba and Falcon-H1 name their MLP ``feed_forward`` (``--tiled-mlp`` said "no submodule named
-    'mlp'"): those blocks are tiled by default, with the untiled loss and gradients."""
+    """Bamba and Falcon-H1 name their MLP ``feed_forward``, Nemotron-H its MLP block ``mixer`` (``--tiled-mlp``
+    said "no submodule named 'mlp'"): those blocks are tiled by default, with the untiled loss and gradients."""
     from hybrid_models import hybrid_model
 
-    for arch in ("bamba", "falcon_h1"):
+    blocks = {"bamba": [f"model.layers.{i}.feed_forward" for i in range(2)],
+              "falcon_h1": [f"model.layers.{i}.feed_forward" for i in range(2)], "nemotron_h": ["model.layers.3.mixer"]}  # fmt: skip
+    for arch, names in blocks.items():
         ref = hybrid_model(arch, vocab=VOCAB)
         model = copy.deepcopy(ref)
         ids, labels = _batch()
         handle = apply_tiled_mlp(model, 5)
-        assert handle.module_names == [f"model.layers.{i}.feed_forward" for i in range(2)]
+        assert handle.module_names == names
         _assert_same(_step(model, ids, labels), _step(ref, ids, labels))
 
 

@@ -380,3 +380,19 @@ def test_the_cli_refuses_a_multimodal_directory_of_another_family(tmp_path):
     with pytest.raises(ValueError, match=r"is a multimodal model \(qwen2_vl: vision_config\); `ulysses-sp train`.*"
                        r"qwen2_5_vl, qwen3_vl"):  # fmt: skip
         model_config(str(tmp_path), 256)
+
+
+@pytest.mark.parametrize("family", ["llava", "gemma3", "fuyu"])
+def test_the_cli_chat_path_refuses_a_llava_style_family_naming_the_python_path(family):
+    """The chat reader makes Qwen's patch rows and grids; a LLaVA-style family's pixels (and Gemma 3's
+    token types) are its own processor's, so a CLI run of one is refused before reading, not trained on
+    Qwen-shaped inputs."""
+    from types import SimpleNamespace
+
+    from ulysses_sp.run.config import RunConfig
+    from ulysses_sp.run.vlm import vlm_dataset
+
+    cfg = RunConfig(model="/models/x", data="chat.jsonl", seq_len=64)
+    with pytest.raises(ValueError, match=rf"is a {family} vision-language model: the CLI's chat data path reads "
+                                         r"images with Qwen's image processor only .*prepare_vlm_batch"):  # fmt: skip
+        vlm_dataset(cfg, SimpleNamespace(model_type=family))

@@ -31,7 +31,7 @@ import torch
 from ulysses_sp.attention.blockwise import AttnStructure
 from ulysses_sp.parallel.doc_layout import layout_of
 
-SPAN_MODELS = ("gemma3",)
+SPAN_MODELS = ("gemma3", "shieldgemma2")
 """``config.model_type``s whose own mask makes ``token_type_ids == 1`` runs bidirectional (image blocks)."""
 
 
@@ -100,7 +100,8 @@ def check_spans_shipped(module: torch.nn.Module, position_ids: Any) -> None:
             "bidirectionally, and the SP attention needs those spans with the batch's host layout. Use "
             "UlyssesSPDataLoaderAdapter(..., bidirectional_spans_key='token_type_ids'), or attach "
             "host_layout(full_position_ids, spans=bidirectional_spans(token_type_ids)) to each rank's "
-            "position_ids shard (ulysses_sp.parallel.doc_layout.attach_layout)"
+            "position_ids shard (ulysses_sp.parallel.doc_layout.attach_layout); for the vision-language model, "
+            "build each rank's inputs with ulysses_sp.vlm.prepare_vlm_batch (or VLMDataLoaderAdapter)"
         )
 
 

@@ -43,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ulysses_sp.parallel.comm import broadcast_from_first_, sum_over_sp_mean_over_dp_
 from ulysses_sp.parallel.mesh import SPMesh
 from ulysses_sp.state.precision import PrecisionPolicy
+from ulysses_sp.vlm.families import vlm_parts
 
 
 @dataclass
@@ -80,6 +81,9 @@ def apply_ddp(model: nn.Module, mesh: SPMesh) -> DistributedDataParallel:
         model,
         device_ids=None if device.type == "cpu" else [device.index],
         process_group=mesh.reduce_group,
+        # a VLM's towers hold parameters a step need not use (layers past the feature layer, a pooling head,
+        # Phi-4's speech projection beside images): DDP would leave their buckets, and the SP sum, undone
+        find_unused_parameters=vlm_parts(model) is not None,
     )
     ddp.register_comm_hook(
         _SumMeanState(group=mesh.reduce_group, dp_size=mesh.dp_size), _sum_over_sp_mean_over_dp

@@ -7,7 +7,8 @@ hidden state: the MLP's intermediate ``[B, S_l, I]`` (``I`` is 3-4x ``h``) and t
 in backward. The big tensor then exists for one tile, ``1/n`` of it, at any time.
 
 * ``apply_tiled_mlp(model, num_shards)`` -> ``TiledMLPHandle``: every MLP block (submodules named
-  ``mlp``, or ``feed_forward`` as in Bamba, Falcon-H1, Llama 4) runs tiled; ``handle.remove()`` restores the original ``forward`` objects.
+  ``mlp``, or ``feed_forward`` as in Bamba, Falcon-H1, Llama 4; Nemotron-H's one-block layers' ``mixer`` that is
+  an MLP) runs tiled; ``handle.remove()`` restores the original ``forward`` objects.
 * ``TiledCausalLMLoss``: the engine's ``loss_fn``; the logits never exist for the whole shard.
 * ``tiled_causal_lm_loss``: ``lm_head`` + cross-entropy per tile, with the same contract as
   ``ulysses_sp.parallel.loss.sp_causal_lm_loss``.
@@ -167,7 +168,7 @@ def apply_tiled_mlp(
     if num_shards is not None:
         check_num_shards(num_shards, what="tiled MLP num_shards")
     names = (mlp_name,) if isinstance(mlp_name, str) else mlp_name
-    mlps = [(n, m) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in names]
+    mlps = [(n, m) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in names or _block_mlp(n, m)]
     if not mlps:
         raise ValueError(f"{type(model).__name__} has no submodule named {' or '.join(map(repr, names))} to tile")
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
@@ -181,6 +182,11 @@ def apply_tiled_mlp(
         mlp.forward = _tiled_forward(name, mlp, mlp.forward, num_shards)
         patched.append((name, mlp, previous))
     return TiledMLPHandle(patched, num_shards)
+
+
+def _block_mlp(name: str, module: nn.Module) -> bool:
+    """Nemotron-H's one-block layers name every block ``mixer`` (Mamba-2, attention, MLP): its MLP's class says."""
+    return name.rsplit(".", 1)[-1] == "mixer" and type(module).__name__.endswith("MLP")
 
 
 def _tiled_forward(name: str, mlp: nn.Module, forward: Callable, num_shards: int | None) -> Callable:

@@ -152,7 +152,8 @@ def classify_model(model: nn.Module, handlers: Iterable[MixerHandler] = SUPPORTE
     mm = multimodal_refusal(model)
     findings = [] if mm is None else [Finding(None, "", type(model).__name__, "refused", mm)]
     for name, child in around_layers(stack, layers):
-        findings += _walk(child, name, None, handlers)
+        if parts is None or child is not parts.media:  # Phi-4's towers in its decoder: whole media on a rank
+            findings += _walk(child, name, None, handlers)
     for i, layer in enumerate(layers):
         findings += _walk(layer, "", i, handlers)
     findings += _window_findings(model, stack, layers, findings)

@@ -18,7 +18,12 @@ channel: the ``3 I N`` term; the torch fallbacks the CPU runs) in fp32, forward 
 residual is < 0.3 % of the saved bytes (Mamba-2's backward workspace: 5 %). At ``P = 2`` the
 exchange added < 1 % (the all-to-all's receive buffers *are* the scan's inputs). The scans compute
 in fp32 whatever the model dtype, so the terms are counted at 4 bytes for 16-bit models too (an
-upper bound there, not checked on CPU). With the fused CUDA kernels (``mamba-ssm``,
+upper bound there). Mamba-2 has terms of its own for 16-bit models: its projections, convolution and
+gate stay in the model dtype, about 11 % of what it keeps (Nemotron-H-8B at 393,216 tokens on 8 GPUs:
+the fp32 terms 7 % over the rehearsed peak). They are fit on fake tensors (``rehearse.tracker``'s
+counting, ``scripts/fit_mixer_terms.py --dtype bf16``) at 12 real sizes (64-256 heads of 32-128, state
+64-256, chunk 64-256), residual < 0.1 %; at the CPU grid's small sizes they give the meter's bf16 bytes
+within 0.5 %. With the fused CUDA kernels (``mamba-ssm``,
 ``flash-linear-attention``), which keep far less, the terms are an upper bound.
 
 Shape legend: ``H`` heads (value heads), ``Dh`` head dim, ``N`` state, ``G`` groups, ``c`` chunk,
@@ -32,10 +37,15 @@ from ulysses_sp.plan.inputs import MixerShape
 FP32 = 4
 
 
-def memory_per_token(mx: MixerShape, sp: int) -> tuple[float, float]:
-    """``(saved, backward workspace)``: bytes per local token of one ``mx`` layer at sp ``sp``."""
+def memory_per_token(mx: MixerShape, sp: int, dtype_bytes: int = 4) -> tuple[float, float]:
+    """``(saved, backward workspace)``: bytes per local token of one ``mx`` layer at sp ``sp`` in a model
+    of ``dtype_bytes`` per element (the fp32 terms unless the kind has 16-bit terms: Mamba-2)."""
     h, d, c = mx.heads, mx.head_dim, mx.chunk
-    if mx.kind == "mamba2":
+    if mx.kind == "mamba2" and dtype_bytes < FP32:  # fit on fake tensors at real sizes (module docstring)
+        g, n = max(mx.groups, sp) if sp > 1 and mx.groups % sp else mx.groups, mx.state
+        saved = 3.0 * h * c + 11.5 * h * d + 5.0 * h * n + 2.02 * h * d * n / c + 5.38 * h + 2.01 * g * n
+        ws = 1.53 * h * d + 2.02 * h * n + 1.0 * h * d * n / c + 1.78 * h + 1.99 * g * n + 4.45
+    elif mx.kind == "mamba2":
         g, n = max(mx.groups, sp) if sp > 1 and mx.groups % sp else mx.groups, mx.state
         saved = 3.07 * h * c + 13.77 * h * d + 4.73 * h * n + 3.02 * h * d * n / c + 6.0 * h + 8.02 * g * n
         ws = 0.53 * h * c + 0.72 * h * d + 0.44 * h * n + 4.59 * h * d * n / c - 24.9 * h - 1.2 * g * n + 91

@@ -179,7 +179,7 @@ def _activations(m: ModelShape, s: Settings, hw: Hardware | None = None) -> tupl
             mix_ws = (t_attn.backward - attn_saved) * tok
         exch = exchange_in if kind.attention else 0
         if kind.mixer is not None:  # measured bytes (plan.mixers), in elements of the model dtype
-            saved_b, ws_b = mixer_memory(kind.mixer, s.sp)
+            saved_b, ws_b = mixer_memory(kind.mixer, s.sp, e)
             mixed += saved_b / e + (0 if kind.attention else norm)
             mix_ws = max(mix_ws, ws_b / e * tok)
         if kind.attention and kind.own_scores:  # per local token: its fp32 probabilities [B, H/P, S, S] (H S),

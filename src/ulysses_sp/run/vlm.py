@@ -98,7 +98,16 @@ def vlm_shard(cfg: RunConfig, model: Any, mesh: Any) -> list[Any]:
 def vlm_dataset(cfg: RunConfig, config: Any) -> list[dict[str, torch.Tensor]]:
     """``cfg.data`` read with ``cfg.model``'s tokenizer and processors (module docstring)."""
     from ulysses_sp.vlm.data import load_vlm_chat
+    from ulysses_sp.vlm.families import QWEN_VLMS
 
+    family = getattr(config, "model_type", None)
+    if family not in QWEN_VLMS:  # the chat reader makes Qwen's patch rows and grids, not this family's pixels
+        raise ValueError(
+            f"--model {cfg.model!r} is a {family} vision-language model: the CLI's chat data path reads images "
+            f"with Qwen's image processor only ({', '.join(sorted(QWEN_VLMS))}); train a {family} model from "
+            "Python (its own processor, vlm.prepare_vlm_batch, then initialize() or prepare(trainer)) as "
+            "docs/readme/vlm.md shows"
+        )
     samples = load_vlm_chat(cfg.data, cfg.model, config=config, seq_len=cfg.seq_len, loss_on=cfg.loss_on)
     if packs_vlm(cfg):  # whole samples into rows of --seq-len, documents apart (vlm.batch.pack_vlm_samples)
         from ulysses_sp.vlm.batch import pack_vlm_samples

@@ -19,6 +19,7 @@ One concern per module:
   packed documents restarting at 0;
 - ``shard``: ``shard_vlm``, installs the per-shard forward (and the vision tower's own attention);
 - ``merge``: that forward: this rank's embeddings, visual rows, deepstack inputs and positions;
+- ``scatter`` / ``phi4mm``: the LLaVA-style and Phi-4-multimodal forwards (every image, or clip, on each rank);
 - ``split``: the tower's frames for a rank (split over the group, or those its shard touches) and
   the exchange of merged rows;
 - ``batch``: ``prepare_vlm_batch``, one rank's model inputs from a full-sequence VLM batch;

@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from ulysses_sp.data.adapter import REAL_TOKENS, UlyssesSPDataLoaderAdapter, real_tokens
+from ulysses_sp.data.adapter import _LAYOUT, REAL_TOKENS, UlyssesSPDataLoaderAdapter, real_tokens
 from ulysses_sp.parallel.comm import all_gather_object, raise_if_any_rank_failed
+from ulysses_sp.parallel.doc_layout import layout_of
 from ulysses_sp.vlm.batch import prepare_vlm_batch
 from ulysses_sp.vlm.split import check_split
 
@@ -30,7 +31,9 @@ def vlm_round(
     def prepare(b: dict[str, Any]) -> dict[str, Any]:
         out = prepare_vlm_batch(model, b, sp_rank=adapter.sp_rank, sp_size=adapter.sp_world_size,
                                 ring_size=adapter.ring_size, pad_token_id=adapter.pad_token_id)  # fmt: skip
-        return {**out, REAL_TOKENS: real_tokens(b)}  # the adapter's round pops it (last_real_tokens)
+        layout = layout_of(out["position_ids"])  # Gemma 3's spans: re-attached after the move to the device
+        extra = {} if layout is None else {_LAYOUT: layout}
+        return {**out, REAL_TOKENS: real_tokens(b), **extra}  # the adapter's round pops both (last_real_tokens)
 
     if batch is not None:
         try:

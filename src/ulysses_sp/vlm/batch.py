@@ -8,8 +8,11 @@ inputs whole and cuts only the pre-shifted labels:
     {input_ids [B, S], position_ids [4, B, S], mm_token_type_ids [B, S], pixel_values, ...grids,
      shift_labels [B, S_l]}
 
-(a LLaVA-style family, ``families.SCATTER_VLMS``: ``position_ids [B, S]``, no ``mm_token_type_ids``; GIT,
-``families.PREFIX_VLMS``: ``prefix.prepare_prefix_batch``, its sequence the image prefix and the text).
+(a LLaVA-style family, ``families.SCATTER_VLMS``: ``position_ids [B, S]``, no ``mm_token_type_ids``;
+Gemma 3's ``token_type_ids [B, S]`` stay whole too, and their runs of 1, each image's bidirectional block,
+are found here on the host and attached to ``position_ids`` as its ``HostLayout``'s spans:
+``parallel/doc_layout.py``; GIT, ``families.PREFIX_VLMS``: ``prefix.prepare_prefix_batch``, its
+sequence the image prefix and the text).
 
 ``S`` is padded to a multiple of ``P`` (``data.shard.prepare_batch``: pad ids, labels ``-100``,
 positions continuing). The per-shard forward (``merge``) embeds and merges this rank's tokens only.
@@ -27,14 +30,18 @@ from typing import Any
 import torch
 
 from ulysses_sp.data.shard import prepare_batch
+from ulysses_sp.parallel.doc_layout import attach_layout, bidirectional_spans, host_layout
 from ulysses_sp.parallel.mesh_shape import shard_spans
 from ulysses_sp.vlm.families import VLMParts, vlm_parts
 from ulysses_sp.vlm.positions import token_types, vlm_position_ids
 from ulysses_sp.vlm.prefix import prepare_prefix_batch
 
 _GRIDS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
-_MEDIA = ("pixel_values", "pixel_values_videos")
+_MEDIA = ("pixel_values", "pixel_values_videos", "image_patches")  # Fuyu's processor: image_patches (legacy name)
 _PER_IMAGE = ("image_sizes",)  # LLaVA-style: Mistral 3's / LLaVA's image sizes [N_img, 2]
+_PHI4 = ("image_pixel_values", "image_attention_mask", "audio_input_features", "audio_embed_sizes", "audio_attention_mask")
+"""Phi-4-multimodal's per-image crops and masks, per-clip features, sizes and masks (not per token)."""
+_AUDIO = ("input_features", "input_features_mask")  # Gemma 3n's clips: [N_clip, T, F] mel frames, [N_clip, T] valid
 SAMPLE_MEDIA = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 """A sample's per-image / per-video keys (``vlm.data``): concatenated in sample order when samples
 are packed into a row or collated into a micro-batch."""
@@ -68,7 +75,7 @@ def prepare_vlm_batch(
         full["mm_token_type_ids"] = token_types(parts.inner.config, full["input_ids"])
     # pixels and grids are per patch / per image, not per token: kept out of the per-token checks and padding
     # (a pixel_values [N_p, C] whose N_p or C happens to equal B or S would be taken for a per-token tensor)
-    media = {k: full.pop(k) for k in (*_MEDIA, *_GRIDS, *_PER_IMAGE) if k in full}
+    media = {k: full.pop(k) for k in (*_MEDIA, *_GRIDS, *_PER_IMAGE, *_AUDIO, *_PHI4) if k in full}
     prepared = {**prepare_batch(full, sp_size, pad_token_id=pad_token_id, ring_size=ring_size), **media}
     ids = prepared["input_ids"]
     if parts.scatter is None:  # Qwen: [B, S] -> [4, B, S] (text row + mrope rows); LLaVA-style: [B, S] as is
@@ -79,6 +86,10 @@ def prepare_vlm_batch(
             position_ids=prepared["position_ids"],
             **{k: prepared[k] for k in _GRIDS if prepared.get(k) is not None},
         )
+    key = parts.scatter.spans_key if parts.scatter is not None else None
+    if key is not None and prepared.get(key) is not None:  # Gemma 3: each image's block, as host ints, once per batch
+        pos = prepared["position_ids"].clone()  # not the caller's tensor
+        prepared["position_ids"] = attach_layout(pos, host_layout(pos, spans=bidirectional_spans(prepared[key])))
     spans = shard_spans(ids.shape[1], sp_rank, sp_size, ring_size)
     labels = prepared["shift_labels"]
     prepared["shift_labels"] = torch.cat([labels[:, a:e] for a, e in spans], dim=1)  # [B, S] -> [B, S_l]

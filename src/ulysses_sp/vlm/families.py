@@ -13,7 +13,15 @@ rebuilds for one shard. Three shapes of that forward are admitted:
 - ``SCATTER_VLMS`` (``scatter``): the LLaVA pattern — 1-D positions, ``get_image_features`` (vision
   tower + projector over whole images) scattered into ``inputs_embeds`` at the image placeholder
   tokens, a standard text decoder. What differs between these families is only what their forward
-  passes to ``get_image_features`` (``ScatterFamily``).
+  passes to ``get_image_features``, the name of the module that encodes the images and the output field
+  that holds their rows (``ScatterFamily``; Fuyu's "tower" is one linear projection of raw patches).
+  Gemma 3 (and ShieldGemma 2, the same class) also makes each image's tokens attend to each other both
+  ways (``token_type_ids`` in its mask): the runs are found on the host from the full batch (``batch``)
+  and shipped with the positions' host layout to the SP attention, which ORs them into its mask
+  (``attention/span_mask.py``). Gemma 3n also scatters an audio tower's soft tokens and builds
+  per-layer inputs from the ids (``gemma3n``);
+- ``PHI4_VLMS`` (``phi4mm``): Phi-4-multimodal, whose decoder holds its image and audio towers
+  (``embed_tokens_extend``, ``VLMParts.media``) and writes their rows into its own embeddings; 1-D positions.
 
 That is read from the model's code for the families below and tested against the same model
 without SP (``tests/test_vlm.py``, ``tests/test_vlm_llava.py``); any other model with a vision or
@@ -45,6 +53,16 @@ class ScatterFamily:
     """The forward's keyword arguments it passes on to ``get_image_features`` (not to the language model)."""
     cast_pixels: bool = False
     """The forward casts ``pixel_values`` to the embeddings' dtype before the tower (GOT-OCR2)."""
+    tower: str = "vision_tower"
+    """The inner model's child that encodes the images (Fuyu's patch projection: ``vision_embed_tokens``)."""
+    features: str = "pooler_output"
+    """The field of ``get_image_features``'s output the forward scatters (Fuyu's: ``last_hidden_state``)."""
+    spans_key: str | None = None
+    """The forward's ``[B, S]`` input whose runs of 1 its own mask makes bidirectional (Gemma 3's
+    ``token_type_ids``): shipped as host spans (``batch``, ``scatter``); ``None``: causal only."""
+    per_layer_audio: bool = False
+    """Gemma 3n's forward (``gemma3n``): media ids hard-embedded from their own vocabularies, per-layer inputs
+    from the ids, and an audio tower's soft tokens scattered as the images' are."""
 
 
 _LAYER, _SELECT = "vision_feature_layer", "vision_feature_select_strategy"
@@ -54,6 +72,14 @@ SCATTER_VLMS: dict[str, ScatterFamily] = {
     "mistral3": ScatterFamily("Mistral 3: Pixtral tower (2-D rope, image_sizes) + patch merger", (_LAYER, "image_sizes")),
     "aya_vision": ScatterFamily("Aya Vision: SigLIP tower + pixel-shuffle projector, Cohere 2 decoder", (_LAYER, _SELECT)),
     "internvl": ScatterFamily("InternVL: InternViT tower + pixel-shuffle projector", (_LAYER, _SELECT)),
+    "fuyu": ScatterFamily("Fuyu: raw image patches through a linear projection (no tower), Persimmon decoder",
+                          tower="vision_embed_tokens", features="last_hidden_state"),  # fmt: skip
+    "gemma3": ScatterFamily("Gemma 3: SigLIP tower + pooling projector, each image's tokens bidirectional "
+                            "(token_type_ids)", spans_key="token_type_ids"),
+    "shieldgemma2": ScatterFamily("ShieldGemma 2: Gemma 3's model (its image tokens bidirectional, "
+                                  "token_type_ids)", spans_key="token_type_ids"),
+    "gemma3n": ScatterFamily("Gemma 3n: vision and audio (conformer) towers' soft tokens, per-layer inputs from the "
+                             "ids, AltUp/LAuReL decoder with KV sharing", per_layer_audio=True),  # fmt: skip
 }
 """``config.model_type`` -> the LLaVA-style families the ``scatter`` path handles (exact, tested)."""
 
@@ -62,19 +88,20 @@ PREFIX_VLMS: dict[str, str] = {
 }
 """``config.model_type`` -> the families whose forward prepends the image's tokens to the text (``prefix``)."""
 
-SUPPORTED_VLMS: dict[str, str] = {**QWEN_VLMS, **{k: f.what for k, f in SCATTER_VLMS.items()}, **PREFIX_VLMS}
+PHI4_VLMS: dict[str, ScatterFamily] = {
+    "phi4_multimodal": ScatterFamily("Phi-4-multimodal: SigLIP-style image tower (HD crops) and conformer audio tower, "
+                                     "their rows put into the decoder's own embeddings (phi4mm)"),
+}
+"""``config.model_type`` -> the families whose decoder holds its towers (``media``, ``phi4mm``): 1-D positions."""
+
+SUPPORTED_VLMS: dict[str, str] = {**QWEN_VLMS, **{k: f.what for k, f in {**SCATTER_VLMS, **PHI4_VLMS}.items()}, **PREFIX_VLMS}
 """``config.model_type`` -> what the path handles for it (exact, tested)."""
 
 REFUSED_VLMS: dict[str, str] = {
-    "gemma3": "its image tokens attend to each other bidirectionally (token_type_ids in the model's mask): the SP "
-    "attention honours such spans (attention/span_mask.py) but this path does not yet ship them with its merge",
     "emu3": "its VQ-VAE (vqmodel) turns each image into discrete codes whose embeddings its forward scatters into the "
     "placeholders of the whole sequence (masked_scatter over inputs_embeds)",
     "chameleon": "its VQ-VAE (vqmodel) turns each image into discrete codes its forward writes into the placeholders of "
     "the whole sequence",
-    "gemma3n": "it scatters its vision and audio towers' soft tokens into the sequence and builds per-layer inputs "
-    "from the token ids (its mask stays causal), a merge and per-shard split this path has not been built or "
-    "tested for",
     "paligemma": "its prefix (image + prompt) attends bidirectionally (a prefix-LM mask built from token_type_ids)",
     "llava_next": "its anyres tiles and image-newline rows have not been tested against the model without SP (the "
     "LLaVA path very likely applies)",
@@ -97,11 +124,16 @@ class VLMParts:
     inner: nn.Module
     """The module whose forward merges and positions (``Qwen2_5_VLModel``, ``LlavaModel``)."""
     vision: nn.Module
-    """The vision tower: encodes whole frames (Qwen: split over the SP group, ``split``) or whole images."""
+    """The vision tower: encodes whole frames (Qwen: split over the SP group, ``split``) or whole images
+    (Fuyu: a linear projection of patch rows, which has no config of its own)."""
     language_model: nn.Module
     """The decoder stack: runs on each rank's ``S_l`` tokens with the Ulysses attention."""
     scatter: ScatterFamily | None = None
     """A LLaVA-style family (``SCATTER_VLMS``: 1-D positions, ``scatter``); ``None``: Qwen (mrope, ``merge``)."""
+    media: nn.Module | None = None
+    """The module of the decoder stack that holds the towers (Phi-4-multimodal's ``embed_tokens_extend``,
+    ``PHI4_VLMS``: its forward is ``phi4mm``'s); it encodes whole images and audio on a rank, so the guard
+    does not read it as a sequence mixer. ``None``: the towers sit beside the language model."""
     prefix: bool = False
     """The image's tokens prepended to the text inside the forward (``PREFIX_VLMS``: GIT, ``prefix``)."""
 
@@ -114,7 +146,8 @@ def vlm_parts(model: Any) -> VLMParts | None:
     """The parts of an admitted VLM (``SUPPORTED_VLMS``), else ``None``. PEFT wrappers are looked
     through: the first module of the model's tree whose config is of an admitted family and that holds
     the vision tower and the language model as children (Qwen: ``visual`` and ``get_rope_index``;
-    LLaVA-style: ``vision_tower`` and ``get_image_features``)."""
+    LLaVA-style: ``ScatterFamily.tower`` (``vision_tower``) and ``get_image_features``; Phi-4: the decoder, with
+    ``embed_tokens_extend`` and ``layers``)."""
     if not isinstance(model, nn.Module):
         return None
     for module in model.modules():
@@ -126,10 +159,17 @@ def vlm_parts(model: Any) -> VLMParts | None:
             if isinstance(tower, nn.Module) and isinstance(stack, nn.Module) and "visual_projection" in module._modules:
                 return VLMParts(module, tower, stack, prefix=True)
             continue
-        tower, method = ("visual", "get_rope_index") if kind in QWEN_VLMS else ("vision_tower", "get_image_features")
+        if kind in PHI4_VLMS:  # the decoder (Phi4MultimodalModel) holds the towers and merges itself
+            media, layers = module._modules.get("embed_tokens_extend"), module._modules.get("layers")
+            if isinstance(media, nn.Module) and isinstance(layers, nn.Module):
+                vision = media.get_submodule("image_embed.img_processor")
+                return VLMParts(module, vision, module, PHI4_VLMS[str(kind)], media)
+            continue
+        scatter = SCATTER_VLMS.get(str(kind))
+        tower, method = ("visual", "get_rope_index") if scatter is None else (scatter.tower, "get_image_features")
         vision, lm = module._modules.get(tower), module._modules.get("language_model")
         if isinstance(vision, nn.Module) and isinstance(lm, nn.Module) and hasattr(module, method):
-            return VLMParts(module, vision, lm, SCATTER_VLMS.get(str(kind)))
+            return VLMParts(module, vision, lm, scatter)
     return None
 
 

@@ -3,14 +3,15 @@
 ``shard_vlm(model, sp_rank=, sp_size=, split_images_over=)`` installs, on an admitted VLM
 (``families``):
 
-- ``merge.sharded_forward`` (Qwen), ``scatter.scatter_forward`` (LLaVA-style) or ``prefix.prefix_forward``
-  (GIT: the image prefix and the text cut together, ``N + S`` tokens in ``P`` shards) in place of the
+- ``merge.sharded_forward`` (Qwen), ``scatter.scatter_forward`` (LLaVA-style), ``phi4mm.phi4_forward``
+  (Phi-4-multimodal) or ``prefix.prefix_forward`` (GIT: the image prefix and the text cut together,
+  ``N + S`` tokens in ``P`` shards) in place of the
   forward of the module that merges (``VLMParts.inner``): each rank embeds its own ``S_l`` text
   tokens, scatters the visual rows of its shard only, cuts the full-sequence positions (Qwen's
   ``[4, B, S]``, LLaVA's ``[B, S]``) to its tokens and runs the language model on ``[B, S_l, Hd]``.
   No rank holds the sample's ``[B, S, Hd]`` embeddings;
-- the vision tower's attention back on the core attention: ``register_with_transformers`` points
-  every sub-config at the SP attention, but the tower runs whole frames on a rank.
+- the towers' attention back on the core attention: ``register_with_transformers`` points every
+  sub-config at the SP attention, but a tower runs whole frames (Phi-4's audio tower: whole clips) on a rank.
 
 Where a Qwen tower runs (``split``; a LLaVA-style tower encodes every image on each rank): with ``split_images_over=`` the SP group (``initialize`` and
 ``prepare`` pass it), the sample's frames are split over the group by patch count when there are at
@@ -28,8 +29,10 @@ from typing import Any
 from torch import nn
 
 from ulysses_sp.attention.registration import ATTN_NAME
-from ulysses_sp.vlm.families import vlm_parts
+from ulysses_sp.vlm.families import VLMParts, vlm_parts
+from ulysses_sp.vlm.gemma3n import gemma3n_forward
 from ulysses_sp.vlm.merge import install, sharded_forward
+from ulysses_sp.vlm.phi4mm import phi4_forward
 from ulysses_sp.vlm.prefix import prefix_forward
 from ulysses_sp.vlm.scatter import scatter_forward
 
@@ -40,9 +43,9 @@ INSTALLED = "_ulysses_sp_vlm_shard"
 class VLMShardHandle:
     """What ``shard_vlm`` returns; ``remove()`` restores the VLM's forward and the vision attention."""
 
-    def __init__(self, model: nn.Module, language_model: nn.Module, vision_config: Any, prev: Any, undo: Any) -> None:
+    def __init__(self, model: nn.Module, language_model: nn.Module, tower_configs: list, prev: list, undo: Any) -> None:
         self.model, self.language_model = model, language_model
-        self._vision_config, self._prev, self._undo = vision_config, prev, undo
+        self._tower_configs, self._prev, self._undo = tower_configs, prev, undo
 
     def remove(self) -> None:
         if self._undo is None:
@@ -50,7 +53,8 @@ class VLMShardHandle:
         self._undo()
         self._undo = None
         self.language_model.__dict__.pop(INSTALLED, None)
-        self._vision_config._attn_implementation = self._prev
+        for config, prev in zip(self._tower_configs, self._prev):
+            config._attn_implementation = prev
 
 
 def shard_vlm(
@@ -86,19 +90,35 @@ def shard_vlm(
         raise ValueError(
             f"{type(model).__name__} is sharded for SP already (shard_vlm was called); remove() it first"
         )
-    vision_config = parts.vision.config
-    prev = vision_config._attn_implementation
-    vision_config._attn_implementation = core  # the tower's own attention over its whole frames
+    configs = tower_configs(parts)
+    prev = [config._attn_implementation for config in configs]
+    for config in configs:
+        config._attn_implementation = core  # the towers' own attention over their whole frames / clips
     group = split_images_over if sp_size > 1 else None
     if parts.prefix:  # GIT: the image prefix prepended, the sequence N + S cut in P
         forward = prefix_forward(parts, sp_rank=sp_rank, sp_size=sp_size, ring_size=ring_size)
     elif parts.scatter is None:  # Qwen: mrope, the tower's frames split over the group
         forward = sharded_forward(parts, sp_rank=sp_rank, sp_size=sp_size, ring_size=ring_size, group=group)
-    else:  # LLaVA-style: 1-D positions, every image encoded on each rank
-        forward = scatter_forward(parts, sp_rank=sp_rank, sp_size=sp_size, ring_size=ring_size)
-    handle = VLMShardHandle(model, parts.language_model, vision_config, prev, install(parts, forward))
+    elif parts.media is not None:  # Phi-4-multimodal: the decoder holds its towers, every image and clip on each rank
+        forward = phi4_forward(parts, sp_rank=sp_rank, sp_size=sp_size, ring_size=ring_size)
+    else:  # LLaVA-style: 1-D positions, every image (Gemma 3n: and audio clip) encoded on each rank
+        make = gemma3n_forward if parts.scatter.per_layer_audio else scatter_forward
+        forward = make(parts, sp_rank=sp_rank, sp_size=sp_size, ring_size=ring_size)
+    handle = VLMShardHandle(model, parts.language_model, configs, prev, install(parts, forward))
     parts.language_model.__dict__[INSTALLED] = handle
     return handle
+
+
+def tower_configs(parts: VLMParts) -> list[Any]:
+    """The configs of the towers (the vision tower's; with ``VLMParts.media``, every tower model in it: Phi-4's
+    image and audio towers), which ``register_with_transformers`` pointed at the SP attention too."""
+    if parts.media is None:
+        config = getattr(parts.vision, "config", None)  # None: Fuyu's patch projection, no attention
+        return [] if config is None else [config]
+    from transformers import PreTrainedModel
+
+    towers = [m.config for m in parts.media.modules() if isinstance(m, PreTrainedModel)]
+    return list({id(c): c for c in towers}.values())
 
 
 def installed(model: nn.Module) -> VLMShardHandle | None:
