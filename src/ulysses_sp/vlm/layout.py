@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ulysses_sp.parallel.doc_layout import HostLayout, attach_layout, host_layout
+from ulysses_sp.parallel.mesh_shape import shard_spans
 from ulysses_sp.vlm.split import FramePlan, plan_frames
 
 _ATTR = "_ulysses_sp_vlm_layout"
@@ -67,6 +68,19 @@ class VLMLayout:
         return attach_layout(position_ids, self.text)
 
 
+def shard_index(seq_len: int, sp_rank: int, sp_size: int, ring_size: int, device: Any) -> torch.Tensor:
+    """``[S_l]`` ascending global indices of the tokens SP rank ``sp_rank`` holds."""
+    spans = shard_spans(seq_len, sp_rank, sp_size, ring_size)
+    return torch.cat([torch.arange(a, e, device=device) for a, e in spans])
+
+
+def rows_by_rank(mask: torch.Tensor, indices: list[torch.Tensor]) -> list[torch.Tensor]:
+    """For each rank, ``[N_k]`` the merged rows its tokens take (``mask [B, S]``: the placeholders)."""
+    b, s = mask.shape
+    row = mask.flatten().long().cumsum(0).view(b, s) - 1  # [B, S]: row of each placeholder among all
+    return [row.index_select(1, i)[mask.index_select(1, i)] for i in indices]  # [B, S] -> [N_k]
+
+
 def layout_of(input_ids: Any) -> VLMLayout | None:
     """The ``VLMLayout`` attached to ``input_ids``, or ``None`` (none, or the tensor edited since)."""
     found = getattr(input_ids, _ATTR, None)
@@ -95,8 +109,6 @@ def tower_inputs(vision_config: Any, grid: torch.Tensor) -> dict[str, Any]:
 def vlm_layout(config: Any, prepared: dict[str, Any], *, sp_rank: int, sp_size: int, ring_size: int = 1) -> VLMLayout:
     """The ``VLMLayout`` of SP rank ``sp_rank`` for ``prepared`` (``batch.prepare_vlm_batch``'s output,
     host tensors: ``input_ids [B, S]``, ``position_ids [4, B, S]``, the grids); ``config`` the VLM's."""
-    from ulysses_sp.vlm.merge import rows_by_rank, shard_index
-
     ids, merge = prepared["input_ids"], int(config.vision_config.spatial_merge_size) ** 2
     indices = [shard_index(ids.shape[1], k, sp_size, ring_size, "cpu") for k in range(sp_size)]
     kinds = [(prepared[g].cpu(), getattr(config, t)) for p, g, t in _KINDS if prepared.get(p) is not None]

@@ -31,16 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ulysses_sp.parallel.mesh_shape import shard_spans
 from ulysses_sp.vlm.families import VLMParts
-from ulysses_sp.vlm.layout import layout_of
+from ulysses_sp.vlm.layout import layout_of, rows_by_rank, shard_index
 from ulysses_sp.vlm.split import FramePlan, encode, plan_frames
-
-
-def shard_index(seq_len: int, sp_rank: int, sp_size: int, ring_size: int, device: Any) -> torch.Tensor:
-    """``[S_l]`` ascending global indices of the tokens SP rank ``sp_rank`` holds."""
-    spans = shard_spans(seq_len, sp_rank, sp_size, ring_size)
-    return torch.cat([torch.arange(a, e, device=device) for a, e in spans])
 
 
 def check_inputs(input_ids: Any, attention_mask: Any, inputs_embeds: Any, encoded: Any) -> None:
@@ -80,13 +73,6 @@ def _placeholders(input_ids: torch.Tensor, grid: torch.Tensor, token: int, merge
             "samples with the model's processor)"
         )
     return full
-
-
-def rows_by_rank(mask: torch.Tensor, indices: list[torch.Tensor]) -> list[torch.Tensor]:
-    """For each rank, ``[N_k]`` the merged rows its tokens take (``mask [B, S]``: the placeholders)."""
-    b, s = mask.shape
-    row = mask.flatten().long().cumsum(0).view(b, s) - 1  # [B, S]: row of each placeholder among all
-    return [row.index_select(1, i)[mask.index_select(1, i)] for i in indices]  # [B, S] -> [N_k]
 
 
 def sharded_forward(

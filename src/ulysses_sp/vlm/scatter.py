@@ -36,7 +36,8 @@ from typing import Any
 import torch
 
 from ulysses_sp.vlm.families import VLMParts
-from ulysses_sp.vlm.merge import check_inputs, rows_by_rank, shard_index
+from ulysses_sp.vlm.layout import rows_by_rank, shard_index
+from ulysses_sp.vlm.merge import check_inputs
 
 
 def _positions(position_ids: torch.Tensor | None, b: int, s: int, device: Any) -> torch.Tensor:
