@@ -128,6 +128,9 @@ class HostReads(TorchFunctionMode):
             self.answering = prev
 
 
+_LIFTS = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.lift.default}
+
+
 class HostValues(TorchDispatchMode):
     """Runs an op whose tensor arguments are all real CPU tensors (host metadata, module docstring) for
     real, under none of the rehearsal's modes (not faked, not counted); anything else goes on to them.
@@ -137,8 +140,10 @@ class HostValues(TorchDispatchMode):
         kwargs = kwargs or {}
         device = kwargs.get("device")
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        host = bool(tensors) and all(not _is_fake(t) and t.device.type == "cpu" for t in tensors)
-        if host and (device is None or torch.device(device).type == "cpu"):  # an upload makes a fake tensor
+        # plain tensors only: a DTensor (FSDP2's parameters) wraps fake shards, its own type says nothing
+        host = bool(tensors) and all(type(t) is torch.Tensor and t.device.type == "cpu" for t in tensors)
+        lift = func in _LIFTS  # torch.tensor(data) in the step: the fake mode makes it fake, as it always did
+        if host and not lift and (device is None or torch.device(device).type == "cpu"):  # an upload makes a fake tensor
             with _disable_current_modes():
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
