@@ -96,13 +96,13 @@ def test_a_qwen_vl_step_with_images_rehearses_through_the_per_shard_merge(rehear
     --split-images off: train's per-shard forward runs on fake tensors with every layout value from the adapter
     (no host read of a device value: the frame plan, the tower's cu_seqlens and window order are host values), the
     rank whose shard holds the image is rehearsed and named, and the planner (its vision term for the 1,024
-    patches a rank encodes) is within 10 % of the rehearsal at this toy size (the per-tensor overheads weigh more)."""
+    patches a rank encodes) is within 5 % of the rehearsal (0.997 when written)."""
     r = rehearsals["VLM"]
     ranks = {x["rank"]: x for x in r["ranks"]}
     assert set(ranks) == {0, 1} and "the busiest tower is rank 0's, 1,024 patches" in r["notes"][-1], r["notes"]
     assert all(x["flops"] > 0 and x["device_peak"] > 0 for x in ranks.values())
     planned = r["predicted"]["peak_bytes"] - r["reserve"]
-    assert planned == pytest.approx(r["device_peak"], rel=0.10), (planned, r["device_peak"])
+    assert planned == pytest.approx(r["device_peak"], rel=0.05), (planned, r["device_peak"])
 
 
 def test_llama_8b_at_1m_tokens_on_8_ranks_rehearses_one_real_step(llama8b):
