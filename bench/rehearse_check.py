@@ -2,7 +2,7 @@
 
 Each row is a ``bench/plan_check.py`` setting at ZeRO 2 or 3 (FSDP2; stages 0-1 wrap the model in DDP, whose C++
 reducer reads real memory, so they cannot be rehearsed): its techniques on both tiny text models, the hybrids,
-packed documents and bf16 compute. The real side is ``plan_check.measure`` on 2 gloo ranks (the second optimizer
+packed documents, bf16 compute and a tiny Qwen2.5-VL with 4 images (``measure_vlm``). The real side is ``plan_check.measure`` on 2 gloo ranks (the second optimizer
 step under ``track_peak_memory``, which follows FSDP2's ``UntypedStorage.resize_``; the busiest rank); the
 rehearsal is ``rehearse_run(cfg, gpus=2, device="cpu", ranks=(0, 1))`` on fake CPU tensors, in a process of its
 own (its fake process group must not meet the real one). Run: ``python -m bench.rehearse_check [--cases N]``.
@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import md
-from bench.launch import ROOT, parser, run_worker, serve, under_torchrun
-from bench.plan_check import HYBRIDS, SHORT, grid, hybrid_dir, measure_all
+from bench.launch import ROOT, max_over_ranks, parser, run_worker, serve, under_torchrun
+from bench.plan_check import HYBRIDS, SHORT, _opt_tensors, grid, hybrid_dir, measure_all
 
 TOLERANCE = 0.05
 TRAINER = {"trainer": True, "model": "tiny-llama", "seq_len": 2048, "sp": 2, "zero_stage": 3, "dtype": "bf16",
@@ -48,8 +48,6 @@ def _tiny_trainer() -> Any:
 
 def measure_trainer(c: dict[str, Any]) -> dict[str, Any]:
     """The Trainer path's second step for real on this 2-rank gloo group (``plan_check.measure``'s meter)."""
-    from bench.launch import max_over_ranks
-    from bench.plan_check import _opt_tensors
     from ulysses_sp.memory.meter import track_peak_memory
     from ulysses_sp.parallel.doc_layout import attach_layout
     from ulysses_sp.rehearse.trainer import trainer_batch, trainer_run_config, trainer_step_parts
@@ -86,7 +84,59 @@ def cases(*, create: bool = False) -> list[dict[str, Any]]:
                   "activation_checkpointing": True}]  # fmt: skip
     three = {"tiled_mlp": True, "tiled_loss": True, "activation_checkpointing": True}
     return rows + [{"model": "tiny-llama", "seq_len": 2048, "sp": sp, "zero_stage": z, **extra}
-                   for z, sp in ((3, 2), (2, 1)) for extra in ({"packing": "best-fit"}, {"dtype": "bf16", **three})]  # fmt: skip
+                   for z, sp in ((3, 2), (2, 1)) for extra in ({"packing": "best-fit"}, {"dtype": "bf16", **three})] + [
+        {"model": vlm_dir(create=create), "seq_len": 2048, "sp": 2, "zero_stage": 3, "zero_partition": "all", "images": 4, "image_size": [256, 256]}]  # fmt: skip
+
+
+def vlm_dir(*, create: bool = False) -> str:
+    """A tiny Qwen2.5-VL's config directory (text h 128, 4 layers; tower h 64, depth 4; patch 14, merge 2)."""
+    path = os.path.join(tempfile.gettempdir(), "ulysses-sp-plan-check", "tiny-qwen2.5-vl")
+    if create and not os.path.isfile(os.path.join(path, "config.json")):
+        from transformers import Qwen2_5_VLConfig
+
+        Qwen2_5_VLConfig(text_config=dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [4, 6, 6]}),
+                         vision_config=dict(depth=4, hidden_size=64, intermediate_size=128, num_heads=4, patch_size=14,
+                         spatial_merge_size=2, window_size=112, out_hidden_size=128, fullatt_block_indexes=[3]),
+                         image_token_id=1000, video_token_id=1001, vision_start_token_id=1002,
+                         vision_end_token_id=1003).save_pretrained(path)  # fmt: skip
+    return path
+
+
+def measure_vlm(case: dict[str, Any]) -> dict[str, Any]:
+    """``plan_check.measure`` for a VLM row: train's model, shard, engine and micro-step on the rehearsal's image batch."""
+    import torch
+
+    from ulysses_sp.engine import initialize
+    from ulysses_sp.memory.meter import track_peak_memory
+    from ulysses_sp.parallel.mesh import init_mesh
+    from ulysses_sp.rehearse.vlm import rank_batch, synthetic_vlm_batch
+    from ulysses_sp.run.config import RunConfig
+    from ulysses_sp.run.loop import micro_step, register_attention
+    from ulysses_sp.run.model_checks import apply_techniques
+    from ulysses_sp.run.vlm import vlm_shard
+    from ulysses_sp.state.model_dir import auto_model_class, load_config
+
+    c = {k: v for k, v in case.items() if k not in ("images", "image_size")}
+    cfg, config = RunConfig(micro_batch_size=1, **{"zero_partition": "data_parallel", **c}), load_config(case["model"])
+    mesh = init_mesh(sp_size=cfg.sp)
+    torch.manual_seed(0)
+    model = auto_model_class(config).from_config(config, attn_implementation=cfg.attn)
+    _, loss_fn = apply_techniques(cfg, model)
+    mpu = register_attention(cfg, model, config, mesh)
+    vlm_shard(cfg, model, mesh)
+    engine, *_ = initialize(model, cfg.training_config(), mpu=mpu or mesh.mpu, loss_fn=loss_fn)
+    engine.train()
+    batch = synthetic_vlm_batch(cfg, config, images=case["images"], image_size=tuple(case["image_size"]))
+    batch.update({k: torch.randn(v.shape) for k, v in batch.items() if k == "pixel_values"})  # real pixels, held before the step
+    local = rank_batch(cfg, model, batch, mesh.sp_rank)
+    local.pop("_layout").attach(local)  # as the adapter yields it: the host layout on its input_ids
+    step = lambda: (micro_step(engine, local), engine.step())  # noqa: E731
+    step()
+    with track_peak_memory("cpu", include=[*model.parameters(), *_opt_tensors(engine.optimizer)]) as mem:
+        step()
+    return {"peak_bytes": max_over_ranks(mem.peak_bytes, mesh.reduce_group)}
 
 
 def rehearse_all(rows: list[dict[str, Any]]) -> list[int | str]:
@@ -101,9 +151,11 @@ def rehearse_all(rows: list[dict[str, Any]]) -> list[int | str]:
         if c.get("trainer"):
             out.append(rehearse_trainer_row(c))
             continue
+        images = {k: c.pop(k) for k in ("images", "image_size") if k in c}  # a VLM row's synthetic image load
         cfg = RunConfig(micro_batch_size=1, **c)
         try:
-            out.append(rehearse_run(cfg, gpus=2, device="cpu", ranks=(0, 1)).device_peak)
+            out.append(rehearse_run(cfg, gpus=2, device="cpu", ranks=(0, 1), images=images.get("images"),
+                                    image_size=tuple(images.get("image_size", ())) or None).device_peak)  # fmt: skip
         except HostReadError as e:  # 'File ".../ulysses_sp/attention/masks.py", line 70, in from_positions'
             frames = re.findall(r'ulysses_sp/([\w/]+\.py)", line (\d+), in (\w+)', str(e))
             where = [f"{fn} ({path}:{line})" for path, line, fn in frames[-1:]] or ["the step"]
@@ -127,8 +179,9 @@ def _label(c: dict[str, Any]) -> list[Any]:
     if c.get("trainer"):
         return ["tiny-llama, HF Trainer + prepare()", c["seq_len"], c["sp"], c["zero_stage"],
                 "+".join([*(SHORT.get(k, k) for k in c["options"]), "ckpt", c["dtype"]])]  # fmt: skip
-    name = next((n for n in HYBRIDS if c["model"] == hybrid_dir(n)), c["model"])
+    name = next((n for n in HYBRIDS if c["model"] == hybrid_dir(n)), c["model"]).replace(vlm_dir(), "tiny-qwen2.5-vl")
     extra = [v for k, v in SHORT.items() if c.get(k)] + [c[k] for k in ("packing", "dtype") if k in c]
+    extra += [f"{c['images']} images {'x'.join(map(str, c['image_size']))}"] if "images" in c else []
     return [name, c["seq_len"], c["sp"], c["zero_stage"], "+".join(extra) or "plain"]
 
 
@@ -143,7 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.rehearse_to:
         Path(args.rehearse_to).write_text(json.dumps(rehearse_all(rows)))
         return
-    if serve(lambda: [measure_trainer(c) if c.get("trainer") else measure_all([c])[0] for c in rows], args.out):
+    measure = {True: measure_trainer, False: lambda c: measure_vlm(c) if "images" in c else measure_all([c])[0]}
+    if serve(lambda: [measure[bool(c.get("trainer"))](c) for c in rows], args.out):
         return
     run = md.provenance(md.command("bench.rehearse_check", argv))
     measured, _, _ = run_worker("bench.rehearse_check", 2, [f"--cases={len(rows)}", *extra], timeout=1800)

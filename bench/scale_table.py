@@ -30,7 +30,16 @@ SHAPES = {  # transformers config fields (the published config.json: nvidia/Nemo
     "Nemotron-H-8B": dict(model_type="nemotron_h", hybrid_override_pattern="M-M-M-M*-" + "M-M-M-M-M*-" * 3 + "M-" * 5, hidden_size=4096,
                           intermediate_size=21504, mamba_num_heads=128, mamba_head_dim=64, n_groups=8, ssm_state_size=128, vocab_size=131072),
     "Qwen3-Next-80B-A3B": dict(model_type="qwen3_next"),  # transformers' defaults are its config.json's (48 layers, 512 experts)
+    "Qwen2.5-VL-7B": dict(model_type="qwen2_5_vl", text_config=dict(  # Qwen/Qwen2.5-VL-7B-Instruct's config.json
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+        vocab_size=152064, rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
+        max_position_embeddings=1 << 25, tie_word_embeddings=False), vision_config=dict(
+        depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14, spatial_merge_size=2,
+        temporal_patch_size=2, window_size=112, out_hidden_size=3584, fullatt_block_indexes=[7, 15, 23, 31]),
+        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653),
 }  # fmt: skip
+VLM_OVER = {k: False for k in ("tiled_mlp", "tiled_loss", "offload_activations", "recompute_norms")}
+"""What a VLM run refuses (``run.vlm.check_vlm_options``): its rows keep ZeRO 3, bf16, checkpointing, host states."""
 ROWS = {  # name: (shape, gpus, tokens or None for the planner's longest, settings over SETTINGS)
     "8b-1gpu": ("Llama-3-8B", 1, None, {}),
     "8b-8gpu": ("Llama-3-8B", 8, None, {}),
@@ -44,6 +53,7 @@ ROWS = {  # name: (shape, gpus, tokens or None for the planner's longest, settin
     "nemotron-h-8gpu": ("Nemotron-H-8B", 8, None, {}),
     "qwen3-next-8gpu": ("Qwen3-Next-80B-A3B", 8, None, {"tiled_mlp": False}),  # --tiled-mlp refuses its experts' router
     "8b-8gpu-trainer": ("Llama-3-8B", 8, None, {"trainer": True}),  # HF Trainer + prepare(): trainer_row
+    "vl7b-8gpu": ("Qwen2.5-VL-7B", 8, None, VLM_OVER),  # 1 image of 1344x1344 pixels per 8,192 tokens (rehearse.vlm)
 }
 SETTINGS = dict(zero_stage=3, zero_partition="all", dtype="bf16", tiled_mlp=True, tiled_loss=True,
                 activation_checkpointing=True, offload_activations=True, recompute_norms=True, cpu_offload=True)  # fmt: skip
@@ -54,8 +64,8 @@ def _model_dir(shape: str) -> str:
     from transformers import AutoConfig
 
     fields = dict(SHAPES[shape])
-    config = AutoConfig.for_model(fields.pop("model_type"), max_position_embeddings=1 << 25,
-                                  tie_word_embeddings=False, **fields)  # fmt: skip
+    outer = {} if "text_config" in fields else dict(max_position_embeddings=1 << 25, tie_word_embeddings=False)
+    config = AutoConfig.for_model(fields.pop("model_type"), **outer, **fields)
     d = tempfile.mkdtemp(prefix="scale-")
     config.save_pretrained(d)
     return d
@@ -79,10 +89,36 @@ def planner_longest(model_dir: str, gpus: int, over: dict | None = None) -> tupl
     from ulysses_sp.run.preflight import model_shape, settings_for
     from ulysses_sp.state.model_dir import load_config
 
+    if "tiled_loss" in (over or {}):  # a VLM row: its images grow with the length
+        return vlm_longest(model_dir, gpus, over), 1
     hw, s, m = DEVICES["h100"], settings_for(_cfg(model_dir, gpus, gpus, over=over), gpus, "cuda"), model_shape(load_config(model_dir))
     fit = lambda s: max_seq_len(m, s, hw, host_budget=DEFAULT_HOST_MEMORY, ranks_per_node=min(gpus, hw.gpus_per_node))  # noqa: E731
     s, longest = with_head_groups(m, s, fit, None)[-1]
     return max(longest // 65536 * 65536, 65536), s.head_chunks
+
+
+def vlm_longest(model_dir: str, gpus: int, over: dict) -> int:
+    """A VLM row's longest length (multiple of 64K) the planner fits on 80 GB H100s and 2 TB per node, its
+    tower's patches per rank those of ``rehearse.vlm``'s default load at each length (``run.preflight.prediction``)."""
+    import torch
+
+    from ulysses_sp.plan.hardware import DEVICES
+    from ulysses_sp.rehearse.run import DEFAULT_HOST_MEMORY
+    from ulysses_sp.rehearse.vlm import synthetic_vlm_batch, vision_patches
+    from ulysses_sp.run.preflight import prediction
+    from ulysses_sp.state.model_dir import load_config
+
+    config, hw, lo, hi = load_config(model_dir), DEVICES["h100"], 0, 64
+
+    def fits(n: int) -> bool:
+        cfg = _cfg(model_dir, gpus, n * 65536, over=over)
+        pred = prediction(cfg, gpus, config, torch.device("cuda"),
+                          vision_patches=vision_patches(cfg, synthetic_vlm_batch(cfg, config)))  # fmt: skip
+        return pred.peak_bytes <= hw.memory_bytes and pred.host_bytes * min(gpus, 8) <= DEFAULT_HOST_MEMORY
+
+    while lo + 1 < hi:
+        lo, hi = ((lo + hi) // 2, hi) if fits((lo + hi) // 2) else (lo, (lo + hi) // 2)
+    return max(lo, 1) * 65536
 
 
 def rehearse_row(model_dir: str, gpus: int, seq_len: int, head_chunks: int, over: dict) -> dict:

@@ -24,7 +24,7 @@ from ulysses_sp.memory.meter import track_peak_memory
 from ulysses_sp.parallel.loss import sp_causal_lm_loss
 from ulysses_sp.parallel.mesh import init_mesh
 from ulysses_sp.vlm import prepare_vlm_batch, shard_vlm
-from ulysses_sp.vlm.merge import rows_by_rank, shard_index
+from ulysses_sp.vlm.layout import rows_by_rank, shard_index
 from ulysses_sp.vlm.split import encode, plan_frames
 
 MIB, IMAGE_TOKENS, TEXT_TOKENS = 2**20, 256, 256

@@ -73,10 +73,13 @@ def test_bench_stays_lean():
     rehearse_check's real Trainer step vs rehearse_trainer, and the scale table's Llama-3-8B row through the
     Trainer + prepare(): a Trainer built per row, which no script builds); to 3,950 by issue 36's VLM-sweep samples
     of GIT (an image prefix), Fuyu (patch rows), Gemma 3n (an audio clip) and Phi-4-multimodal (its own inputs:
-    images in HD crops and an audio clip)."""
+    images in HD crops and an audio clip); by 87 to 4,040 by issue 31 items 3-4's VLM rows: rehearse_check's real
+    CPU step of a tiny Qwen2.5-VL with images (measure_vlm: train's model, shard and engine on the rehearsal's image
+    batch) and scale_table's Qwen2.5-VL-7B row (its published config, the planner's longest length with the image
+    load growing with it: vlm_longest)."""
     lines = {p.name: len(p.read_text().splitlines()) for p in (ROOT / "bench").glob("*.py")}
     biggest = sorted(lines.items(), key=lambda kv: -kv[1])[:5]
-    assert sum(lines.values()) <= 3950, f"bench/*.py has {sum(lines.values())} lines (cap 3,950); biggest: {biggest}"
+    assert sum(lines.values()) <= 4040, f"bench/*.py has {sum(lines.values())} lines (cap 4,040); biggest: {biggest}"
 
 
 def test_a_cycle_is_found_by_the_check():

@@ -221,6 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--host-memory", default=s, metavar="SIZE",
                    help="host memory of one node (default 2TiB, a DGX H100-class node)")  # fmt: skip
     r.add_argument("--json", action="store_true", default=s, help="print the rehearsal as JSON")
+    r.add_argument("--images", type=int, default=s, metavar="N",
+                   help="a Qwen-VL model: images per sample of the synthetic batch (default: one per 8,192 tokens)")
+    r.add_argument("--image-size", type=image_size, default=s, metavar="HxW",
+                   help="a Qwen-VL model: pixels of each synthetic image (default 1344x1344)")  # fmt: skip
     t.add_argument("--max-nonfinite-steps", type=int, default=s, metavar="N",
                    help="skip up to N steps in a row with a non-finite loss/gradient, then stop")  # fmt: skip
     t.add_argument("--save-on-signal", type=float, nargs="?", const=60.0, default=s, metavar="SECONDS",
@@ -282,3 +286,11 @@ def train_options(ns: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     launch = {k: values.pop(k) for k in LAUNCH_KEYS if k in values}
     launch.update({k: values.pop(k) for k in REHEARSAL_KEYS if k in values})
     return config_from_dict(values), launch
+
+
+def image_size(text: str) -> tuple[int, int]:
+    """``--image-size HxW`` (pixels) -> ``(H, W)``."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"--image-size takes HxW in pixels (e.g. 1344x1344), got {text!r}")
+    return int(parts[0]), int(parts[1])

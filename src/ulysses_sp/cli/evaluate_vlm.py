@@ -48,7 +48,7 @@ def model_inputs(batch: dict[str, Any], mesh: Any, *, vlm: bool) -> tuple[dict[s
     grids) and row 0 of its positions cut to this rank's tokens (``vlm.merge.shard_index``)."""
     if not vlm:
         return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}, batch["position_ids"]
-    from ulysses_sp.vlm.merge import shard_index
+    from ulysses_sp.vlm.layout import shard_index
 
     inputs = {k: v for k, v in batch.items() if k != "shift_labels"}
     pos = inputs["position_ids"]  # [4, B, S]: the text row, then mrope

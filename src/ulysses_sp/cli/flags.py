@@ -9,7 +9,7 @@ import argparse
 from typing import Any
 
 LAUNCH_KEYS = ("nproc", "timeout")
-REHEARSAL_KEYS = ("rehearse", "gpus", "device", "gpu_memory", "host_memory", "json")
+REHEARSAL_KEYS = ("rehearse", "gpus", "device", "gpu_memory", "host_memory", "json", "images", "image_size")
 """``train --rehearse``'s own options: not the run's settings (``RunConfig``)."""
 """Options of the launch, not of the run: taken out of the command's config."""
 

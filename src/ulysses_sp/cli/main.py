@@ -244,6 +244,7 @@ def _rehearse(options: Any, launch: dict[str, Any]) -> int:
     print(f"rehearsing one step on {gpus} fake rank(s) ...", file=sys.stderr)
     result = rehearse_run(options, gpus=gpus, device=launch.get("device", "cuda"),
                           gpu_memory=launch.get("gpu_memory"), host_memory=launch.get("host_memory"),
+                          images=launch.get("images"), image_size=launch.get("image_size"),
                           progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True))  # fmt: skip
     print(json.dumps(result.as_dict(), indent=1, default=str) if launch.get("json") else format_rehearsal(result))
     return 0 if result.fits else 1

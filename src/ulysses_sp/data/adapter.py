@@ -179,8 +179,11 @@ class UlyssesSPDataLoaderAdapter:
                 shard = current.popleft()
                 layout = shard.pop(_LAYOUT, None)
                 self.last_real_tokens = shard.pop(REAL_TOKENS, 0)
-                out = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in shard.items()}
-                if layout is not None:  # on the tensor the model gets (after the move)
+                host = getattr(layout, "host_keys", ())  # a VLM's pixels: each rank uploads only the rows it encodes
+                out = {k: v.to(self.device) if torch.is_tensor(v) and k not in host else v for k, v in shard.items()}
+                if layout is not None and hasattr(layout, "attach"):  # a VLM's (vlm.layout): on its input_ids
+                    layout.attach(out)
+                elif layout is not None:  # on the tensor the model gets (after the move)
                     attach_layout(out["position_ids"], layout)
                 yield out
 

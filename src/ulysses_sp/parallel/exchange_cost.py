@@ -32,6 +32,8 @@ exchange, ``D`` head dim, ``P`` the Ulysses group size.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 EXCHANGES = ("auto", "packed", "headwise")
@@ -72,9 +74,27 @@ NCCL_IB = LinkCost(name="nccl-ib", alpha_s=40e-6, beta_s_per_byte=1 / 40e9, gamm
 """NCCL across nodes (400 Gb/s InfiniBand per GPU): ~40 us per all-to-all, 40 GB/s achieved; threshold 60 MB."""
 
 
+_FAKE_STANDS_FOR: list[str] = []
+"""The backend a rehearsal's fake process group stands for (``fake_backend_as``; innermost last)."""
+
+
+@contextlib.contextmanager
+def fake_backend_as(backend: str) -> Iterator[None]:
+    """Within the block, a ``"fake"`` process group (``rehearse``) chooses its exchange as ``backend``'s would:
+    a rehearsal of a gloo CPU run exchanges as gloo does (its packed/head-by-head threshold is 640 KiB, NCCL's 30 MB)."""
+    _FAKE_STANDS_FOR.append(backend)
+    try:
+        yield
+    finally:
+        _FAKE_STANDS_FOR.pop()
+
+
 def link_for_backend(backend: str) -> LinkCost:
     """The cost of a process group's backend: gloo's measured one, else NCCL over NVLink (a Ulysses group
-    is laid out inside a node: its ranks are the mesh's innermost axis)."""
+    is laid out inside a node: its ranks are the mesh's innermost axis); a rehearsal's ``"fake"`` group
+    costs as the backend it stands for (``fake_backend_as``; NCCL when none is named)."""
+    if backend == "fake" and _FAKE_STANDS_FOR:
+        backend = _FAKE_STANDS_FOR[-1]
     return GLOO_SHM if backend == "gloo" else NCCL_NVLINK
 
 

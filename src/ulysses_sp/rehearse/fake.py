@@ -13,6 +13,10 @@
   GPU"): there it raises ``HostReadError`` naming the call. At the optimizer boundary the engine
   reads the loss and the gradient norm (clipping, the divergence guard): the rehearsal answers
   those with a placeholder (1.0 / True) — the values do not exist, the shapes and bytes do.
+* ``HostValues``: host metadata is not a device value. An op whose tensor arguments are all real CPU
+  tensors (the data adapter's layout attached to the batch: a VLM's frame plan, its vision tower's
+  ``cu_seqlens``, ``vlm.layout``) runs for real, outside the fake mode and the tracker, as it runs on
+  the host in a real step; a move of such a tensor to a device is an upload and makes a fake tensor.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves
 
 HOST_READS = {
     torch.Tensor.item: 1.0,
@@ -120,6 +126,27 @@ class HostReads(TorchFunctionMode):
             yield
         finally:
             self.answering = prev
+
+
+_LIFTS = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.lift.default}
+
+
+class HostValues(TorchDispatchMode):
+    """Runs an op whose tensor arguments are all real CPU tensors (host metadata, module docstring) for
+    real, under none of the rehearsal's modes (not faked, not counted); anything else goes on to them.
+    A dispatch mode, so the backward's checkpoint recomputes pass through it too."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        # plain tensors only: a DTensor (FSDP2's parameters) wraps fake shards, its own type says nothing
+        host = bool(tensors) and all(type(t) is torch.Tensor and t.device.type == "cpu" for t in tensors)
+        lift = func in _LIFTS  # torch.tensor(data) in the step: the fake mode makes it fake, as it always did
+        if host and not lift and (device is None or torch.device(device).type == "cpu"):  # an upload makes a fake tensor
+            with _disable_current_modes():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
 
 
 def _is_fake(t: object) -> bool:

@@ -17,7 +17,7 @@ process group, no real tensors.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -103,11 +103,15 @@ def rehearse_run(
     ranks: tuple[int, ...] | None = None,
     reserve: int | None = None,
     progress: Any = None,
+    images: int | None = None,
+    image_size: tuple[int, int] | None = None,
 ) -> Rehearsal:
     """Rehearse ``cfg``'s step on ``gpus`` ranks (see the module docstring); ``reserve``: bytes kept
     back from ``gpu_memory`` (default: the device table's); ``progress``: called with a line per
     rehearsed phase (``None``: quiet). Raises ``ValueError`` for a bad layout or
-    option, ``rehearse.fake.HostReadError`` when the step reads a device value."""
+    option, ``rehearse.fake.HostReadError`` when the step reads a device value. A Qwen-VL model is
+    rehearsed with ``images`` images of ``image_size`` pixels per row (``rehearse.vlm``), and the rank
+    whose tower encodes the most patches is rehearsed too."""
     from ulysses_sp.checks import check_seq_len_divisible, positive_int
     from ulysses_sp.run.preflight import prediction
 
@@ -126,16 +130,18 @@ def rehearse_run(
     host = parse_bytes(host_memory, what="--host-memory") if host_memory is not None else DEFAULT_HOST_MEMORY
     config = _model_config(cfg)
     vocab = config.get_text_config().vocab_size
-    batch = synthetic_batch(cfg, vocab, seed=cfg.seed)
-    ranks = ranks if ranks is not None else tuple(sorted({0, cfg.sp - 1}))
+    batch, patches, busiest, extra = synthetic_batch(cfg, vocab, seed=cfg.seed), 0, 0, []
+    if _is_vlm(config):  # images through train's per-shard merge (rehearse.vlm)
+        batch, patches, busiest, extra = _vlm_batch(cfg, config, images, image_size)
+    ranks = ranks if ranks is not None else tuple(sorted({0, busiest, cfg.sp - 1}))
     results = []
     with quiet():
         for rank in ranks:
             results.append(_rehearse_rank(cfg, config, batch, gpus=gpus, rank=rank, where=where, progress=progress))
-    pred = prediction(cfg, gpus, config, torch.device("cpu" if device == "cpu" else "cuda"))
+    pred = prediction(cfg, gpus, config, torch.device("cpu" if device == "cpu" else "cuda"), vision_patches=patches)
     notes = [f"device: {where.describe()}",
              "not seen by a rehearsal: CUDA context, kernel workspaces (cuBLAS, flash/sdpa), NCCL buffers, allocator "
-             f"fragmentation, pinned staging; the planner keeps {hw.reserve_bytes / GB:.0f} GB for them"]  # fmt: skip
+             f"fragmentation, pinned staging; the planner keeps {hw.reserve_bytes / GB:.0f} GB for them", *extra]  # fmt: skip
     return Rehearsal(device=where.describe(), gpus=gpus, seq_len=cfg.seq_len, ranks=results, predicted=pred.as_dict(),
                      gpu_memory=budget, reserve=hw.reserve_bytes if reserve is None else reserve, host_memory=host, gpus_per_node=hw.gpus_per_node,
                      notes=notes, time=_projected(cfg, config, results, hw, gpus))  # fmt: skip
@@ -162,9 +168,14 @@ def _rehearse_rank(cfg: RunConfig, config: Any, batch: dict[str, torch.Tensor], 
     from ulysses_sp.run.loop import micro_step
 
     sp_rank = rank % cfg.sp
-    prepared = prepare_batch(batch, cfg.sp)
-    local = shard_batch(prepared, sp_rank, cfg.sp)
-    local["_layout"] = host_layout(prepared["position_ids"])  # as the adapter ships it (attached in the step)
+    if _is_vlm(config):  # as VLMDataLoaderAdapter yields it: the whole sample, its host layout
+        from ulysses_sp.rehearse.vlm import meta_model, rank_batch
+
+        local = rank_batch(cfg, meta_model(config, cfg.attn), batch, sp_rank)
+    else:
+        prepared = prepare_batch(batch, cfg.sp)
+        local = shard_batch(prepared, sp_rank, cfg.sp)
+        local["_layout"] = host_layout(prepared["position_ids"])  # as the adapter ships it (attached in the step)
 
     def build():
         from ulysses_sp.parallel.mesh import init_mesh
@@ -179,11 +190,30 @@ def _rehearse_rank(cfg: RunConfig, config: Any, batch: dict[str, torch.Tensor], 
         from ulysses_sp.engine import initialize
         from ulysses_sp.run.loop import register_attention
         from ulysses_sp.run.model_checks import apply_techniques
+        from ulysses_sp.run.vlm import vlm_shard
 
         _, loss_fn = apply_techniques(cfg, model)
         mpu = register_attention(cfg, model, config, mesh)  # train's own registration (--exchange included)
+        vlm_shard(cfg, model, mesh)  # --split-images off / packed rows at sp 1: as train installs it
         engine, _, _, _ = initialize(model, cfg.training_config(gpus), mpu=mpu or mesh.mpu, loss_fn=loss_fn)
         return engine
 
     return rehearse_step(build, make_engine, local, gpus=gpus, rank=rank, device=where,
                          micro_step=micro_step, host_states=cfg.cpu_offload, progress=progress)  # fmt: skip
+
+
+def _is_vlm(config: Any) -> bool:
+    from ulysses_sp.run.vlm import is_vlm_config
+
+    return is_vlm_config(config)
+
+
+def _vlm_batch(cfg: RunConfig, config: Any, images: int | None, image_size: Any) -> tuple[Any, int, int, list[str]]:
+    """A VLM run's synthetic batch (``rehearse.vlm``), the most patches a rank's tower encodes, the busiest
+    rank, the report's note on them."""
+    from ulysses_sp.rehearse.vlm import busiest_rank, describe, synthetic_vlm_batch, vision_patches
+    from ulysses_sp.run.vlm import check_vlm_options
+
+    check_vlm_options(replace(cfg, data=None))  # the options train refuses for a VLM, refused alike
+    batch = synthetic_vlm_batch(cfg, config, images=images, image_size=image_size, seed=cfg.seed)
+    return batch, vision_patches(cfg, batch), busiest_rank(cfg, batch), [describe(cfg, config, batch)]

@@ -28,7 +28,14 @@ import torch
 from torch import nn
 
 from ulysses_sp.memory.meter import following_resize
-from ulysses_sp.rehearse.fake import HostReadError, HostReads, RehearsalDevice, fake_world, real_submeshes
+from ulysses_sp.rehearse.fake import (
+    HostReadError,
+    HostReads,
+    HostValues,
+    RehearsalDevice,
+    fake_world,
+    real_submeshes,
+)
 from ulysses_sp.rehearse.tracker import ModuleStack, StepTracker
 
 logger = logging.getLogger(__name__)
@@ -138,7 +145,10 @@ def rehearse_step(
 
     t0 = time.perf_counter()
     phases: dict[str, float] = {}
-    with fake_world(gpus, rank):
+    from ulysses_sp.parallel.exchange_cost import fake_backend_as
+
+    stands_for = "gloo" if device.requested == "cpu" else "nccl"  # the exchange a real run there would choose
+    with fake_world(gpus, rank), fake_backend_as(stands_for):
         model, mesh = build()
         for partition in ("all", "data_parallel"):  # FSDP's meshes: built from real groups, outside the fake mode
             mesh.fsdp_mesh(partition)
@@ -147,7 +157,7 @@ def rehearse_step(
         tracker = StepTracker(device.tensor_device, mods, kernels=device.requested)
         reads = HostReads()
         homed = _grads_homed(tracker) if host_states and device.emulated else contextlib.nullcontext()
-        with real_submeshes(), mode, reads, mods, tracker, following_resize(tracker.resized), homed:
+        with real_submeshes(), mode, reads, mods, tracker, following_resize(tracker.resized), homed, HostValues():
             _fake_buffers(model, mode)
             engine = make_engine(model, mesh)  # FSDP2 shards the meta parameters, then makes its shards
             mods.name_modules(engine.module)
@@ -160,8 +170,11 @@ def rehearse_step(
             say(f"rank {rank}: model and engine built ({phases['build']:.0f} s)")
             layout = batch.pop("_layout", None)
             fake_batch = {k: mode.from_tensor(v) if torch.is_tensor(v) else v for k, v in batch.items()}
-            fake_batch = {k: v.to(engine.device) if torch.is_tensor(v) else v for k, v in fake_batch.items()}
-            if layout is not None:  # the data adapter's host layout, on the shard's position ids as it yields them
+            host = getattr(layout, "host_keys", ())  # kept on the host by the adapter (a VLM's pixels)
+            fake_batch = {k: v.to(engine.device) if torch.is_tensor(v) and k not in host else v for k, v in fake_batch.items()}
+            if hasattr(layout, "attach"):  # a VLM's (vlm.layout): on its input_ids, as the adapter yields them
+                layout.attach(fake_batch)
+            elif layout is not None:  # the data adapter's host layout, on the shard's position ids as it yields them
                 from ulysses_sp.parallel.doc_layout import attach_layout
 
                 attach_layout(fake_batch["position_ids"], layout)

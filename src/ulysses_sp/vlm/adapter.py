@@ -5,7 +5,8 @@ group's batches. A VLM batch cannot be cut before the model (``batch``'s docstri
 ``VLMDataLoaderAdapter`` keeps the adapter's round (each of the ``P`` ranks loads one batch; the
 group works through the ``P`` batches one by one) but exchanges whole batches — token ids, pixels,
 grids: one ``all_gather_object`` per round — and yields ``prepare_vlm_batch``'s inputs: the whole
-sample and this rank's ``shift_labels [B, S_l]``; ``last_real_tokens`` counts each batch's real
+sample and this rank's ``shift_labels [B, S_l]``, a Qwen batch's host layout attached to its ``input_ids``
+(``layout.vlm_layout``: the merge and the tower read no device value); ``last_real_tokens`` counts each batch's real
 tokens as the text adapter does (``data.adapter.real_tokens``). A bad batch on any rank raises on every rank.
 """
 
@@ -18,6 +19,8 @@ from ulysses_sp.data.adapter import _LAYOUT, REAL_TOKENS, UlyssesSPDataLoaderAda
 from ulysses_sp.parallel.comm import all_gather_object, raise_if_any_rank_failed
 from ulysses_sp.parallel.doc_layout import layout_of
 from ulysses_sp.vlm.batch import prepare_vlm_batch
+from ulysses_sp.vlm.families import vlm_parts
+from ulysses_sp.vlm.layout import vlm_layout
 from ulysses_sp.vlm.split import check_split
 
 
@@ -31,9 +34,15 @@ def vlm_round(
     def prepare(b: dict[str, Any]) -> dict[str, Any]:
         out = prepare_vlm_batch(model, b, sp_rank=adapter.sp_rank, sp_size=adapter.sp_world_size,
                                 ring_size=adapter.ring_size, pad_token_id=adapter.pad_token_id)  # fmt: skip
-        layout = layout_of(out["position_ids"])  # Gemma 3's spans: re-attached after the move to the device
-        extra = {} if layout is None else {_LAYOUT: layout}
-        return {**out, REAL_TOKENS: real_tokens(b), **extra}  # the adapter's round pops both (last_real_tokens)
+        parts = vlm_parts(model)
+        if parts.scatter is None and not parts.prefix:  # Qwen: the merge's and the tower's values as host values (vlm.layout)
+            out[_LAYOUT] = vlm_layout(model.config, out, sp_rank=adapter.sp_rank, sp_size=adapter.sp_world_size,
+                                      ring_size=adapter.ring_size or 1)  # fmt: skip
+        else:  # Gemma 3's spans: re-attached after the move to the device
+            layout = layout_of(out["position_ids"])
+            if layout is not None:
+                out[_LAYOUT] = layout
+        return {**out, REAL_TOKENS: real_tokens(b)}  # the adapter's round pops both (last_real_tokens)
 
     if batch is not None:
         try:

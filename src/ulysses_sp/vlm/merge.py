@@ -31,15 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ulysses_sp.parallel.mesh_shape import shard_spans
 from ulysses_sp.vlm.families import VLMParts
-from ulysses_sp.vlm.split import encode, plan_frames
-
-
-def shard_index(seq_len: int, sp_rank: int, sp_size: int, ring_size: int, device: Any) -> torch.Tensor:
-    """``[S_l]`` ascending global indices of the tokens SP rank ``sp_rank`` holds."""
-    spans = shard_spans(seq_len, sp_rank, sp_size, ring_size)
-    return torch.cat([torch.arange(a, e, device=device) for a, e in spans])
+from ulysses_sp.vlm.layout import layout_of, rows_by_rank, shard_index
+from ulysses_sp.vlm.split import FramePlan, encode, plan_frames
 
 
 def check_inputs(input_ids: Any, attention_mask: Any, inputs_embeds: Any, encoded: Any) -> None:
@@ -81,13 +75,6 @@ def _placeholders(input_ids: torch.Tensor, grid: torch.Tensor, token: int, merge
     return full
 
 
-def rows_by_rank(mask: torch.Tensor, indices: list[torch.Tensor]) -> list[torch.Tensor]:
-    """For each rank, ``[N_k]`` the merged rows its tokens take (``mask [B, S]``: the placeholders)."""
-    b, s = mask.shape
-    row = mask.flatten().long().cumsum(0).view(b, s) - 1  # [B, S]: row of each placeholder among all
-    return [row.index_select(1, i)[mask.index_select(1, i)] for i in indices]  # [B, S] -> [N_k]
-
-
 def sharded_forward(
     parts: VLMParts, *, sp_rank: int, sp_size: int, ring_size: int, group: dist.ProcessGroup | None
 ) -> Any:
@@ -111,28 +98,30 @@ def sharded_forward(
         kinds = [(p, g, t) for p, g, t in ((pixel_values, image_grid_thw, config.image_token_id),
                  (pixel_values_videos, video_grid_thw, config.video_token_id)) if p is not None]  # fmt: skip
         masks, deep = [], []
+        host = layout_of(input_ids)  # the adapter's host values (vlm.layout): no read of a device tensor
         if kinds:  # images and video frames as one list of frames: one plan, at most one exchange
-            fulls = [_placeholders(input_ids, grid, token, merge) for _, grid, token in kinds]  # [B, S] each
-            per_kind = [rows_by_rank(full, indices) for full in fulls]  # [kind][rank] -> [N_k] rows
-            first = [0, int(fulls[0].sum())]  # video rows follow the image rows
-            needed = [torch.cat([rows[k] + first[j] for j, rows in enumerate(per_kind)]) for k in range(sp_size)]
-            grid = torch.cat([g for _, g, _ in kinds])
-            plan = plan_frames(grid, needed, sp_rank=sp_rank, merge=merge, split=group is not None)
-            rows, layers = encode(parts.vision, [p for p, _, _ in kinds], plan, group)  # [N_l, Hd] each
+            if host is not None:
+                plan, tower, counts = host.plans[group is not None], host.tower, host.counts
+                tower = None if tower is None else tower[group is not None]
+            else:  # a model called directly: the same values from the device tensors (host reads)
+                plan, counts, tower = *_device_plan(input_ids, kinds, indices, sp_rank, merge, group), None
+            rows, layers = encode(parts.vision, [p for p, _, _ in kinds], plan, group, tower=tower)  # [N_l, Hd] each
             start = 0
-            for full, mine in zip(fulls, (rows_[sp_rank] for rows_ in per_kind)):
-                part = slice(start, start + len(mine))  # this kind's rows, in the shard's token order
+            for (_, _, token), n in zip(kinds, counts):
+                part = slice(start, start + n)  # this kind's rows, in the shard's token order
                 start = part.stop
-                local = full.index_select(1, idx)  # [B, S] -> [B, S_l]
+                local = input_ids.index_select(1, idx) == token  # [B, S] -> [B, S_l] placeholders
                 embeds = embeds.masked_scatter(local[..., None], rows[part].to(embeds.device, embeds.dtype))
                 masks.append(local)
                 deep.append([d[part] for d in layers])
         lm_kwargs: dict[str, Any] = {}
         if deepstack:
             lm_kwargs["visual_pos_masks"], lm_kwargs["deepstack_visual_embeds"] = _deepstack(masks, deep, embeds)
+        local_pos = position_ids.index_select(2, idx.to(position_ids.device))  # [4, B, S] -> [4, B, S_l]
+        text_pos = host.attach_text(local_pos[0]) if host is not None else None  # kept alive: the attention finds it
         outputs = parts.language_model(
             input_ids=None,
-            position_ids=position_ids.index_select(2, idx.to(position_ids.device)),  # [4, B, S] -> [4, B, S_l]
+            position_ids=local_pos,
             attention_mask=None,
             cache=cache,
             inputs_embeds=embeds,
@@ -142,9 +131,22 @@ def sharded_forward(
         )
         from transformers.modeling_outputs import MultimodalBaseModelOutputWithPast
 
+        del text_pos
         return MultimodalBaseModelOutputWithPast(**outputs)
 
     return forward
+
+
+def _device_plan(input_ids: torch.Tensor, kinds: list, indices: list[torch.Tensor], sp_rank: int, merge: int,
+                 group: Any) -> tuple[FramePlan, list[int]]:  # fmt: skip
+    """Without the adapter's layout: this rank's frame plan and rows per modality, from the device ids."""
+    fulls = [_placeholders(input_ids, grid, token, merge) for _, grid, token in kinds]  # [B, S] each
+    per_kind = [rows_by_rank(full, indices) for full in fulls]  # [kind][rank] -> [N_k] rows
+    first = [0, int(fulls[0].sum())]  # video rows follow the image rows
+    needed = [torch.cat([rows[k] + first[j] for j, rows in enumerate(per_kind)]) for k in range(len(indices))]
+    grid = torch.cat([g for _, g, _ in kinds])
+    plan = plan_frames(grid, needed, sp_rank=sp_rank, merge=merge, split=group is not None)
+    return plan, [len(rows[sp_rank]) for rows in per_kind]
 
 
 def _deepstack(

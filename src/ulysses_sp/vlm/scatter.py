@@ -54,7 +54,8 @@ from ulysses_sp.attention.positions import CallPositions
 from ulysses_sp.attention.registration import ATTN_NAME
 from ulysses_sp.parallel.doc_layout import attach_layout, layout_of
 from ulysses_sp.vlm.families import VLMParts
-from ulysses_sp.vlm.merge import check_inputs, rows_by_rank, shard_index
+from ulysses_sp.vlm.layout import rows_by_rank, shard_index
+from ulysses_sp.vlm.merge import check_inputs
 
 
 def _positions(position_ids: torch.Tensor | None, b: int, s: int, device: Any) -> torch.Tensor:

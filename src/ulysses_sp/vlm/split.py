@@ -158,19 +158,22 @@ def plan_frames(
 
 
 def encode(
-    vision: Any, pixels: list[torch.Tensor], plan: FramePlan, group: dist.ProcessGroup | None
+    vision: Any, pixels: list[torch.Tensor], plan: FramePlan, group: dist.ProcessGroup | None,
+    *, tower: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """This rank's merged rows ``[N_l, Hd]`` (in the order of its ``rows_by_rank`` entry) and
     Qwen3-VL's deepstack rows (``[N_l, Hd]`` per deepstack layer; ``[]`` for Qwen2.5-VL).
     ``pixels``: the ``pixel_values`` the grids of ``plan_frames`` describe, in order (images, then
-    videos). A rank with ``plan.unused`` gets zero rows that still depend on the tower (times zero)."""
+    videos). A rank with ``plan.unused`` gets zero rows that still depend on the tower (times zero).
+    ``tower``: the tower's metadata for the plan's frames, computed on the host (``layout.tower_inputs``);
+    ``None``: the tower computes it from the grid (host reads of it)."""
     picked, first = [], 0
     for p in pixels:  # [N_p, C] each -> [N_p mine, C]: the plan's rows, never the whole concatenation
         sel = plan.pixels[(plan.pixels >= first) & (plan.pixels < first + p.shape[0])] - first
         picked.append(p.index_select(0, sel.to(p.device)))
         first += p.shape[0]
-    x = torch.cat(picked).type(vision.dtype)
-    out = vision(x, grid_thw=plan.grid.to(x.device))
+    x = torch.cat(picked).to(vision.device, vision.dtype)  # host pixels (the adapter's): only this rank's rows go up
+    out = vision(x, grid_thw=plan.grid.to(x.device), **_uploaded(tower or {}, x.device, vision))
     feats = [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]  # each [N_v mine, Hd]
     width = feats[0].shape[-1]
     rows = torch.cat(feats, dim=-1)  # [N_v mine, (1 + layers) * Hd]: one exchange for all of them
@@ -181,3 +184,12 @@ def encode(
         if plan.send is not None:
             rows = _RowExchange.apply(rows, plan.send, plan.recv, group)  # my rows -> their shards' ranks
     return rows[:, :width], list(rows[:, width:].split(width, dim=-1))
+
+
+def _uploaded(tower: dict[str, Any], device: torch.device, vision: Any) -> dict[str, Any]:
+    """``tower`` with what the tower indexes device tensors with on ``device`` (rotary positions, window
+    order); the frame boundaries stay on the host (its sdpa path reads them there) unless its attention
+    is flash (the kernel reads them on the device; the maxima are given)."""
+    flash = "flash" in str(getattr(vision.config, "_attn_implementation", ""))
+    moved = ("position_ids", "window_index", *(("cu_seqlens", "cu_window_seqlens") if flash else ()))
+    return {k: v.to(device) if k in moved else v for k, v in tower.items()}
