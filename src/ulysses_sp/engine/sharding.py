@@ -65,15 +65,55 @@ def _sum_over_sp_mean_over_dp(state: _SumMeanState, bucket):  # noqa: ANN001
     return fut.then(lambda f: f.value()[0])
 
 
+def may_leave_parameters_unused(model: nn.Module) -> str | None:
+    """Why a step of ``model`` can leave some parameters without a gradient, or ``None``: an admitted
+    VLM (towers' layers past the feature layer, pooling heads, a modality absent from the batch) or a
+    mixture of experts, found by structure: a module named ``*experts`` or of a class named
+    ``*Experts`` / ``*MoE*`` (an expert, or a whole fused expert tensor, that no token of a rank's shard
+    is routed to gets no gradient there; a short shard makes that common)."""
+    if vlm_parts(model) is not None:
+        return "it is a vision-language model"
+    for name, module in model.named_modules():
+        kind = type(module).__name__.lower()
+        if name.rsplit(".", 1)[-1].lower().endswith("experts") or kind.endswith("experts") or "moe" in kind:
+            return f"it is a mixture of experts ({name}: {type(module).__name__})"
+    return None
+
+
+def reentrant_checkpointing(model: nn.Module) -> bool:
+    """Whether a module of ``model`` has transformers' activation checkpointing on in reentrant mode
+    (``use_reentrant=True``, or not given: torch's default)."""
+    for module in model.modules():
+        func = getattr(module, "_gradient_checkpointing_func", None)
+        if getattr(module, "gradient_checkpointing", False) and func is not None:
+            if getattr(func, "keywords", {}).get("use_reentrant", True):
+                return True
+    return False
+
+
 def apply_ddp(model: nn.Module, mesh: SPMesh) -> DistributedDataParallel:
     """DDP over the layout's ``dp * sp`` ranks with the sum-over-SP / mean-over-DP hook (stages 0, 1).
 
     DDP broadcasts rank 0's parameters and buffers at construction, so every replica starts equal.
+    Where a step can leave parameters unused (``may_leave_parameters_unused``), DDP looks for them
+    after each forward (``find_unused_parameters``): without it the buckets holding an unused
+    parameter are never reduced, the other ranks' reductions pair up wrongly, the step's gradients
+    are silently wrong and the next forward raises. That search cannot see through reentrant
+    activation checkpointing (every parameter inside a checkpointed layer looks unused), so that
+    combination is refused.
     """
     if on_meta(model):
         raise ValueError(
             "the model's parameters are on the meta device, which needs ZeRO stage 2 or 3 (the shards are "
             "filled after sharding); at stage 0 or 1 load the whole model (from_pretrained)"
+        )
+    unused = may_leave_parameters_unused(model)
+    if unused and reentrant_checkpointing(model):
+        raise ValueError(
+            f"ZeRO stage 0/1 (DDP) with reentrant activation checkpointing cannot train this model: {unused}, "
+            "so a step can leave parameters without a gradient, and DDP's search for them cannot see through "
+            "reentrant checkpointing. Enable checkpointing with use_reentrant=False "
+            "(enable_activation_checkpointing(model), the default) or use zero_optimization.stage 2 or 3"
         )
     device = mesh.device
     model.to(device)
@@ -81,9 +121,9 @@ def apply_ddp(model: nn.Module, mesh: SPMesh) -> DistributedDataParallel:
         model,
         device_ids=None if device.type == "cpu" else [device.index],
         process_group=mesh.reduce_group,
-        # a VLM's towers hold parameters a step need not use (layers past the feature layer, a pooling head,
-        # Phi-4's speech projection beside images): DDP would leave their buckets, and the SP sum, undone
-        find_unused_parameters=vlm_parts(model) is not None,
+        # only where needed: the search walks the autograd graph after every forward, and DDP warns
+        # at every step where it finds nothing
+        find_unused_parameters=unused is not None,
     )
     ddp.register_comm_hook(
         _SumMeanState(group=mesh.reduce_group, dp_size=mesh.dp_size), _sum_over_sp_mean_over_dp
