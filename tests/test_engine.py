@@ -600,6 +600,17 @@ def _moe_worker():
         initialize(model, {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD"}}, mesh_param=(1, SP))
     except ValueError as e:
         out["reentrant"] = str(e)
+    model = _llama()  # not found by structure: a parameter no step uses; DDP's error, said plainly
+    model.spare = nn.Linear(2, 2)
+    reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", SP, 1, mesh=mesh)
+    engine, _, _, _ = initialize(model, {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD"}}, mpu=reg)
+    try:
+        for _ in range(2):
+            outputs = engine(input_ids=ids[:, cols], position_ids=torch.arange(MOE_SEQ)[None, cols], shift_labels=labels[:, cols])
+            engine.backward(outputs.loss)
+            engine.step()
+    except ValueError as e:
+        out["spare"] = str(e)
     return out
 
 
@@ -623,3 +634,4 @@ def test_moe_experts_unused_on_a_rank_get_exact_gradients_under_ddp(pool):
     for res in results:
         assert re.search(r"reentrant activation checkpointing .* mixture of experts .*use_reentrant=False",
                          res["reentrant"]), res["reentrant"]  # fmt: skip
+        assert "got no gradient in the previous step under ZeRO stage 0/1 (DDP)" in res["spare"]

@@ -113,7 +113,7 @@ def apply_ddp(model: nn.Module, mesh: SPMesh) -> DistributedDataParallel:
             f"ZeRO stage 0/1 (DDP) with reentrant activation checkpointing cannot train this model: {unused}, "
             "so a step can leave parameters without a gradient, and DDP's search for them cannot see through "
             "reentrant checkpointing. Enable checkpointing with use_reentrant=False "
-            "(enable_activation_checkpointing(model), the default) or use zero_optimization.stage 2 or 3"
+            "(enable_activation_checkpointing(model), the default)"
         )
     device = mesh.device
     model.to(device)
