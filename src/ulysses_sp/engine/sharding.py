@@ -67,16 +67,22 @@ def _sum_over_sp_mean_over_dp(state: _SumMeanState, bucket):  # noqa: ANN001
 
 def may_leave_parameters_unused(model: nn.Module) -> str | None:
     """Why a step of ``model`` can leave some parameters without a gradient, or ``None``: an admitted
-    VLM (towers' layers past the feature layer, pooling heads, a modality absent from the batch) or a
-    mixture of experts, found by structure: a module named ``*experts`` or of a class named
-    ``*Experts`` / ``*MoE*`` (an expert, or a whole fused expert tensor, that no token of a rank's shard
-    is routed to gets no gradient there; a short shard makes that common)."""
+    VLM (towers' layers past the feature layer, pooling heads, a modality absent from the batch), or a
+    mixture of experts, found by structure, whose experts are modules of their own (a ``ModuleList`` /
+    ``ModuleDict`` named ``*experts`` or of ``*Expert*`` modules: one that no token of a rank's shard is
+    routed to is skipped, common on a short shard) or that has identity experts (``zero_expert_num``:
+    every token of a shard may pick them). transformers' own MoE families hold each layer's experts
+    fused in one tensor, used whenever any expert is hit: those need no search."""
     if vlm_parts(model) is not None:
         return "it is a vision-language model"
     for name, module in model.named_modules():
-        kind = type(module).__name__.lower()
-        if name.rsplit(".", 1)[-1].lower().endswith("experts") or kind.endswith("experts") or "moe" in kind:
-            return f"it is a mixture of experts ({name}: {type(module).__name__})"
+        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            if getattr(getattr(module, "config", None), "zero_expert_num", None):
+                return f"it is a mixture of experts with identity experts ({type(module).__name__}.config.zero_expert_num)"
+            continue
+        kinds = {type(child).__name__ for child in module.children()}
+        if name.rsplit(".", 1)[-1].lower().endswith("experts") or any("expert" in k.lower() for k in kinds):
+            return f"it is a mixture of experts with one module per expert ({name})"
     return None
 
 
