@@ -171,7 +171,17 @@ class Engine:
             self._set_gradient_sync(self.is_gradient_accumulation_boundary())
         # stages 0/1: autocast casts per op; stages 2/3: FSDP2's MixedPrecisionPolicy casts the units
         with self.precision.autocast(self.device, enabled=self.zero_stage <= 1):
-            return self._forward(*args, **batch)
+            try:
+                return self._forward(*args, **batch)
+            except RuntimeError as e:  # DDP's, pointing at a keyword the engine sets itself
+                if "Expected to have finished reduction" not in str(e):
+                    raise
+                raise ValueError(
+                    "a parameter of the model got no gradient in the previous step under ZeRO stage 0/1 (DDP), so "
+                    "that step's gradients were not fully reduced. DDP looks for unused parameters only in VLMs "
+                    "and mixtures of experts (engine.sharding.may_leave_parameters_unused); freeze the parameters "
+                    "the model does not use (requires_grad_(False)) or make every parameter take part in the loss"
+                ) from e
 
     def _forward(self, *args: Any, **batch: Any) -> Any:
         shift_labels = batch.pop("shift_labels", None)

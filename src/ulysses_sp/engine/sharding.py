@@ -65,15 +65,61 @@ def _sum_over_sp_mean_over_dp(state: _SumMeanState, bucket):  # noqa: ANN001
     return fut.then(lambda f: f.value()[0])
 
 
+def may_leave_parameters_unused(model: nn.Module) -> str | None:
+    """Why a step of ``model`` can leave some parameters without a gradient, or ``None``: an admitted
+    VLM (towers' layers past the feature layer, pooling heads, a modality absent from the batch), or a
+    mixture of experts, found by structure, whose experts are modules of their own (a ``ModuleList`` /
+    ``ModuleDict`` named ``*experts`` or of ``*Expert*`` modules: one that no token of a rank's shard is
+    routed to is skipped, common on a short shard) or that has identity experts (``zero_expert_num``:
+    every token of a shard may pick them). transformers' own MoE families hold each layer's experts
+    fused in one tensor, used whenever any expert is hit: those need no search."""
+    if vlm_parts(model) is not None:
+        return "it is a vision-language model"
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            if getattr(getattr(module, "config", None), "zero_expert_num", None):
+                return f"it is a mixture of experts with identity experts ({type(module).__name__}.config.zero_expert_num)"
+            continue
+        kinds = {type(child).__name__ for child in module.children()}
+        if name.rsplit(".", 1)[-1].lower().endswith("experts") or any("expert" in k.lower() for k in kinds):
+            return f"it is a mixture of experts with one module per expert ({name})"
+    return None
+
+
+def reentrant_checkpointing(model: nn.Module) -> bool:
+    """Whether a module of ``model`` has transformers' activation checkpointing on in reentrant mode
+    (``use_reentrant=True``, or not given: torch's default)."""
+    for module in model.modules():
+        func = getattr(module, "_gradient_checkpointing_func", None)
+        if getattr(module, "gradient_checkpointing", False) and func is not None:
+            if getattr(func, "keywords", {}).get("use_reentrant", True):
+                return True
+    return False
+
+
 def apply_ddp(model: nn.Module, mesh: SPMesh) -> DistributedDataParallel:
     """DDP over the layout's ``dp * sp`` ranks with the sum-over-SP / mean-over-DP hook (stages 0, 1).
 
     DDP broadcasts rank 0's parameters and buffers at construction, so every replica starts equal.
+    Where a step can leave parameters unused (``may_leave_parameters_unused``), DDP looks for them
+    after each forward (``find_unused_parameters``): without it the buckets holding an unused
+    parameter are never reduced, the other ranks' reductions pair up wrongly, the step's gradients
+    are silently wrong and the next forward raises. That search cannot see through reentrant
+    activation checkpointing (every parameter inside a checkpointed layer looks unused), so that
+    combination is refused.
     """
     if on_meta(model):
         raise ValueError(
             "the model's parameters are on the meta device, which needs ZeRO stage 2 or 3 (the shards are "
             "filled after sharding); at stage 0 or 1 load the whole model (from_pretrained)"
+        )
+    unused = may_leave_parameters_unused(model)
+    if unused and reentrant_checkpointing(model):
+        raise ValueError(
+            f"ZeRO stage 0/1 (DDP) with reentrant activation checkpointing cannot train this model: {unused}, "
+            "so a step can leave parameters without a gradient, and DDP's search for them cannot see through "
+            "reentrant checkpointing. Enable checkpointing with use_reentrant=False "
+            "(enable_activation_checkpointing(model), the default)"
         )
     device = mesh.device
     model.to(device)
@@ -81,9 +127,9 @@ def apply_ddp(model: nn.Module, mesh: SPMesh) -> DistributedDataParallel:
         model,
         device_ids=None if device.type == "cpu" else [device.index],
         process_group=mesh.reduce_group,
-        # a VLM's towers hold parameters a step need not use (layers past the feature layer, a pooling head,
-        # Phi-4's speech projection beside images): DDP would leave their buckets, and the SP sum, undone
-        find_unused_parameters=vlm_parts(model) is not None,
+        # only where needed: the search walks the autograd graph after every forward, and DDP warns
+        # at every step where it finds nothing
+        find_unused_parameters=unused is not None,
     )
     ddp.register_comm_hook(
         _SumMeanState(group=mesh.reduce_group, dp_size=mesh.dp_size), _sum_over_sp_mean_over_dp
