@@ -600,6 +600,11 @@ def _moe_worker():
         initialize(model, {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD"}}, mesh_param=(1, SP))
     except ValueError as e:
         out["reentrant"] = str(e)
+    try:  # FSDP2 reduces only the parameters with a gradient: ranks routing differently would hang
+        initialize(_moe_llama(), {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+                                  "optimizer": {"type": "SGD"}}, mesh_param=(1, SP))  # fmt: skip
+    except ValueError as e:
+        out["fsdp"] = str(e)
     model = _llama()  # not found by structure: a parameter no step uses; DDP's error, said plainly
     model.spare = nn.Linear(2, 2)
     reg = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", SP, 1, mesh=mesh)
@@ -618,7 +623,8 @@ def test_moe_experts_unused_on_a_rank_get_exact_gradients_under_ddp(pool):
     """ZeRO 0 and 1 at sp 2, two steps: every gradient after the engine's reduction equals the plain
     model's on the whole sequence, experts used by no rank have none. Without DDP's unused-parameter
     search the first step's gradients were wrong (most of the model's, by up to ~100%) and the second
-    forward raised DDP's 'Expected to have finished reduction'."""
+    forward raised DDP's 'Expected to have finished reduction'. At ZeRO 3 the same model is refused by name
+    (FSDP2 reduces only the parameters with a gradient: ranks routed differently hung)."""
     results = pool.run(_moe_worker, SP)
     for key in [(stage, step) for stage in (0, 1) for step in range(2)]:
         hits = [res[key]["hit"] for res in results]
@@ -635,3 +641,5 @@ def test_moe_experts_unused_on_a_rank_get_exact_gradients_under_ddp(pool):
         assert re.search(r"reentrant activation checkpointing .* mixture of experts .*use_reentrant=False",
                          res["reentrant"]), res["reentrant"]  # fmt: skip
         assert "got no gradient in the previous step under ZeRO stage 0/1 (DDP)" in res["spare"]
+        assert re.search(r"ZeRO stage 3 \(FSDP2\) cannot train this model: .*one module per expert.*a hang\)\. Use ZeRO "
+                         r"stage 0 or 1", res["fsdp"]), res["fsdp"]  # fmt: skip

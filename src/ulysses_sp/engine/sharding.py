@@ -182,6 +182,14 @@ def apply_fsdp(
     sharded as it is, then each rank allocates only its own shards (``to_empty``) with the real
     buffers put back; ``loading.load_pretrained_weights`` fills the shards.
     """
+    unused = may_leave_parameters_unused(model)
+    if unused and vlm_parts(model) is None:  # a VLM's unused towers are the same on every rank: reduced alike
+        raise ValueError(
+            f"ZeRO stage {stage} (FSDP2) cannot train this model: {unused}. FSDP2 reduces only the parameters "
+            "that got a gradient, so ranks whose tokens reach different experts would run mismatched collectives "
+            "(a hang). Use ZeRO stage 0 or 1 (DDP finds the unused experts), or a model whose experts are fused "
+            "in one tensor (transformers' own MoE classes)"
+        )
     policy = policy or PrecisionPolicy()
     meta = on_meta(model)
     if meta:
