@@ -75,14 +75,23 @@ def may_leave_parameters_unused(model: nn.Module) -> str | None:
     fused in one tensor, used whenever any expert is hit: those need no search."""
     if vlm_parts(model) is not None:
         return "it is a vision-language model"
+    separate = expert_modules(model)
+    if separate is not None:
+        return f"it is a mixture of experts with one module per expert ({separate})"
+    for module in model.modules():
+        if getattr(getattr(module, "config", None), "zero_expert_num", None):
+            return f"it is a mixture of experts with identity experts ({type(module).__name__}.config.zero_expert_num)"
+    return None
+
+
+def expert_modules(model: nn.Module) -> str | None:
+    """The name of the first ``ModuleList`` / ``ModuleDict`` of ``model`` that holds one module per expert
+    (named ``*experts``, or of ``*Expert*`` modules), or ``None``."""
     for name, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-            if getattr(getattr(module, "config", None), "zero_expert_num", None):
-                return f"it is a mixture of experts with identity experts ({type(module).__name__}.config.zero_expert_num)"
-            continue
-        kinds = {type(child).__name__ for child in module.children()}
-        if name.rsplit(".", 1)[-1].lower().endswith("experts") or any("expert" in k.lower() for k in kinds):
-            return f"it is a mixture of experts with one module per expert ({name})"
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            kinds = {type(child).__name__ for child in module.children()}
+            if name.rsplit(".", 1)[-1].lower().endswith("experts") or any("expert" in k.lower() for k in kinds):
+                return name
     return None
 
 
@@ -182,10 +191,11 @@ def apply_fsdp(
     sharded as it is, then each rank allocates only its own shards (``to_empty``) with the real
     buffers put back; ``loading.load_pretrained_weights`` fills the shards.
     """
-    unused = may_leave_parameters_unused(model)
-    if unused and vlm_parts(model) is None:  # a VLM's unused towers are the same on every rank: reduced alike
+    separate = expert_modules(model)  # (a VLM's unused towers are the same on every rank: reduced alike)
+    if separate is not None:
         raise ValueError(
-            f"ZeRO stage {stage} (FSDP2) cannot train this model: {unused}. FSDP2 reduces only the parameters "
+            f"ZeRO stage {stage} (FSDP2) cannot train this model: it is a mixture of experts with one module per "
+            f"expert ({separate}). FSDP2 reduces only the parameters "
             "that got a gradient, so ranks whose tokens reach different experts would run mismatched collectives "
             "(a hang). Use ZeRO stage 0 or 1 (DDP finds the unused experts), or a model whose experts are fused "
             "in one tensor (transformers' own MoE classes)"
