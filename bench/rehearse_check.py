@@ -152,7 +152,7 @@ def rehearse_all(rows: list[dict[str, Any]]) -> list[int | str]:
             out.append(rehearse_trainer_row(c))
             continue
         images = {k: c.pop(k) for k in ("images", "image_size") if k in c}  # a VLM row's synthetic image load
-        cfg = RunConfig(micro_batch_size=1, **c)
+        cfg = RunConfig(micro_batch_size=1, **{"zero_partition": "data_parallel", **c})  # as plan_check.measure
         try:
             out.append(rehearse_run(cfg, gpus=2, device="cpu", ranks=(0, 1), images=images.get("images"),
                                     image_size=tuple(images.get("image_size", ())) or None).device_peak)  # fmt: skip

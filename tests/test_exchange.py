@@ -15,7 +15,15 @@ from models import global_batch, tiny_model
 from oracle import assert_grads_close
 
 from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
-from ulysses_sp.parallel.exchange_cost import GLOO_SHM, NCCL_IB, NCCL_NVLINK, check_exchange, use_packed
+from ulysses_sp.parallel.exchange_cost import (
+    GLOO_SHM,
+    NCCL_IB,
+    NCCL_NVLINK,
+    check_exchange,
+    fake_backend_as,
+    link_for_backend,
+    use_packed,
+)
 from ulysses_sp.parallel.mesh import init_mesh
 from ulysses_sp.parallel.mesh_shape import shard_spans
 
@@ -190,3 +198,15 @@ def test_train_takes_the_exchange_and_refuses_an_unknown_one_before_launch():
     check_train_options(RunConfig(exchange="packed"))
     with pytest.raises(ValueError, match="--exchange must be one of auto, packed, headwise, got 'fast'"):
         check_train_options(RunConfig(exchange="fast"))
+
+
+def test_a_rehearsals_fake_group_exchanges_as_the_backend_it_stands_for():
+    """A rehearsal of a gloo CPU run (``--device cpu``) must choose packed or head-by-head as gloo does
+    (640 KiB per piece), not as NCCL (30 MB): the choice changes the step's transient buffers."""
+    assert link_for_backend("fake") is NCCL_NVLINK
+    with fake_backend_as("gloo"):
+        assert link_for_backend("fake") is GLOO_SHM and link_for_backend("nccl") is NCCL_NVLINK
+        with fake_backend_as("nccl"):
+            assert link_for_backend("fake") is NCCL_NVLINK
+        assert link_for_backend("fake") is GLOO_SHM
+    assert link_for_backend("fake") is NCCL_NVLINK
