@@ -31,6 +31,7 @@ from oracle import assert_step_close
 from test_vlm import _full_hidden, _Shapes
 
 from ulysses_sp.attention.ulysses import UlyssesSPAttentionHF
+from ulysses_sp.parallel.doc_layout import attach_layout, host_layout
 from ulysses_sp.parallel.loss import sp_causal_lm_loss
 from ulysses_sp.parallel.mesh import init_mesh
 from ulysses_sp.vlm import prepare_vlm_batch, shard_vlm
@@ -105,6 +106,10 @@ def _cases(sp, cases):
         if case == "single":  # every rank runs it (the SP attention's collectives); the last shard's rows move
             wrong = _wrong_rows(model, inputs)
             assert mesh.sp_rank < sp - 1 or not torch.allclose(wrong, out.logits, atol=1e-3), tag
+            full = torch.arange(s)[None]  # the text adapter's shard (S_l ids, the layout of all S): refused by name
+            shard = attach_layout(full[:, cols].clone(), host_layout(full))
+            with pytest.raises(ValueError, match=rf"got one shard's inputs \({s // sp} of {s} tokens.*VLMDataLoaderAdapter"):
+                model(**{**inputs, "input_ids": inputs["input_ids"][:, cols], "position_ids": shard}, use_cache=False)
         handle.remove()
         reg.remove()
         done.append(tag)

@@ -67,6 +67,13 @@ def _positions(position_ids: torch.Tensor | None, b: int, s: int, device: Any) -
             f"a LLaVA-style VLM under sequence parallelism takes position_ids [B, S] = [{b}, {s}] over the full "
             f"sequence (packed documents restarting at 0), got {tuple(position_ids.shape)}"
         )
+    layout = layout_of(position_ids)
+    if layout is not None and layout.seq_len != s:  # the text adapter's shard: S_l of the layout's S tokens
+        raise ValueError(
+            f"a VLM under sequence parallelism takes the full sample on every rank, got one shard's inputs ({s} of "
+            f"{layout.seq_len} tokens, as UlyssesSPDataLoaderAdapter yields them): feed it through "
+            "VLMDataLoaderAdapter (or ulysses_sp.vlm.prepare_vlm_batch)"
+        )
     return position_ids
 
 
