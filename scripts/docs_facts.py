@@ -104,6 +104,7 @@ LIMITS = {
     "conv": "conv channels % sp = 0; no ring",
     "gdn": "value heads % sp = 0; no ring",
     "vlm": _ATTN + "; images encoded whole",
+    "vlm_scatter": "heads % sp = 0 (a ring: untested); images encoded whole",
     "vlm_spans": "heads % sp = 0; no ring; no flash (image blocks bidirectional); images encoded whole",
     "dsa": "heads % sp = 0; cores sdpa/eager; no ring",
     "own": "heads % sp = 0; no ring; O(S²/sp) scores (its own eager attention)",
@@ -184,7 +185,7 @@ def models_table() -> str:
     for model_type in SUPPORTED_VLMS:
         name = VLM_NAMES.get(model_type, model_type)
         out.append(
-            f"| {name} | `{model_type}` | **exact** (VLM tests) | — | {LIMITS[VLM_LIMITS.get(model_type, 'vlm')]} | "
+            f"| {name} | `{model_type}` | **exact** (VLM tests) | — | {LIMITS[VLM_LIMITS.get(model_type, 'vlm' if model_type in QWEN_VLMS else 'vlm_scatter')]} | "
             + ("CLI · Trainer · library |" if model_type in QWEN_VLMS else "library (the CLI reads Qwen's images only) |")
         )
     return "\n".join(out)
