@@ -253,3 +253,20 @@ def test_the_flash_backward_workspace_is_counted_for_cuda_kernels(kernels, kv_he
     made = [a for a in tracker.places["device"].peak_at if a.op == "kernel workspace (modelled)"]
     expanded = 2 * b * s * h * d * 2 if kv_heads < h else 0
     assert [a.nbytes for a in made] == ([4 * b * s * h * (d + 1) + expanded] if kernels == "cuda" else [])
+
+
+def test_a_chunk_loop_mixer_warns_how_long_its_rehearsal_takes():
+    """Gated delta-net's torch fallback scans S / 64 chunks in a Python loop, which fake tensors run op
+    by op (Qwen3-Next at 851,968 tokens: 13,312 chunks x 36 layers, hours): the rehearsal says so before
+    it starts. Mamba-2's vectorized scan and plain attention get no note."""
+    from transformers import AutoConfig
+
+    from ulysses_sp.rehearse.run import chunk_loop_note
+
+    tiny = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=64)
+    qwen3_next = AutoConfig.for_model("qwen3_next", num_hidden_layers=8, num_experts=4, moe_intermediate_size=32,
+                                      linear_num_key_heads=2, linear_num_value_heads=4, **tiny)  # fmt: skip
+    note = chunk_loop_note(qwen3_next, 65536, ranks=2)
+    assert note is not None and "6 gated_delta_net layers scan 1,024 chunks each" in note, note
+    assert f"about {0.05 * 1024 * 6 * 2 / 60:,.0f} CPU minutes" in note, note
+    assert chunk_loop_note(AutoConfig.for_model("llama", num_hidden_layers=2, **tiny), 65536) is None

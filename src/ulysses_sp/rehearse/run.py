@@ -134,6 +134,9 @@ def rehearse_run(
     if _is_vlm(config):  # images through train's per-shard merge (rehearse.vlm)
         batch, patches, busiest, extra = _vlm_batch(cfg, config, images, image_size)
     ranks = ranks if ranks is not None else tuple(sorted({0, busiest, cfg.sp - 1}))
+    slow = chunk_loop_note(config, cfg.seq_len, len(ranks))
+    if slow and progress:
+        progress(slow)
     results = []
     with quiet():
         for rank in ranks:
@@ -145,6 +148,30 @@ def rehearse_run(
     return Rehearsal(device=where.describe(), gpus=gpus, seq_len=cfg.seq_len, ranks=results, predicted=pred.as_dict(),
                      gpu_memory=budget, reserve=hw.reserve_bytes if reserve is None else reserve, host_memory=host, gpus_per_node=hw.gpus_per_node,
                      notes=notes, time=_projected(cfg, config, results, hw, gpus))  # fmt: skip
+
+
+LOOP_SECONDS = 0.05
+"""CPU seconds a rehearsal spends per chunk and layer in a Python chunk loop (forward, recompute and
+backward; Qwen3-Next's gated delta-net at 128-wide heads, measured on a 2-core CPU)."""
+
+
+def chunk_loop_note(config: Any, seq_len: int, ranks: int = 1) -> str | None:
+    """A warning when the model's sequence mixers scan in a Python loop over ``S / c`` chunks
+    (transformers' torch fallbacks of gated delta-net, KDA and lightning attention): fake tensors run
+    each chunk's ops one by one, so the rehearsal's time grows with ``S / c`` x layers. ``None``: no such
+    layer (Mamba-2's chunked scan is vectorized)."""
+    from ulysses_sp.run.preflight import model_shape
+
+    loops = [k.mixer for k in model_shape(config.get_text_config()).kinds()
+             if k.mixer is not None and k.mixer.kind in ("gated_delta_net", "kimi_delta_attention", "lightning_attention")]  # fmt: skip
+    if not loops:
+        return None
+    chunks = -(-seq_len // loops[0].chunk)
+    minutes = LOOP_SECONDS * chunks * len(loops) * ranks / 60
+    return (f"note: {len(loops)} {loops[0].kind} layers scan {chunks:,} chunks each in a Python loop (transformers' "
+            f"torch fallback), which fake tensors run op by op: expect about {minutes:,.0f} CPU minutes "
+            f"({LOOP_SECONDS} s per chunk and layer on a 2-core CPU); a shorter --seq-len or fewer layers rehearses "
+            "the same per-layer shapes sooner")  # fmt: skip
 
 
 def _projected(cfg: RunConfig, config: Any, results: list[StepResult], hw: Any, gpus: int) -> dict[str, Any]:
