@@ -39,7 +39,7 @@ import torch
 
 from ulysses_sp.vlm.families import VLMParts
 from ulysses_sp.vlm.merge import check_inputs, rows_by_rank, shard_index
-from ulysses_sp.vlm.scatter import _local_positions, _positions, _record_call, image_rows
+from ulysses_sp.vlm.scatter import full_positions, image_rows, local_positions, record_call_positions
 
 
 def shard_embeddings(inner: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,7 +104,7 @@ def gemma3n_forward(parts: VLMParts, *, sp_rank: int, sp_size: int, ring_size: i
         if per_layer_inputs is not None:
             raise ValueError("Gemma 3n under sequence parallelism builds per_layer_inputs from input_ids; drop them")
         b, s = input_ids.shape
-        positions = _positions(position_ids, b, s, input_ids.device)
+        positions = full_positions(position_ids, b, s, input_ids.device)
         idx = shard_index(s, sp_rank, sp_size, ring_size, input_ids.device)
         embeds, per_layer = shard_embeddings(inner, input_ids.index_select(1, idx))
         if pixel_values is not None:
@@ -113,8 +113,8 @@ def gemma3n_forward(parts: VLMParts, *, sp_rank: int, sp_size: int, ring_size: i
         if input_features is not None and input_features_mask is not None:
             rows = audio_rows(inner, input_features, input_features_mask)  # [N_a, Hd]
             embeds = _scatter(embeds, input_ids, audio, idx, rows, "audio")
-        local_pos = _local_positions(positions, idx, False, None)  # [B, S] -> [B, S_l] (a host layout kept)
-        _record_call(local_pos)  # the SP attention's call positions: this shard's (``scatter``, step 4)
+        local_pos = local_positions(positions, idx, False, None)  # [B, S] -> [B, S_l] (a host layout kept)
+        record_call_positions(local_pos)  # the SP attention's call positions: this shard's (``scatter``, step 4)
         outputs = parts.language_model(
             input_ids=None,
             per_layer_inputs=per_layer,

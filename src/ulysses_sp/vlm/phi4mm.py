@@ -41,7 +41,7 @@ import torch
 
 from ulysses_sp.vlm.families import VLMParts
 from ulysses_sp.vlm.merge import check_inputs, rows_by_rank, shard_index
-from ulysses_sp.vlm.scatter import _positions
+from ulysses_sp.vlm.scatter import full_positions
 
 
 def media_rows(embedding: Any, token: int, n: int, like: torch.Tensor, what: str, **inputs: Any) -> torch.Tensor:
@@ -74,7 +74,7 @@ def phi4_forward(parts: VLMParts, *, sp_rank: int, sp_size: int, ring_size: int)
                 **kwargs: Any) -> Any:  # fmt: skip
         check_inputs(input_ids, attention_mask, inputs_embeds, None)
         b, s = input_ids.shape
-        positions = _positions(position_ids, b, s, input_ids.device)
+        positions = full_positions(position_ids, b, s, input_ids.device)
         idx = shard_index(s, sp_rank, sp_size, ring_size, input_ids.device)
         embeds = inner.embed_tokens(input_ids.index_select(1, idx))  # [B, S_l] -> [B, S_l, Hd]
         kinds = []  # (placeholder token, rows [N, Hd], dropout): as the model, a modality with no tokens is skipped

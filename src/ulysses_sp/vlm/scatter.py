@@ -58,7 +58,7 @@ from ulysses_sp.vlm.layout import rows_by_rank, shard_index
 from ulysses_sp.vlm.merge import check_inputs
 
 
-def _positions(position_ids: torch.Tensor | None, b: int, s: int, device: Any) -> torch.Tensor:
+def full_positions(position_ids: torch.Tensor | None, b: int, s: int, device: Any) -> torch.Tensor:
     """``[B, S]`` text positions of the full sample (``None``: ``arange(S)``), checked."""
     if position_ids is None:
         return torch.arange(s, device=device).repeat(b, 1)
@@ -77,7 +77,7 @@ def _positions(position_ids: torch.Tensor | None, b: int, s: int, device: Any) -
     return position_ids
 
 
-def _record_call(positions: torch.Tensor) -> None:
+def record_call_positions(positions: torch.Tensor) -> None:
     """This shard's ``[B, S_l]`` positions as the forward's call positions on the SP attention (step 4)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -86,7 +86,7 @@ def _record_call(positions: torch.Tensor) -> None:
         attention.call = CallPositions(given=True, source=weakref.ref(positions))
 
 
-def _local_positions(positions: torch.Tensor, idx: torch.Tensor, spans: bool, key: str | None) -> torch.Tensor:
+def local_positions(positions: torch.Tensor, idx: torch.Tensor, spans: bool, key: str | None) -> torch.Tensor:
     """``[B, S] -> [B, S_l]``: this rank's positions, carrying the full positions' host layout (if any: the
     bidirectional spans travel in it). ``spans``: the ``key`` input was given, so the layout must hold spans."""
     layout = layout_of(positions)
@@ -128,9 +128,9 @@ def scatter_forward(parts: VLMParts, *, sp_rank: int, sp_size: int, ring_size: i
         image_kwargs = {k: kwargs.pop(k) for k in family.image_kwargs if k in kwargs}
         types = kwargs.pop(family.spans_key, None) if family.spans_key else None  # [B, S]: in the layout's spans
         b, s = input_ids.shape
-        positions = _positions(position_ids, b, s, input_ids.device)
+        positions = full_positions(position_ids, b, s, input_ids.device)
         idx = shard_index(s, sp_rank, sp_size, ring_size, input_ids.device)
-        local_pos = _local_positions(positions, idx, types is not None, family.spans_key)  # [B, S] -> [B, S_l]
+        local_pos = local_positions(positions, idx, types is not None, family.spans_key)  # [B, S] -> [B, S_l]
         embed = inner.get_input_embeddings()
         ids = input_ids.index_select(1, idx)  # [B, S] -> [B, S_l]
         if token >= getattr(embed, "num_embeddings", token + 1):  # out of the vocabulary: id 0 (its row replaces it)
@@ -148,7 +148,7 @@ def scatter_forward(parts: VLMParts, *, sp_rank: int, sp_size: int, ring_size: i
             mine = rows_by_rank(full, [idx])[0]  # [N_l] rows of this shard's placeholders among all
             local = full.index_select(1, idx)  # [B, S] -> [B, S_l]
             embeds = embeds.masked_scatter(local[..., None], rows.index_select(0, mine).to(embeds.device, embeds.dtype))
-        _record_call(local_pos)
+        record_call_positions(local_pos)
         outputs = parts.language_model(
             input_ids=None,
             position_ids=local_pos,
