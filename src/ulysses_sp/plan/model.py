@@ -38,7 +38,9 @@ walked as the allocator sees it, in units of one element per *local* token (``T 
 
 Model states per rank: parameters (sharded over ``shard`` ranks in stage 3, one layer unsharded at
 a time), gradients (sharded from stage 2), AdamW state ``2 x fp32`` (+ fp32 master weights with a
-16-bit dtype; sharded from stage 1), or on the host with ``offload_states``. Communication buffers:
+16-bit dtype; sharded from stage 1), or on the host with ``offload_states`` (FSDP2's CPU offload: 12
+bytes a parameter through the step, + 8 at the optimizer step: the fp32 gradients and foreach AdamW's
+temporary; the host's peak is the larger of that and the offloaded activations). Communication buffers:
 DDP's gradient buckets (``1 x`` gradients, stages 0-1), FSDP2's unsharded layer (stages 2-3).
 
 **Time.** FLOPs ``6 N T`` (+ ``2 N T`` recompute with checkpointing) plus causal attention
@@ -47,7 +49,7 @@ DDP's gradient buckets (``1 x`` gradients, stages 0-1), FSDP2's unsharded layer 
 link bandwidth of ``plan_hw.Hardware``. ``comm_share = comm / (comm + compute)`` (no overlap).
 
 What is not modelled (and so not in the 10 % check): allocator fragmentation and kernel scratch
-(the ``reserve``), the data adapter's shard buffers, and host memory beyond the offloaded bytes.
+(the ``reserve``), the data adapter's shard buffers, and host memory beyond the offloaded bytes and states.
 """
 
 from __future__ import annotations
@@ -100,8 +102,9 @@ def _tile_tokens(tokens: int, hidden: int, shards: int | None) -> int:
     return math.ceil(tokens / n)
 
 
-def _states(m: ModelShape, s: Settings) -> tuple[dict[str, int], int, int]:
-    """(device bytes by component, host bytes, optimizer-step workspace bytes)."""
+def _states(m: ModelShape, s: Settings) -> tuple[dict[str, int], int, int, int]:
+    """(device bytes by component, host bytes held through the step, optimizer-step workspace bytes,
+    host bytes added at the optimizer step)."""
     e = DTYPE_BYTES[s.dtype]
     n, shard = m.params, s.shard
     mixed = e < 4
@@ -109,9 +112,11 @@ def _states(m: ModelShape, s: Settings) -> tuple[dict[str, int], int, int]:
     grads = n * e // shard if s.zero_stage >= 2 else n * e
     opt = n * (8 + (4 if mixed else 0))  # AdamW exp_avg + exp_avg_sq, + fp32 master weights when mixed
     opt = opt // shard if s.zero_stage >= 1 else opt
-    host = 0
+    host = host_step = 0
     if s.offload_states:  # ZeRO-Offload/Infinity style: all states on the host, one layer in flight
-        host, opt, grads = opt + grads + params, 0, m.layer_params * e
+        # fp32 parameter shards + AdamW's moments; at the step fp32 gradients + foreach's temporary (docstring)
+        host, host_step = opt + (0 if mixed else params), 2 * 4 * n // shard
+        opt, grads = 0, m.layer_params * e
         params = 2 * m.layer_params * e + (1 if m.tied else 2) * m.vocab * m.hidden * e  # + the root's, unsharded
     if s.device_type == "cpu":  # single-tensor AdamW: a few temporaries of the largest tensor
         workspace = 2 * 4 * max(m.vocab * m.hidden, m.hidden * m.intermediate)
@@ -131,6 +136,7 @@ def _states(m: ModelShape, s: Settings) -> tuple[dict[str, int], int, int]:
         {"parameters": params, "gradients": grads, "optimizer_state": opt, "comm_buffers": buffers},
         host,
         workspace,
+        host_step,
     )
 
 
@@ -254,7 +260,7 @@ def _activations(m: ModelShape, s: Settings, hw: Hardware | None = None) -> tupl
 
 def memory(m: ModelShape, s: Settings, hw: Hardware | None = None) -> tuple[dict[str, int], int]:
     """``(breakdown, host_bytes)`` of one rank's peak; ``breakdown`` sums to the peak."""
-    states, host_states, step_ws = _states(m, s)
+    states, host_states, step_ws, host_step = _states(m, s)
     acts, host_acts = _activations(m, s, hw)
     # a VLM's tower keeps its activations through the language model's forward and backward (plan.vision)
     acts["vision_tower"], host_tower = tower_bytes(m.vision, s)
@@ -266,7 +272,8 @@ def memory(m: ModelShape, s: Settings, hw: Hardware | None = None) -> tuple[dict
     else:
         breakdown = {**states, "gradients": 0, **acts, "optimizer_workspace": 0}
     breakdown["reserve"] = hw.reserve_bytes if hw is not None else 0
-    return breakdown, host_states + host_acts + host_tower
+    # the host: the offloaded activations until the backward frees them, then the step's gradients and temporary
+    return breakdown, host_states + max(host_acts + host_tower, host_step)
 
 
 def _flops(m: ModelShape, s: Settings) -> float:
