@@ -132,12 +132,8 @@ def _states(m: ModelShape, s: Settings) -> tuple[dict[str, int], int, int, int]:
     else:  # one layer unsharded + the next prefetched; FSDP2 keeps the root module (embedding, output matrix)
         # unsharded from its forward to the end of the backward (read off rehearsals: Llama-3-8B at sp 8)
         buffers = 2 * m.layer_params * e + (1 if m.tied else 2) * m.vocab * m.hidden * e
-    return (
-        {"parameters": params, "gradients": grads, "optimizer_state": opt, "comm_buffers": buffers},
-        host,
-        workspace,
-        host_step,
-    )
+    states = {"parameters": params, "gradients": grads, "optimizer_state": opt, "comm_buffers": buffers}
+    return states, host, workspace, host_step
 
 
 def _activations(m: ModelShape, s: Settings, hw: Hardware | None = None) -> tuple[dict[str, int], int]:
@@ -271,6 +267,10 @@ def memory(m: ModelShape, s: Settings, hw: Hardware | None = None) -> tuple[dict
         breakdown = {**states, **dict.fromkeys(acts, 0), "optimizer_workspace": step_ws}
     else:
         breakdown = {**states, "gradients": 0, **acts, "optimizer_workspace": 0}
+        if s.zero_stage == 3 and not s.tiled_loss and not acts["backward_workspace"] and not acts["grads_in_flight"]:
+            layer = DTYPE_BYTES[s.dtype] * m.layer_params  # an untiled loss's peak: no layer gathered
+            breakdown["comm_buffers"] -= 2 * layer
+            breakdown["parameters"] -= 2 * layer if s.offload_states else 0
     breakdown["reserve"] = hw.reserve_bytes if hw is not None else 0
     # the host: the offloaded activations until the backward frees them, then the step's gradients and temporary
     return breakdown, host_states + max(host_acts + host_tower, host_step)
