@@ -30,6 +30,7 @@ SHAPES = {  # transformers config fields (the published config.json: nvidia/Nemo
     "Nemotron-H-8B": dict(model_type="nemotron_h", hybrid_override_pattern="M-M-M-M*-" + "M-M-M-M-M*-" * 3 + "M-" * 5, hidden_size=4096,
                           intermediate_size=21504, mamba_num_heads=128, mamba_head_dim=64, n_groups=8, ssm_state_size=128, vocab_size=131072),
     "Qwen3-Next-80B-A3B": dict(model_type="qwen3_next"),  # transformers' defaults are its config.json's (48 layers, 512 experts)
+    "Qwen3-Next-80B-A3B, 4 of 48 layers": dict(model_type="qwen3_next", num_hidden_layers=4),  # one period: 3 delta-net + 1 attention
     "Qwen2.5-VL-7B": dict(model_type="qwen2_5_vl", text_config=dict(  # Qwen/Qwen2.5-VL-7B-Instruct's config.json
         hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
         vocab_size=152064, rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
@@ -52,8 +53,11 @@ ROWS = {  # name: (shape, gpus, tokens or None for the planner's longest, settin
     "32b-32gpu": ("Qwen3-32B", 32, None, {}),
     "nemotron-h-8gpu": ("Nemotron-H-8B", 8, None, {}),
     "qwen3-next-8gpu": ("Qwen3-Next-80B-A3B", 8, None, {"tiled_mlp": False}),  # --tiled-mlp refuses its experts' router
+    "qwen3-next-8gpu-64k": ("Qwen3-Next-80B-A3B", 8, 65_536, {"tiled_mlp": False}),  # all 48 layers at a length a rehearsal reaches
+    "qwen3-next-4l-8gpu": ("Qwen3-Next-80B-A3B, 4 of 48 layers", 8, 851_968, {"tiled_mlp": False}),  # the 48-layer model's longest
     "8b-8gpu-trainer": ("Llama-3-8B", 8, None, {"trainer": True}),  # HF Trainer + prepare(): trainer_row
     "vl7b-8gpu": ("Qwen2.5-VL-7B", 8, None, VLM_OVER),  # 1 image of 1344x1344 pixels per 8,192 tokens (rehearse.vlm)
+    "vl7b-8gpu-sp4": ("Qwen2.5-VL-7B", 8, None, {**VLM_OVER, "sp": 4}),  # Ulysses alone: 28 heads split 4 ways, not 8 (a ring)
 }
 SETTINGS = dict(zero_stage=3, zero_partition="all", dtype="bf16", tiled_mlp=True, tiled_loss=True,
                 activation_checkpointing=True, offload_activations=True, recompute_norms=True, cpu_offload=True)  # fmt: skip
@@ -75,8 +79,8 @@ def _cfg(model_dir: str, gpus: int, seq_len: int, head_chunks: int = 1, over: di
     from ulysses_sp.run.config import config_from_dict
 
     over = {k: v for k, v in (over or {}).items() if k != "trainer"}  # the Trainer's equivalent is these settings
-    return config_from_dict(dict(model=model_dir, sp=gpus, seq_len=seq_len, micro_batch_size=1, progress=False,
-                                 **{**SETTINGS, "head_chunks": head_chunks, **(over or {})}))  # fmt: skip
+    return config_from_dict(dict(model=model_dir, seq_len=seq_len, micro_batch_size=1, progress=False,
+                                 **{"sp": gpus, **SETTINGS, "head_chunks": head_chunks, **(over or {})}))  # fmt: skip
 
 
 def planner_longest(model_dir: str, gpus: int, over: dict | None = None) -> tuple[int, int]:
