@@ -76,10 +76,11 @@ def test_bench_stays_lean():
     images in HD crops and an audio clip); by 87 to 4,040 by issue 31 items 3-4's VLM rows: rehearse_check's real
     CPU step of a tiny Qwen2.5-VL with images (measure_vlm: train's model, shard and engine on the rehearsal's image
     batch) and scale_table's Qwen2.5-VL-7B row (its published config, the planner's longest length with the image
-    load growing with it: vlm_longest)."""
+    load growing with it: vlm_longest); to 4,044 by issue 31 item 4's rows a rehearsal can finish: Qwen3-Next's 48
+    layers at 65,536 tokens and its 4-layer period at the planner's longest, Qwen2.5-VL-7B at sp 4."""
     lines = {p.name: len(p.read_text().splitlines()) for p in (ROOT / "bench").glob("*.py")}
     biggest = sorted(lines.items(), key=lambda kv: -kv[1])[:5]
-    assert sum(lines.values()) <= 4040, f"bench/*.py has {sum(lines.values())} lines (cap 4,040); biggest: {biggest}"
+    assert sum(lines.values()) <= 4044, f"bench/*.py has {sum(lines.values())} lines (cap 4,044); biggest: {biggest}"
 
 
 def test_a_cycle_is_found_by_the_check():
