@@ -298,6 +298,7 @@ def candidates(ns: argparse.Namespace) -> dict[str, Any]:
     if ns.seq_len is not None:
         positive_int("--seq-len", ns.seq_len)
     from ulysses_sp.cli.plan_judge import PlanJudge
+    from ulysses_sp.plan.inputs import routed_experts_note
 
     hw = hardware(ns)
     judge = PlanJudge(ns.model)
@@ -310,7 +311,7 @@ def candidates(ns: argparse.Namespace) -> dict[str, Any]:
             "whose config.json extends its context (rope_scaling)"
         )
     offload = "also" if ns.offload_states else "no"
-    out, notes = _evaluate(ns, shape, hw, offload, judge), layer_notes(shape)
+    out, notes = _evaluate(ns, shape, hw, offload, judge), layer_notes(shape) + routed_experts_note(judge.config)
     if not ns.offload_states and out and not any(c["fits"] for c in out):
         out += _evaluate(ns, shape, hw, "only", judge)
         offload = "auto"
