@@ -151,7 +151,9 @@ def test_plan_command_names_the_mixer_layers_of_a_hybrid_dir(capsys, tmp_path):
 
 def test_train_startup_prediction_reads_the_hybrid_layers():
     """``train``'s fit check (``run.preflight``) plans the same layers as ``ulysses-sp plan``."""
-    from transformers import AutoModelForCausalLM, BambaConfig, LlamaConfig
+    from dataclasses import replace
+
+    from transformers import AutoModelForCausalLM, BambaConfig, LlamaConfig, MixtralConfig
 
     from ulysses_sp.run.preflight import model_shape
 
@@ -161,8 +163,12 @@ def test_train_startup_prediction_reads_the_hybrid_layers():
         (False, "mamba2")] * 3 + [(True, None)]  # fmt: skip
     assert all(k.mlp for k in shape.layer_kinds)
     assert shape.param_count == sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
-    llama = model_shape(LlamaConfig(**_COMMON))  # attention + MLP layers: the Llama terms, unchanged
-    assert llama.layer_kinds == () and llama.param_count is None
+    llama = model_shape(LlamaConfig(**_COMMON))  # attention + MLP layers: the Llama terms, its exact count the formula's
+    assert llama.layer_kinds == () and llama.param_count == replace(llama, param_count=None).params
+    # a mixture of experts is attention + MLP layers too, its MLP k experts wide: counted whole, not as one MLP
+    moe = MixtralConfig(**_COMMON, num_local_experts=8, num_experts_per_tok=2)
+    assert model_shape(moe).params == sum(p.numel() for p in AutoModelForCausalLM.from_config(moe).parameters())
+    assert model_shape(moe).params > 6 * replace(model_shape(moe), param_count=None).params // 2
 
 
 def test_layer_kinds_of_the_other_hybrids():

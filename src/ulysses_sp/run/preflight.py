@@ -78,7 +78,9 @@ def model_shape(config: Any, *, max_positions: int | None = None) -> ModelShape:
     except Exception as e:  # noqa: BLE001 - best effort: a model it cannot read is planned as Llama layers
         logger.info("planner: layer kinds not read (%s: %s); planned as attention + MLP layers", type(e).__name__, e)
         return shape
-    shape = replace(shape, qk_norm=any(hasattr(mod, "q_norm") and hasattr(mod, "q_proj") for mod in model.modules()))
+    # the exact count: a mixture of experts' layers hold k-fold the Llama formula's MLP (Mixtral-8x7B: 46.7B, not 7.2B)
+    shape = replace(shape, qk_norm=any(hasattr(mod, "q_norm") and hasattr(mod, "q_proj") for mod in model.modules()),
+                    param_count=sum(p.numel() for p in model.parameters()))  # fmt: skip
     if all(k["attention"] and k["mlp"] and k["mixer"] is None and not k["own_scores"] for k in kinds):
         return shape
     widths = [k["mlp_width"] for k in kinds if k["mlp"] and k["mlp_width"]]
