@@ -85,7 +85,7 @@ def model_shape(config: Any, *, max_positions: int | None = None) -> ModelShape:
         return shape
     widths = [k["mlp_width"] for k in kinds if k["mlp"] and k["mlp_width"]]
     intermediate = max(widths) if widths else shape.intermediate  # the MLP as built (LFM2 rounds it up)
-    return replace(shape, intermediate=intermediate, param_count=sum(p.numel() for p in model.parameters()),
+    return replace(shape, intermediate=intermediate,
                    layer_kinds=tuple(
         LayerKind(attention=k["attention"], mlp=k["mlp"], mixer=MixerShape(**k["mixer"]) if k["mixer"] else None,
                   own_scores=k["own_scores"])
