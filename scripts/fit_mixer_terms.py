@@ -3,6 +3,7 @@
     python scripts/fit_mixer_terms.py                      # every kind (about a minute on 2 CPU cores)
     python scripts/fit_mixer_terms.py --kinds short_conv mamba1
     python scripts/fit_mixer_terms.py --kinds mamba2 --dtype bf16   # Mamba-2's 16-bit terms (fake tensors, ~15 s)
+    python scripts/fit_mixer_terms.py --kinds gated_delta_net --dtype bf16   # gated delta-net's (~2 min: its chunk loop)
 
 For each mixer kind, one sharded mixer module of transformers' own code (Bamba's Mamba-2, Qwen3.5's
 gated delta-net, LFM2's short convolution, Mamba's Mamba-1, Kimi-Linear's KDA; the torch fallbacks
@@ -12,8 +13,8 @@ tests/test_plan_mixers.py measures it: the bytes kept for backward per token (th
 it is the caller's) and the backward's high point above them (the incoming gradient excluded, for
 the same reason). A least-squares fit of each on the monomials of ``plan.mixers.memory_per_token``
 (``MONOMIALS``, in fp32 elements per token) prints the coefficients beside the largest relative
-error of the fit and of the formula the code holds now. ``--dtype bf16`` (Mamba-2 only) measures a bf16
-mixer at ``REAL_GRID``'s real sizes on fake tensors instead (``measure_fake``: the rehearsal's own
+error of the fit and of the formula the code holds now. ``--dtype bf16`` (Mamba-2 and gated delta-net) measures a
+bf16 mixer at ``REAL_GRIDS``' real sizes on fake tensors instead (``measure_fake``: the rehearsal's own
 counting, ``rehearse.tracker.StepTracker``; no memory, so 256 heads of 64 cost nothing). Paste coefficients that moved into
 ``plan/mixers.py``; tests/test_plan_mixers.py then checks them at sizes no grid here uses.
 tests/test_docs_reference.py runs the short-convolution fit against the code's coefficients.
@@ -80,6 +81,12 @@ REAL_GRID = [_mamba2(*s) for s in [(128, 64, 128, 8, 128), (128, 64, 128, 1, 256
                                    (64, 64, 128, 8, 64), (128, 32, 64, 4, 128), (24, 64, 128, 1, 256), (32, 64, 256, 2, 256),
                                    (256, 64, 256, 8, 128)]]  # fmt: skip
 """Mamba-2 at real sizes (Nemotron-H, Bamba, Mamba2-2.7B and their kin): ``--dtype bf16``'s grid."""
+REAL_GDN_GRID = [_gdn(*s) for s in [(16, 32, 128, 128), (16, 64, 128, 128), (8, 16, 128, 128), (16, 16, 128, 128),
+                                    (4, 8, 64, 64), (8, 32, 128, 64), (16, 48, 128, 128), (2, 8, 128, 128),
+                                    (8, 8, 64, 128), (4, 16, 128, 64)]]  # fmt: skip
+"""Gated delta-net at real sizes (Qwen3-Next's 16 key / 32 value heads of 128, Qwen3.5's and their kin):
+``--dtype bf16``'s grid."""
+REAL_GRIDS = {"mamba2": REAL_GRID, "gated_delta_net": REAL_GDN_GRID}
 
 Monomials = dict[str, Callable[[Any], float]]
 MONOMIALS: dict[str, tuple[Monomials, Monomials]] = {
@@ -183,7 +190,7 @@ def measure_fake(kind: str, cls: str, kwargs: dict[str, Any], dtype: torch.dtype
 
 
 def measure_grid(kinds: tuple[str, ...], dtype: str = "fp32") -> dict[str, list[tuple[Any, float, float]]]:
-    """``measure`` at every size of ``GRIDS[kind]`` (``dtype`` bf16: ``measure_fake`` at ``REAL_GRID``'s), in the
+    """``measure`` at every size of ``GRIDS[kind]`` (``dtype`` bf16: ``measure_fake`` at ``REAL_GRIDS[kind]``'s), in the
     current process group (or a gloo group of this one process, started and ended here)."""
     import torch.distributed as dist
 
@@ -195,7 +202,7 @@ def measure_grid(kinds: tuple[str, ...], dtype: str = "fp32") -> dict[str, list[
         out: dict[str, list[tuple[Any, float, float]]] = {}
         for kind in kinds:
             out[kind] = []
-            grid = GRIDS[kind] if dtype == "fp32" else REAL_GRID
+            grid = GRIDS[kind] if dtype == "fp32" else REAL_GRIDS[kind]
             for i, (cls, kw) in enumerate(grid):
                 print(f"{kind}: size {i + 1} of {len(grid)}", file=sys.stderr, flush=True)  # noqa: T201
                 out[kind].append(measure(kind, cls, kw) if dtype == "fp32" else measure_fake(kind, cls, kw))
@@ -234,10 +241,11 @@ def fit(kind: str, rows: list[tuple[Any, float, float]], dtype_bytes: int = 4) -
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kinds", nargs="+", choices=tuple(GRIDS), default=list(GRIDS))
-    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: Mamba-2's 16-bit terms")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="bf16: the 16-bit terms of Mamba-2 and gated delta-net")
     args = ap.parse_args(argv)
-    if args.dtype == "bf16" and args.kinds != ["mamba2"]:
-        ap.error("--dtype bf16 fits Mamba-2's 16-bit terms only: pass --kinds mamba2")
+    if args.dtype == "bf16" and not set(args.kinds) <= set(REAL_GRIDS):
+        ap.error(f"--dtype bf16 fits the 16-bit terms of {' and '.join(REAL_GRIDS)} only: pass --kinds with those")
     for kind, rows in measure_grid(tuple(args.kinds), args.dtype).items():
         print(f"{kind} ({len(rows)} sizes)")  # noqa: T201 - the script's report
         for part, r in fit(kind, rows, 4 if args.dtype == "fp32" else 2).items():

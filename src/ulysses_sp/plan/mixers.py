@@ -20,9 +20,12 @@ exchange added < 1 % (the all-to-all's receive buffers *are* the scan's inputs).
 in fp32 whatever the model dtype, so the terms are counted at 4 bytes for 16-bit models too (an
 upper bound there). Mamba-2 has terms of its own for 16-bit models: its projections, convolution and
 gate stay in the model dtype, about 11 % of what it keeps (Nemotron-H-8B at 393,216 tokens on 8 GPUs:
-the fp32 terms 7 % over the rehearsed peak). They are fit on fake tensors (``rehearse.tracker``'s
+the fp32 terms 7 % over the rehearsed peak); so has gated delta-net (its projections, convolution, q/k
+norms and output norm in the model dtype: the fp32 terms keep 32 % more at Qwen3-Next's sizes, found
+by Qwen3-Next-80B-A3B's rehearsals at 131,072 and 851,968 tokens). They are fit on fake tensors (``rehearse.tracker``'s
 counting, ``scripts/fit_mixer_terms.py --dtype bf16``) at 12 real sizes (64-256 heads of 32-128, state
-64-256, chunk 64-256), residual < 0.1 %; at the CPU grid's small sizes they give the meter's bf16 bytes
+64-256, chunk 64-256), residual < 0.1 % (gated delta-net: 10 sizes, 8-64 value heads of 64-128, saved
+residual < 0.1 %, backward workspace 7 %); at the CPU grid's small sizes they give the meter's bf16 bytes
 within 0.5 %. With the fused CUDA kernels (``mamba-ssm``,
 ``flash-linear-attention``), which keep far less, the terms are an upper bound.
 
@@ -39,7 +42,7 @@ FP32 = 4
 
 def memory_per_token(mx: MixerShape, sp: int, dtype_bytes: int = 4) -> tuple[float, float]:
     """``(saved, backward workspace)``: bytes per local token of one ``mx`` layer at sp ``sp`` in a model
-    of ``dtype_bytes`` per element (the fp32 terms unless the kind has 16-bit terms: Mamba-2)."""
+    of ``dtype_bytes`` per element (the fp32 terms unless the kind has 16-bit terms: Mamba-2, gated delta-net)."""
     h, d, c = mx.heads, mx.head_dim, mx.chunk
     if mx.kind == "mamba2" and dtype_bytes < FP32:  # fit on fake tensors at real sizes (module docstring)
         g, n = max(mx.groups, sp) if sp > 1 and mx.groups % sp else mx.groups, mx.state
@@ -49,6 +52,10 @@ def memory_per_token(mx: MixerShape, sp: int, dtype_bytes: int = 4) -> tuple[flo
         g, n = max(mx.groups, sp) if sp > 1 and mx.groups % sp else mx.groups, mx.state
         saved = 3.07 * h * c + 13.77 * h * d + 4.73 * h * n + 3.02 * h * d * n / c + 6.0 * h + 8.02 * g * n
         ws = 0.53 * h * c + 0.72 * h * d + 0.44 * h * n + 4.59 * h * d * n / c - 24.9 * h - 1.2 * g * n + 91
+    elif mx.kind == "gated_delta_net" and dtype_bytes < FP32:  # fit on fake tensors at real sizes, as Mamba-2's
+        hk, dk = max(mx.key_heads, sp) if mx.key_heads % sp else mx.key_heads, mx.key_dim
+        saved = 5.149 * h * c + 8.0 * h * dk + 8.501 * h * d + 1.0 * h * dk * d / 64 + 2.001 * hk * dk
+        ws = 4.894 * h * c + 2.94 * h * dk - 1.89 * h * d
     elif mx.kind == "gated_delta_net":
         hk = max(mx.key_heads, sp) if mx.key_heads % sp else mx.key_heads
         dk = mx.key_dim
