@@ -54,7 +54,7 @@ ROWS = {  # name: (shape, gpus, tokens or None for the planner's longest, settin
     "nemotron-h-8gpu": ("Nemotron-H-8B", 8, None, {}),
     "qwen3-next-8gpu": ("Qwen3-Next-80B-A3B", 8, None, {"tiled_mlp": False}),  # --tiled-mlp refuses its experts' router
     "qwen3-next-8gpu-64k": ("Qwen3-Next-80B-A3B", 8, 65_536, {"tiled_mlp": False}),  # all 48 layers at a length a rehearsal reaches
-    "qwen3-next-4l-8gpu": ("Qwen3-Next-80B-A3B, 4 of 48 layers", 8, 851_968, {"tiled_mlp": False}),  # the 48-layer model's longest
+    "qwen3-next-4l-8gpu": ("Qwen3-Next-80B-A3B, 4 of 48 layers", 8, 720_896, {"tiled_mlp": False}),  # the 48-layer model's longest
     "8b-8gpu-trainer": ("Llama-3-8B", 8, None, {"trainer": True}),  # HF Trainer + prepare(): trainer_row
     "vl7b-8gpu": ("Qwen2.5-VL-7B", 8, None, VLM_OVER),  # 1 image of 1344x1344 pixels per 8,192 tokens (rehearse.vlm)
     "vl7b-8gpu-sp4": ("Qwen2.5-VL-7B", 8, None, {**VLM_OVER, "sp": 4}),  # Ulysses alone: 28 heads split 4 ways, not 8 (a ring)

@@ -181,9 +181,10 @@ def test_the_longest_length_is_bounded_by_the_node_host_memory(capsys):
     assert small < 500 * 10**9 // (256 * 1024) < roomy, (small, roomy)
 
 
-def test_a_routed_experts_model_is_planned_with_a_warning_to_rehearse(capsys, tmp_path):
-    """The planner has no term for the routed copies of the tokens (Qwen3-Next at 851,968 tokens: 12 % low):
-    a plan for a model with top-k experts says so and names --rehearse; a dense model's plan does not."""
+def test_a_routed_experts_model_is_planned_with_a_note_on_the_experts_kernel(capsys, tmp_path):
+    """The planner counts routed experts as transformers' grouped experts hold them (``ModelShape.routed``); a plan
+    for a model with top-k experts says so, that another kernel holds another set, and names --rehearse; a dense
+    model's plan does not."""
     from transformers import AutoConfig
 
     tiny = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=64,
@@ -193,5 +194,5 @@ def test_a_routed_experts_model_is_planned_with_a_warning_to_rehearse(capsys, tm
                          ("dense", AutoConfig.for_model("llama", **tiny))):  # fmt: skip
         config.save_pretrained(tmp_path / name)
     notes = {name: _plan(capsys, "--model", str(tmp_path / name), "--gpus", "2")["notes"] for name in ("moe", "dense")}
-    assert any("routed experts (top-2)" in n and "--rehearse" in n for n in notes["moe"]), notes["moe"]
+    assert any("routed experts (top-2 of 8)" in n and "--rehearse" in n for n in notes["moe"]), notes["moe"]
     assert not any("routed experts" in n for n in notes["dense"]), notes["dense"]

@@ -4,7 +4,8 @@
 (``T = B * S_l``; ``q = H D``, ``kv = max(Hkv, P) D``: kv heads replicated when fewer than ``P``):
 
 * ``saved``: what the layer's forward keeps — the input norm's tensors, q/k norms' inputs (the q and k
-  projections' outputs, ``m.qk_norm``: read off Qwen3-32B rehearsals), q/k/v as the core receives
+  projections' outputs, ``m.qk_norm``: read off Qwen3-32B rehearsals; an output gate's ``3 q``,
+  ``m.output_gate``: read off Qwen3-Next rehearsals), q/k/v as the core receives
   them (``q + 2 kv``) and the core's output with the o-projection's input (a view of it at sp 1, a
   copy made by the return exchange at ``P > 1``); blockwise attention keeps only q on the device.
 * ``exchange_in``: with ``P > 1`` the tensors handed to the all-to-all (kv before replication).
@@ -107,6 +108,7 @@ def attention_terms(m: ModelShape, s: Settings, hw: Hardware | None, norm: int) 
     d, p = m.head_dim, s.sp
     q, kv, kv_pre = m.heads * d, max(m.kv_heads, p) * d, m.kv_heads * d
     qn = q + kv_pre if m.qk_norm else 0  # q/k norms keep the projections' outputs
+    qn += 3 * q if m.output_gate else 0  # the gate: the q projection's second half, its sigmoid and the gated output
     saved = norm + qn + (q + 2 * kv) + (2 * q if p > 1 else q)
     if s.attention == "blockwise":
         saved = norm + q  # q/k/v and the core's output go to the host with the blocks

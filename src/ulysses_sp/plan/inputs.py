@@ -46,6 +46,36 @@ class MixerShape:
 
 
 @dataclass(frozen=True, kw_only=True)
+class RoutedShape:
+    """A mixture of experts' MLP, as transformers' grouped experts run it: each token copied to its
+    ``top_k`` experts (``[T k, h]``), beside a shared expert of width ``shared`` (0: none)."""
+
+    top_k: int
+    """``k``, experts per token (``num_experts_per_tok``)."""
+    width: int
+    """One expert's MLP width (``moe_intermediate_size``, or ``intermediate_size`` where the experts are the MLP)."""
+    experts: int
+    """Experts per layer: the router's fp32 probabilities ``[T, experts]``."""
+    shared: int = 0
+    """The shared expert's width (Qwen2-MoE, Qwen3-Next: ``shared_expert_intermediate_size``; DeepSeek:
+    ``n_shared_experts x moe_intermediate_size``)."""
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> RoutedShape | None:
+        """The routed MLP of a transformers config, ``None`` for a dense one (Doge's ``is_moe`` off included)."""
+        k = getattr(config, "num_experts_per_tok", 0) or 0
+        experts = next((n for n in (getattr(config, a, 0) for a in ("num_experts", "num_local_experts", "n_routed_experts"))
+                        if isinstance(n, int) and n > 1), 0)  # fmt: skip
+        if not isinstance(k, int) or k < 1 or not experts or not getattr(config, "is_moe", True):
+            return None
+        width = getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", 0) or 0
+        shared = getattr(config, "shared_expert_intermediate_size", None) or 0
+        if not shared and isinstance(getattr(config, "n_shared_experts", None), int):
+            shared = config.n_shared_experts * width
+        return cls(top_k=k, width=width, experts=experts, shared=shared) if width else None
+
+
+@dataclass(frozen=True, kw_only=True)
 class LayerKind:
     """What one decoder layer holds: softmax attention, an MLP, a sequence mixer (any may be absent:
     Nemotron-H's one-block layers; Falcon-H1 runs attention and a mixer side by side)."""
@@ -92,9 +122,15 @@ class ModelShape:
     vision: VisionShape | None = None
     """A vision-language model's tower (``plan.vision.VisionShape``): its activations per patch;
     ``None``: a text model."""
+    routed: RoutedShape | None = None
+    """The MLP routes each token to ``top_k`` experts (every MLP layer planned so: DeepSeek's first dense
+    layers and Jamba's every other hold less); ``None``: dense."""
     qk_norm: bool = False
     """Norms on q and k after their projections (Qwen3, Gemma 3, OLMo 2): they keep the projections'
     outputs for their backward (``q + Hkv D`` per token)."""
+    output_gate: bool = False
+    """The q projection also makes a gate for the attention's output (Qwen3-Next, Qwen3.5: ``2 H D`` wide): its
+    half, its sigmoid and the gated output are kept (``3 q`` per token)."""
 
     @classmethod
     def from_hf_config(cls, config: Any, *, max_positions: int | None = None) -> ModelShape:
@@ -112,6 +148,7 @@ class ModelShape:
             heads=heads, kv_heads=getattr(widest, "num_key_value_heads", None) or heads,
             head_dim=getattr(widest, "head_dim", None) or config.hidden_size // heads, vocab=config.vocab_size,
             tied=bool(getattr(config, "tie_word_embeddings", False)), max_positions=max_positions,
+            routed=RoutedShape.from_hf_config(config),
         )  # fmt: skip
 
     def kinds(self) -> tuple[LayerKind, ...]:
@@ -215,13 +252,12 @@ class Settings:
 
 
 def routed_experts_note(config: Any) -> list[str]:
-    """A warning for a model whose MLP routes each token to ``k`` experts: the planner has no term yet for
-    the routed copies of the tokens (``[T k, h]``; transformers' grouped experts keep about five of them in
-    the MoE backward), so at long lengths it is under. ``[]`` for a dense MLP or no config."""
-    k = getattr(config, "num_experts_per_tok", 0) or 0
-    if not isinstance(k, int) or k < 2:
+    """A note for a model whose MLP routes each token to ``k`` experts: the planner counts them as transformers'
+    grouped experts hold them (``RoutedShape``); other expert kernels hold other sets. ``[]`` for a dense MLP."""
+    routed = RoutedShape.from_hf_config(config) if config is not None else None
+    if routed is None:
         return []
-    return [f"routed experts (top-{k}): the planner does not count the MLP's copies of each token for its {k} "
-            "experts (about 5 x top-k x hidden per token at the MoE backward), so at long lengths its peak is low: "
-            "Qwen3-Next-80B-A3B (top-10) at 851,968 tokens on 8 GPUs, 68.20 GiB planned against 77.39 rehearsed. "
-            "Confirm a plan with --rehearse"]  # fmt: skip
+    return [f"routed experts (top-{routed.top_k} of {routed.experts}): planned as transformers' grouped experts keep "
+            f"them (each token copied to its {routed.top_k} experts: {routed.top_k} x (2 hidden + 4 expert width) per "
+            "token at the experts' backward); another experts implementation keeps another set: confirm a plan with "
+            "--rehearse"]  # fmt: skip

@@ -22,6 +22,11 @@ walked as the allocator sees it, in units of one element per *local* token (``T 
   terms, the MLP's, a sequence mixer's (``plan.mixers``: measured bytes per local token, its input
   norm added when no attention carries it) — and its backward's high point is the larger of the
   MLP's and the mixer's (or attention's) workspace; the all-to-all bytes are each mixer's exchange.
+* routed experts (``ModelShape.routed``; transformers' grouped experts, read off the code and Qwen3-Next-80B-A3B's
+  rehearsals): the MLP keeps the shared expert's ``4 I_s``, the router's fp32 probabilities and, per token, its
+  ``k`` copies and the experts' intermediates ``k (2 h + 4 I)``; their backward begins the layer's with ``3 k h``
+  more (the copies' gradient, gathered back) and one layer gathered, not two (the next not yet prefetched), and
+  ends with the experts' weight gradients made and ``2 k I`` freed. Every MLP layer of such a model is planned so.
 * the head: the final norm's input and its two tensors; untiled: the fp32 log-softmax ``V`` (what
   autograd saves of the loss) and, in the loss backward, two fp32 ``V`` gradients — the logits
   themselves (model dtype) are freed with the model output before the backward (``run.loop.micro_step``)
@@ -130,12 +135,17 @@ def _activations(m: ModelShape, s: Settings, hw: Hardware | None = None) -> tupl
         mlp_ws = 7 * big_i * t
     else:
         mlp_ws = 3 * big_i * tok
+    routed = m.routed if m.routed is not None and not s.tiled_mlp else None
+    if routed is not None:  # the shared expert's 4 and 3 I, the router's fp32 probabilities, the routed copies
+        k = routed.top_k  # (grouped experts, read off the code: k (2 h + 4 I) saved; 3 k h in the index's backward)
+        mlp_saved = 4 * routed.shared + routed.experts * 4 // e + k * (2 * h + 4 * routed.width)
+        mlp_ws = max(3 * routed.shared, 3 * k * h) * tok
     attn_ws = t_attn.workspace * tok
     # the gradient flowing down and the residual's; the tiled MLP adds its input gradient, summed
     # over the tiles in a buffer of its own
     grad_flow = (3 if s.tiled_mlp else 2) * h * tok
     # per layer (per local token): what its forward keeps, and its backward's high point
-    full, per_layer, here = [], [], []
+    full, per_layer, here, first = [], [], [], []
     for kind in m.kinds():
         mixed = attn_saved * kind.attention  # the input norm rides with the attention's terms
         mix_ws = attn_ws if kind.attention else 0
@@ -171,9 +181,14 @@ def _activations(m: ModelShape, s: Settings, hw: Hardware | None = None) -> tupl
             # its token-major copy and what the return exchange gives back
             recompute = max(recompute, (3 * h + (q + 2 * kv) + exchange_in + 3 * q + t_attn.packed) * tok)
         core = (layer_full - mlp - mlp_grad - mixed + t_attn.core - h) * tok + grad_flow if t_attn.core and kind.attention else 0
-        here.append(max((layer_full - mlp_grad) * tok + (mlp_ws if kind.mlp else 0) + grad_flow, core,
-                        (layer_full - mlp - mlp_grad) * tok + mix_ws + grad_flow,
-                        norm_here + grad_flow, recompute) + rope * tok)  # fmt: skip
+        mlp_back = (layer_full - mlp_grad) * tok + (mlp_ws if kind.mlp else 0) + grad_flow
+        # routed experts (rehearsed): their backward starts the layer's, before the next layer is gathered; at its
+        # end the experts' weight gradients exist, the copies' gate/up and their gradients freed (2 k I fewer)
+        routed_layer = routed is not None and kind.mlp
+        first.append(max(mlp_back, recompute) + rope * tok if routed_layer else 0)
+        late = (layer_full - mlp_grad - 2 * routed.top_k * routed.width) * tok + grad_flow if routed_layer else 0
+        here.append(max(late if routed_layer else max(mlp_back, recompute), core,
+                        (layer_full - mlp - mlp_grad) * tok + mix_ws + grad_flow, norm_here + grad_flow) + rope * tok)
     # gradients made so far: whole layers (stages 0-1) or their shards after each reduce-scatter
     layer_grads = m.layer_params * e if s.zero_stage < 2 else m.layer_params * e // s.shard
     # the root's gradients are reduce-scattered when its backward ends: unsharded through the layers' at ZeRO 3
@@ -183,7 +198,8 @@ def _activations(m: ModelShape, s: Settings, hw: Hardware | None = None) -> tupl
     saved = (sum(per_layer) + head_saved + rope) * tok
     at_loss = saved * e + loss_ws * e
     # backward of layer l (from the top): layers below keep theirs, layer l holds its full set
-    worst_layer = worst_acts = worst_below = worst_full = 0
+    worst_layer = worst_acts = worst_below = worst_full = worst_less = 0
+    ungathered = m.layer_params * e if s.zero_stage == 3 else 0  # at a routed MLP's backward: one layer fewer
     prefix = [0.0, *itertools.accumulate(per_layer)]  # prefix[l]: the layers below l
     for done in range(m.layers):  # layers above l are done: their grads exist
         layer = m.layers - 1 - done
@@ -193,15 +209,15 @@ def _activations(m: ModelShape, s: Settings, hw: Hardware | None = None) -> tupl
         grads = (head_grads + done * layer_grads) if grads_end is None else (m.layer_params + m.vocab * h) * e
         if s.zero_stage >= 2 and grads_end is None:
             grads += m.layer_params * e  # this layer's unsharded gradients before the reduce-scatter
-        if (below + here[layer]) * e + grads > worst_layer:
-            worst_layer, worst_acts = (below + here[layer]) * e + grads, (below + here[layer]) * e
-            worst_below, worst_full = below * e, full[layer]
-    acts = {"activations": at_loss, "backward": worst_layer}
-    phase = max(acts, key=acts.get)
+        for point, less in ((here[layer], 0), (first[layer], ungathered)):
+            if (below + point) * e + grads - less > worst_layer - worst_less:
+                worst_layer, worst_acts, worst_less = (below + point) * e + grads, (below + point) * e, less
+                worst_below, worst_full = below * e, full[layer]
+    phase = "loss" if at_loss >= worst_layer - worst_less else ("routed" if worst_less else "backward")
     host = (m.layers - s.disk_layers) * h * tok * e if (ckpt and s.offload_activations) else 0
     if s.attention == "blockwise":
         host += m.layers * (2 * q + 2 * kv) * tok * e
-    if phase == "activations":
+    if phase == "loss":
         out = {
             "activations": saved * e,
             "logits_loss": loss_ws * e,
@@ -209,30 +225,34 @@ def _activations(m: ModelShape, s: Settings, hw: Hardware | None = None) -> tupl
             "grads_in_flight": 0,
         }
     else:
-        acts_here = worst_below + int((worst_full + rope) * tok * e)
+        acts_here = min(worst_acts, worst_below + int((worst_full + rope) * tok * e))  # a point without the MLP's set
         ws = worst_acts - acts_here
         out = {"activations": acts_here, "logits_loss": 0, "backward_workspace": ws,
                "grads_in_flight": worst_layer - worst_acts}  # fmt: skip
-    return {k: int(x) for k, x in out.items()}, int(host)
+    return {k: int(x) for k, x in out.items()}, int(host), phase
 
 
 def memory(m: ModelShape, s: Settings, hw: Hardware | None = None) -> tuple[dict[str, int], int]:
     """``(breakdown, host_bytes)`` of one rank's peak; ``breakdown`` sums to the peak."""
     states, host_states, step_ws, host_step = model_states(m, s)
-    acts, host_acts = _activations(m, s, hw)
+    acts, host_acts, phase = _activations(m, s, hw)
     # a VLM's tower keeps its activations through the language model's forward and backward (plan.vision)
     acts["vision_tower"], host_tower = tower_bytes(m.vision, s)
-    during_step = sum(acts.values())
+    # layers not gathered at the peak: none at an untiled loss at ZeRO 3 (FSDP2 resharded them after the
+    # forward; their gradient buffers not yet made), the next at a routed MLP's backward (not yet prefetched)
+    layer, held = DTYPE_BYTES[s.dtype] * m.layer_params, "parameters" if s.offload_states else "comm_buffers"
+    less = dict.fromkeys(("parameters", "comm_buffers"), 0)
+    if s.zero_stage == 3 and not s.tiled_loss and phase == "loss":
+        less = {"comm_buffers": 2 * layer, "parameters": 2 * layer if s.offload_states else 0}
+    elif phase == "routed":
+        less[held] = layer
     end = states["gradients"] + step_ws
     # the activation phases count the gradients made so far themselves; the step holds all of them
-    if end >= during_step:
+    if end >= sum(acts.values()) - sum(less.values()):
         breakdown = {**states, **dict.fromkeys(acts, 0), "optimizer_workspace": step_ws}
     else:
         breakdown = {**states, "gradients": 0, **acts, "optimizer_workspace": 0}
-        if s.zero_stage == 3 and not s.tiled_loss and not acts["backward_workspace"] and not acts["grads_in_flight"]:
-            layer = DTYPE_BYTES[s.dtype] * m.layer_params  # an untiled loss's peak: no layer gathered
-            breakdown["comm_buffers"] -= 2 * layer
-            breakdown["parameters"] -= 2 * layer if s.offload_states else 0
+        breakdown.update({k: breakdown[k] - less[k] for k in less})
     breakdown["reserve"] = hw.reserve_bytes if hw is not None else 0
     # the host: the offloaded activations until the backward frees them, then the step's gradients and temporary
     return breakdown, host_states + max(host_acts + host_tower, host_step)

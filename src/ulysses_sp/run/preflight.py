@@ -79,7 +79,10 @@ def model_shape(config: Any, *, max_positions: int | None = None) -> ModelShape:
         logger.info("planner: layer kinds not read (%s: %s); planned as attention + MLP layers", type(e).__name__, e)
         return shape
     # the exact count: a mixture of experts' layers hold k-fold the Llama formula's MLP (Mixtral-8x7B: 46.7B, not 7.2B)
+    q_width = shape.heads * shape.head_dim
     shape = replace(shape, qk_norm=any(hasattr(mod, "q_norm") and hasattr(mod, "q_proj") for mod in model.modules()),
+                    output_gate=any(getattr(getattr(mod, "q_proj", None), "out_features", 0) == 2 * q_width
+                                    for mod in model.modules()),
                     param_count=sum(p.numel() for p in model.parameters()))  # fmt: skip
     if all(k["attention"] and k["mlp"] and k["mixer"] is None and not k["own_scores"] for k in kinds):
         return shape
