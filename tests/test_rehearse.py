@@ -61,7 +61,11 @@ cfg = config_from_dict(dict(model=d, sp=8, seq_len=1 << 18, micro_batch_size=1, 
                             dtype="bf16", tiled_loss=True, activation_checkpointing=True, offload_activations=True,
                             recompute_norms=True, cpu_offload=True))
 r = rehearse_run(cfg, gpus=8, device="cuda", ranks=(0,))
-print("MOE" + json.dumps(r.as_dict(), default=str))
+import torch
+from transformers import AutoModelForCausalLM
+with torch.device("meta"):
+    n = sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d)).parameters())
+print("MOE" + json.dumps({**r.as_dict(), "params": n}, default=str))
 
 ns = {"__name__": "hf_trainer_rehearse"}
 exec(sys.argv[1], ns)  # docs/readme/hf.md's hf_trainer_rehearse.py
@@ -130,16 +134,20 @@ def test_a_hybrid_at_its_real_size_rehearses_near_the_planner(rehearsals):
 
 def test_routed_experts_are_planned_at_their_backward(rehearsals):
     """Qwen3-Next-80B-A3B's layer shapes (512 experts, top-10, a shared expert, gated attention; 3 attention layers)
-    at 262,144 tokens on 8 ranks with the scale table's settings: the peak is the experts' backward, where
-    transformers' grouped experts hold each token's 10 copies ``[T k, h]`` (5 of them); the planner, which counts
-    them (``ModelShape.routed``) with one layer gathered there, is within 5 % of the rehearsal (12 % under
-    without the term on the 4-layer period at 851,968 tokens)."""
+    at 262,144 tokens on 8 ranks with the scale table's settings (the states on the host): the peak is the experts'
+    backward, where transformers' grouped experts hold each token's 10 copies ``[T k, h]`` (5 of them); the
+    planner, which counts them (``ModelShape.routed``) with one layer gathered there, is within 5 % of the
+    rehearsal (12 % under without the term on a 4-layer period at 851,968 tokens); the projected host optimizer
+    step counts every expert."""
     r = rehearsals["MOE"]
     rank = r["ranks"][0]
     copies = [t for t in rank["top"] if t["shape"] in ([32768 * 10, 2048], [32768, 10, 2048])]
     assert len(copies) == 5 and rank["peak_phase"] == "backward", rank["top"]
     planned = r["predicted"]["peak_bytes"] - r["reserve"]
     assert planned == pytest.approx(rank["device_peak"], rel=0.05), (planned, rank["device_peak"])
+    # the projected host optimizer step moves 16 bytes of each of the rank's parameters twice (rehearse.timing),
+    # experts included (the Llama formula counted 0.5B parameters for this model: one MLP a layer, not 512 experts)
+    assert r["params"] > 4e9 and r["time"]["host_optimizer_s"] == pytest.approx(2 * 16 * r["params"] / 8 / 100e9, rel=1e-6)
 
 
 def test_the_hf_trainer_path_rehearses_near_the_planner(rehearsals):
@@ -283,7 +291,7 @@ def test_the_flash_backward_workspace_is_counted_for_cuda_kernels(kernels, kv_he
 
 def test_a_chunk_loop_mixer_warns_how_long_its_rehearsal_takes():
     """Gated delta-net's torch fallback scans S / 64 chunks in a Python loop, which fake tensors run op
-    by op (Qwen3-Next at 851,968 tokens: 13,312 chunks x 36 layers, hours): the rehearsal says so before
+    by op (Qwen3-Next at 720,896 tokens: 11,264 chunks x 36 layers, hours): the rehearsal says so before
     it starts. Mamba-2's vectorized scan and plain attention get no note."""
     from transformers import AutoConfig
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ulysses_sp.plan.hardware import DEVICES, GB, parse_bytes
+from ulysses_sp.plan.inputs import ModelShape
 from ulysses_sp.rehearse.fake import RehearsalDevice, rehearsal_device
 from ulysses_sp.rehearse.step import StepResult, quiet, rehearse_step
 from ulysses_sp.run.config import RunConfig
@@ -113,7 +114,7 @@ def rehearse_run(
     rehearsed with ``images`` images of ``image_size`` pixels per row (``rehearse.vlm``), and the rank
     whose tower encodes the most patches is rehearsed too."""
     from ulysses_sp.checks import check_seq_len_divisible, positive_int
-    from ulysses_sp.run.preflight import prediction
+    from ulysses_sp.run.preflight import model_shape, prediction
 
     positive_int("--gpus", gpus)
     if gpus % cfg.sp:
@@ -134,7 +135,8 @@ def rehearse_run(
     if _is_vlm(config):  # images through train's per-shard merge (rehearse.vlm)
         batch, patches, busiest, extra = _vlm_batch(cfg, config, images, image_size)
     ranks = ranks if ranks is not None else tuple(sorted({0, busiest, cfg.sp - 1}))
-    slow = chunk_loop_note(config, cfg.seq_len, len(ranks))
+    shape = model_shape(config.get_text_config())  # the exact parameter count (experts included), the layer kinds
+    slow = chunk_loop_note(config, cfg.seq_len, len(ranks), shape=shape)
     if slow and progress:
         progress(slow)
     results = []
@@ -147,7 +149,7 @@ def rehearse_run(
              f"fragmentation, pinned staging; the planner keeps {hw.reserve_bytes / GB:.0f} GB for them", *extra]  # fmt: skip
     return Rehearsal(device=where.describe(), gpus=gpus, seq_len=cfg.seq_len, ranks=results, predicted=pred.as_dict(),
                      gpu_memory=budget, reserve=hw.reserve_bytes if reserve is None else reserve, host_memory=host, gpus_per_node=hw.gpus_per_node,
-                     notes=notes, time=_projected(cfg, config, results, hw, gpus))  # fmt: skip
+                     notes=notes, time=_projected(cfg, shape.params, results, hw, gpus))  # fmt: skip
 
 
 LOOP_SECONDS = 0.05
@@ -155,14 +157,16 @@ LOOP_SECONDS = 0.05
 backward; Qwen3-Next's gated delta-net at 128-wide heads, measured on a 2-core CPU)."""
 
 
-def chunk_loop_note(config: Any, seq_len: int, ranks: int = 1) -> str | None:
+def chunk_loop_note(config: Any, seq_len: int, ranks: int = 1, *, shape: ModelShape | None = None) -> str | None:
     """A warning when the model's sequence mixers scan in a Python loop over ``S / c`` chunks
     (transformers' torch fallbacks of gated delta-net, KDA and lightning attention): fake tensors run
     each chunk's ops one by one, so the rehearsal's time grows with ``S / c`` x layers. ``None``: no such
-    layer (Mamba-2's chunked scan is vectorized)."""
+    layer (Mamba-2's chunked scan is vectorized). ``shape``: the config's ``run.preflight.model_shape``
+    when the caller has it (else built here)."""
     from ulysses_sp.run.preflight import model_shape
 
-    loops = [k.mixer for k in model_shape(config.get_text_config()).kinds()
+    shape = shape if shape is not None else model_shape(config.get_text_config())
+    loops = [k.mixer for k in shape.kinds()
              if k.mixer is not None and k.mixer.kind in ("gated_delta_net", "kimi_delta_attention", "lightning_attention")]  # fmt: skip
     if not loops:
         return None
@@ -174,13 +178,13 @@ def chunk_loop_note(config: Any, seq_len: int, ranks: int = 1) -> str | None:
             "the same per-layer shapes sooner")  # fmt: skip
 
 
-def _projected(cfg: RunConfig, config: Any, results: list[StepResult], hw: Any, gpus: int) -> dict[str, Any]:
-    """The slowest rehearsed rank's step time on ``hw`` (``rehearse.timing.project``)."""
-    from ulysses_sp.plan.inputs import ModelShape
+def _projected(cfg: RunConfig, params: int, results: list[StepResult], hw: Any, gpus: int) -> dict[str, Any]:
+    """The slowest rehearsed rank's step time on ``hw`` (``rehearse.timing.project``) for a model of ``params``
+    parameters (the optimizer step on the host with ``--cpu-offload``)."""
     from ulysses_sp.rehearse.timing import project
 
     shard = gpus if cfg.partition_for(gpus) == "all" else gpus // cfg.sp
-    host_opt = 16 * ModelShape.from_hf_config(config.get_text_config()).params // shard if cfg.cpu_offload else 0
+    host_opt = 16 * params // shard if cfg.cpu_offload else 0
     times = [project(r, hw, dtype=cfg.dtype, sp=cfg.sp, shard_group=shard, host_optimizer_bytes=host_opt,
                      tokens=cfg.micro_batch_size * cfg.seq_len // cfg.sp, head_groups=cfg.head_chunks,
                      head_overlap=cfg.head_chunk_overlap and cfg.sp > 1 and not cfg.offload_attention,
