@@ -260,6 +260,24 @@ def test_the_planner_counts_the_vision_tower_in_the_model_states():
         assert with_tower["optimizer_state"] - without["optimizer_state"] == 8 * tower  # AdamW's two moments
 
 
+def test_a_vlm_language_model_is_planned_as_built_experts_and_qk_norms_included():
+    """transformers' causal-LM class cannot build a Qwen-VL text config, so ``plan`` and ``train``'s fit check read the
+    language model off the whole model built on the ``meta`` device: Qwen3-VL-MoE's exact count (its 60 experts
+    a layer: 13.5B, where the Llama formula gave 1.5B), its routed experts and Qwen3's q/k norms; the tower apart."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from ulysses_sp.run.preflight import vlm_shape
+
+    config = AutoConfig.for_model("qwen3_vl_moe")
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    tower = sum(p.numel() for p in model.model.visual.parameters())
+    shape = vlm_shape(config)
+    assert shape.params == sum(p.numel() for p in model.parameters()) and shape.extra_params == tower
+    assert shape.routed is not None and shape.routed.top_k == config.text_config.num_experts_per_tok and shape.qk_norm
+
+
 def _trainer_run(sp_size: int, accum: int, lr: float = 1e-2) -> dict:
     """Two steps of ``transformers.Trainer`` on Qwen3-VL samples (batch 1 per rank), eval once;
     ``sp_size=0``: no ``prepare`` (the oracle, data parallel over the same 2 processes). Unpacked

@@ -93,8 +93,9 @@ def load_shape(model: str, config: Any = None):
         return SHAPES[model]
     config = read_config(model) if config is None else config
     text = config.get_text_config()  # a VLM: its language model, with its vision tower's parameters
-    shape = model_shape(text, max_positions=max_trained_length(text)[0])
-    return shape if text is config else vlm_shape(config, shape)
+    if text is config:
+        return model_shape(text, max_positions=max_trained_length(text)[0])
+    return vlm_shape(config, max_positions=max_trained_length(text)[0])
 
 
 def mixers_shard(shape, sp: int, ring: int) -> bool:

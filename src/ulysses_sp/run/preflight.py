@@ -61,10 +61,12 @@ def memory_budget(cfg: RunConfig, device: torch.device) -> tuple[int | None, str
     return (avail // max(local, 1) if avail else None), "available host memory / local ranks"
 
 
-def model_shape(config: Any, *, max_positions: int | None = None) -> ModelShape:
+def model_shape(config: Any, *, max_positions: int | None = None, model: Any = None) -> ModelShape:
     """The planner's ``ModelShape`` of a transformers config; for a hybrid model with each layer's
     kind (attention, MLP, which sequence mixer and its sizes: ``mixers.shapes``) and the exact
-    parameter count, read off the model built on the ``meta`` device (no memory, no weights)."""
+    parameter count, read off the model built on the ``meta`` device (no memory, no weights).
+    ``model``: that model when the caller built it (a vision-language model: ``config`` is its text
+    config, and the language model's parameters are counted)."""
     from transformers import AutoModelForCausalLM
 
     from ulysses_sp.mixers.shapes import layer_kinds
@@ -72,18 +74,19 @@ def model_shape(config: Any, *, max_positions: int | None = None) -> ModelShape:
 
     shape = ModelShape.from_hf_config(config, max_positions=max_positions)
     try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+        if model is None:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config)
         kinds = layer_kinds(model)
     except Exception as e:  # noqa: BLE001 - best effort: a model it cannot read is planned as Llama layers
         logger.info("planner: layer kinds not read (%s: %s); planned as attention + MLP layers", type(e).__name__, e)
         return shape
     # the exact count: a mixture of experts' layers hold k-fold the Llama formula's MLP (Mixtral-8x7B: 46.7B, not 7.2B)
-    q_width = shape.heads * shape.head_dim
+    q_width, language = shape.heads * shape.head_dim, _language_parameters(model)
     shape = replace(shape, qk_norm=any(hasattr(mod, "q_norm") and hasattr(mod, "q_proj") for mod in model.modules()),
                     output_gate=any(getattr(getattr(mod, "q_proj", None), "out_features", 0) == 2 * q_width
                                     for mod in model.modules()),
-                    param_count=sum(p.numel() for p in model.parameters()))  # fmt: skip
+                    param_count=sum(p.numel() for p in language))  # fmt: skip
     if all(k["attention"] and k["mlp"] and k["mixer"] is None and not k["own_scores"] for k in kinds):
         return shape
     widths = [k["mlp_width"] for k in kinds if k["mlp"] and k["mlp_width"]]
@@ -95,23 +98,39 @@ def model_shape(config: Any, *, max_positions: int | None = None) -> ModelShape:
         for k in kinds))  # fmt: skip
 
 
-def vision_params(config: Any) -> int:
-    """The parameters of a vision-language model outside its language model (the vision tower and
-    its merger), counted on the model built on the ``meta`` device; 0 for a text model."""
-    if config.get_text_config() is config:
-        return 0
+def _language_parameters(model: Any) -> list[torch.nn.Parameter]:
+    """A causal LM's parameters; a vision-language model's language model's (its decoder and output embeddings)."""
+    if model.config.get_text_config() is model.config:
+        return list(model.parameters())
+    out = model.get_output_embeddings()
+    return list({id(p): p for part in (model.get_decoder(), out) if part is not None for p in part.parameters()}.values())
+
+
+def _meta_vlm(config: Any) -> Any:
     from ulysses_sp.state.model_dir import auto_model_class
 
     with torch.device("meta"):
-        model = auto_model_class(config).from_config(config)
-    out = model.get_output_embeddings()
-    text = {id(p) for part in (model.get_decoder(), out) if part is not None for p in part.parameters()}
+        return auto_model_class(config).from_config(config)
+
+
+def vision_params(config: Any, model: Any = None) -> int:
+    """The parameters of a vision-language model outside its language model (the vision tower and
+    its merger), counted on the model built on the ``meta`` device (``model``, when built); 0 for a text model."""
+    if config.get_text_config() is config:
+        return 0
+    model = _meta_vlm(config) if model is None else model
+    text = {id(p) for p in _language_parameters(model)}
     return sum(p.numel() for p in model.parameters() if id(p) not in text)
 
 
-def vlm_shape(config: Any, shape: ModelShape) -> ModelShape:
-    """``shape`` (the language model's) with a vision-language model's tower in its states."""
-    extra = vision_params(config)
+def vlm_shape(config: Any, shape: ModelShape | None = None, *, max_positions: int | None = None) -> ModelShape:
+    """A vision-language model's ``ModelShape``: its language model's (``shape``, or read off the model built on the
+    ``meta`` device: the exact count, experts, q/k norms and gates, which transformers' causal-LM class cannot build
+    from a Qwen-VL text config) with the vision tower's parameters in its states."""
+    model = _meta_vlm(config)
+    if shape is None:
+        shape = model_shape(config.get_text_config(), max_positions=max_positions, model=model)
+    extra = vision_params(config, model)
     return replace(shape, extra_params=extra) if extra else shape
 
 
@@ -127,7 +146,7 @@ def prediction(
     settings = settings_for(cfg, world_size, device.type)
     if text is model_config:
         return predict(model_shape(text), settings, hw)
-    shape = replace(vlm_shape(model_config, ModelShape.from_hf_config(text)), vision=VisionShape.from_hf_config(model_config))
+    shape = replace(vlm_shape(model_config), vision=VisionShape.from_hf_config(model_config))
     return predict(shape, replace(settings, vision_patches=vision_patches), hw)
 
 
