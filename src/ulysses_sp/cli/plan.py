@@ -86,16 +86,14 @@ def load_shape(model: str, config: Any = None):
     when already read (``plan_judge.read_config``)."""
     from ulysses_sp.cli.plan_judge import read_config
     from ulysses_sp.plan.inputs import SHAPES
-    from ulysses_sp.run.preflight import model_shape, vlm_shape
+    from ulysses_sp.run.preflight import planned_shape
     from ulysses_sp.run.prelaunch import max_trained_length
 
     if model in SHAPES:
         return SHAPES[model]
     config = read_config(model) if config is None else config
     text = config.get_text_config()  # a VLM: its language model, with its vision tower's parameters
-    if text is config:
-        return model_shape(text, max_positions=max_trained_length(text)[0])
-    return vlm_shape(config, max_positions=max_trained_length(text)[0])
+    return planned_shape(config, max_positions=max_trained_length(text)[0])
 
 
 def mixers_shard(shape, sp: int, ring: int) -> bool:

@@ -106,6 +106,16 @@ def _tile_tokens(tokens: int, hidden: int, shards: int | None) -> int:
     return math.ceil(tokens / n)
 
 
+def _routed_ungathered(m: ModelShape, s: Settings) -> int:
+    """Bytes of layer states a routed MLP's backward does not hold that the layers' usual backward has (ZeRO 3,
+    rehearsed): the next layer, not yet prefetched; with the states on the devices in 16-bit, less the layer above's
+    reduction still in flight (its 16-bit gradients and their fp32 copy, where this layer's own are counted)."""
+    if s.zero_stage != 3:
+        return 0
+    e = DTYPE_BYTES[s.dtype]
+    return m.layer_params * e * (1 if s.offload_states or e == 4 else -1)
+
+
 def _activations(m: ModelShape, s: Settings, hw: Hardware | None = None) -> tuple[dict[str, int], int]:
     """(the step's activation peak by component, host bytes of offloaded activations)."""
     e = DTYPE_BYTES[s.dtype]
@@ -206,7 +216,7 @@ def _activations(m: ModelShape, s: Settings, hw: Hardware | None = None) -> tupl
     at_loss = saved * e + loss_ws * e
     # backward of layer l (from the top): layers below keep theirs, layer l holds its full set
     worst_layer = worst_acts = worst_below = worst_full = worst_less = 0
-    ungathered = m.layer_params * e if s.zero_stage == 3 else 0  # at a routed MLP's backward: one layer fewer
+    ungathered = _routed_ungathered(m, s)
     prefix = [0.0, *itertools.accumulate(per_layer)]  # prefix[l]: the layers below l
     for done in range(m.layers):  # layers above l are done: their grads exist
         layer = m.layers - 1 - done
@@ -216,7 +226,7 @@ def _activations(m: ModelShape, s: Settings, hw: Hardware | None = None) -> tupl
         grads = (head_grads + done * layer_grads) if grads_end is None else (m.layer_params + m.vocab * h) * e
         if s.zero_stage >= 2 and grads_end is None:
             grads += m.layer_params * e  # this layer's unsharded gradients before the reduce-scatter
-        for point, less in ((here[layer], 0), (first[layer], ungathered)):
+        for point, less in ((here[layer], 0), *(((first[layer], ungathered),) if first[layer] else ())):
             if (below + point) * e + grads - less > worst_layer - worst_less:
                 worst_layer, worst_acts, worst_less = (below + point) * e + grads, (below + point) * e, less
                 worst_below, worst_full = below * e, full[layer]
@@ -246,15 +256,13 @@ def memory(m: ModelShape, s: Settings, hw: Hardware | None = None) -> tuple[dict
     # a VLM's tower keeps its activations through the language model's forward and backward (plan.vision)
     acts["vision_tower"], host_tower = tower_bytes(m.vision, s)
     # layers not gathered at the peak: none at an untiled loss at ZeRO 3 (FSDP2 resharded them after the
-    # forward; their gradient buffers not yet made), the next at a routed MLP's backward (not yet prefetched)
-    layer, held = DTYPE_BYTES[s.dtype] * m.layer_params, "parameters" if s.offload_states else "comm_buffers"
+    # forward; their gradient buffers not yet made); at a routed MLP's backward, _routed_ungathered
+    layer = DTYPE_BYTES[s.dtype] * m.layer_params
     less = dict.fromkeys(("parameters", "comm_buffers"), 0)
     if s.zero_stage == 3 and not s.tiled_loss and phase == "loss":
         less = {"comm_buffers": 2 * layer, "parameters": 2 * layer if s.offload_states else 0}
     elif phase == "routed":
-        less[held] = layer
-        if not s.offload_states and DTYPE_BYTES[s.dtype] < 4:  # the layer above's reduction still in flight (rehearsed):
-            less["comm_buffers"] -= 2 * layer  # its 16-bit gradients and their fp32 copy, where this layer's own are counted
+        less["parameters" if s.offload_states else "comm_buffers"] = _routed_ungathered(m, s)
     end = states["gradients"] + step_ws
     # the activation phases count the gradients made so far themselves; the step holds all of them
     if end >= sum(acts.values()) - sum(less.values()):

@@ -114,7 +114,7 @@ def rehearse_run(
     rehearsed with ``images`` images of ``image_size`` pixels per row (``rehearse.vlm``), and the rank
     whose tower encodes the most patches is rehearsed too."""
     from ulysses_sp.checks import check_seq_len_divisible, positive_int
-    from ulysses_sp.run.preflight import model_shape, prediction
+    from ulysses_sp.run.preflight import planned_shape, prediction
 
     positive_int("--gpus", gpus)
     if gpus % cfg.sp:
@@ -135,7 +135,7 @@ def rehearse_run(
     if _is_vlm(config):  # images through train's per-shard merge (rehearse.vlm)
         batch, patches, busiest, extra = _vlm_batch(cfg, config, images, image_size)
     ranks = ranks if ranks is not None else tuple(sorted({0, busiest, cfg.sp - 1}))
-    shape = model_shape(config.get_text_config())  # the exact parameter count (experts included), the layer kinds
+    shape = planned_shape(config)  # the exact parameter count (experts, a VLM's tower included), the layer kinds
     slow = chunk_loop_note(config, cfg.seq_len, len(ranks), shape=shape)
     if slow and progress:
         progress(slow)
@@ -161,11 +161,11 @@ def chunk_loop_note(config: Any, seq_len: int, ranks: int = 1, *, shape: ModelSh
     """A warning when the model's sequence mixers scan in a Python loop over ``S / c`` chunks
     (transformers' torch fallbacks of gated delta-net, KDA and lightning attention): fake tensors run
     each chunk's ops one by one, so the rehearsal's time grows with ``S / c`` x layers. ``None``: no such
-    layer (Mamba-2's chunked scan is vectorized). ``shape``: the config's ``run.preflight.model_shape``
+    layer (Mamba-2's chunked scan is vectorized). ``shape``: the config's ``run.preflight.planned_shape``
     when the caller has it (else built here)."""
-    from ulysses_sp.run.preflight import model_shape
+    from ulysses_sp.run.preflight import planned_shape
 
-    shape = shape if shape is not None else model_shape(config.get_text_config())
+    shape = shape if shape is not None else planned_shape(config)
     loops = [k.mixer for k in shape.kinds()
              if k.mixer is not None and k.mixer.kind in ("gated_delta_net", "kimi_delta_attention", "lightning_attention")]  # fmt: skip
     if not loops:

@@ -134,6 +134,14 @@ def vlm_shape(config: Any, shape: ModelShape | None = None, *, max_positions: in
     return replace(shape, extra_params=extra) if extra else shape
 
 
+def planned_shape(config: Any, *, max_positions: int | None = None) -> ModelShape:
+    """The planner's ``ModelShape`` of a model's config: ``model_shape`` for a text model, ``vlm_shape`` (its language
+    model, the tower's parameters in the states) for a vision-language model."""
+    if config.get_text_config() is config:
+        return model_shape(config, max_positions=max_positions)
+    return vlm_shape(config, max_positions=max_positions)
+
+
 def prediction(
     cfg: RunConfig, world_size: int, model_config: Any, device: torch.device, *, vision_patches: int = 0
 ) -> Prediction:
@@ -146,7 +154,7 @@ def prediction(
     settings = settings_for(cfg, world_size, device.type)
     if text is model_config:
         return predict(model_shape(text), settings, hw)
-    shape = replace(vlm_shape(model_config), vision=VisionShape.from_hf_config(model_config))
+    shape = replace(planned_shape(model_config), vision=VisionShape.from_hf_config(model_config))
     return predict(shape, replace(settings, vision_patches=vision_patches), hw)
 
 
